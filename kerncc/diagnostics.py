@@ -1,0 +1,154 @@
+"""Diagnostics: where a problem is (Location), what it is (Diagnostic), and the one exception.
+
+Every error kerncc reports about its input is a `Diagnostic` carrying kern's message text and a
+`Location`: a JSON pointer always, plus file, line and column when the input came from text.
+Loading and verifying collect diagnostics (`Diagnostics`) and raise them together as a
+`KernccError`; passes raise a `KernccError` with one diagnostic naming the pass, program and call.
+The CLI turns a `KernccError` into exit code 1 and readable lines, never a traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Callable
+
+import attrs
+
+
+def escape_pointer_token(token: str | int) -> str:
+    """One reference token of a JSON pointer (RFC 6901): `~` and `/` escaped."""
+    return str(token).replace("~", "~0").replace("/", "~1")
+
+
+def pointer(*tokens: str | int) -> str:
+    """A JSON pointer from its tokens: pointer("ops", "a/b", 0) == "/ops/a~1b/0"."""
+    return "".join("/" + escape_pointer_token(t) for t in tokens)
+
+
+def split_pointer(ptr: str) -> list[str]:
+    """The unescaped tokens of a JSON pointer."""
+    if not ptr:
+        return []
+    return [t.replace("~1", "/").replace("~0", "~") for t in ptr[1:].split("/")]
+
+
+@attrs.frozen
+class Location:
+    """Where a diagnostic points: a JSON pointer, and the file position when known."""
+
+    pointer: str = ""
+    file: str | None = None
+    line: int | None = None
+    column: int | None = None
+
+    def with_position(self, file: str | None, line: int | None, column: int | None) -> Location:
+        return attrs.evolve(self, file=file, line=line, column=column)
+
+    def render(self) -> str:
+        """`file:line:col: /pointer`, leaving out what is unknown."""
+        parts: list[str] = []
+        if self.file is not None:
+            where = self.file
+            if self.line is not None:
+                where += f":{self.line}:{self.column or 1}"
+            parts.append(where)
+        if self.pointer:
+            parts.append(self.pointer)
+        return ": ".join(parts)
+
+
+@attrs.frozen
+class Diagnostic:
+    """One problem: kern's message text, where it is, and an optional hint."""
+
+    message: str
+    location: Location = Location()
+    severity: str = "error"
+    hint: str | None = None
+
+    def render(self) -> str:
+        where = self.location.render()
+        text = f"{where}: {self.message}" if where else self.message
+        if self.severity != "error":
+            text = f"{self.severity}: {text}"
+        if self.hint:
+            text += f" (hint: {self.hint})"
+        return text
+
+    def to_json(self) -> dict:
+        loc = self.location
+        out: dict = {"severity": self.severity, "message": self.message, "pointer": loc.pointer}
+        for key in ("file", "line", "column"):
+            value = getattr(loc, key)
+            if value is not None:
+                out[key] = value
+        if self.hint:
+            out["hint"] = self.hint
+        return out
+
+
+class KernccError(Exception):
+    """The one exception kerncc raises for bad input: a headline and the diagnostics behind it.
+
+    `headline` follows kern's displays (`manifest failed verification:`, `manifest cannot be
+    cut:` ...); `str()` gives the headline and one `  - ` line per diagnostic, as kern prints.
+    """
+
+    def __init__(self, headline: str, diagnostics: Iterable[Diagnostic] = ()) -> None:
+        self.headline = headline
+        self.diagnostics = list(diagnostics)
+        super().__init__(self.__str__())
+
+    @classmethod
+    def single(cls, message: str, pointer: str = "", hint: str | None = None) -> KernccError:
+        return cls(message, [Diagnostic(message, Location(pointer), hint=hint)])
+
+    def __str__(self) -> str:
+        if not self.diagnostics:
+            return self.headline
+        lines = [self.headline] + [f"  - {d.render()}" for d in self.diagnostics]
+        return "\n".join(lines)
+
+    def messages(self) -> list[str]:
+        return [d.message for d in self.diagnostics]
+
+    def located(self, locate: Callable[[str], Location]) -> KernccError:
+        """The same error with file positions filled in by `locate(pointer)`."""
+        diags = [attrs.evolve(d, location=_merge(d.location, locate(d.location.pointer)))
+                 for d in self.diagnostics]
+        return type(self)(self.headline, diags)
+
+
+def _merge(old: Location, new: Location) -> Location:
+    if old.line is not None:
+        return old
+    return attrs.evolve(old, file=new.file, line=new.line, column=new.column)
+
+
+class Diagnostics:
+    """A collector: rules add diagnostics as they find them; `raise_if_any` ends the phase."""
+
+    def __init__(self) -> None:
+        self.items: list[Diagnostic] = []
+
+    def error(self, message: str, pointer: str = "", hint: str | None = None) -> None:
+        self.items.append(Diagnostic(message, Location(pointer), hint=hint))
+
+    def add(self, diagnostic: Diagnostic) -> None:
+        self.items.append(diagnostic)
+
+    def extend(self, diagnostics: Iterable[Diagnostic]) -> None:
+        self.items.extend(diagnostics)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[Diagnostic]:
+        return iter(self.items)
+
+    def raise_if_any(self, headline: str) -> None:
+        if self.items:
+            raise KernccError(headline, self.items)

@@ -1,0 +1,178 @@
+"""Strict JSON text: parse like serde_json does, and map JSON pointers back to line:col.
+
+Python's `json` keeps the last of duplicate keys and accepts `NaN`; kern's parser refuses both.
+`parse_json` uses the fast C decoder and flags duplicates through `object_pairs_hook`; only when a
+diagnostic needs a file position does `PositionIndex` scan the text once (a small
+position-tracking scanner) to map every JSON pointer to its line and column.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import attrs
+
+from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
+
+PARSE_HEADLINE = "manifest failed to parse:"
+
+
+class _DuplicateKeys(dict):
+    """A dict that remembers the keys it saw twice (kern refuses them)."""
+
+    duplicates: list[str]
+
+
+def _pairs_hook(pairs: list[tuple[str, Any]]) -> dict:
+    out = _DuplicateKeys(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        out.duplicates = [k for k, _ in pairs if k in seen or seen.add(k)]  # type: ignore[func-returns-value]
+    return out
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"`{name}` is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range `{text}`")
+    return value
+
+
+def parse_json(text: str, file: str | None = None) -> Any:
+    """Decode strict JSON; raise KernccError (with line:col) for anything serde_json refuses."""
+    try:
+        value = json.loads(text, object_pairs_hook=_pairs_hook,
+                           parse_constant=_reject_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as err:
+        loc = Location("", file, err.lineno, err.colno)
+        raise KernccError(PARSE_HEADLINE, [Diagnostic(err.msg, loc)]) from None
+    except ValueError as err:
+        raise KernccError(PARSE_HEADLINE, [Diagnostic(str(err), Location("", file))]) from None
+    except RecursionError:
+        raise KernccError(PARSE_HEADLINE,
+                          [Diagnostic("recursion limit exceeded", Location("", file))]) from None
+    dups = list(_find_duplicates(value, ""))
+    if dups:
+        diags = [Diagnostic(f"duplicate name `{key}`", Location(ptr)) for ptr, key in dups]
+        raise KernccError(PARSE_HEADLINE, diags).located(PositionIndex.locator(text, file))
+    return value
+
+
+def _find_duplicates(value: Any, ptr: str):
+    """(pointer of the object, key) for every duplicated key, depth first."""
+    stack = [(value, ptr)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            for key in getattr(node, "duplicates", ()):
+                yield where, key
+            stack.extend((v, where + pointer(k)) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, where + pointer(i)) for i, v in enumerate(node))
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
+
+
+@attrs.define
+class PositionIndex:
+    """JSON pointer -> (line, column) of the value (and of each object key) in one text."""
+
+    text: str
+    positions: dict[str, int] = attrs.field(factory=dict)
+    key_positions: dict[str, int] = attrs.field(factory=dict)
+    _line_starts: list[int] = attrs.field(factory=list)
+
+    @classmethod
+    def build(cls, text: str) -> PositionIndex:
+        index = cls(text)
+        index._line_starts = [0] + [m.end() for m in re.finditer("\n", text)]
+        try:
+            index._value(0, "")
+        except (IndexError, ValueError, RecursionError):
+            pass  # a broken text still maps the part before the break
+        return index
+
+    @classmethod
+    def locator(cls, text: str, file: str | None):
+        index: list[PositionIndex] = []
+
+        def locate(ptr: str) -> Location:
+            if not index:
+                index.append(cls.build(text))
+            return index[0].location(ptr, file)
+        return locate
+
+    def location(self, ptr: str, file: str | None = None) -> Location:
+        """The position of the deepest prefix of `ptr` that exists (missing keys point at their object)."""
+        probe = ptr
+        while probe and probe not in self.positions:
+            probe = probe.rsplit("/", 1)[0]
+        offset = self.key_positions.get(probe, self.positions.get(probe, 0))
+        line, col = self.line_col(offset)
+        return Location(ptr, file, line, col)
+
+    def line_col(self, offset: int) -> tuple[int, int]:
+        lo, hi = 0, len(self._line_starts) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._line_starts[mid] <= offset:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo + 1, offset - self._line_starts[lo] + 1
+
+    def _skip(self, i: int) -> int:
+        return _WS.match(self.text, i).end()
+
+    def _value(self, i: int, ptr: str) -> int:
+        i = self._skip(i)
+        self.positions[ptr] = i
+        ch = self.text[i]
+        if ch == "{":
+            return self._object(i + 1, ptr)
+        if ch == "[":
+            return self._array(i + 1, ptr)
+        match = (_STRING if ch == '"' else _SCALAR).match(self.text, i)
+        if match is None:
+            raise ValueError(i)
+        return match.end()
+
+    def _object(self, i: int, ptr: str) -> int:
+        i = self._skip(i)
+        if self.text[i] == "}":
+            return i + 1
+        while True:
+            i = self._skip(i)
+            match = _STRING.match(self.text, i)
+            if match is None:
+                raise ValueError(i)
+            child = ptr + pointer(json.loads(match.group()))
+            self.key_positions.setdefault(child, i)
+            i = self._skip(match.end())
+            i = self._value(i + 1, child)  # past the ':'
+            i = self._skip(i)
+            if self.text[i] == "}":
+                return i + 1
+            i += 1  # the ','
+
+    def _array(self, i: int, ptr: str) -> int:
+        i = self._skip(i)
+        if self.text[i] == "]":
+            return i + 1
+        index = 0
+        while True:
+            i = self._skip(self._value(i, ptr + pointer(index)))
+            index += 1
+            if self.text[i] == "]":
+                return i + 1
+            i += 1

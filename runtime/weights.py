@@ -1,0 +1,249 @@
+"""Weight assembly: a `weight` or `source` buffer's bytes from its `bind` segments (spec §1.6).
+
+Owns the meaning of a segment: its tensor (by name, or one name per rank of a topology group)
+is viewed as a matrix [dim0, product(rest)]; optional half-open `rows` and `cols` ranges (plain
+or per rank) cut it; or `interleave` alternates `rows`-row blocks of the tensor and its `with`
+tensor, both taken whole. Segments are laid end to end and must fill the buffer exactly.
+
+Segments arrive duck-typed, as the manifest model gives them: `seg.tensor` is a `str` or a
+ranked object (`.group`, `.items`); `seg.rows` / `seg.cols` are `None`, `(from, to)` or ranked;
+`seg.interleave` is `None` or an object with `.with_` and `.rows`. Every problem becomes one
+`KernccError` naming the buffer, with a diagnostic per bad segment at `<where>/<i>`.
+`Checkpoint` serves tensors from one or more safetensors files.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kerncc.diagnostics import Diagnostic, KernccError, Location, split_pointer
+from kerncc.safetensors import SafeTensors
+
+Tensors = Callable[[str], np.ndarray]
+
+
+class _SegmentError(Exception):
+    """A problem with one segment; `assemble` turns these into located diagnostics."""
+
+
+@attrs.frozen
+class _Piece:
+    """One segment resolved: the arrays to copy and where they land in the buffer."""
+
+    offset: int
+    nbytes: int
+    whole: np.ndarray | None = None  # a (possibly strided) matrix copied as is
+    pair: tuple[np.ndarray, np.ndarray] | None = None  # interleaved matrices
+    block: int = 0  # rows per interleave block
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving one segment
+
+
+def _pick(value: Any, rank: int, what: str) -> Any:
+    """A plain value as is; a ranked one (`.group`, `.items`) at this rank."""
+    items = getattr(value, "items", None)
+    if items is None or isinstance(value, (str, tuple, list)):
+        return value
+    if not 0 <= rank < len(items):
+        raise _SegmentError(f"rank {rank} has no {what} in group `{value.group}` "
+                            f"({len(items)} given)")
+    return items[rank]
+
+
+def _matrix(array: np.ndarray) -> np.ndarray:
+    """The tensor as [dim0, product(rest)]; a scalar as [1, 1]."""
+    if array.ndim == 0:
+        return array.reshape(1, 1)
+    return array.reshape(array.shape[0], int(np.prod(array.shape[1:])))
+
+
+def _load(tensors: Tensors, name: str, dtype: np.dtype) -> np.ndarray:
+    try:
+        array = tensors(name)
+    except KeyError:
+        array = None
+    if array is None:
+        raise _SegmentError(f"tensor `{name}` is not in the checkpoint")
+    array = np.asarray(array)
+    if array.dtype != dtype:
+        raise _SegmentError(f"tensor `{name}` is {_dtype_text(array.dtype)}, but the buffer "
+                            f"is {_dtype_text(dtype)}")
+    return array
+
+
+def _dtype_text(dtype: np.dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def _range(value: Any, rank: int, axis: str, extent: int, name: str) -> tuple[int, int] | None:
+    picked = _pick(value, rank, f"{axis[:-1]} range")
+    if picked is None:
+        return None
+    start, stop = (int(v) for v in picked)
+    if start > stop:
+        raise _SegmentError(f"{axis} [{start}, {stop}) is reversed")
+    if stop > extent:
+        raise _SegmentError(f"{axis} [{start}, {stop}) exceed the {extent} {axis} of "
+                            f"tensor `{name}`")
+    return start, stop
+
+
+def _sliced(seg: Any, matrix: np.ndarray, rank: int, name: str) -> np.ndarray:
+    rows = _range(seg.rows, rank, "rows", matrix.shape[0], name)
+    cols = _range(seg.cols, rank, "cols", matrix.shape[1], name)
+    if rows is not None:
+        matrix = matrix[rows[0]:rows[1]]
+    if cols is not None:
+        matrix = matrix[:, cols[0]:cols[1]]
+    return matrix
+
+
+def _interleaved(seg: Any, first: np.ndarray, tensors: Tensors, dtype: np.dtype,
+                 rank: int, name: str) -> tuple[np.ndarray, np.ndarray, int]:
+    spec = seg.interleave
+    if seg.rows is not None or seg.cols is not None:
+        raise _SegmentError("an interleaved segment takes both tensors whole, not a range")
+    block = int(spec.rows)
+    if block <= 0:
+        raise _SegmentError("interleave blocks of 0 rows")
+    other_name = _pick(spec.with_, rank, "tensor name")
+    other = _load(tensors, other_name, dtype)
+    a, b = _matrix(first), _matrix(other)
+    if a.shape != b.shape:
+        raise _SegmentError(f"interleaved tensors `{name}` {list(first.shape)} and "
+                            f"`{other_name}` {list(other.shape)} differ in shape")
+    if a.shape[0] % block:
+        raise _SegmentError(f"tensor `{name}` has {a.shape[0]} rows, not a multiple of the "
+                            f"interleave block of {block}")
+    return a, b, block
+
+
+def _piece(seg: Any, offset: int, tensors: Tensors, dtype: np.dtype, rank: int) -> _Piece:
+    name = _pick(seg.tensor, rank, "tensor name")
+    array = _load(tensors, name, dtype)
+    if seg.interleave is not None:
+        a, b, block = _interleaved(seg, array, tensors, dtype, rank, name)
+        return _Piece(offset, a.nbytes + b.nbytes, pair=(a, b), block=block)
+    matrix = _sliced(seg, _matrix(array), rank, name)
+    return _Piece(offset, matrix.size * dtype.itemsize, whole=matrix)
+
+
+# ---------------------------------------------------------------------------------------------
+# Laying pieces into the buffer
+
+
+def _write(out: np.ndarray, piece: _Piece, dtype: np.dtype) -> None:
+    target = out[piece.offset:piece.offset + piece.nbytes].view(dtype)
+    if piece.whole is not None:
+        target.reshape(piece.whole.shape)[...] = piece.whole
+        return
+    a, b = piece.pair
+    blocks = a.shape[0] // piece.block
+    view = target.reshape(blocks, 2, piece.block, a.shape[1])
+    view[:, 0] = a.reshape(blocks, piece.block, a.shape[1])
+    view[:, 1] = b.reshape(blocks, piece.block, b.shape[1])
+
+
+def _buffer_name(where: str) -> str:
+    tokens = split_pointer(where)
+    if len(tokens) >= 2 and tokens[0] == "buffers":
+        return tokens[1]
+    return where or "?"
+
+
+def _plan(segments: Sequence[Any], tensors: Tensors, dtype: np.dtype, rank: int,
+          where: str) -> tuple[list[_Piece], list[Diagnostic]]:
+    pieces: list[_Piece] = []
+    diagnostics: list[Diagnostic] = []
+    offset = 0
+    for i, seg in enumerate(segments):
+        try:
+            piece = _piece(seg, offset, tensors, dtype, rank)
+        except _SegmentError as exc:
+            diagnostics.append(Diagnostic(f"bind[{i}]: {exc}", Location(f"{where}/{i}")))
+            continue
+        pieces.append(piece)
+        offset += piece.nbytes
+    return pieces, diagnostics
+
+
+def assemble(
+    segments: Sequence[Any],
+    tensors: Tensors,
+    dtype: np.dtype,
+    nbytes: int,
+    rank: int = 0,
+    where: str = "",
+) -> np.ndarray:
+    """The buffer's `nbytes` bytes (uint8) assembled from `segments` at `rank`.
+
+    `tensors(name)` returns a checkpoint tensor (None or KeyError when absent); `where` is the
+    bind's JSON pointer (`/buffers/w_qkv/bind`), which errors extend with the segment index.
+    """
+    dtype = np.dtype(dtype)
+    pieces, diagnostics = _plan(segments, tensors, dtype, rank, where)
+    headline = f"cannot assemble buffer `{_buffer_name(where)}` from its bind segments"
+    if diagnostics:
+        raise KernccError(headline, diagnostics)
+    total = sum(p.nbytes for p in pieces)
+    if total != nbytes:
+        message = f"bind segments hold {total} bytes, but the buffer has {nbytes}"
+        raise KernccError(headline, [Diagnostic(message, Location(where))])
+    out = np.empty(nbytes, dtype=np.uint8)
+    for piece in pieces:
+        _write(out, piece, dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+class Checkpoint:
+    """Tensors by name across one or more safetensors files (a sharded checkpoint).
+
+    Callable as the `tensors` argument of `assemble`: unknown names raise KeyError.
+    """
+
+    def __init__(self, paths: Iterable[str | os.PathLike]) -> None:
+        self.files = [SafeTensors(p) for p in paths]
+        self._where: dict[str, SafeTensors] = {}
+        for f in self.files:
+            self._index(f)
+
+    def _index(self, f: SafeTensors) -> None:
+        for name in f.keys():
+            earlier = self._where.get(name)
+            if earlier is not None:
+                raise KernccError.single(f"tensor `{name}` is in both {earlier.path} and "
+                                         f"{f.path}")
+            self._where[name] = f
+
+    def __call__(self, name: str) -> np.ndarray:
+        found = self._where.get(name)
+        if found is None:
+            raise KeyError(name)
+        return found.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def keys(self) -> list[str]:
+        return sorted(self._where)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
