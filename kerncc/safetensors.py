@@ -12,12 +12,13 @@ demand. Every problem with a file is a `KernccError` naming the file and the ten
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
 from collections.abc import Iterator, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import attrs
 import ml_dtypes
@@ -113,13 +114,10 @@ def _check_metadata(path: str | os.PathLike, metadata: Mapping[str, str] | None)
             raise _error(path, f"metadata entry `{key}` must map a string to a string")
 
 
-def save_file(
-    tensors: Mapping[str, np.ndarray],
-    path: str | os.PathLike,
-    metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Write `tensors` (laid out by name) and optional string `metadata` to `path`."""
-    _check_metadata(path, metadata)
+def _layout(
+    path: str | os.PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None
+) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The header entries and the arrays in data order (by name)."""
     entries: dict[str, Any] = {}
     if metadata is not None:
         entries[_METADATA_KEY] = {k: metadata[k] for k in sorted(metadata)}
@@ -129,19 +127,27 @@ def save_file(
         if not isinstance(name, str) or not name or name == _METADATA_KEY:
             raise _error(path, "is not a valid tensor name", str(name))
         array = _little_endian(path, name, tensors[name])
-        entries[name] = {
-            "dtype": dtype_name(array.dtype),
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
+        entries[name] = {"dtype": dtype_name(array.dtype), "shape": list(array.shape),
+                         "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
         arrays.append(array)
+    return entries, arrays
+
+
+def save_file(
+    tensors: Mapping[str, np.ndarray],
+    path: str | os.PathLike,
+    metadata: Mapping[str, str] | None = None,
+) -> None:
+    """Write `tensors` (laid out by name) and optional string `metadata` to `path`."""
+    _check_metadata(path, metadata)
+    entries, arrays = _layout(path, tensors, metadata)
     header = _header_bytes(entries)
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        for array in arrays:
-            f.write(array.tobytes())
+        # Raw byte views, so a large tensor is written without a copy.
+        f.writelines(array.reshape(-1).view(np.uint8) for array in arrays)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +215,7 @@ def _check_extent(path: str | os.PathLike, info: TensorInfo, data_size: int) -> 
 def _check_overlaps(path: str | os.PathLike, infos: list[TensorInfo]) -> None:
     # Zero-byte tensors occupy nothing, so they can sit anywhere.
     placed = sorted((i for i in infos if i.end > i.begin), key=lambda i: (i.begin, i.name))
-    for before, after in zip(placed, placed[1:]):
+    for before, after in itertools.pairwise(placed):
         if after.begin < before.end:
             raise _error(path, f"data_offsets [{after.begin}, {after.end}] overlap tensor "
                          f"`{before.name}` [{before.begin}, {before.end}]", after.name)
@@ -261,14 +267,9 @@ def _read_prefix(path: str | os.PathLike) -> tuple[bytes, int]:
 
 def load_file(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Every tensor of the file at `path`, as writable arrays in host byte order."""
-    try:
-        with open(path, "rb") as f:
-            content = f.read()
-    except OSError as exc:
-        raise _error(path, f"cannot read: {exc.strerror or exc}") from None
-    start, infos, _ = parse_header(path, content, len(content))
-    buffer = np.frombuffer(content, dtype=np.uint8)
-    return {name: _view(buffer, start, info).copy() for name, info in sorted(infos.items())}
+    # Copying out of the mapping keeps the peak at one copy of the data, not two.
+    with SafeTensors(path) as f:
+        return {name: np.array(f.get(name)) for name in f}
 
 
 class SafeTensors:
@@ -282,10 +283,10 @@ class SafeTensors:
         self.path = os.fspath(path)
         prefix, size = _read_prefix(path)
         self._start, self._infos, self.metadata = parse_header(path, prefix, size)
-        self._data: np.ndarray | None = None
-        if size > 0:
-            self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self._closed = False
+        try:
+            self._data: np.ndarray | None = np.memmap(self.path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as exc:
+            raise _error(path, f"cannot map: {exc}") from None
 
     def keys(self) -> list[str]:
         """Tensor names, sorted."""
@@ -316,15 +317,14 @@ class SafeTensors:
     def get(self, name: str) -> np.ndarray:
         """A read-only view of tensor `name` backed by the mapped file."""
         info = self.info(name)
-        if self._closed or self._data is None:
+        if self._data is None:
             raise _error(self.path, "read after the file was closed", name)
         return _view(self._data, self._start, info)
 
     def close(self) -> None:
         self._data = None
-        self._closed = True
 
-    def __enter__(self) -> SafeTensors:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

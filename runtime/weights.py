@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Self
 
 import attrs
 import numpy as np
@@ -219,7 +219,7 @@ class Checkpoint:
             self._index(f)
 
     def _index(self, f: SafeTensors) -> None:
-        for name in f.keys():
+        for name in f:
             earlier = self._where.get(name)
             if earlier is not None:
                 raise KernccError.single(f"tensor `{name}` is in both {earlier.path} and "
@@ -242,7 +242,7 @@ class Checkpoint:
         for f in self.files:
             f.close()
 
-    def __enter__(self) -> Checkpoint:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -125,8 +125,8 @@ def test_save_refuses_the_metadata_key_as_a_tensor_name(tmp_path: Path) -> None:
         save_file({"__metadata__": np.zeros(1)}, tmp_path / "x")
 
 
-def _entry(dtype: str = "F32", shape: list = [2], offsets: list = [0, 8]) -> dict:
-    return {"dtype": dtype, "shape": shape, "data_offsets": offsets}
+def _entry(dtype: object = "F32", shape: tuple = (2,), offsets: tuple = (0, 8)) -> dict:
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
 
 
 # (case id, header, data bytes, text the message must hold: the tensor's name where there is one)
@@ -134,21 +134,21 @@ MALFORMED = [
     ("bad-json", b"{not json", b"", "not valid JSON"),
     ("not-utf8", b"\xff\xfe{}", b"", "not valid JSON"),
     ("not-object", b"[1, 2]", b"", "not a JSON object"),
-    ("duplicate", b'{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
-                  b'"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\0", "duplicate"),
+    ("duplicate", (b'{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
+                   b'"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'), b"\0", "duplicate"),
     ("unknown-dtype", {"w": _entry(dtype="Q7")}, bytes(8), "`w`: unknown dtype \"Q7\""),
     ("dtype-not-str", {"w": _entry(dtype=4)}, bytes(8), "`w`: unknown dtype"),
     ("missing-field", {"w": {"dtype": "F32", "shape": [2]}}, bytes(8), "`w`"),
     ("entry-not-object", {"w": 3}, b"", "`w`"),
-    ("negative-dim", {"w": _entry(shape=[-2])}, bytes(8), "`w`: shape"),
-    ("float-dim", {"w": _entry(shape=[2.0])}, bytes(8), "`w`: shape"),
-    ("bool-offset", {"w": _entry(offsets=[False, 8])}, bytes(8), "`w`: data_offsets"),
-    ("offsets-past-end", {"w": _entry(offsets=[0, 16])}, bytes(8), "`w`: data_offsets [0, 16]"),
-    ("offsets-reversed", {"w": _entry(shape=[0], offsets=[8, 0])}, bytes(8), "`w`"),
-    ("offsets-not-pair", {"w": _entry(offsets=[0, 4, 8])}, bytes(8), "`w`: data_offsets"),
-    ("overlap", {"a": _entry(offsets=[0, 8]), "b": _entry(offsets=[4, 12])}, bytes(12),
+    ("negative-dim", {"w": _entry(shape=(-2,))}, bytes(8), "`w`: shape"),
+    ("float-dim", {"w": _entry(shape=(2.0,))}, bytes(8), "`w`: shape"),
+    ("bool-offset", {"w": _entry(offsets=(False, 8))}, bytes(8), "`w`: data_offsets"),
+    ("offsets-past-end", {"w": _entry(offsets=(0, 16))}, bytes(8), "`w`: data_offsets [0, 16]"),
+    ("offsets-reversed", {"w": _entry(shape=(0,), offsets=(8, 0))}, bytes(8), "`w`"),
+    ("offsets-not-pair", {"w": _entry(offsets=(0, 4, 8))}, bytes(8), "`w`: data_offsets"),
+    ("overlap", {"a": _entry(offsets=(0, 8)), "b": _entry(offsets=(4, 12))}, bytes(12),
      "`b`: data_offsets [4, 12] overlap tensor `a`"),
-    ("size-mismatch", {"w": _entry(shape=[3])}, bytes(8), "`w`: shape [3] of F32 needs 12 bytes"),
+    ("size-mismatch", {"w": _entry(shape=(3,))}, bytes(8), "`w`: shape [3] of F32 needs 12 bytes"),
     ("metadata-not-str", {"__metadata__": {"k": 1}}, b"", "__metadata__"),
 ]
 
@@ -180,12 +180,13 @@ def test_missing_file_is_a_kerncc_error(tmp_path: Path) -> None:
 
 
 def test_zero_byte_tensors_may_share_an_offset(tmp_path: Path) -> None:
-    header = {"a": _entry(shape=[0], offsets=[0, 0]), "b": _entry(shape=[0], offsets=[0, 0])}
+    header = {"a": _entry(shape=(0,), offsets=(0, 0)), "b": _entry(shape=(0,), offsets=(0, 0))}
     path = _raw_file(tmp_path / "z", header)
     assert {k: v.shape for k, v in load_file(path).items()} == {"a": (0,), "b": (0,)}
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), min_size=1, max_size=6))
 def test_corrupted_files_raise_only_kerncc_errors(tmp_path: Path, flips) -> None:
     path = tmp_path / "fuzz.safetensors"
