@@ -1,0 +1,107 @@
+"""What each call reads and writes: the one shared walk under liveness, the cut, slicing and proofs.
+
+Direction comes from the op's interface param (`in`, `out`, `inout`); non-pointer params carry
+no dataflow. A buffer access is (name, offset); a state access is a *region* (state, offset),
+the unit kern's cut assigns to stages (spec §3.5). `kills` follows kern's rule (spec §3.3): only
+an `out` access at offset 0 is assumed to write the whole buffer.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import attrs
+
+from kerncc import manifest as m
+
+Region = tuple[str, int]
+
+
+@attrs.frozen
+class Access:
+    """One pointer argument of a call: a buffer or a state region, with its direction."""
+
+    kind: str          # "buffer" | "state"
+    name: str
+    offset: int
+    direction: str     # in | out | inout
+    position: int      # argument index in the call
+
+    @property
+    def reads(self) -> bool:
+        return self.direction in ("in", "inout")
+
+    @property
+    def writes(self) -> bool:
+        return self.direction in ("out", "inout")
+
+    @property
+    def kills(self) -> bool:
+        return self.kind == "buffer" and self.direction == "out" and self.offset == 0
+
+    @property
+    def region(self) -> Region:
+        return (self.name, self.offset)
+
+
+@attrs.frozen
+class CallAccess:
+    """All pointer accesses of one call, split the ways every analysis needs them."""
+
+    accesses: tuple[Access, ...]
+
+    @property
+    def buffer_reads(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.accesses if a.kind == "buffer" and a.reads)
+
+    @property
+    def buffer_writes(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.accesses if a.kind == "buffer" and a.writes)
+
+    @property
+    def buffer_kills(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.accesses if a.kills)
+
+    @property
+    def buffers(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.accesses if a.kind == "buffer")
+
+    @property
+    def region_reads(self) -> frozenset[Region]:
+        return frozenset(a.region for a in self.accesses if a.kind == "state" and a.reads)
+
+    @property
+    def region_writes(self) -> frozenset[Region]:
+        return frozenset(a.region for a in self.accesses if a.kind == "state" and a.writes)
+
+    @property
+    def regions(self) -> frozenset[Region]:
+        return frozenset(a.region for a in self.accesses if a.kind == "state")
+
+    @property
+    def states(self) -> frozenset[str]:
+        return frozenset(a.name for a in self.accesses if a.kind == "state")
+
+
+def call_access(call: m.Call, op: m.Op | None) -> CallAccess:
+    """The accesses of `call` through `op`'s interface (no op: no accesses)."""
+    if op is None:
+        return CallAccess(())
+    return _call_access(call, op.params)
+
+
+@lru_cache(maxsize=65536)
+def _call_access(call: m.Call, params: tuple[m.ParamType, ...]) -> CallAccess:
+    found: list[Access] = []
+    for position, (arg, param) in enumerate(zip(call.args, params)):
+        if not param.is_pointer:
+            continue
+        if isinstance(arg, m.BufArg) and param.kind == "buffer":
+            found.append(Access("buffer", arg.name, arg.offset or 0, param.direction, position))
+        elif isinstance(arg, m.StateArg) and param.kind == "state":
+            found.append(Access("state", arg.name, arg.offset or 0, param.direction, position))
+    return CallAccess(tuple(found))
+
+
+def program_access(man: m.Manifest, program: m.Program) -> list[CallAccess]:
+    return [call_access(c, man.ops.get(c.op)) for c in program.calls]

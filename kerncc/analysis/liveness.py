@@ -1,0 +1,124 @@
+"""Liveness of buffers in each program (one reverse scan, torch.fx style), and cut crossings.
+
+Per program and call: live-in and live-out buffer sets, with kern's kill rule (spec §3.3: only
+an `out` access at offset 0 kills). Per buffer: its [first write, last read] interval. At every
+call index a: the buffers that would cross a cut there (kern's definition: live into
+calls[a:] and written by calls[:a]) with their bytes at var max. Peak live bytes counts the
+workspaces live at one call (what an arena must hold at once).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kerncc import manifest as m
+from kerncc.analysis.access import CallAccess, program_access
+
+
+@attrs.frozen
+class Interval:
+    """A buffer's life in one program: first call writing it, last call reading it (or None)."""
+
+    buffer: str
+    first_write: int | None
+    last_read: int | None
+
+
+@attrs.frozen
+class ProgramLiveness:
+    program: str
+    live_in: tuple[frozenset[str], ...]
+    live_out: tuple[frozenset[str], ...]
+    intervals: dict[str, Interval]
+    crossing: tuple[frozenset[str], ...]      # crossing[a]: buffers crossing a cut before call a
+    crossing_bytes: tuple[int, ...]
+    peak_bytes: int
+    peak_call: int | None
+
+
+@attrs.frozen
+class Liveness:
+    programs: dict[str, ProgramLiveness]
+
+
+def live_ins(accesses: list[CallAccess], live_at_end: frozenset[str] = frozenset()
+             ) -> list[frozenset[str]]:
+    """live_in[i] for every call i, and live_in[n] = live_at_end, by one reverse scan."""
+    live = set(live_at_end)
+    out = [frozenset(live)]
+    for acc in reversed(accesses):
+        live -= acc.buffer_kills
+        live |= acc.buffer_reads
+        out.append(frozenset(live))
+    out.reverse()
+    return out
+
+
+def written_before(accesses: list[CallAccess]) -> list[frozenset[str]]:
+    """written[a] = buffers written by calls[:a], for a in 0..n."""
+    seen: set[str] = set()
+    out = [frozenset()]
+    for acc in accesses:
+        seen |= acc.buffer_writes
+        out.append(frozenset(seen))
+    return out
+
+
+def crossings(accesses: list[CallAccess]) -> list[frozenset[str]]:
+    """kern's crossing sets (spec §3.3) at every index a in 0..n."""
+    ins, written = live_ins(accesses), written_before(accesses)
+    return [ins[a] & written[a] for a in range(len(accesses) + 1)]
+
+
+def analyze_program(man: m.Manifest, name: str) -> ProgramLiveness:
+    program = man.programs[name]
+    accesses = program_access(man, program)
+    ins = live_ins(accesses)
+    cross = crossings(accesses)
+    sizes = buffer_sizes(man)
+    peak, peak_call = _peak(man, accesses, ins, sizes)
+    return ProgramLiveness(
+        program=name,
+        live_in=tuple(ins[:-1]),
+        live_out=tuple(ins[1:]),
+        intervals=_intervals(accesses),
+        crossing=tuple(cross),
+        crossing_bytes=tuple(sum(sizes.get(b, 0) for b in c) for c in cross),
+        peak_bytes=peak,
+        peak_call=peak_call,
+    )
+
+
+def analyze(man: m.Manifest) -> Liveness:
+    return Liveness({name: analyze_program(man, name) for name in sorted(man.programs)})
+
+
+def buffer_sizes(man: m.Manifest) -> dict[str, int]:
+    env = man.vars_max()
+    return {name: b.nbytes(env) for name, b in man.buffers.items()
+            if all(isinstance(d, int) or d in env for d in b.shape)}
+
+
+def _intervals(accesses: list[CallAccess]) -> dict[str, Interval]:
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, acc in enumerate(accesses):
+        for b in acc.buffer_writes:
+            first.setdefault(b, i)
+        for b in acc.buffer_reads:
+            last[b] = i
+    names = sorted(set(first) | set(last))
+    return {b: Interval(b, first.get(b), last.get(b)) for b in names}
+
+
+def _peak(man: m.Manifest, accesses: list[CallAccess], ins: list[frozenset[str]],
+          sizes: dict[str, int]) -> tuple[int, int | None]:
+    """Largest workspace bytes live at one call: what it reads or keeps, plus what it writes."""
+    best, where = 0, None
+    for i, acc in enumerate(accesses):
+        live = (ins[i] | ins[i + 1] | acc.buffer_writes)
+        total = sum(sizes.get(b, 0) for b in live
+                    if b in man.buffers and man.buffers[b].kind == "workspace")
+        if total > best:
+            best, where = total, i
+    return best, where

@@ -1,0 +1,21 @@
+"""The one place kerncc reads its environment.
+
+KERNCC_DEBUG=1   show Python tracebacks for internal errors (never for bad input)
+KERNCC_BACKEND   default runtime backend (`cpu` or `cuda`), `cpu` unless set
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def debug() -> bool:
+    return os.environ.get("KERNCC_DEBUG", "") not in ("", "0")
+
+
+def default_backend() -> str:
+    return os.environ.get("KERNCC_BACKEND", "cpu")
+
+
+def no_color() -> bool:
+    return "NO_COLOR" in os.environ

@@ -1,0 +1,225 @@
+"""The symbolic interpreter: proves that a pipeline's stages, run in sequence, compute the whole.
+
+Every call is an uninterpreted function of (op, label, scalar args, what it reads): its result
+is a 64-bit FNV-1a hash of those parts (spec §3.9), written to every buffer and state region it
+writes (the buffer at argument position j gets hash([h, j])). A machine holds buffer values and
+state-region values; it runs derive programs, then once programs (name order), then the driven
+programs one after another (name order), with buffers and states persisting.
+
+The whole manifest runs on one machine. The stages run on one machine each, fresh (each with
+its own, possibly sliced, derive and once programs); for each driven program, stage s runs its
+part, and the next stage is seeded, by name, with what stage s holds of its arriving buffers
+(nothing else). Afterwards every output and carry written, and every state region written, is
+compared; a difference names the value, both provenances (program, call, label, stage) and
+where it was read.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import attrs
+
+from kerncc import manifest as m
+from kerncc import writer
+from kerncc.analysis.access import call_access
+from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
+from kerncc.ir import execution_order
+
+HEADLINE = "the stages do not compute the whole:"
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+MASK = 0xFFFFFFFFFFFFFFFF
+
+
+def fnv_parts(parts: list[int]) -> int:
+    """FNV-1a 64 over the little-endian bytes of u64 parts."""
+    h = FNV_OFFSET
+    for byte in struct.pack(f"<{len(parts)}Q", *parts):
+        h = ((h ^ byte) * FNV_PRIME) & MASK
+    return h
+
+
+def name_hash(text: str) -> int:
+    """kern's name_hash: the string's bytes, each widened to a u64 part."""
+    return fnv_parts(list(text.encode()))
+
+
+@attrs.frozen
+class Origin:
+    """Where a value came from: a call of a program (on a stage), or the host."""
+
+    program: str
+    call: int
+    label: str | None
+    stage: int | None = None
+
+    def __str__(self) -> str:
+        where = f"stage {self.stage} " if self.stage is not None else ""
+        label = f" ({self.label})" if self.label else ""
+        return f"{where}program `{self.program}` call #{self.call}{label}"
+
+
+HOST = Origin("<host>", -1, None)
+
+
+@attrs.define
+class Machine:
+    """Buffer and state-region values of one running manifest, with the origin of each."""
+
+    manifest: m.Manifest
+    stage: int | None = None
+    buffers: dict[str, int] = attrs.field(factory=dict)
+    regions: dict[tuple[str, int], int] = attrs.field(factory=dict)
+    origins: dict[int, Origin] = attrs.field(factory=dict)
+    written_buffers: set[str] = attrs.field(factory=set)
+    written_regions: set[tuple[str, int]] = attrs.field(factory=set)
+    reads: list[tuple[str, int, int]] = attrs.field(factory=list)  # (program, call, value)
+
+    def seed_host(self) -> None:
+        """Inputs, weights, sources, peers: what the host provides, one value per name."""
+        for name, buf in self.manifest.buffers.items():
+            if buf.kind in ("input", "inout", "weight", "source", "peer"):
+                self.buffers.setdefault(name, name_hash(name))
+
+    def run_program(self, name: str) -> None:
+        for index, call in enumerate(self.manifest.programs[name].calls):
+            self.run_call(name, index, call)
+
+    def run_call(self, program: str, index: int, call: m.Call) -> None:
+        op = self.manifest.ops.get(call.op)
+        acc = call_access(call, op)
+        parts = [name_hash(call.op), name_hash(call.label or ""), _scalars_hash(call)]
+        for a in acc.accesses:
+            if not a.reads:
+                continue
+            value = self._read(a)
+            parts.append(value)
+            self.reads.append((program, index, value))
+        h = fnv_parts(parts)
+        self.origins.setdefault(h, Origin(program, index, call.label, self.stage))
+        for a in acc.accesses:
+            if a.writes:
+                self._write(a, fnv_parts([h, a.position]), h)
+
+    def _read(self, a) -> int:
+        if a.kind == "buffer":
+            return self.buffers.get(a.name, name_hash("unset:" + a.name))
+        return self.regions.get(a.region, 0)
+
+    def _write(self, a, value: int, call_hash: int) -> None:
+        self.origins.setdefault(value, self.origins[call_hash])
+        if a.kind == "buffer":
+            self.buffers[a.name] = value
+            self.written_buffers.add(a.name)
+        else:
+            self.regions[a.region] = value
+            self.written_regions.add(a.region)
+
+    def origin(self, value: int | None) -> str:
+        if value is None:
+            return "nothing (never written)"
+        found = self.origins.get(value)
+        return str(found) if found else "the host"
+
+
+def _scalars_hash(call: m.Call) -> int:
+    """Scalar arguments are part of a call's identity (kern's model ignores them; we don't)."""
+    scalars = [writer.call_arg(a) for a in call.args if not isinstance(a, (m.BufArg, m.StateArg))]
+    return name_hash(repr(scalars))
+
+
+def init_programs(man: m.Manifest) -> list[str]:
+    return [p for p in execution_order(man) if man.programs[p].derive or man.programs[p].once]
+
+
+@attrs.frozen
+class Proof:
+    """What was checked: programs run, values compared."""
+
+    programs: tuple[str, ...]
+    outputs: int
+    carries: int
+    regions: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checked": True, "programs": list(self.programs), "outputs": self.outputs,
+                "carries": self.carries, "state_regions": self.regions}
+
+
+def run_whole(whole: m.Manifest, driven: list[str]) -> Machine:
+    machine = Machine(whole)
+    machine.seed_host()
+    for name in init_programs(whole):
+        machine.run_program(name)
+    for name in driven:
+        machine.run_program(name)
+    return machine
+
+
+def run_stages(stages: list[m.Manifest], driven: list[str]) -> list[Machine]:
+    machines = [Machine(s, stage=i) for i, s in enumerate(stages)]
+    for machine in machines:
+        machine.seed_host()
+        for name in init_programs(machine.manifest):
+            machine.run_program(name)
+    for name in driven:
+        for i, machine in enumerate(machines):
+            if i > 0:
+                _hand_over(machines[i - 1], machine)
+            if name in machine.manifest.programs:
+                machine.run_program(name)
+    return machines
+
+
+def _hand_over(previous: Machine, machine: Machine) -> None:
+    """Seed, by name, the arriving buffers (exported inputs/inouts) from the previous stage."""
+    for name, buf in machine.manifest.buffers.items():
+        if buf.kind in ("input", "inout") and buf.export and name in previous.buffers:
+            machine.buffers[name] = previous.buffers[name]
+
+
+def check_stages(whole: m.Manifest, stages: list[m.Manifest]) -> Proof:
+    """Raise KernccError naming every differing value, or return what was proved."""
+    driven = whole.driven_programs()
+    expected = run_whole(whole, driven)
+    machines = run_stages(stages, driven)
+    problems, counts = _compare(whole, expected, machines)
+    if problems:
+        raise KernccError(HEADLINE, problems)
+    return Proof(tuple(driven), *counts)
+
+
+def _compare(whole: m.Manifest, expected: Machine, machines: list[Machine]
+             ) -> tuple[list[Diagnostic], tuple[int, int, int]]:
+    problems: list[Diagnostic] = []
+    got_buffers: dict[str, tuple[int, Machine]] = {}
+    got_regions: dict[tuple[str, int], tuple[int, Machine]] = {}
+    for machine in machines:
+        for b in machine.written_buffers:
+            got_buffers[b] = (machine.buffers[b], machine)
+        for r in machine.written_regions:
+            got_regions[r] = (machine.regions[r], machine)
+    compared = [b for b in sorted(expected.written_buffers | set(got_buffers))
+                if whole.buffers[b].kind in ("output", "carry")]
+    for b in compared:
+        problems += _differs(f"{whole.buffers[b].kind} buffer `{b}`", pointer("buffers", b),
+                             expected, expected.buffers.get(b), got_buffers.get(b))
+    regions = sorted(expected.written_regions | set(got_regions))
+    for r in regions:
+        problems += _differs(f"state `{r[0]}`+{r[1]}", pointer("states", r[0]),
+                             expected, expected.regions.get(r), got_regions.get(r))
+    outputs = sum(whole.buffers[b].kind == "output" for b in compared)
+    return problems, (outputs, len(compared) - outputs, len(regions))
+
+
+def _differs(what: str, ptr: str, expected: Machine, want: int | None,
+             got: tuple[int, Machine] | None) -> list[Diagnostic]:
+    value, machine = got if got else (None, None)
+    if value == want:
+        return []
+    have = machine.origin(value) if machine else "nothing (no stage writes it)"
+    message = (f"{what} differs: the whole manifest holds the value of {expected.origin(want)}, "
+               f"the stages hold the value of {have}")
+    return [Diagnostic(message, Location(ptr))]

@@ -1,0 +1,253 @@
+"""The `cut` pass: split every driven program into pipeline stages (spec §3), kern's semantics.
+
+Points come three ways: `at=218,290` (call indices, the same in every driven program, as
+`kern cut --at`), `at-label=l18.qkv_proj` (the call with that label in each driven program, so
+programs whose layers sit at different indices still cut at the same layer), or `stages=N`
+(choose legal points that balance a per-call cost; fewest crossing bytes break ties). Plain
+`cut` means `stages=2`. Buffers cross by liveness; crossing buffers become input / inout /
+output with `export`; every refusal of spec §3 is reported with kern's text. Once and derive
+programs are kept whole here; `slice-once` / `slice-derive` trim them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import attrs
+
+from kerncc import manifest as m
+from kerncc import writer
+from kerncc.analysis.access import CallAccess, program_access
+from kerncc.analysis.liveness import buffer_sizes, crossings
+from kerncc.diagnostics import Diagnostics, KernccError, pointer
+from kerncc.ir import IR, Edge
+from kerncc.passes import register
+from kerncc.pipeline import Pass
+from kerncc.stage import assemble, keep_programs
+
+HEADLINE = "manifest cannot be cut:"
+
+
+@register
+@attrs.frozen
+class Cut(Pass):
+    """Split every driven program into pipeline stages at call indices, labels, or balanced points."""
+
+    name = "cut"
+    requires = ()
+    at: tuple[int, ...] = attrs.field(default=(), metadata={
+        "help": "cut before these call indices (the same in every driven program)"})
+    at_label: tuple[str, ...] = attrs.field(default=(), metadata={
+        "help": "cut before the call with each label, in every driven program"})
+    stages: int = attrs.field(default=0, metadata={
+        "help": "choose N-1 balanced points (plain `cut` means 2)"})
+
+    def run(self, ir: IR) -> IR:
+        if ir.is_pipeline:
+            raise KernccError.single("the manifest is already a stage of a cut")
+        whole = ir.whole
+        points = self.points(whole)
+        return cut_ir(ir, points)
+
+    def points(self, whole: m.Manifest) -> dict[str, tuple[int, ...]]:
+        chosen = [x for x in (self.at, self.at_label, self.stages) if x]
+        if len(chosen) > 1:
+            raise KernccError.single("cut takes one of `at`, `at-label` and `stages`")
+        if self.at:
+            return {p: tuple(self.at) for p in whole.driven_programs()}
+        if self.at_label:
+            return label_points(whole, self.at_label)
+        from kerncc.analysis.balance import balanced_points
+        return balanced_points(whole, self.stages or 2)
+
+
+def label_points(whole: m.Manifest, labels: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    diags = Diagnostics()
+    points: dict[str, tuple[int, ...]] = {}
+    for name in whole.driven_programs():
+        index = {c.label: i for i, c in reversed(list(enumerate(whole.programs[name].calls)))}
+        missing = [lab for lab in labels if lab not in index]
+        for lab in missing:
+            diags.error(f"program `{name}` has no call labelled `{lab}`",
+                        pointer("programs", name))
+        points[name] = tuple(index.get(lab, 0) for lab in labels)
+    diags.raise_if_any(HEADLINE)
+    return points
+
+
+def cut_ir(ir: IR, points: dict[str, tuple[int, ...]]) -> IR:
+    stages, crossing = cut_manifest(ir.whole, points)
+    sizes = buffer_sizes(ir.whole)
+    edges = tuple(Edge(b, e, e + 1, sizes.get(b, 0))
+                  for e, names in enumerate(crossing) for b in sorted(names))
+    return attrs.evolve(ir, stages=tuple(stages), points=points, edges=edges)
+
+
+def cut_manifest(whole: m.Manifest, points: dict[str, tuple[int, ...]]
+                 ) -> tuple[list[m.Manifest], list[frozenset[str]]]:
+    """kern's `cut` (spec §3) with per-program points; raises KernccError with every refusal."""
+    check_preconditions(whole, points)
+    accesses = {p: program_access(whole, whole.programs[p]) for p in points}
+    count = len(next(iter(points.values()))) + 1
+    diags = Diagnostics()
+    crossing = crossing_sets(whole, points, accesses, count, diags)
+    check_output_writes(whole, points, accesses, diags)
+    kinds = stage_kinds(whole, points, accesses, crossing, count, diags)
+    check_regions(whole, points, accesses, count, diags)
+    diags.raise_if_any(HEADLINE)
+    cut_id = cut_identity(whole, points)
+    stages = [build_stage(whole, points, s, count, kinds[s], cut_id) for s in range(count)]
+    verify_stages(stages)
+    return stages, crossing
+
+
+def verify_stages(stages: list[m.Manifest]) -> None:
+    """Spec §3.6 step 10: every stage verifies; failures read `stage S: <message>`."""
+    from kerncc.verify import verify
+
+    diags = Diagnostics()
+    for s, stage in enumerate(stages):
+        try:
+            verify(stage)
+        except KernccError as err:
+            diags.extend(attrs.evolve(d, message=f"stage {s}: {d.message}")
+                         for d in err.diagnostics)
+    diags.raise_if_any(HEADLINE)
+
+
+def check_preconditions(whole: m.Manifest, points: dict[str, tuple[int, ...]]) -> None:
+    diags = Diagnostics()
+    if whole.topology is not None:
+        diags.error("the manifest has a topology; a cut takes a single-rank manifest",
+                    "/topology")
+    if whole.cut is not None:
+        diags.error("the manifest is already a stage of a cut", "/cut")
+    if not points:
+        diags.error("no program declares a `batch`: nothing to cut", "/programs")
+    for name, at in sorted(points.items()):
+        if not at or at[0] == 0 or any(b <= a for a, b in zip(at, at[1:])):
+            diags.error(f"cut points {list(at)}: at least one, increasing, none at 0")
+            break
+    lengths = {len(at) for at in points.values()}
+    if len(lengths) > 1:
+        diags.error("every driven program needs the same number of cut points")
+    for name, at in sorted(points.items()):
+        calls = len(whole.programs[name].calls)
+        if at and at[-1] >= calls:
+            diags.error(f"program `{name}` has {calls} calls; it cannot be cut before call {at[-1]}",
+                        pointer("programs", name, "calls"))
+    diags.raise_if_any(HEADLINE)
+
+
+def stage_bounds(at: tuple[int, ...], calls: int) -> list[tuple[int, int]]:
+    bounds = [0, *at, calls]
+    return list(zip(bounds, bounds[1:]))
+
+
+def crossing_sets(whole: m.Manifest, points: dict[str, tuple[int, ...]],
+                  accesses: dict[str, list[CallAccess]], count: int,
+                  diags: Diagnostics) -> list[frozenset[str]]:
+    """Spec §3.3: per edge, the union over driven programs of buffers live across the point."""
+    crossing: list[set[str]] = [set() for _ in range(count - 1)]
+    for name, at in sorted(points.items()):
+        sets = crossings(accesses[name])
+        for edge, a in enumerate(at):
+            for b in sorted(sets[a]):
+                kind = whole.buffers[b].kind
+                if kind != "workspace":
+                    diags.error(f"program `{name}`: {kind} buffer `{b}` is live across the cut "
+                                f"before call {a}; only a workspace travels",
+                                pointer("programs", name, "calls", a))
+                    continue
+                crossing[edge].add(b)
+    return [frozenset(c) for c in crossing]
+
+
+def check_output_writes(whole: m.Manifest, points: dict[str, tuple[int, ...]],
+                        accesses: dict[str, list[CallAccess]], diags: Diagnostics) -> None:
+    for name, at in sorted(points.items()):
+        for i, acc in enumerate(accesses[name][:at[-1]]):
+            for b in sorted(acc.buffer_writes):
+                kind = whole.buffers[b].kind
+                if kind in ("output", "carry"):
+                    diags.error(f"program `{name}` call {i} writes {kind} buffer `{b}` before the "
+                                "last stage; a pipeline's outputs come from its last stage",
+                                pointer("programs", name, "calls", i))
+
+
+def stage_kinds(whole: m.Manifest, points: dict[str, tuple[int, ...]],
+                accesses: dict[str, list[CallAccess]], crossing: list[frozenset[str]],
+                count: int, diags: Diagnostics) -> list[dict[str, str]]:
+    """Spec §3.4: the kind each crossing buffer takes in each stage."""
+    kinds: list[dict[str, str]] = []
+    for s in range(count):
+        touched, written = set(), set()
+        for name, at in points.items():
+            lo, hi = stage_bounds(at, len(accesses[name]))[s]
+            for acc in accesses[name][lo:hi]:
+                touched |= acc.buffers
+                written |= acc.buffer_writes
+        arriving = crossing[s - 1] if s > 0 else frozenset()
+        leaving = crossing[s] if s < count - 1 else frozenset()
+        kinds.append({})
+        for b in sorted(arriving | leaving):
+            if b not in touched:
+                diags.error(f"stage {s}: `{b}` passes through untouched; a stage carries only "
+                            "what it uses", pointer("buffers", b))
+            elif b in arriving:
+                kinds[s][b] = "inout" if b in written else "input"
+            else:
+                kinds[s][b] = "output"
+    return kinds
+
+
+def check_regions(whole: m.Manifest, points: dict[str, tuple[int, ...]],
+                  accesses: dict[str, list[CallAccess]], count: int, diags: Diagnostics) -> None:
+    """Spec §3.5: a (state, offset) region belongs to one stage, over all driven programs."""
+    owner: dict[tuple[str, int], int] = {}
+    reported: set[tuple[str, int]] = set()
+    for name in sorted(points):
+        for s, (lo, hi) in enumerate(stage_bounds(points[name], len(accesses[name]))):
+            for i in range(lo, hi):
+                for region in sorted(accesses[name][i].regions):
+                    first = owner.setdefault(region, s)
+                    if first != s and region not in reported:
+                        reported.add(region)
+                        diags.error(f"program `{name}`: {region_display(region)} is touched by "
+                                    f"stages {first} and {s}; a state region belongs to one stage",
+                                    pointer("programs", name, "calls", i))
+
+
+def region_display(region: tuple[str, int]) -> str:
+    state, offset = region
+    return f"state `{state}`+{offset}" if offset else f"state `{state}`"
+
+
+def build_stage(whole: m.Manifest, points: dict[str, tuple[int, ...]], s: int, count: int,
+                kinds: dict[str, str], cut_id: str) -> m.Manifest:
+    calls: dict[str, tuple[m.Call, ...]] = {}
+    for name, program in whole.programs.items():
+        if name in points:
+            lo, hi = stage_bounds(points[name], len(program.calls))[s]
+            calls[name] = program.calls[lo:hi]
+        elif program.once or program.derive:
+            calls[name] = program.calls
+    stage = assemble(whole, keep_programs(whole, calls), kinds, m.Cut(cut_id, s, count))
+    return stage
+
+
+def cut_identity(whole: m.Manifest, points: dict[str, tuple[int, ...]]) -> str:
+    """A 64-bit digest of the canonical JSON and the points (spec §3.7).
+
+    kern uses FNV-1a over serde's bytes; ARCHITECTURE §8 only asks for determinism, and a byte
+    loop in Python costs 0.3 s on a 36-layer model, so this is BLAKE2b with 8-byte digests.
+    """
+    data = writer.dumps(whole).encode()
+    distinct = {tuple(at) for at in points.values()}
+    if len(distinct) == 1:
+        data += b"".join(struct.pack("<Q", a) for a in next(iter(distinct)))
+    else:
+        for name in sorted(points):
+            data += name.encode() + b"".join(struct.pack("<Q", a) for a in points[name])
+    return hashlib.blake2b(data, digest_size=8).hexdigest()

@@ -1,0 +1,78 @@
+"""The `liveness` pass: attach buffer liveness of every program (kerncc.analysis.liveness).
+
+It changes no manifest; `kerncc dump FILE --pass liveness` prints its report: per program and
+call the live-in and live-out buffers, per buffer its [first write, last read] interval, the
+buffers that would cross a cut at each index with their bytes at var max, and the peak of
+workspace bytes live at one call.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kerncc import manifest as m
+from kerncc.analysis.liveness import Liveness, ProgramLiveness, analyze
+from kerncc.ir import IR
+from kerncc.passes import register
+from kerncc.pipeline import Pass
+
+
+@attrs.frozen
+class LivenessReport:
+    """Liveness per stage (one entry before a cut)."""
+
+    stages: tuple[tuple[m.Manifest, Liveness], ...]
+
+    def to_text(self) -> str:
+        parts = []
+        for index, (man, live) in enumerate(self.stages):
+            if len(self.stages) > 1:
+                parts.append(f"// stage {index}")
+            parts += [render_program(man, live.programs[p]) for p in sorted(live.programs)]
+        return "\n".join(parts)
+
+
+@register
+@attrs.frozen
+class LivenessPass(Pass):
+    """Compute buffer liveness, cut crossings and peak live bytes of every program."""
+
+    name = "liveness"
+
+    def run(self, ir: IR) -> IR:
+        report = LivenessReport(tuple((s, analyze(s)) for s in ir.stages))
+        return ir.with_report(self.name, report)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _names(names: frozenset[str]) -> str:
+    return " ".join(sorted(names)) or "-"
+
+
+def render_program(man: m.Manifest, live: ProgramLiveness) -> str:
+    program = man.programs[live.program]
+    peak_at = f" at #{live.peak_call}" if live.peak_call is not None else ""
+    lines = [f"program {live.program}: {len(program.calls)} calls, "
+             f"peak workspace {human_bytes(live.peak_bytes)}{peak_at}"]
+    lines.append("  calls (live-in -> live-out):")
+    for i, call in enumerate(program.calls):
+        name = call.label or call.op
+        lines.append(f"    #{i:<4} {name:<24} {_names(live.live_in[i])} -> "
+                     f"{_names(live.live_out[i])}")
+    lines.append("  buffers [first write, last read]:")
+    for b, iv in live.intervals.items():
+        first = "-" if iv.first_write is None else iv.first_write
+        last = "-" if iv.last_read is None else iv.last_read
+        lines.append(f"    {b:<28} [{first}, {last}]")
+    lines.append("  crossing a cut before call:")
+    for a in range(1, len(program.calls)):
+        crossing = live.crossing[a]
+        lines.append(f"    #{a:<4} {human_bytes(live.crossing_bytes[a]):>10}  {_names(crossing)}")
+    return "\n".join(lines)
