@@ -19,3 +19,8 @@ def default_backend() -> str:
 
 def no_color() -> bool:
     return "NO_COLOR" in os.environ
+
+
+def hypothesis_profile() -> str:
+    """`ci` (bounded, the default) or `long` (deeper property runs): HYPOTHESIS_PROFILE."""
+    return os.environ.get("HYPOTHESIS_PROFILE", "ci")

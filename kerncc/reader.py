@@ -395,7 +395,8 @@ class Reader:
         for variant in variants:
             probe = Reader()
             probe.constants = self.constants
-            value = probe.guard(lambda v=variant: v(ptr, raw), _BAD)
+            parse = getattr(probe, variant.__name__)  # the probe's own method: its own diagnostics
+            value = probe.guard(lambda: parse(ptr, raw), _BAD)
             if value is not _BAD and not probe.diags:
                 return value
             reasons.append(probe.diags.items[0].message if probe.diags else "")

@@ -40,6 +40,12 @@ def assemble(whole: m.Manifest, programs: dict[str, m.Program],
     return attrs.evolve(stage, vars={k: v for k, v in whole.vars.items() if k in used})
 
 
+def crossing_kinds(whole: m.Manifest, stage: m.Manifest) -> dict[str, str]:
+    """The re-kinded buffers of a stage (what `cut` changed), to keep through re-assembly."""
+    return {name: b.kind for name, b in stage.buffers.items()
+            if name in whole.buffers and whole.buffers[name].kind != b.kind}
+
+
 def _used_ops(programs: dict[str, m.Program]) -> set[str]:
     return {call.op for p in programs.values() for call in p.calls}
 

@@ -75,7 +75,10 @@ class Machine:
     origins: dict[int, Origin] = attrs.field(factory=dict)
     written_buffers: set[str] = attrs.field(factory=set)
     written_regions: set[tuple[str, int]] = attrs.field(factory=set)
-    reads: list[tuple[str, int, int]] = attrs.field(factory=list)  # (program, call, value)
+    driving: bool = False
+    reads: dict[tuple[str, int], list[int]] = attrs.field(factory=dict)
+    driven_regions: set[tuple[str, int]] = attrs.field(factory=set)
+    driven_writes: set[str] = attrs.field(factory=set)
 
     def seed_host(self) -> None:
         """Inputs, weights, sources, peers: what the host provides, one value per name."""
@@ -83,21 +86,22 @@ class Machine:
             if buf.kind in ("input", "inout", "weight", "source", "peer"):
                 self.buffers.setdefault(name, name_hash(name))
 
-    def run_program(self, name: str) -> None:
+    def run_program(self, name: str, first_index: int = 0) -> None:
+        """Run a program; driven calls are numbered from `first_index` (their whole index)."""
+        self.driving = self.manifest.programs[name].driven
         for index, call in enumerate(self.manifest.programs[name].calls):
-            self.run_call(name, index, call)
+            self.run_call(name, first_index + index, call)
 
     def run_call(self, program: str, index: int, call: m.Call) -> None:
         op = self.manifest.ops.get(call.op)
         acc = call_access(call, op)
         parts = [name_hash(call.op), name_hash(call.label or ""), _scalars_hash(call)]
-        for a in acc.accesses:
-            if not a.reads:
-                continue
-            value = self._read(a)
-            parts.append(value)
-            self.reads.append((program, index, value))
-        h = fnv_parts(parts)
+        reads = [self._read(a) for a in acc.accesses if a.reads]
+        if self.driving:
+            self.reads[(program, index)] = reads
+            self.driven_regions |= acc.regions
+            self.driven_writes |= acc.buffer_writes
+        h = fnv_parts(parts + reads)
         self.origins.setdefault(h, Origin(program, index, call.label, self.stage))
         for a in acc.accesses:
             if a.writes:
@@ -165,11 +169,13 @@ def run_stages(stages: list[m.Manifest], driven: list[str]) -> list[Machine]:
         for name in init_programs(machine.manifest):
             machine.run_program(name)
     for name in driven:
+        first = 0
         for i, machine in enumerate(machines):
             if i > 0:
                 _hand_over(machines[i - 1], machine)
             if name in machine.manifest.programs:
-                machine.run_program(name)
+                machine.run_program(name, first)
+                first += len(machine.manifest.programs[name].calls)
     return machines
 
 
@@ -193,29 +199,56 @@ def check_stages(whole: m.Manifest, stages: list[m.Manifest]) -> Proof:
 
 def _compare(whole: m.Manifest, expected: Machine, machines: list[Machine]
              ) -> tuple[list[Diagnostic], tuple[int, int, int]]:
-    problems: list[Diagnostic] = []
-    got_buffers: dict[str, tuple[int, Machine]] = {}
-    got_regions: dict[tuple[str, int], tuple[int, Machine]] = {}
-    for machine in machines:
-        for b in machine.written_buffers:
-            got_buffers[b] = (machine.buffers[b], machine)
-        for r in machine.written_regions:
-            got_regions[r] = (machine.regions[r], machine)
-    compared = [b for b in sorted(expected.written_buffers | set(got_buffers))
-                if whole.buffers[b].kind in ("output", "carry")]
+    """Every driven call reads what it reads in the whole; outputs, carries and the regions the
+    driven calls touch end equal. A state region is compared in the stage whose driven calls
+    touch it (each stage holds its own copy of a state; only the owner's copy is served)."""
+    problems = _compare_reads(whole, expected, machines)
+    written = {b: m for m in machines for b in m.driven_writes}
+    compared = sorted(b for b in expected.driven_writes | set(written)
+                      if whole.buffers[b].kind in ("output", "carry"))
     for b in compared:
+        got = (written[b].buffers.get(b), written[b]) if b in written else None
         problems += _differs(f"{whole.buffers[b].kind} buffer `{b}`", pointer("buffers", b),
-                             expected, expected.buffers.get(b), got_buffers.get(b))
-    regions = sorted(expected.written_regions | set(got_regions))
+                             expected, expected.buffers.get(b), got)
+    owners = {r: m for m in machines for r in m.driven_regions}
+    regions = sorted(expected.driven_regions | set(owners))
     for r in regions:
+        got = (owners[r].regions.get(r), owners[r]) if r in owners else None
         problems += _differs(f"state `{r[0]}`+{r[1]}", pointer("states", r[0]),
-                             expected, expected.regions.get(r), got_regions.get(r))
+                             expected, expected.regions.get(r), got)
     outputs = sum(whole.buffers[b].kind == "output" for b in compared)
     return problems, (outputs, len(compared) - outputs, len(regions))
 
 
+def _compare_reads(whole: m.Manifest, expected: Machine, machines: list[Machine]
+                   ) -> list[Diagnostic]:
+    problems: list[Diagnostic] = []
+    got = {key: (reads, mach) for mach in machines for key, reads in mach.reads.items()}
+    for key, want in sorted(expected.reads.items()):
+        have, mach = got.get(key, (None, None))
+        if have == want:
+            continue
+        program, index = key
+        ptr = pointer("programs", program, "calls", index)
+        if have is None:
+            problems.append(Diagnostic(f"program `{program}` call #{index} runs in no stage",
+                                       Location(ptr)))
+            continue
+        slot = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), None)
+        if slot is None:
+            problems.append(Diagnostic(f"program `{program}` call #{index} reads {len(have)} "
+                                       f"values in its stage, {len(want)} in the whole",
+                                       Location(ptr)))
+            continue
+        problems.append(Diagnostic(
+            f"program `{program}` call #{index} reads a different value (its read #{slot}): "
+            f"the whole manifest reads the value of {expected.origin(want[slot])}, stage "
+            f"{mach.stage} reads the value of {mach.origin(have[slot])}", Location(ptr)))
+    return problems
+
+
 def _differs(what: str, ptr: str, expected: Machine, want: int | None,
-             got: tuple[int, Machine] | None) -> list[Diagnostic]:
+             got: tuple[int | None, Machine] | None) -> list[Diagnostic]:
     value, machine = got if got else (None, None)
     if value == want:
         return []

@@ -105,12 +105,13 @@ def _init_programs(b: _Builder, layers: int) -> dict[str, dict]:
     """Once programs whose name order is the wrong way round for a one-by-one slicer."""
     b.buf("c", "carry", [8])
     b.buf("e", "carry", [8])
-    init_b = [b.call("z", [b.buf("c", "carry", [8])], "i_c")]
-    init_a = [b.call("f1", [{"buf": "c"}, b.buf("e", "carry", [8])], "i_e")]
+    init_a = [b.call("z", [b.buf("c", "carry", [8])], "i_c")]
+    init_b = [b.call("f1", [{"buf": "c"}, b.buf("e", "carry", [8])], "i_e")]
     for layer in range(layers):
         if b.choose(2):
-            init_a.append(b.call("zs", [b.state(layer)], f"i_s{layer}"))
-    # `init_a` runs first and reads `c` before `init_b` writes it: the slicer must keep both.
+            init_b.append(b.call("zs", [b.state(layer)], f"i_s{layer}"))
+    # `init_a` produces `c`, which only `init_b` reads: a slicer that walks the programs one
+    # by one in name order has dropped `i_c` before it learns that `i_e` needs it.
     return {"init_a": {"once": True, "calls": init_a}, "init_b": {"once": True, "calls": init_b}}
 
 
@@ -154,7 +155,7 @@ def _manifest(b: _Builder, programs: dict[str, dict]) -> dict:
     ops = {name: {"params": OPS[name], "impl": {"launches": [{"entry": "extern:x"}]}}
            for name in sorted(b.ops)}
     return {"schema_version": 5, "model": "random",
-            "vars": {"seqs": {"max": 4, "axis": "groups"}, "tokens": {"max": 4, "axis": "rows"}},
+            "vars": {"tokens": {"max": 4, "axis": "rows"}},
             "states": b.states, "buffers": b.buffers, "modules": {}, "ops": ops,
             "programs": programs}
 
@@ -165,3 +166,10 @@ def random_points(choose: Chooser, calls: int) -> list[int]:
     if a + 1 < calls and choose(2) == 0:
         return [a, a + 1 + choose(calls - a - 1)]
     return [a]
+
+
+def examples(ci: int, long: int) -> int:
+    """How many hypothesis examples a property test runs under the current profile."""
+    from kerncc import config
+
+    return long if config.hypothesis_profile() == "long" else ci

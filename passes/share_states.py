@@ -1,0 +1,145 @@
+"""`share-states`: each stage keeps exactly the states its calls need, and says how much it holds.
+
+A state region (state, offset) belongs to the one stage whose driven calls touch it (kern's
+refusal, spec §3.5, is checked again here so that a pipeline built by other means is held to
+it). A stage keeps the states its driven calls touch, plus those its kept init calls read
+(a fixpoint: an init call that only writes regions of states the stage does not keep
+initialises another stage's memory and is dropped). Page and line tables whose state went
+away are re-pointed to a kept state of the same kind, or lose their domain (spec §3.6 step 6,
+done by kerncc.stage.assemble). The regions report of spec §3.8 says, per stage and state, how
+many of the whole's regions the stage uses, and the share of its bytes held for other stages.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kerncc import manifest as m
+from kerncc.analysis.access import call_access
+from kerncc.diagnostics import Diagnostics, pointer
+from kerncc.ir import IR
+from kerncc.passes import register
+from kerncc.pipeline import Pass
+from kerncc.stage import assemble, crossing_kinds
+
+HEADLINE = "manifest cannot be cut:"
+
+
+@attrs.frozen
+class StateUse:
+    """One kept state of one stage: regions used here, regions in the whole (spec §3.8)."""
+
+    state: str
+    used: int
+    total: int
+
+    @property
+    def whole(self) -> bool:
+        return self.used == self.total
+
+    @property
+    def percent(self) -> int:
+        return 100 * self.used // max(self.total, 1)
+
+
+@attrs.frozen
+class RegionsReport:
+    stages: tuple[tuple[StateUse, ...], ...]
+
+    def to_text(self) -> str:
+        lines = []
+        for s, uses in enumerate(self.stages):
+            whole = sum(u.whole for u in uses)
+            lines.append(f"stage {s}: {whole} of {len(uses)} states used whole")
+            lines += [f"stage {s}: state `{u.state}` is allocated whole and its calls touch "
+                      f"{u.used} of its {u.total} regions (~{u.percent}% of its bytes)"
+                      for u in uses if not u.whole]
+        return "\n".join(lines)
+
+    def to_json(self) -> list:
+        return [[{"state": u.state, "regions_used": u.used, "regions": u.total,
+                  "held_for_others": 1 - u.used / max(u.total, 1)} for u in uses]
+                for uses in self.stages]
+
+
+def _regions(man: m.Manifest, programs) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    for program in programs:
+        for call in program.calls:
+            for state, offset in call_access(call, man.ops.get(call.op)).regions:
+                out.setdefault(state, set()).add(offset)
+    return out
+
+
+def check_ownership(stages: tuple[m.Manifest, ...]) -> None:
+    """A region touched by the driven calls of two stages is refused (spec §3.5)."""
+    diags = Diagnostics()
+    owner: dict[tuple[str, int], int] = {}
+    for s, stage in enumerate(stages):
+        for name in sorted(stage.programs):
+            if not stage.programs[name].driven:
+                continue
+            regions = _regions(stage, [stage.programs[name]])
+            for state, offsets in sorted(regions.items()):
+                for off in sorted(offsets):
+                    first = owner.setdefault((state, off), s)
+                    if first != s:
+                        shown = f"state `{state}`+{off}" if off else f"state `{state}`"
+                        diags.error(f"program `{name}`: {shown} is touched by stages {first} "
+                                    f"and {s}; a state region belongs to one stage",
+                                    pointer("programs", name))
+    diags.raise_if_any(HEADLINE)
+
+
+def kept_init_calls(stage: m.Manifest) -> dict[str, tuple[m.Call, ...]]:
+    """Init calls minus those that only write regions of states the stage does not keep."""
+    driven = [p for p in stage.programs.values() if p.driven]
+    keep_states = set(_regions(stage, driven))
+    init = {n: p for n, p in stage.programs.items() if not p.driven}
+    while True:
+        kept = {n: tuple(c for c in p.calls if _useful(stage, c, keep_states))
+                for n, p in init.items()}
+        reads = {s for calls in kept.values() for c in calls
+                 for s, _ in call_access(c, stage.ops.get(c.op)).region_reads}
+        if reads <= keep_states:
+            return kept
+        keep_states |= reads
+
+
+def _useful(stage: m.Manifest, call: m.Call, keep_states: set[str]) -> bool:
+    acc = call_access(call, stage.ops.get(call.op))
+    if acc.buffer_writes or not acc.region_writes:
+        return True
+    return any(state in keep_states for state, _ in acc.region_writes)
+
+
+def shared_stage(whole: m.Manifest, stage: m.Manifest) -> m.Manifest:
+    programs = {n: p for n, p in stage.programs.items() if p.driven}
+    programs.update({n: attrs.evolve(stage.programs[n], calls=calls)
+                     for n, calls in kept_init_calls(stage).items() if calls})
+    return assemble(whole, programs, crossing_kinds(whole, stage), stage.cut)
+
+
+def regions_report(whole: m.Manifest, stages: tuple[m.Manifest, ...]) -> RegionsReport:
+    totals = _regions(whole, whole.programs.values())
+    out = []
+    for stage in stages:
+        used = _regions(stage, stage.programs.values())
+        out.append(tuple(StateUse(s, len(used.get(s, ())), len(totals.get(s, ())))
+                         for s in sorted(stage.states)))
+    return RegionsReport(tuple(out))
+
+
+@register
+@attrs.frozen
+class ShareStates(Pass):
+    """Per stage, keep the states its calls need, check region ownership, report regions held."""
+
+    name = "share-states"
+
+    def run(self, ir: IR) -> IR:
+        check_ownership(ir.stages)
+        stages = tuple(shared_stage(ir.whole, s) for s in ir.stages)
+        report = regions_report(ir.whole, stages)
+        return attrs.evolve(ir, stages=stages).with_report(self.name, report)
+

@@ -1,0 +1,38 @@
+"""Test configuration: hypothesis profiles, the golden-update flag, the gpu marker."""
+
+from __future__ import annotations
+
+import ctypes.util
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow],
+                          derandomize=True)
+settings.register_profile("long", deadline=None, suppress_health_check=list(HealthCheck))
+settings.load_profile("ci")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-goldens", action="store_true",
+                     help="rewrite golden expected files from the current output")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from kerncc import config as kconfig
+
+    settings.load_profile(kconfig.hypothesis_profile())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if ctypes.util.find_library("cuda"):
+        return
+    skip = pytest.mark.skip(reason="no CUDA driver on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def update_goldens(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--update-goldens"))
