@@ -156,28 +156,31 @@ def cmd_lower(args: argparse.Namespace) -> int:
 
 def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
            out: str | None = None):
+    """Load, verify, run the pipeline (`spec`, then up to the pass `upto`); the final IR."""
+    import attrs
+
     from kerncc.ir import IR
-    from kerncc.pipeline import instruments_from_args, resolve_pipeline, run_pipeline
+    from kerncc.pipeline import (instruments_from_args, pass_spec, resolve_pipeline,
+                                 run_pipeline)
     from kerncc.reader import load_with_locator
 
     manifest, locate = load_with_locator(args.file)
-    ir = IR.from_manifest(manifest, source=args.file)
-    text = spec or (upto or "")
-    if upto and spec and upto not in spec:
-        text = f"{spec},{upto}"
+    ir = _verified(IR.from_manifest(manifest, source=args.file), locate)
+    text = ",".join(t for t in (spec, upto) if t and not (t == upto and spec and upto in spec))
     if not text:
-        return _verified(ir, locate)
+        return ir
     passes = resolve_pipeline(text)
     if out:
         passes = _with_output(passes, out)
+    printed = ",".join(str(pass_spec(p)) for p in passes)
+    ir = attrs.evolve(ir, pipeline=printed, history=tuple(p.name for p in passes))
     instruments = instruments_from_args(
         getattr(args, "print_ir_after", None), getattr(args, "print_ir_after_all", False),
         getattr(args, "print_ir_after_change", False), getattr(args, "time_passes", False),
         getattr(args, "dump_dir", None), sys.stderr)
     try:
-        return run_pipeline(_verified(ir, locate), passes, instruments,
-                            verify=not getattr(args, "no_verify", False), upto=upto,
-                            source=args.file)
+        return run_pipeline(ir, passes, instruments, verify=not getattr(args, "no_verify", False),
+                            input_name=args.file)
     except KernccError as err:
         raise err.located(locate) from None
 

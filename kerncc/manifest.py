@@ -364,10 +364,14 @@ def launch_params(launch: Launch, op: Op) -> tuple[ParamType, ...]:
 
 
 def launch_args(launch: Launch, op: Op) -> tuple[LaunchArg, ...]:
-    """The launch wiring: its own `args`, or the op's params forwarded in order."""
+    """The launch wiring: its own `args`, or the op's params forwarded in order.
+
+    Forwarding counts the op's params, not the launch's own: a launch declaring its own ABI
+    without wiring it is an arity error in kern (`takes N params, got M args`).
+    """
     if launch.args is not None:
         return launch.args
-    return tuple(ParamRef(i) for i in range(len(launch_params(launch, op))))
+    return tuple(ParamRef(i) for i in range(len(op.params)))
 
 
 @attrs.frozen

@@ -6,9 +6,10 @@
 the offending value. The rule groups run in kern's code order; they share a `Checker` holding
 the manifest, the var environments and the record of what is used (rule 9).
 
-Rule groups live in: this module (1-6: versions, vars, topology, cut, states, buffers, modules),
-`verify_ops` (7: ops, launches, packs, tensormaps), `verify_programs` (8: programs, calls,
-dataflow), and this module again (9-10: unused declarations; expression checks are shared).
+Rule groups live in: `verify_decls` and `verify_buffers` (1-6: versions, vars, topology, cut,
+states, buffers, modules), `verify_ops` with `verify_wiring` and `verify_packs` (7: ops, launches,
+packs, tensormaps), `verify_programs` (8: programs, calls,
+dataflow), `verify_decls` again (9: unused declarations); expression checks (10) are shared here.
 """
 
 from __future__ import annotations
