@@ -1,0 +1,6 @@
+"""The example model (a Qwen3-style decoder): manifest + checkpoint generator and numpy oracle."""
+
+from kerncc.example.config import QwenConfig, make_config
+from kerncc.example.qwen import generate
+
+__all__ = ["QwenConfig", "generate", "make_config"]

@@ -1,0 +1,137 @@
+"""The example model's configuration: sizes, presets, checks against the kernels' limits.
+
+`QwenConfig` is shared by the generator (`qwen.py`) and the oracle (`oracle.py`); it is saved
+beside the checkpoint as an HF-style `config.json` (with kerncc's serving sizes under
+`"kerncc"`) so the oracle can rebuild it from the files alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+PAGE = 16  # KV block size: slots per page-table entry
+
+SIZES: dict[str, dict[str, int]] = {
+    # CI: runs through the numpy references in seconds.
+    "tiny": {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "head_dim": 16,
+             "intermediate": 128, "vocab": 256, "max_tokens": 64, "max_seqs": 4,
+             "max_context": 256, "seed": 0,
+             "interleave": 32},  # several gate/up blocks, so the interleave is exercised
+    # GPU benchmarks: Qwen3-1.7B-like shapes with a 32k vocab.
+    "small": {"layers": 24, "hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128,
+              "intermediate": 6144, "vocab": 32000, "max_tokens": 2048, "max_seqs": 8,
+              "max_context": 4096, "seed": 0},
+}
+
+
+@attrs.frozen
+class QwenConfig:
+    """A Qwen3-style decoder plus the serving limits its manifest declares."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_tokens: int  # var `tokens` max: rows of one call
+    max_seqs: int  # var `seqs` max: sequences of one call
+    max_context: int  # longest sequence: rope table rows, page-table width * 16
+    seed: int
+    rope_theta: float = 1_000_000.0
+    eps: float = 1e-6
+    interleave: int = 0  # gate/up interleave block (rows); 0 = min(128, intermediate)
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def qkv_dim(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def gate_up_block(self) -> int:
+        return self.interleave or min(128, self.intermediate)
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the checkpoint's lm_head: padded past vocab, as some exporters do."""
+        return (self.vocab // 128 + 1) * 128
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.max_context // PAGE
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.kv_heads * self.head_dim * 2  # k and v, bf16
+
+    def problems(self) -> list[str]:
+        """Shapes the kernels cannot run (see kernels/*.cu); empty when fine."""
+        checks = [
+            (self.heads % self.kv_heads == 0, "heads must be a multiple of kv_heads"),
+            (32 % self.group == 0 and self.group <= 8, "heads/kv_heads must be 1, 2, 4 or 8"),
+            (self.head_dim % 8 == 0 and self.head_dim <= 128, "head_dim must be 8k <= 128"),
+            (self.hidden % 8 == 0, "hidden must be a multiple of 8"),
+            (self.intermediate % self.gate_up_block == 0, "intermediate % interleave != 0"),
+            (self.max_context % PAGE == 0, f"max_context must be a multiple of {PAGE}"),
+            (self.max_seqs <= self.max_tokens, "max_seqs must not exceed max_tokens"),
+            (min(self.layers, self.vocab, self.max_seqs) >= 1, "layers/vocab/max_seqs >= 1"),
+        ]
+        return [message for ok, message in checks if not ok]
+
+    def to_hf(self) -> dict[str, Any]:
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": self.max_context,
+            "rms_norm_eps": self.eps,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "kerncc": {"max_tokens": self.max_tokens, "max_seqs": self.max_seqs,
+                       "seed": self.seed, "interleave": self.gate_up_block},
+        }
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> QwenConfig:
+        extra = hf.get("kerncc", {})
+        return cls(
+            layers=hf["num_hidden_layers"], hidden=hf["hidden_size"],
+            heads=hf["num_attention_heads"], kv_heads=hf["num_key_value_heads"],
+            head_dim=hf["head_dim"], intermediate=hf["intermediate_size"],
+            vocab=hf["vocab_size"], max_context=hf["max_position_embeddings"],
+            rope_theta=hf["rope_theta"], eps=hf["rms_norm_eps"],
+            max_tokens=extra.get("max_tokens", 1), max_seqs=extra.get("max_seqs", 1),
+            seed=extra.get("seed", 0), interleave=extra.get("interleave", 0),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> QwenConfig:
+        return cls.from_hf(json.loads(Path(path).read_text()))
+
+
+def make_config(size: str = "tiny", **overrides: float) -> QwenConfig:
+    if size not in SIZES:
+        raise ValueError(f"unknown size `{size}` (known: {', '.join(SIZES)})")
+    unknown = set(overrides) - set(attrs.fields_dict(QwenConfig))
+    if unknown:
+        raise ValueError(f"unknown overrides {sorted(unknown)}")
+    config = QwenConfig(**{**SIZES[size], **overrides})
+    problems = config.problems()
+    if problems:
+        raise ValueError("unsupported example model: " + "; ".join(problems))
+    return config

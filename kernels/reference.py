@@ -1,0 +1,273 @@
+"""numpy references of the kernel library (same ABI as the CUDA kernels) and of the GEMM externs.
+
+The cpu backend runs these in place of the cubins. `KERNELS` is keyed by CUDA entry name
+(extern "C"), `EXTERNS` by extern name without the `extern:` prefix.
+
+Call convention: `fn(launch, *args)`. `launch` has `grid`, `block` (3-tuples) and
+`shared_mem`; the references read none of them: they compute the whole result the grid covers
+from the row counts in the scalar params (the manifest sizes grids from the same vars).
+Each arg follows the launch's params in order:
+* a pointer (buffer or state param): a 1-D uint8 `np.ndarray` viewing the allocation from the
+  pointed byte to its end; results are written in place through `.view(dtype)` of a prefix;
+* a scalar: a numpy scalar of the param type (np.int32, np.int64, np.float32, np.uint8);
+* `bytes<n>`: a `bytes` object (no kernel here takes one).
+
+Results equal the CUDA kernels' up to float rounding: bf16 is `ml_dtypes.bfloat16` (round to
+nearest even, as `__float2bfloat16`), arithmetic is f32 and the bf16 roundings sit where the
+CUDA code rounds. Everything is deterministic (same inputs and shapes give the same bits).
+
+GEMM extern ABI (kerncc's definition; kern's real ABI is not published). All matrices are
+row-major and dense; W is in PyTorch `Linear.weight` layout [n, k]:
+* `cublaslt_bf16_tn`     params [in buffer<bf16> A, in buffer<bf16> W, out buffer<bf16> C,
+                         i32 m, i32 n, i32 k]: C[m, n] = bf16(f32(A[m, k]) @ f32(W[n, k])^T).
+* `cublaslt_bf16_tn_acc` same params but C is `inout buffer<bf16>`:
+                         C = bf16(f32(C) + f32(A) @ f32(W)^T) (one rounding, beta = 1).
+* `cublas_bf16_tn_f32`   C is `out buffer<f32>`: C = f32(A) @ f32(W)^T, not rounded to bf16.
+In cuBLAS's column-major terms each is C^T[n, m] = op(W)=T · A^T with lda = ldb = k,
+ldc = n ("TN"), f32 compute; a GPU backend maps them to cuBLASLt matmuls of that shape.
+
+Layouts shared with the CUDA code: packed qkv rows [q: nq*hd | k: nk*hd | v: nk*hd]; a KV
+state slot s holds [K: nk*hd | V: nk*hd] bf16 at byte s*4*nk*hd; key j of a sequence is in
+slot block_table[seq, j // 16] * 16 + j % 16.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+PAGE = 16
+
+
+def view(ptr: np.ndarray, dtype: np.dtype, count: int) -> np.ndarray:
+    """The first `count` elements of dtype at a pointer arg (writable, shares memory)."""
+    nbytes = int(count) * np.dtype(dtype).itemsize
+    if ptr.size < nbytes:
+        raise ValueError(f"pointer arg holds {ptr.size} bytes, kernel needs {nbytes}")
+    return ptr[:nbytes].view(dtype)
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=F32).astype(BF16)
+
+
+def f32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x).astype(F32)
+
+
+def _norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """HF RMSNorm over the last axis: bf16(bf16(x * r) * w) with r = 1/sqrt(mean(x^2) + eps)."""
+    xf = f32(x)
+    r = (np.float32(1.0) / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + np.float32(eps)))
+    return bf16(f32(bf16(xf * r)) * f32(w))
+
+
+# ---- embed ---------------------------------------------------------------------------------
+
+
+def embedding_gather_bf16(launch: Any, ids, table, out, rows, hidden) -> None:
+    idx = view(ids, I32, rows).astype(np.int64)
+    n = int(idx.max()) + 1 if rows else 0
+    tab = view(table, BF16, n * hidden).reshape(n, hidden)
+    view(out, BF16, rows * hidden).reshape(rows, hidden)[...] = tab[idx]
+
+
+# ---- norm ----------------------------------------------------------------------------------
+
+
+def rmsnorm_bf16(launch: Any, x, w, y, rows, cols, eps) -> None:
+    xs = view(x, BF16, rows * cols).reshape(rows, cols)
+    view(y, BF16, rows * cols).reshape(rows, cols)[...] = _norm(xs, view(w, BF16, cols), eps)
+
+
+def add_rmsnorm_bf16(launch: Any, residual, x, w, y, rows, cols, eps) -> None:
+    res = view(residual, BF16, rows * cols).reshape(rows, cols)
+    res[...] = bf16(f32(res) + f32(view(x, BF16, rows * cols).reshape(rows, cols)))
+    view(y, BF16, rows * cols).reshape(rows, cols)[...] = _norm(res, view(w, BF16, cols), eps)
+
+
+def head_rmsnorm_bf16(launch: Any, qkv, w, rows, nq, nk, hd, eps) -> None:
+    heads = view(qkv, BF16, rows * (nq + 2 * nk) * hd).reshape(rows, nq + 2 * nk, hd)
+    weights = view(w, BF16, 2 * hd).reshape(2, hd)
+    heads[:, :nq] = _norm(heads[:, :nq], weights[0], eps)
+    heads[:, nq:nq + nk] = _norm(heads[:, nq:nq + nk], weights[1], eps)
+
+
+def rmsnorm_last_bf16(launch: Any, x, w, y, seqs, rows_per_seq, cols, eps) -> None:
+    rows = int(seqs) * int(rows_per_seq)
+    last = view(x, BF16, rows * cols).reshape(seqs, rows_per_seq, cols)[:, -1]
+    view(y, BF16, seqs * cols).reshape(seqs, cols)[...] = _norm(last, view(w, BF16, cols), eps)
+
+
+# ---- rope ----------------------------------------------------------------------------------
+
+
+def rope_table_f32(launch: Any, table, max_pos, hd, theta) -> None:
+    half = int(hd) // 2
+    inv_freq = np.power(np.float64(theta), -2.0 * np.arange(half, dtype=np.float64) / int(hd))
+    angle = np.arange(int(max_pos), dtype=np.float64)[:, None] * inv_freq[None, :]
+    out = view(table, F32, max_pos * hd).reshape(max_pos, hd)
+    out[:, :half] = np.cos(angle)
+    out[:, half:] = np.sin(angle)
+
+
+def rope_neox_bf16(launch: Any, qkv, positions, table, rows, nq, nk, hd) -> None:
+    half = int(hd) // 2
+    heads = view(qkv, BF16, rows * (nq + 2 * nk) * hd).reshape(rows, nq + 2 * nk, hd)
+    pos = view(positions, I32, rows).astype(np.int64)
+    rows_tab = view(table, F32, (int(pos.max()) + 1) * hd).reshape(-1, hd)[pos]
+    cos, sin = rows_tab[:, None, :half], rows_tab[:, None, half:]
+    x = f32(heads[:, :nq + nk])
+    x1, x2 = x[..., :half], x[..., half:]
+    heads[:, :nq + nk, :half] = bf16(x1 * cos - x2 * sin)
+    heads[:, :nq + nk, half:] = bf16(x2 * cos + x1 * sin)
+
+
+# ---- kv cache and attention ----------------------------------------------------------------
+
+
+def kv_slots(kv: np.ndarray, nk: int, hd: int) -> np.ndarray:
+    """A KV state as [slots, 2 (k, v), nk, hd] bf16."""
+    token_bytes = 4 * int(nk) * int(hd)
+    slots = kv.size // token_bytes
+    return view(kv, BF16, slots * 2 * nk * hd).reshape(slots, 2, nk, hd)
+
+
+def kv_write_bf16(launch: Any, qkv, slot_mapping, kv, rows, nq, nk, hd) -> None:
+    rows_kv = view(qkv, BF16, rows * (nq + 2 * nk) * hd).reshape(rows, nq + 2 * nk, hd)
+    slots = view(slot_mapping, I32, rows).astype(np.int64)
+    keep = slots >= 0  # a padding row owns no slot
+    cache = kv_slots(kv, nk, hd)
+    cache[slots[keep]] = rows_kv[keep, nq:].reshape(-1, 2, nk, hd)
+
+
+def _gather_keys(cache: np.ndarray, table_row: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+    """K and V ([n, nk, hd] f32) of keys 0..n-1 of the sequence whose page row is table_row."""
+    keys = np.arange(n)
+    slots = table_row[keys // PAGE].astype(np.int64) * PAGE + keys % PAGE
+    kv = f32(cache[slots])
+    return kv[:, 0], kv[:, 1]
+
+
+def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray,
+            scale: float) -> np.ndarray:
+    """Softmax attention in f32. q [rows, nq, hd]; k, v [keys, nk, hd]; visible [rows, keys]."""
+    group = q.shape[1] // k.shape[1]
+    k = np.repeat(k, group, axis=1)
+    v = np.repeat(v, group, axis=1)
+    s = np.einsum("rhd,khd->hrk", q, k) * np.float32(scale)
+    s = np.where(visible[None], s, np.float32(-np.inf))
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hrk,khd->rhd", p, v).astype(F32)
+
+
+def attn_prefill_bf16(launch: Any, qkv, kv, block_table, positions, out, rows, nq, nk, hd,
+                      width, scale) -> None:
+    q = f32(view(qkv, BF16, rows * (nq + 2 * nk) * hd).reshape(rows, -1, hd)[:, :nq])
+    pos = view(positions, I32, rows).astype(np.int64)
+    n = int(pos.max()) + 1
+    k, v = _gather_keys(kv_slots(kv, nk, hd), view(block_table, I32, width), n)
+    visible = np.arange(n)[None, :] <= pos[:, None]
+    o = _attend(q, k, v, visible, scale)
+    view(out, BF16, rows * nq * hd).reshape(rows, nq, hd)[...] = bf16(o)
+
+
+def attn_decode_bf16(launch: Any, qkv, kv, block_table, seq_lens, out, seqs, nq, nk, hd,
+                     width, scale) -> None:
+    q = f32(view(qkv, BF16, seqs * (nq + 2 * nk) * hd).reshape(seqs, -1, hd)[:, :nq])
+    lens = view(seq_lens, I32, seqs)
+    tables = view(block_table, I32, seqs * width).reshape(seqs, width)
+    cache = kv_slots(kv, nk, hd)
+    o = view(out, BF16, seqs * nq * hd).reshape(seqs, nq, hd)
+    for b in range(int(seqs)):
+        n = int(lens[b])
+        if n <= 0:
+            o[b] = 0  # the CUDA kernel writes zeros for an empty sequence
+            continue
+        k, v = _gather_keys(cache, tables[b], n)
+        o[b] = bf16(_attend(q[b:b + 1], k, v, np.ones((1, n), bool), scale)[0])
+
+
+# ---- activation, sampling, conversion ------------------------------------------------------
+
+
+def silu_mul_bf16(launch: Any, gate_up, act, rows, inter, block) -> None:
+    pieces = view(gate_up, BF16, rows * 2 * inter).reshape(rows, inter // block, 2, block)
+    g, u = f32(pieces[:, :, 0]), f32(pieces[:, :, 1])
+    with np.errstate(over="ignore"):  # exp(-g) = inf gives silu = -0, as expf does on the GPU
+        s = f32(bf16(g / (np.float32(1) + np.exp(-g))))
+    view(act, BF16, rows * inter).reshape(rows, inter // block, block)[...] = bf16(s * u)
+
+
+def argmax_f32(launch: Any, logits, tokens, rows, vocab) -> None:
+    x = view(logits, F32, rows * vocab).reshape(rows, vocab)
+    view(tokens, I32, rows)[...] = np.argmax(x, axis=1).astype(I32)
+
+
+def cast_f32_bf16(launch: Any, x, y, n) -> None:
+    view(y, BF16, n)[...] = bf16(view(x, F32, n))
+
+
+# ---- GEMM externs --------------------------------------------------------------------------
+
+
+def _matmul_tn(a, w, m, n, k) -> np.ndarray:
+    A = f32(view(a, BF16, m * k).reshape(m, k))
+    W = f32(view(w, BF16, n * k).reshape(n, k))
+    return A @ W.T
+
+
+def cublaslt_bf16_tn(launch: Any, a, w, c, m, n, k) -> None:
+    view(c, BF16, m * n).reshape(m, n)[...] = bf16(_matmul_tn(a, w, m, n, k))
+
+
+def cublaslt_bf16_tn_acc(launch: Any, a, w, c, m, n, k) -> None:
+    C = view(c, BF16, m * n).reshape(m, n)
+    C[...] = bf16(f32(C) + _matmul_tn(a, w, m, n, k))
+
+
+def cublas_bf16_tn_f32(launch: Any, a, w, c, m, n, k) -> None:
+    view(c, F32, m * n).reshape(m, n)[...] = _matmul_tn(a, w, m, n, k)
+
+
+def _int_scalars(fn: Callable[..., None]) -> Callable[..., None]:
+    """Integer scalar args as Python ints, so size arithmetic cannot wrap at 32 bits."""
+
+    @functools.wraps(fn)
+    def call(launch: Any, *args: Any) -> None:
+        fn(launch, *(int(a) if isinstance(a, np.integer) else a for a in args))
+
+    return call
+
+
+KERNELS: dict[str, Callable[..., None]] = {
+    fn.__name__: _int_scalars(fn)
+    for fn in (
+        embedding_gather_bf16,
+        rmsnorm_bf16,
+        add_rmsnorm_bf16,
+        head_rmsnorm_bf16,
+        rmsnorm_last_bf16,
+        rope_table_f32,
+        rope_neox_bf16,
+        kv_write_bf16,
+        attn_prefill_bf16,
+        attn_decode_bf16,
+        silu_mul_bf16,
+        argmax_f32,
+        cast_f32_bf16,
+    )
+}
+
+EXTERNS: dict[str, Callable[..., None]] = {
+    fn.__name__: _int_scalars(fn)
+    for fn in (cublaslt_bf16_tn, cublaslt_bf16_tn_acc, cublas_bf16_tn_f32)
+}
