@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args) or 0
     except KernccError as err:
-        report(err, getattr(args, "format", "text"), sys.stderr)
+        report(err, getattr(args, "diag_format", "text"), sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -71,9 +71,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             lines = _protocol_lines(verified, args.unsampled)
         except KernccError as err:
             failed = 1
-            _report_for_file(err, path, args.format)
+            _report_for_file(err, path, args.diag_format)
             continue
-        if args.format == "json":
+        if args.diag_format == "json":
             print(json.dumps({"file": path, "ok": True, "summary": lines}))
             continue
         man = verified.manifest
@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="verify manifests as kern does; print the protocol summary")
     p.add_argument("files", nargs="+", metavar="FILE")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text")
     p.add_argument("--unsampled", action="store_true",
                    help="do not require a forward that hands back tokens (host-sampled models)")
     p.set_defaults(handler=cmd_verify)
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--to", choices=("json", "kir"), help="output form (default: the input's)")
     p.add_argument("--check", action="store_true", help="exit 1 when FILE is not canonical")
-    p.set_defaults(handler=cmd_fmt, format="text")
+    p.set_defaults(handler=cmd_fmt)
 
     p = sub.add_parser("dump", help="print the IR after a pipeline (kir, json or dot)")
     p.add_argument("file", metavar="FILE")
@@ -263,19 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("-p", "--pipeline", required=True, help="e.g. cut{at=218},slice-derive,emit")
     p.add_argument("-o", "--output", metavar="OUT", help="output directory")
-    p.add_argument("--format", choices=("text", "json"), default="text",
+    p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text",
                    help="diagnostics format")
     _instrument_flags(p)
     p.set_defaults(handler=cmd_lower)
 
     p = sub.add_parser("check", help="prove that stages (or a bundle) compute the whole")
     p.add_argument("files", nargs="+", metavar="PATH")
-    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text")
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("passes", help="list the passes with their options")
     p.add_argument("--markdown", action="store_true", help="the reference as markdown")
-    p.set_defaults(handler=cmd_passes, format="text")
+    p.set_defaults(handler=cmd_passes)
 
     _extra_commands(sub)
     return parser

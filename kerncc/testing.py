@@ -10,6 +10,7 @@ walks programs one by one (`init_a` produces what `init_b` consumes only if run 
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 Chooser = Callable[[int], int]
@@ -173,3 +174,101 @@ def examples(ci: int, long: int) -> int:
     from kerncc import config
 
     return long if config.hypothesis_profile() == "long" else ci
+
+
+def layered_model(layers: int = 3, *, vocab: int = 128, hidden: int = 64) -> dict:
+    """A Qwen-like manifest skeleton (raw JSON) for goldens and benchmarks.
+
+    Six calls a layer (norm, qkv, attention over a per-layer kv state and a region of a shared
+    state, o-proj accumulating into the residual, mlp norm, mlp), embed before and final norm,
+    lm-head and sampling after; `prefill`, `decode` and `decode_batch` keep every layer at the
+    same call index; a once `load` program computes a rope table, a derive program casts a
+    source into the final norm weight. Ops are `extern:x` placeholders: this is structure.
+    """
+    bf16 = lambda shape, kind, **kw: {"dtype": "bf16", "shape": shape, "kind": kind, **kw}  # noqa: E731
+    buffers = {
+        "token_ids": {"dtype": "i32", "shape": ["tokens"], "kind": "input", "fill": "token"},
+        "positions": {"dtype": "i32", "shape": ["tokens"], "kind": "input", "fill": "position"},
+        "slot_mapping": {"dtype": "i32", "shape": ["tokens"], "kind": "input", "fill": "slot"},
+        "seq_lens": {"dtype": "i32", "shape": ["seqs"], "kind": "input", "fill": "seq_len"},
+        "block_table": {"dtype": "i32", "shape": ["seqs", 4], "kind": "input",
+                        "domain": {"index_into": "kv.0", "stride": 16}},
+        "next_tokens": {"dtype": "i32", "shape": ["seqs"], "kind": "output", "fill": "tokens"},
+        "logits": {"dtype": "f32", "shape": ["seqs", vocab], "kind": "output"},
+        "h": bf16(["tokens", hidden], "workspace"),
+        "x": bf16(["tokens", hidden], "workspace"),
+        "qkv": bf16(["tokens", 3 * hidden], "workspace"),
+        "a": bf16(["tokens", hidden], "workspace"),
+        "last": bf16(["seqs", hidden], "workspace"),
+        "rope": {"dtype": "f32", "shape": [64, 32], "kind": "carry"},
+        "final_norm": bf16([hidden], "carry"),
+        "final_norm.src": {"dtype": "f32", "shape": [hidden], "kind": "source",
+                           "bind": [{"tensor": "model.norm.weight"}]},
+        "embed": bf16([vocab, hidden], "weight", bind=[{"tensor": "model.embed_tokens.weight"}]),
+        "lm_head": bf16([vocab, hidden], "weight", bind=[{"tensor": "lm_head.weight"}]),
+    }
+    states = {"shared": {"bytes_per_token": 64 * layers}}
+    body: list[dict] = [_c("embed", "embed", "token_ids", "embed", "h")]
+    for i in range(layers):
+        w = f"l{i}."
+        for name, shape in (("norm", [hidden]), ("qkv", [3 * hidden, hidden]),
+                            ("o", [hidden, hidden]), ("mlp_norm", [hidden]),
+                            ("mlp", [hidden, hidden])):
+            buffers[w + name] = bf16(shape, "weight",
+                                     bind=[{"tensor": f"model.layers.{i}.{name}.weight"}])
+        states[f"kv.{i}"] = {"bytes_per_token": 4 * hidden}
+        body += [
+            _c(w + "norm", "norm", "h", w + "norm", "x"),
+            _c(w + "qkv_proj", "gemm", "x", w + "qkv", "qkv"),
+            {"label": w + "attention", "op": "attention", "args": [
+                {"buf": "qkv"}, {"state": f"kv.{i}"}, {"state": "shared", "offset": 64 * i},
+                {"buf": "block_table"}, {"buf": "positions"}, {"buf": "slot_mapping"},
+                {"buf": "seq_lens"}, {"buf": "rope"}, {"buf": "a"}]},
+            _c(w + "o_proj", "gemm_acc", "a", w + "o", "h"),
+            _c(w + "mlp_norm", "norm", "h", w + "mlp_norm", "x"),
+            _c(w + "mlp", "mlp_acc", "x", w + "mlp", "h"),
+        ]
+    body += [_c("final_norm", "last_norm", "h", "final_norm", "last"),
+             _c("lm_head", "lm_head", "last", "lm_head", "logits"),
+             {"label": "sample", "op": "sample", "args": [{"buf": "logits"},
+                                                          {"buf": "next_tokens"}]}]
+    programs = {
+        "prefill": {"batch": {"groups": 1, "rows": "tokens"}, "calls": body},
+        "decode": {"batch": {"groups": 1, "rows": 1}, "calls": body},
+        "decode_batch": {"batch": {"groups": 4, "rows": 1}, "calls": body},
+        "load": {"once": True, "calls": [{"label": "rope_table", "op": "rope_table",
+                                          "args": [{"buf": "rope"}]}]},
+        "convert": {"derive": True, "calls": [{"label": "cast_norm", "op": "cast", "args": [
+            {"buf": "final_norm.src"}, {"buf": "final_norm"}]}]},
+    }
+    raw = {"schema_version": 5, "model": f"layers{layers}",
+           "vars": {"seqs": {"max": 4, "axis": "groups"}, "tokens": {"max": 64, "axis": "rows"}},
+           "states": states, "buffers": buffers, "modules": {}, "ops": _LAYERED_OPS,
+           "programs": programs}
+    return copy.deepcopy(raw)  # the programs share one call list; callers may edit them
+
+
+def _c(label: str, op: str, src: str, weight: str, dst: str) -> dict:
+    return {"label": label, "op": op, "args": [{"buf": src}, {"buf": weight}, {"buf": dst}]}
+
+
+def _extern(params: list[str]) -> dict:
+    return {"params": params, "impl": {"launches": [{"entry": "extern:x"}]}}
+
+
+_B = "buffer<bf16>"
+_LAYERED_OPS = {
+    "embed": _extern(["in buffer<i32>", f"in {_B}", f"out {_B}"]),
+    "norm": _extern([f"in {_B}", f"in {_B}", f"out {_B}"]),
+    "gemm": _extern([f"in {_B}", f"in {_B}", f"out {_B}"]),
+    "gemm_acc": _extern([f"in {_B}", f"in {_B}", f"inout {_B}"]),
+    "mlp_acc": _extern([f"in {_B}", f"in {_B}", f"inout {_B}"]),
+    "attention": _extern([f"in {_B}", "inout state", "inout state", "in buffer<i32>",
+                          "in buffer<i32>", "in buffer<i32>", "in buffer<i32>",
+                          "in buffer<f32>", f"out {_B}"]),
+    "last_norm": _extern([f"in {_B}", f"in {_B}", f"out {_B}"]),
+    "lm_head": _extern([f"in {_B}", f"in {_B}", "out buffer<f32>"]),
+    "sample": _extern(["in buffer<f32>", "out buffer<i32>"]),
+    "rope_table": _extern(["out buffer<f32>"]),
+    "cast": _extern(["in buffer<f32>", f"out {_B}"]),
+}

@@ -52,7 +52,13 @@ def human_bytes(n: int) -> str:
     return str(n)
 
 
-def _names(names: frozenset[str]) -> str:
+READ_ONLY = ("input", "weight", "source", "peer")
+
+
+def _names(names: frozenset[str], man: m.Manifest | None = None) -> str:
+    """Buffers the program computes (inputs and weights are live throughout: left out)."""
+    if man is not None:
+        names = frozenset(n for n in names if man.buffers[n].kind not in READ_ONLY)
     return " ".join(sorted(names)) or "-"
 
 
@@ -61,11 +67,11 @@ def render_program(man: m.Manifest, live: ProgramLiveness) -> str:
     peak_at = f" at #{live.peak_call}" if live.peak_call is not None else ""
     lines = [f"program {live.program}: {len(program.calls)} calls, "
              f"peak workspace {human_bytes(live.peak_bytes)}{peak_at}"]
-    lines.append("  calls (live-in -> live-out):")
+    lines.append("  calls (live-in -> live-out; inputs and weights left out):")
     for i, call in enumerate(program.calls):
         name = call.label or call.op
-        lines.append(f"    #{i:<4} {name:<24} {_names(live.live_in[i])} -> "
-                     f"{_names(live.live_out[i])}")
+        lines.append(f"    #{i:<4} {name:<24} {_names(live.live_in[i], man)} -> "
+                     f"{_names(live.live_out[i], man)}")
     lines.append("  buffers [first write, last read]:")
     for b, iv in live.intervals.items():
         first = "-" if iv.first_write is None else iv.first_write
