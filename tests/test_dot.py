@@ -1,0 +1,40 @@
+"""`dump --format dot`: every edge joins declared nodes, calls are coloured by stage."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from kerncc import reader
+from kerncc.dot import render_dot
+from kerncc.ir import IR, dataflow_graph
+from kerncc.passes.cut import cut_ir
+
+MODEL = Path(__file__).resolve().parent.parent / "golden" / "inputs" / "layers3.json"
+NODE = re.compile(r'^\s+("(?:[^"\\]|\\.)*") \[(.*)\];$')
+EDGE = re.compile(r'^\s+("(?:[^"\\]|\\.)*") -> ("(?:[^"\\]|\\.)*") \[(.*)\];$')
+
+
+def _parse(text: str) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    nodes, edges = {}, []
+    for line in text.splitlines():
+        if match := EDGE.match(line):
+            edges.append((match[1], match[2]))
+        elif match := NODE.match(line):
+            nodes[match[1]] = match[2]
+    return nodes, edges
+
+
+def test_dot_of_a_cut_program() -> None:
+    man = reader.load(MODEL)
+    ir = cut_ir(IR.from_manifest(man), {p: (10,) for p in man.driven_programs()})
+    text = render_dot(ir, "decode")
+    assert text.startswith('digraph "decode" {') and text.rstrip().endswith("}")
+    nodes, edges = _parse(text)
+    graph = dataflow_graph(man, ["decode"])
+    assert len(nodes) == graph.number_of_nodes()
+    assert len(edges) == graph.number_of_edges()
+    assert all(a in nodes and b in nodes for a, b in edges)
+    assert text.count("subgraph cluster_stage") == 2
+    crossing = [attrs for attrs in nodes.values() if "crosses 0->1" in attrs]
+    assert crossing and all("color=red" in a for a in crossing)
