@@ -1,0 +1,113 @@
+"""The backend interface: what a Session needs from a device, and how a backend is chosen.
+
+A backend owns memory and launches; it knows nothing of manifests, plans or programs. The
+Session (kerncc.runtime.session) allocates every buffer, state, arena and staging area through
+`allocate`, turns (allocation, byte offset) into the pointer value a launch takes with `pointer`
+(fixed once, at load), moves bytes with `upload` / `download` / `copy`, and issues launches.
+Kernels and externs are looked up once per launch site at load (`check_kernel`, `check_extern`)
+so that an unknown entry fails before anything runs; a backend raises `BackendError` with a
+plain reason and the Session adds where (program, call, op, launch).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kerncc.diagnostics import KernccError
+
+BACKENDS = ("cpu", "cuda")
+
+
+class BackendError(Exception):
+    """A backend cannot do what was asked (unknown entry, missing module, failed launch)."""
+
+
+@attrs.frozen
+class Geometry:
+    """A kernel launch's shape, as the reference kernels receive it (`launch.grid` ...)."""
+
+    entry: str
+    module: str | None
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int = 0
+
+
+class Backend(abc.ABC):
+    """One device (or the host, for `cpu`): memory, copies, kernel and extern launches."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int) -> Any:
+        """A zero-filled allocation of `nbytes` bytes."""
+
+    def free(self, allocation: Any) -> None:
+        """Give an allocation back (the default leaves it to garbage collection)."""
+
+    @abc.abstractmethod
+    def pointer(self, allocation: Any, offset: int) -> Any:
+        """The value a launch takes for a pointer to byte `offset` of `allocation`."""
+
+    @abc.abstractmethod
+    def address(self, pointer: Any) -> int:
+        """A pointer as the integer a `bytes<n>` pack holds."""
+
+    def tensormap(self, pointer: Any, record: dict) -> bytes:
+        """The 128-byte descriptor of a pack's `tensormap` field (cpu: zeros; no kernel reads it)."""
+        return bytes(128)
+
+    @abc.abstractmethod
+    def upload(self, allocation: Any, offset: int, data: np.ndarray) -> None:
+        """Write `data` (uint8) at byte `offset`."""
+
+    @abc.abstractmethod
+    def download(self, allocation: Any, offset: int, nbytes: int) -> np.ndarray:
+        """A host copy (uint8) of `nbytes` bytes at `offset`."""
+
+    def copy(self, source: Any, source_offset: int, target: Any, target_offset: int,
+             nbytes: int) -> None:
+        """Copy bytes between two allocations of this backend."""
+        self.upload(target, target_offset, self.download(source, source_offset, nbytes))
+
+    def add_modules(self, cubins: Mapping[str, Path]) -> None:
+        """Learn where the cubins of a stage are: {module sha256: file} (cpu: not needed)."""
+
+    @abc.abstractmethod
+    def check_kernel(self, entry: str, module: str | None) -> None:
+        """Raise BackendError when kernel `entry` (of module sha256 `module`) cannot launch."""
+
+    @abc.abstractmethod
+    def check_extern(self, name: str) -> None:
+        """Raise BackendError when extern `name` (without `extern:`) is unknown."""
+
+    @abc.abstractmethod
+    def launch_kernel(self, geometry: Geometry, args: Sequence[Any]) -> None:
+        """Issue one kernel launch with its args in the launch's param order."""
+
+    @abc.abstractmethod
+    def launch_extern(self, name: str, args: Sequence[Any]) -> None:
+        """Issue one extern launch (a GEMM) with its args in param order."""
+
+    def sync(self) -> None:
+        """Wait until every issued launch and copy has finished."""
+
+
+def make_backend(name: str, **options: Any) -> Backend:
+    """The backend called `name` (`cpu` or `cuda`)."""
+    if name == "cpu":
+        from kerncc.runtime.backends.cpu import CpuBackend
+        return CpuBackend()
+    if name != "cuda":
+        raise KernccError.single(f"unknown backend `{name}` (known: {', '.join(BACKENDS)})")
+    try:
+        from kerncc.runtime.backends import cuda
+    except ImportError as err:
+        raise KernccError.single(f"the cuda backend is not available: {err}") from None
+    return cuda.CudaBackend(**options)

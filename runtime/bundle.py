@@ -1,0 +1,235 @@
+"""Reading a stage bundle (docs/bundle.md): every file checked before anything runs.
+
+`Bundle(dir)` reads `bundle.json` and each stage's `manifest.json`, `plan.json` and (when
+present) `stage.py`, checking every recorded sha256 against the bytes read and the cubins under
+`modules/` against their names. Anything missing, tampered or malformed is a KernccError whose
+diagnostics carry the file's path. `Bundle.from_manifest(path)` lowers a plain manifest in
+process (`emit`, optionally after other passes) into a temporary bundle, so a manifest and a
+bundle run through the same code. `Bundle.open(path)` takes either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kerncc import manifest as m
+from kerncc.diagnostics import Diagnostic, KernccError, Location
+from kerncc.reader import load_with_locator
+
+FORMAT = "kerncc-bundle/1"
+WEIGHTS_BESIDE_MANIFEST = "model.safetensors"
+
+
+def bundle_error(path: Path | str, message: str, ptr: str = "") -> KernccError:
+    """An error about one file of a bundle, located at that file."""
+    return KernccError(f"cannot load bundle file `{path}`:",
+                       [Diagnostic(message, Location(ptr, file=str(path)))])
+
+
+def sha256_of(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@attrs.frozen
+class Stage:
+    """One stage of a bundle: its manifest, its plan, its generated code, its host inputs."""
+
+    index: int
+    dir: Path
+    manifest: m.Manifest
+    plan: dict
+    stage_py: Path | None
+    host_inputs: tuple[str, ...]
+    locate: Callable[[str], Location] = attrs.field(eq=False, repr=False)
+
+    def located(self, err: KernccError) -> KernccError:
+        """The error with its JSON pointers placed in this stage's manifest.json."""
+        return err.located(self.locate)
+
+    def plan_path(self) -> Path:
+        return self.dir / "plan.json"
+
+
+class Bundle:
+    """A checked bundle directory: `stages`, `edges`, `checkpoint`, `pipeline`, `index`."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.dir = Path(path)
+        self.index = _read_index(self.dir)
+        self.pipeline: str = self.index.get("pipeline", "")
+        self.edges: list[dict] = list(self.index.get("edges", []))
+        self.checkpoint = self._checkpoint()
+        self.stages = [_read_stage(self.dir, entry, i)
+                       for i, entry in enumerate(self.index["stages"])]
+        self._check_edges()
+
+    def __repr__(self) -> str:
+        return f"Bundle({str(self.dir)!r}, stages={len(self.stages)})"
+
+    @classmethod
+    def open(cls, path: str | Path, pipeline: str = "emit") -> Bundle:
+        """A bundle directory as is; a manifest file lowered with `pipeline` (ending in emit)."""
+        path = Path(path)
+        if path.is_dir():
+            return cls(path)
+        if not path.exists():
+            raise KernccError.single(f"`{path}` does not exist (expected a bundle directory or "
+                                     "a manifest file)")
+        return cls.from_manifest(path, pipeline)
+
+    @classmethod
+    def from_manifest(cls, path: str | Path, pipeline: str = "emit") -> Bundle:
+        """Lower the manifest at `path` in process into a temporary bundle and read it.
+
+        The temporary directory lives as long as the returned Bundle. The checkpoint is
+        `model.safetensors` beside the manifest when that file exists.
+        """
+        tmp = Path(tempfile.mkdtemp(prefix="kerncc-bundle-"))
+        try:
+            out = tmp / "bundle"
+            _lower(Path(path), pipeline, out)
+            bundle = cls(out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        weakref.finalize(bundle, shutil.rmtree, tmp, True)
+        beside = Path(path).parent / WEIGHTS_BESIDE_MANIFEST
+        if beside.exists():
+            bundle.checkpoint = beside.resolve()
+        return bundle
+
+    def _checkpoint(self) -> Path | None:
+        recorded = self.index.get("checkpoint")
+        if not recorded:
+            return None
+        return (self.dir / recorded).resolve()
+
+    def _check_edges(self) -> None:
+        count = len(self.stages)
+        for i, edge in enumerate(self.edges):
+            ok = isinstance(edge, dict) and {"buffer", "from", "to"} <= set(edge)
+            if not ok or not (0 <= edge["from"] < edge["to"] < count):
+                raise bundle_error(self.dir / "bundle.json", f"malformed edge {edge!r}",
+                                   f"/edges/{i}")
+            for end in ("from", "to"):
+                if edge["buffer"] not in self.stages[edge[end]].manifest.buffers:
+                    raise bundle_error(self.dir / "bundle.json",
+                                       f"edge buffer `{edge['buffer']}` is not a buffer of "
+                                       f"stage {edge[end]}", f"/edges/{i}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading and checking files
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise bundle_error(path, "the file is missing")
+    text = path.read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise KernccError(f"cannot load bundle file `{path}`:", [Diagnostic(
+            f"not valid JSON: {err.msg}", Location("", str(path), err.lineno, err.colno))]
+        ) from None
+
+
+def _read_index(root: Path) -> dict:
+    if not root.is_dir():
+        raise KernccError.single(f"`{root}` is not a bundle directory")
+    path = root / "bundle.json"
+    if not path.is_file():
+        raise bundle_error(path, f"`{root}` is not a bundle: bundle.json is missing")
+    index = _read_json(path)
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else None
+        raise bundle_error(path, f"format is {found!r}, expected {FORMAT!r}", "/format")
+    if not isinstance(index.get("stages"), list) or not index["stages"]:
+        raise bundle_error(path, "`stages` must be a non-empty list", "/stages")
+    return index
+
+
+def _check_sha(path: Path, entry: dict, key: str, where: Path, ptr: str) -> None:
+    """The file's sha256 against the bundle's record, when the bundle records one."""
+    expected = entry.get(key)
+    if expected is None:
+        return
+    if not path.is_file():
+        raise bundle_error(path, "the file is missing")
+    actual = sha256_of(path)
+    if actual != expected:
+        raise bundle_error(path, f"sha256 is {actual}, but {where.name} records {expected} "
+                           f"({ptr}/{key}): the file was changed after emit")
+
+
+def _read_stage(root: Path, entry: Any, i: int) -> Stage:
+    index_path, ptr = root / "bundle.json", f"/stages/{i}"
+    if not isinstance(entry, dict) or "dir" not in entry:
+        raise bundle_error(index_path, "a stage entry needs `dir`", ptr)
+    stage_dir = root / entry["dir"]
+    manifest_path = stage_dir / "manifest.json"
+    _check_sha(manifest_path, entry, "manifest_sha256", index_path, ptr)
+    _check_sha(stage_dir / "plan.json", entry, "plan_sha256", index_path, ptr)
+    _check_sha(stage_dir / "stage.py", entry, "stage_py_sha256", index_path, ptr)
+    if not manifest_path.is_file():
+        raise bundle_error(manifest_path, "the file is missing")
+    manifest, locate = load_with_locator(manifest_path)
+    plan = _read_plan(stage_dir / "plan.json")
+    if set(plan["programs"]) != set(manifest.programs):
+        raise bundle_error(stage_dir / "plan.json", f"plans programs {sorted(plan['programs'])}, "
+                           f"but manifest.json has {sorted(manifest.programs)}", "/programs")
+    _check_modules(stage_dir / "modules")
+    stage_py = stage_dir / "stage.py"
+    return Stage(i, stage_dir, manifest, plan, stage_py if stage_py.is_file() else None,
+                 tuple(entry.get("host_inputs", ())), locate)
+
+
+def _read_plan(path: Path) -> dict:
+    plan = _read_json(path)
+    if not isinstance(plan, dict):
+        raise bundle_error(path, "plan.json must hold an object")
+    for key in ("arena", "memory", "programs"):
+        if not isinstance(plan.get(key), dict):
+            raise bundle_error(path, f"`{key}` is missing or not an object", f"/{key}")
+    return plan
+
+
+def _check_modules(modules: Path) -> None:
+    if not modules.is_dir():
+        return
+    for cubin in sorted(modules.glob("*.cubin")):
+        if sha256_of(cubin) != cubin.stem:
+            raise bundle_error(cubin, "the cubin's sha256 is not the one its name records")
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering a manifest in process
+
+
+def _lower(path: Path, pipeline: str, out: Path) -> None:
+    """`kerncc lower PATH -p PIPELINE -o OUT`, in process; the pipeline must end in `emit`."""
+    from kerncc.ir import IR
+    from kerncc.pipeline import pass_spec, resolve_pipeline, run_pipeline
+    from kerncc.verify import verify
+
+    manifest, locate = load_with_locator(path)
+    try:
+        verify(manifest)
+        passes = resolve_pipeline(pipeline)
+        if not passes or passes[-1].name != "emit":
+            raise KernccError.single(f"pipeline `{pipeline}` must end in `emit` to give a bundle")
+        passes = tuple(attrs.evolve(p, out=str(out)) if p.name == "emit" else p for p in passes)
+        ir = attrs.evolve(IR.from_manifest(manifest, source=str(path)),
+                          pipeline=",".join(str(pass_spec(p)) for p in passes))
+        run_pipeline(ir, passes, input_name=str(path))
+    except KernccError as err:
+        raise err.located(locate) from None

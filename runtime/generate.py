@@ -1,0 +1,289 @@
+"""Serving one sequence: chunked prefill, then greedy decode, over a paged KV cache.
+
+The driver knows no buffer, program or var by name: the serving protocol (kerncc.protocol,
+spec §4) says which program takes a prefill chunk (`chunk()`) and which one row
+(`forward(1, 1)`), which buffer carries each fill, which inputs are page tables, and which
+output hands the token back. kern-serve's order (spec §6.1): the prompt minus its last token
+goes through the chunk program in chunks, the last token through the one-row program, whose
+token is the first generated; each further token is fed back through the one-row program.
+
+A chain of stages is served like one manifest: the protocol is read off every stage that fits
+it (`check_unsampled`) and merged (the head stages the union of every stage's inputs, spec
+§3.10); the driver refuses to start if some stage reads an input it cannot fill. Pages come
+from one pool (block size = the page table's `stride`), handed out from the top down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kerncc import manifest as m
+from kerncc import protocol as proto
+from kerncc.analysis.access import call_access
+from kerncc.diagnostics import KernccError
+from kerncc.runtime.memory import numpy_dtype
+from kerncc.runtime.session import Chain, Session
+from kerncc.verify import verify
+
+INPUT_FILLS = ("token", "position", "valid", "slot", "seq_len", "cu_seqlens", "span_at")
+LOGITS = "logits"
+
+
+def sessions_of(runner: Session | Chain) -> list[Session]:
+    return runner.sessions if isinstance(runner, Chain) else [runner]
+
+
+# ---------------------------------------------------------------------------------------------
+# The protocol of a chain
+
+
+def chain_protocol(manifests: Sequence[m.Manifest]) -> proto.Protocol:
+    """One stage's protocol, or the union of the protocols of the stages that fit one."""
+    found: list[proto.Protocol] = []
+    errors: list[KernccError] = []
+    for man in manifests:
+        try:
+            found.append(proto.check_unsampled(verify(man)))
+        except KernccError as err:
+            errors.append(err)
+    if not found:
+        raise errors[0]
+    return _merged(found)
+
+
+def _merged(protocols: list[proto.Protocol]) -> proto.Protocol:
+    def union(items: list) -> tuple:
+        return tuple({item.name: item for item in items}.values())
+
+    forwards: dict[str, proto.Forward] = {}
+    for p in protocols:
+        for f in p.forwards:
+            old = forwards.get(f.name)
+            # The stage that writes the token output knows what the program hands back.
+            forwards[f.name] = f if old is None or f.emits is not None else old
+    return attrs.evolve(
+        protocols[-1],
+        fills=union([f for p in protocols for f in p.fills]),
+        page_tables=union([t for p in protocols for t in p.page_tables]),
+        line_tables=union([t for p in protocols for t in p.line_tables]),
+        forwards=tuple(forwards[name] for name in sorted(forwards, key=str.encode)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pages
+
+
+class PagePool:
+    """Page ids of the paged states, handed out from the highest down, taken back in bulk."""
+
+    def __init__(self, pages: int) -> None:
+        self.pages = pages
+        self.free = list(range(pages))
+
+    def take(self, count: int) -> list[int]:
+        if count > len(self.free):
+            raise KernccError.single(f"the KV cache is full: {count} more pages needed, "
+                                     f"{len(self.free)} of {self.pages} free")
+        return [self.free.pop() for _ in range(count)]
+
+    def give_back(self, pages: list[int]) -> None:
+        self.free.extend(reversed(pages))
+
+
+@attrs.define
+class Served:
+    """One sequence being served: its tokens so far, how many are cached, its pages."""
+
+    tokens: list[int]
+    cached: int = 0
+    pages: list[int] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class Generation:
+    """What `generate` produced: the new tokens, and every run's logits (last row)."""
+
+    tokens: list[int]
+    logits: np.ndarray | None
+    steps: list[tuple[str, int]]  # (program, rows) of every run, in order
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver
+
+
+class Generator:
+    """Chunked prefill and greedy decode of one sequence at a time on a Session or Chain."""
+
+    def __init__(self, runner: Session | Chain) -> None:
+        self.runner = runner
+        self.sessions = sessions_of(runner)
+        self.protocol = chain_protocol([s.manifest for s in self.sessions])
+        self.chunk_program = self.protocol.chunk()
+        self.step_program = self.protocol.forward(1, 1)
+        if self.chunk_program is None and self.step_program is None:
+            raise KernccError.single("no program takes one sequence (neither a chunk program "
+                                     "nor a one-row program): nothing to serve one prompt with")
+        self.stride, self.width = self._page_geometry()
+        self.pool = PagePool(self.sessions[0].token_capacity // self.stride)
+        self._check_inputs()
+
+    @property
+    def max_chunk(self) -> int:
+        return self.protocol.rows.max
+
+    def _page_geometry(self) -> tuple[int, int]:
+        if self.protocol.line_tables:
+            names = ", ".join(f"`{t.name}`" for t in self.protocol.line_tables)
+            raise KernccError.single(f"per-sequence state tables ({names}) are not served by "
+                                     "`kerncc run` yet")
+        geometry = {(self._stride(t.name), t.width) for t in self.protocol.page_tables}
+        if len(geometry) > 1:
+            raise KernccError.single(f"page tables disagree on stride and width: {geometry}")
+        return geometry.pop() if geometry else (16, 0)
+
+    def _stride(self, table: str) -> int:
+        for s in self.sessions:
+            buf = s.manifest.buffers.get(table)
+            if buf is not None and buf.domain is not None:
+                return buf.domain.stride
+        return 1
+
+    def _check_inputs(self) -> None:
+        """Every input the served programs read is a fill or a page table the driver writes."""
+        fillable = {f.name for f in self.protocol.fills if f.fill in INPUT_FILLS}
+        fillable |= {t.name for t in self.protocol.page_tables}
+        programs = [f.name for f in (self.chunk_program, self.step_program) if f is not None]
+        for s in self.sessions:
+            for name in sorted(_reads(s.manifest, programs) & set(s.stage.host_inputs)):
+                if name not in fillable:
+                    raise KernccError.single(
+                        f"stage {s.stage.index} reads input `{name}`, which is neither a fill "
+                        "`kerncc run` writes nor a page table")
+        for f in self.protocol.fills:
+            if (f.fill not in INPUT_FILLS and f.fill not in m.OUTPUT_FILLS) or f.width != 1:
+                raise KernccError.single(f"fill `{f.fill}` on `{f.name}` (width {f.width}) is "
+                                         "not served by `kerncc run` yet")
+
+    # ------------------------------------------------------------------------ serving
+
+    def generate(self, prompt: Sequence[int], max_new: int, chunk: int | None = None
+                 ) -> Generation:
+        """Prefill `prompt` in chunks of `chunk` rows, then decode `max_new` tokens greedily."""
+        if not prompt:
+            raise KernccError.single("the prompt is empty")
+        chunk = chunk or self.max_chunk
+        if not 1 <= chunk <= self.max_chunk:
+            raise KernccError.single(f"chunk {chunk} is outside [1, {self.max_chunk}] "
+                                     f"(`{self.protocol.rows.var}` <= {self.max_chunk})")
+        seq = Served([int(t) for t in prompt])
+        record = _Record()
+        try:
+            token = self._prefill(seq, chunk, record)
+            generated: list[int] = []
+            while len(generated) < max_new:
+                generated.append(token)
+                seq.tokens.append(token)
+                if len(generated) < max_new:
+                    token = self._one_row(seq, record)
+        finally:
+            self.pool.give_back(seq.pages)
+        return Generation(generated, record.stacked(), record.steps)
+
+    def _prefill(self, seq: Served, chunk: int, record: _Record) -> int:
+        """Feed all but the last prompt token in chunks, the last one as a step: its token."""
+        if self.chunk_program is None:
+            chunk = 1
+        while seq.cached < len(seq.tokens) - 1:
+            rows = min(chunk, len(seq.tokens) - 1 - seq.cached)
+            self._feed(seq, rows, self.chunk_program or self.step_program, record)
+        return self._one_row(seq, record)
+
+    def _one_row(self, seq: Served, record: _Record) -> int:
+        forward = self.step_program or self.chunk_program
+        token = self._feed(seq, 1, forward, record)
+        if token is None:
+            raise KernccError.single(f"program `{forward.name}` hands back no token "
+                                     "(no `tokens` output): nothing to decode with")
+        return token
+
+    def _feed(self, seq: Served, rows: int, forward: proto.Forward,
+              record: _Record) -> int | None:
+        start, end = seq.cached, seq.cached + rows
+        self._reserve(seq, end)
+        inputs = self._inputs(seq, start, end)
+        vars = self.protocol.vars(1, rows, rows, end)
+        outputs = self.runner.run(forward.name, inputs, vars)
+        seq.cached = end
+        record.add(forward.name, rows, outputs.get(LOGITS))
+        if forward.emits is None or forward.emits not in outputs:
+            return None
+        return int(np.asarray(outputs[forward.emits]).reshape(-1)[0])
+
+    def _reserve(self, seq: Served, end: int) -> None:
+        if self.width and end > self.width * self.stride:
+            raise KernccError.single(f"the sequence needs {end} tokens, but a page table holds "
+                                     f"{self.width} pages of {self.stride} tokens")
+        needed = -(-end // self.stride) - len(seq.pages)
+        if needed > 0:
+            seq.pages += self.pool.take(needed)
+
+    def _inputs(self, seq: Served, start: int, end: int) -> dict[str, np.ndarray]:
+        inputs: dict[str, np.ndarray] = {}
+        for f in self.protocol.fills:
+            if f.fill in INPUT_FILLS:
+                values = self._fill_values(f, seq, start, end)
+                inputs[f.name] = np.asarray(values, dtype=numpy_dtype(f.dtype))
+        for t in self.protocol.page_tables:
+            row = seq.pages + [0] * (t.width - len(seq.pages))
+            inputs[t.name] = np.asarray([row], dtype=np.int32)
+        return inputs
+
+    def _fill_values(self, f: proto.Filled, seq: Served, start: int, end: int) -> list[int]:
+        rows = end - start
+        if f.fill == "token":
+            fed = seq.tokens[start:end]
+            return fed[:1] if f.axis == "groups" else fed
+        if f.fill == "position":
+            return list(range(start, end))
+        if f.fill == "valid":
+            return [1] * rows
+        if f.fill == "slot":
+            return [self._slot(seq, p) for p in range(start, end)]
+        if f.fill == "seq_len":
+            return [end]
+        if f.fill == "cu_seqlens":
+            return [0] + [rows] * (f.axis.n - 1)  # type: ignore[union-attr]
+        return [0]  # span_at: no run in a plain call
+
+    def _slot(self, seq: Served, position: int) -> int:
+        return seq.pages[position // self.stride] * self.stride + position % self.stride
+
+
+def _reads(man: m.Manifest, programs: list[str]) -> set[str]:
+    found: set[str] = set()
+    for name in programs:
+        program = man.programs.get(name)
+        for call in program.calls if program else ():
+            found |= call_access(call, man.ops.get(call.op)).buffer_reads
+    return found
+
+
+class _Record:
+    """Every run's program, rows and last-row logits."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, int]] = []
+        self.logits: list[np.ndarray] = []
+
+    def add(self, program: str, rows: int, logits: Any) -> None:
+        self.steps.append((program, rows))
+        if logits is not None:
+            self.logits.append(np.asarray(logits).reshape(-1, np.shape(logits)[-1])[-1].copy())
+
+    def stacked(self) -> np.ndarray | None:
+        return np.stack(self.logits) if self.logits else None

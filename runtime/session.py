@@ -1,0 +1,444 @@
+"""Sessions: one stage of a bundle loaded on a backend and run; a Chain runs every stage.
+
+`Session(bundle, stage)` allocates the stage's memory from its plan (kerncc.runtime.memory),
+assembles weights from the checkpoint by `bind`, runs the `derive` programs inside loading with
+the staging plan (sources uploaded into their windows just before the first call that reads
+them, the staging freed after), runs the `once` programs, and then serves
+`run(program, inputs, vars)`: host inputs written and domain-checked, the program's launches
+issued (through stage.py's generated functions when the stage has them, else by interpreting
+plan.json's launch records, `when` gates included), the outputs it writes handed back.
+Workspaces are dead between runs; everything else persists. A `Chain` runs stage 0..S-1 in
+order, copying each edge's crossing buffers from stage k to stage k+1 by name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kerncc import manifest as m
+from kerncc.analysis.access import call_access
+from kerncc.diagnostics import Diagnostic, KernccError, Location
+from kerncc.runtime import domains
+from kerncc.runtime.backends.base import Backend, BackendError, Geometry, make_backend
+from kerncc.runtime.bundle import Bundle, Stage, bundle_error
+from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
+from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype
+from kerncc.runtime.weights import Checkpoint, assemble
+
+HOST_WRITTEN = ("input", "inout")
+CheckpointLike = str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, np.ndarray] \
+    | Checkpoint | None
+LAUNCH_FAILURES = (BackendError, ValueError, IndexError, TypeError)
+_stage_modules = itertools.count()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def open_bundle(bundle: Bundle | str | os.PathLike) -> Bundle:
+    return bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
+
+
+def open_backend(backend: str | Backend) -> Backend:
+    return make_backend(backend) if isinstance(backend, str) else backend
+
+
+class Session:
+    """One stage of a bundle, loaded on a backend and ready to run programs."""
+
+    def __init__(self, bundle: Bundle | str | os.PathLike, stage: int = 0,
+                 backend: str | Backend = "cpu", checkpoint: CheckpointLike = None,
+                 token_capacity: int | None = None, interpret: bool = False) -> None:
+        self.bundle = open_bundle(bundle)
+        if not 0 <= stage < len(self.bundle.stages):
+            raise KernccError.single(f"the bundle has {len(self.bundle.stages)} stages; "
+                                     f"there is no stage {stage}")
+        self.stage: Stage = self.bundle.stages[stage]
+        self.manifest = self.stage.manifest
+        self.backend = open_backend(backend)
+        self.token_capacity = token_capacity or default_token_capacity(self.manifest)
+        self.memory = Memory(self.backend, self.manifest, self.stage.plan, self.token_capacity)
+        self.last_vars = self._vars({})
+        self._env = self.last_vars
+        self._derive_base: dict[str, int] = {}
+        self._uploaded: set[str] = set()
+        self._derived: set[str] = set()
+        self._tensors = _open_checkpoint(checkpoint if checkpoint is not None
+                                         else self.bundle.checkpoint)
+        try:
+            self._load(interpret)
+        finally:
+            self._close_checkpoint()
+
+    def __repr__(self) -> str:
+        return f"Session(stage {self.stage.index} of {self.bundle!r}, {self.backend.name})"
+
+    @property
+    def programs(self) -> list[str]:
+        """The programs `run` accepts (derive programs ran at load and are gone)."""
+        return [name for name in self.sites if name not in self._derived]
+
+    @property
+    def generated(self) -> bool:
+        """Whether runs go through the stage's generated stage.py (else plan.json is read)."""
+        return bool(self._fast)
+
+    # ------------------------------------------------------------------------ loading
+
+    def _load(self, interpret: bool) -> None:
+        derive = sorted((n for n, p in self.manifest.programs.items() if p.derive),
+                        key=str.encode)
+        if derive:
+            self.memory.stage(self.stage.plan.get("staging", {}))
+        self.sites = self._parse_sites()
+        self._by_number = {s.number: s for sites in self.sites.values() for s in sites}
+        self.backend.add_modules({p.stem: p for p in self.stage.dir.glob("modules/*.cubin")})
+        self._check_entries()
+        self._fast = {} if interpret else self._load_stage_py()
+        self._load_weights()
+        self._run_derive(derive)
+        for name in sorted((n for n, p in self.manifest.programs.items() if p.once),
+                           key=str.encode):
+            self._execute(name, self._vars({}))
+
+    def _parse_sites(self) -> dict[str, list[Site]]:
+        try:
+            return parse_sites(self.stage.plan, self.memory)
+        except PlanError as err:
+            raise plan_error(str(self.stage.plan_path()), "", str(err)) from None
+
+    def _check_entries(self) -> None:
+        """Every launch's kernel or extern exists on this backend, before anything runs."""
+        problems = []
+        for site in self._by_number.values():
+            try:
+                if site.kind == "extern":
+                    self.backend.check_extern(site.extern_name)
+                else:
+                    self.backend.check_kernel(site.entry, site.module)
+            except BackendError as err:
+                problems.append(Diagnostic(f"{site.where()}: {err}",
+                                           Location(file=str(self.stage.plan_path()))))
+        if problems:
+            raise KernccError(f"stage {self.stage.index} cannot run on the "
+                              f"{self.backend.name} backend:", problems)
+
+    def _load_stage_py(self) -> dict[str, Callable]:
+        path = self.stage.stage_py
+        if path is None:
+            return {}
+        name = f"_kerncc_stage_{next(_stage_modules)}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        module.cdiv = cdiv  # type: ignore[attr-defined]
+        try:
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except Exception as err:  # noqa: BLE001 - any failure of generated code is the bundle's
+            raise bundle_error(path, f"cannot load: {type(err).__name__}: {err}") from None
+        programs = getattr(module, "PROGRAMS", None)
+        if not isinstance(programs, dict):
+            raise bundle_error(path, "stage.py defines no PROGRAMS dict")
+        return {name: fn for name, fn in programs.items() if name in self.sites}
+
+    def _load_weights(self) -> None:
+        weights = [name for name, b in self.manifest.buffers.items() if b.kind == "weight"]
+        for name in sorted(weights, key=str.encode):
+            data = self._assemble(name)
+            self.backend.upload(self.memory.buffer(name), 0, data)
+
+    def _assemble(self, name: str) -> np.ndarray:
+        buf = self.manifest.buffers[name]
+        tensors = self._require_checkpoint()
+        nbytes = buf.nbytes(self.manifest.vars_max())
+        try:
+            return assemble(buf.bind, tensors, numpy_dtype(buf.dtype), nbytes,
+                            where=f"/buffers/{name}/bind")
+        except KernccError as err:
+            headline = f"{err.headline} (checkpoint: {self._checkpoint_name})"
+            raise self.stage.located(KernccError(headline, err.diagnostics)) from None
+
+    def _require_checkpoint(self) -> Callable[[str], np.ndarray]:
+        if self._tensors is None:
+            raise KernccError.single(f"stage {self.stage.index} binds weights from a checkpoint, "
+                                     "but none was given and the bundle records none")
+        return self._tensors.get
+
+    @property
+    def _checkpoint_name(self) -> str:
+        return self._tensors.name if self._tensors else "none"
+
+    def _close_checkpoint(self) -> None:
+        if self._tensors is not None and self._tensors.owned is not None:
+            self._tensors.owned.close()
+        self._tensors = None
+
+    # ------------------------------------------------------------------------ derive
+
+    def _run_derive(self, names: list[str]) -> None:
+        """Run derive programs in name order over the staged sources, then drop them."""
+        if not names:
+            return
+        count = 0
+        for name in names:
+            self._derive_base[name] = count
+            count += len(self.stage.plan["programs"][name].get("calls", []))
+        for name in names:
+            self._execute(name, self._vars({}))
+        self.backend.sync()
+        self.memory.unstage()
+        self._derived = set(names)
+
+    def _arrive(self, call: int) -> None:
+        """Upload the sources whose window is live at derive call `call` and not yet there."""
+        for source, window in self.memory.windows.items():
+            live = int(window["first"]) <= call <= int(window["last"])
+            if not live or source in self._uploaded:
+                continue
+            self.backend.sync()  # the window's previous occupant has finished
+            self.backend.upload(self.memory.staging, int(window["offset"]), self._assemble(source))
+            self._uploaded.add(source)
+
+    # ------------------------------------------------------------------------ running
+
+    def run(self, program: str, inputs: Mapping[str, Any] | None = None,
+            vars: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+        """Write `inputs`, run `program` at `vars` (unset vars are 1), return its outputs."""
+        self._check_program(program)
+        env = self._vars(vars or {})
+        for name, value in (inputs or {}).items():
+            self._write_host(name, value, env)
+        self._execute(program, env)
+        self.last_vars = env
+        return {name: self.read(name, env) for name in self._written(program)}
+
+    def _check_program(self, program: str) -> None:
+        if program in self._derived:
+            raise KernccError.single(f"program `{program}` is a derive program: it ran inside "
+                                     "loading and cannot run again")
+        if program not in self.sites:
+            known = ", ".join(f"`{p}`" for p in self.programs)
+            raise KernccError.single(f"stage {self.stage.index} has no program `{program}` "
+                                     f"(it has {known})")
+
+    def _vars(self, given: Mapping[str, int]) -> dict[str, int]:
+        env = {name: 1 for name in self.manifest.vars}
+        for name, value in given.items():
+            var = self.manifest.vars.get(name)
+            if var is None:
+                raise KernccError.single(f"var `{name}` is not a var of stage "
+                                         f"{self.stage.index} (its vars: "
+                                         f"{', '.join(sorted(self.manifest.vars)) or 'none'})")
+            if isinstance(value, bool) or int(value) != value or not 1 <= value <= var.max:
+                raise KernccError.single(f"var `{name}` = {value} is outside [1, {var.max}]")
+            env[name] = int(value)
+        return env
+
+    def _execute(self, program: str, env: dict[str, int]) -> None:
+        self._env = env
+        fast = self._fast.get(program)
+        if fast is not None:
+            fast(_StageHandle(self), dict(env))
+            return
+        for site in self.sites[program]:
+            if not site.gated_off(env):
+                self._issue(site, site.grid_at(env), site.var_values(env))
+
+    def _issue(self, site: Site, grid: tuple[int, int, int], scalars: Sequence[int]) -> None:
+        if site.program in self._derive_base and self.memory.staging is not None:
+            self._arrive(self._derive_base[site.program] + site.call)
+        args = site.bind(scalars)
+        try:
+            if site.kind == "extern":
+                self.backend.launch_extern(site.extern_name, args)
+                return
+            shared = evaluate(site.shared_mem, self._env)
+            geometry = Geometry(site.entry, site.module, tuple(grid), site.block, shared)
+            self.backend.launch_kernel(geometry, args)
+        except LAUNCH_FAILURES as err:
+            raise KernccError.single(f"stage {self.stage.index}, {site.where()}, entry "
+                                     f"`{site.entry}`: the launch failed: {err}") from None
+
+    def _written(self, program: str) -> list[str]:
+        """Output and inout buffers the program's calls write, in name order."""
+        found: set[str] = set()
+        for call in self.manifest.programs[program].calls:
+            found |= call_access(call, self.manifest.ops.get(call.op)).buffer_writes
+        kinds = ("output", "inout")
+        return sorted((n for n in found if self.manifest.buffers[n].kind in kinds),
+                      key=str.encode)
+
+    # ------------------------------------------------------------------------ buffers
+
+    def _buffer(self, name: str) -> m.Buffer:
+        buf = self.manifest.buffers.get(name)
+        if buf is None:
+            raise KernccError.single(f"stage {self.stage.index} has no buffer `{name}`")
+        if name not in self.memory.buffers:
+            raise KernccError.single(f"buffer `{name}` is a {buf.kind}: it has no memory of "
+                                     "its own between runs")
+        return buf
+
+    def read(self, name: str, vars: Mapping[str, int] | None = None) -> np.ndarray:
+        """A copy of buffer `name`, shaped at `vars` (default: the last run's)."""
+        buf = self._buffer(name)
+        env = self.last_vars if vars is None else self._vars(vars)
+        dims = buf.dims_at(env)
+        raw = self.backend.download(self.memory.buffer(name), 0, buf.nbytes(env))
+        return raw.view(numpy_dtype(buf.dtype)).reshape(dims)
+
+    def write(self, name: str, array: Any, vars: Mapping[str, int] | None = None) -> None:
+        """Write buffer `name` (shape at `vars`, default: read off the array's shape)."""
+        buf = self._buffer(name)
+        given = dict(vars) if vars is not None else domains.vars_from_shape(buf, array)
+        env = self._vars(given)
+        self._store(name, buf, array, env)
+
+    def _write_host(self, name: str, value: Any, env: dict[str, int]) -> None:
+        buf = self._buffer(name)
+        if buf.kind not in HOST_WRITTEN:
+            raise KernccError.single(f"`{name}` is a {buf.kind} buffer; the host writes only "
+                                     "input and inout buffers before a run")
+        self._store(name, buf, value, env)
+
+    def _store(self, name: str, buf: m.Buffer, value: Any, env: dict[str, int]) -> None:
+        try:
+            array = domains.host_array(name, buf, value, env, numpy_dtype(buf.dtype))
+            if buf.kind in HOST_WRITTEN:
+                domains.check(name, buf, array, env, self._index_rows)
+        except KernccError as err:
+            raise self.stage.located(err) from None
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self.backend.upload(self.memory.buffer(name), 0, data)
+
+    def _index_rows(self, target: str, env: dict[str, int]) -> int | None:
+        """Rows an `index_into` target has (spec §1.6); None when unbounded."""
+        if target in self.manifest.buffers:
+            return self.manifest.buffers[target].dims_at(env)[0]
+        state = self.manifest.states.get(target)
+        if state is None or state.host is not None:
+            return None
+        if state.bytes_per_token:
+            return self.token_capacity
+        if state.bytes_per_seq:
+            return self.memory.seq_slots * state.bytes_per_seq
+        return None
+
+    def transfer(self, name: str, target: Session, vars: Mapping[str, int]) -> None:
+        """Copy buffer `name`'s bytes at `vars` into the same-named buffer of `target`."""
+        buf = target._buffer(name)
+        self._buffer(name)
+        nbytes = buf.nbytes(target._vars(vars))
+        source, sink = self.memory.buffer(name), target.memory.buffer(name)
+        if target.backend is self.backend:
+            self.backend.copy(source, 0, sink, 0, nbytes)
+            return
+        target.backend.upload(sink, 0, self.backend.download(source, 0, nbytes))
+
+
+class _StageHandle:
+    """The `rt` stage.py's functions launch through."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    def launch(self, site: int, grid: Sequence[int] | None, scalars: Sequence[int] = ()) -> None:
+        """Issue launch `site`; `grid` is None for an extern launch."""
+        s = self._session
+        found = s._by_number.get(site)
+        if found is None:
+            raise KernccError.single(f"stage.py launches site {site}, which plan.json lacks")
+        shape = (1, 1, 1) if grid is None else (int(grid[0]), int(grid[1]), int(grid[2]))
+        s._issue(found, shape, scalars)
+
+
+@attrs.frozen
+class _Tensors:
+    """Checkpoint tensors by name while loading, and what messages call them."""
+
+    get: Callable[[str], np.ndarray]
+    name: str
+    owned: Checkpoint | None = None  # opened here, so closed here after loading
+
+
+def _open_checkpoint(checkpoint: CheckpointLike) -> _Tensors | None:
+    """Tensors by name from a path (file or directory), paths, a mapping or a Checkpoint."""
+    if checkpoint is None:
+        return None
+    if isinstance(checkpoint, Checkpoint):
+        return _Tensors(checkpoint, "the given Checkpoint")
+    if isinstance(checkpoint, Mapping):
+        return _Tensors(checkpoint.__getitem__, "the given tensors")
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = Path(checkpoint)
+        paths = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    else:
+        paths = [Path(p) for p in checkpoint]
+    missing = [p for p in paths if not p.is_file()]
+    if missing or not paths:
+        raise KernccError.single(f"checkpoint `{missing[0] if missing else checkpoint}` "
+                                 "does not exist")
+    opened = Checkpoint(paths)
+    return _Tensors(opened, ", ".join(str(p) for p in paths), opened)
+
+
+class Chain:
+    """Every stage of a bundle, run in order on one backend, crossing buffers copied by name."""
+
+    def __init__(self, bundle: Bundle | str | os.PathLike, backend: str | Backend = "cpu",
+                 checkpoint: CheckpointLike = None, token_capacity: int | None = None,
+                 interpret: bool = False) -> None:
+        self.bundle = open_bundle(bundle)
+        self.backend = open_backend(backend)
+        # One pool of page ids serves every stage, so every stage gets the same capacity.
+        self.token_capacity = token_capacity or max(
+            default_token_capacity(s.manifest) for s in self.bundle.stages)
+        self.sessions = [Session(self.bundle, k, self.backend, checkpoint, self.token_capacity,
+                                 interpret) for k in range(len(self.bundle.stages))]
+
+    def __repr__(self) -> str:
+        return f"Chain({self.bundle!r}, {self.backend.name})"
+
+    def run(self, program: str, inputs: Mapping[str, Any] | None = None,
+            vars: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+        """Run `program` on every stage in order; the last stage's outputs."""
+        inputs, vars = dict(inputs or {}), dict(vars or {})
+        self._check_names(inputs, vars)
+        outputs: dict[str, np.ndarray] = {}
+        for k, session in enumerate(self.sessions):
+            stage_vars = {n: v for n, v in vars.items() if n in session.manifest.vars}
+            self._receive(k, stage_vars)
+            if program not in session.sites:
+                continue
+            host = {n: v for n, v in inputs.items() if n in session.stage.host_inputs}
+            outputs = session.run(program, host, stage_vars)
+        return outputs
+
+    def _check_names(self, inputs: dict, vars: dict) -> None:
+        taken = {n for s in self.bundle.stages for n in s.host_inputs}
+        known_vars = {v for s in self.sessions for v in s.manifest.vars}
+        for name in inputs:
+            if name not in taken:
+                raise KernccError.single(f"no stage of the bundle takes input `{name}` "
+                                         f"(host inputs: {', '.join(sorted(taken))})")
+        for name in vars:
+            if name not in known_vars:
+                raise KernccError.single(f"no stage of the bundle has var `{name}`")
+
+    def _receive(self, k: int, vars: dict[str, int]) -> None:
+        for edge in self.bundle.edges:
+            if edge["to"] == k:
+                source = self.sessions[edge["from"]]
+                source.transfer(edge["buffer"], self.sessions[k], vars)
+
+    @property
+    def programs(self) -> list[str]:
+        return sorted({p for s in self.sessions for p in s.programs}, key=str.encode)

@@ -1,0 +1,355 @@
+"""The runtime's contracts: bundle checks, loading, runs, host-input checks, chains, the CLI.
+
+Everything runs the tiny example model on the cpu backend; each error test damages one thing
+and expects one clear KernccError that names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kerncc.cli import main
+from kerncc.diagnostics import KernccError
+from kerncc.example import generate
+from kerncc.runtime import Bundle, Chain, Session
+from kerncc.runtime.backends.cpu import CpuBackend
+from kerncc.runtime.generate import Generator, PagePool
+from kerncc.runtime.memory import default_token_capacity
+from kerncc.safetensors import load_file
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> tuple[Path, Path]:
+    return generate(tmp_path_factory.mktemp("tiny"), "tiny")
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(model) -> Path:
+    manifest, _ = model
+    out = manifest.parent / "two"
+    pipeline = "cut{at=12},share-states,slice-once,slice-derive,emit"
+    assert main(["lower", str(manifest), "-p", pipeline, "-o", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def whole(model) -> Session:
+    return Session(Bundle.from_manifest(model[0]))
+
+
+@pytest.fixture
+def damaged(bundle_dir, tmp_path) -> Path:
+    """A copy of the bundle to break (its checkpoint path made absolute)."""
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle_dir, copy)
+    index = json.loads((copy / "bundle.json").read_text())
+    index["checkpoint"] = str((bundle_dir / index["checkpoint"]).resolve())
+    (copy / "bundle.json").write_text(json.dumps(index))
+    return copy
+
+
+def prefill_inputs(n: int, start: int = 0) -> tuple[dict, dict]:
+    inputs = {"token_ids": np.arange(n) + 5, "positions": np.arange(start, start + n),
+              "slot_mapping": np.arange(start, start + n), "seq_lens": [start + n],
+              "block_table": np.zeros((1, 16), np.int32)}
+    return inputs, {"tokens": n, "seqs": 1}
+
+
+def error_text(err: pytest.ExceptionInfo) -> str:
+    return str(err.value)
+
+# ---- bundles -----------------------------------------------------------------------------
+
+
+def test_a_bundle_reads_its_stages(bundle_dir):
+    bundle = Bundle(bundle_dir)
+    assert len(bundle.stages) == 2
+    assert [e["buffer"] for e in bundle.edges] == ["residual"]
+    assert bundle.checkpoint is not None and bundle.checkpoint.name == "model.safetensors"
+    assert all(s.stage_py is not None for s in bundle.stages)
+
+
+def test_a_missing_file_is_named(damaged):
+    (damaged / "stage1" / "plan.json").unlink()
+    with pytest.raises(KernccError, match="plan.json") as err:
+        Bundle(damaged)
+    assert "missing" in error_text(err)
+
+
+def test_a_tampered_file_is_caught_by_its_hash(damaged):
+    path = damaged / "stage0" / "manifest.json"
+    path.write_text(path.read_text().replace('"max": 64', '"max": 65'))
+    with pytest.raises(KernccError, match="sha256") as err:
+        Bundle(damaged)
+    assert str(path) in error_text(err)
+
+
+def test_a_malformed_index_is_located(damaged):
+    (damaged / "bundle.json").write_text('{"format": "kerncc-bundle/1", "stages": [}')
+    with pytest.raises(KernccError, match="not valid JSON") as err:
+        Bundle(damaged)
+    assert err.value.diagnostics[0].location.line == 1
+
+
+def test_not_a_bundle(tmp_path):
+    with pytest.raises(KernccError, match="bundle.json is missing"):
+        Bundle(tmp_path)
+    with pytest.raises(KernccError, match="does not exist"):
+        Bundle.open(tmp_path / "nothing.json")
+
+
+def test_an_unknown_kernel_names_the_launch(damaged):
+    plan_path = damaged / "stage0" / "plan.json"
+    plan_path.write_text(plan_path.read_text().replace('"rmsnorm_bf16"', '"rmsnorm_bf17"'))
+    index = json.loads((damaged / "bundle.json").read_text())
+    index["stages"][0]["plan_sha256"] = hashlib.sha256(plan_path.read_bytes()).hexdigest()
+    (damaged / "bundle.json").write_text(json.dumps(index))
+    with pytest.raises(KernccError, match="rmsnorm_bf17") as err:
+        Session(damaged, 0)
+    assert "program `decode` call 1 (`l0.input_norm`, op `rmsnorm`) launch 0" in error_text(err)
+
+# ---- loading -------------------------------------------------------------------------------
+
+
+def test_a_missing_weight_tensor_is_named(model, bundle_dir):
+    tensors = load_file(model[1])
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(KernccError, match="up_proj.weight` is not in the checkpoint") as err:
+        Session(bundle_dir, 1, checkpoint=tensors)
+    assert "l1.gate_up_proj.w" in error_text(err)
+
+
+def test_no_checkpoint_at_all(damaged):
+    index = json.loads((damaged / "bundle.json").read_text())
+    index["checkpoint"] = None
+    (damaged / "bundle.json").write_text(json.dumps(index))
+    with pytest.raises(KernccError, match="none was given"):
+        Session(damaged, 0)
+
+
+def test_derive_ran_at_load_and_cannot_run_again(bundle_dir, model):
+    session = Session(bundle_dir, 1)
+    expected = load_file(model[1])["model.norm.weight"]
+    np.testing.assert_array_equal(session.read("final_norm.w").astype(np.float32),
+                                  expected.astype(session.read("final_norm.w").dtype))
+    assert session.memory.staging is None
+    with pytest.raises(KernccError, match="derive program"):
+        session.run("convert")
+    assert "convert" not in session.programs
+
+
+def test_token_capacity_covers_every_sequence_at_the_context_bound(whole):
+    # seqs <= 4, block_table [seqs, 16] at 16 tokens per page.
+    assert default_token_capacity(whole.manifest) == 4 * 16 * 16
+    assert whole.memory.state_bytes["kv.0"] == 4 * 16 * 16 * 128
+
+# ---- running -------------------------------------------------------------------------------
+
+
+def test_run_returns_the_outputs_at_the_current_vars(whole):
+    inputs, vars = prefill_inputs(5)
+    out = whole.run("prefill", inputs, vars)
+    assert set(out) == {"logits", "next_tokens"}
+    assert out["logits"].shape == (1, 256) and out["next_tokens"].shape == (1,)
+    assert int(out["next_tokens"][0]) == int(np.argmax(out["logits"][0]))
+    np.testing.assert_array_equal(whole.read("positions"), np.arange(5))
+
+
+def test_a_wrong_input_shape_is_refused(whole):
+    inputs, vars = prefill_inputs(5)
+    inputs["positions"] = np.arange(4)
+    with pytest.raises(KernccError, match="input `positions` has the wrong shape") as err:
+        whole.run("prefill", inputs, vars)
+    assert err.value.messages() == ["the value is [4], but the buffer is [tokens], [5] at tokens=5"]
+
+
+def test_an_out_of_domain_input_names_the_element(whole):
+    inputs, vars = prefill_inputs(5)
+    inputs["positions"] = np.array([0, 1, 2, 300, 4])
+    with pytest.raises(KernccError, match="outside its domain") as err:
+        whole.run("prefill", inputs, vars)
+    message = err.value.diagnostics[0].message
+    assert "element [3] is 300, above 255" in message and "`rope`" in message
+    inputs, vars = prefill_inputs(5)
+    inputs["block_table"] = np.full((1, 16), 64)  # 1024 slots / 16 = pages 0..63
+    with pytest.raises(KernccError, match=r"element \[0, 0\] is 64, above 63"):
+        whole.run("prefill", inputs, vars)
+    inputs, vars = prefill_inputs(5)
+    inputs["seq_lens"] = [0]
+    with pytest.raises(KernccError, match=r"element \[0\] is 0, below 1: the domain's min"):
+        whole.run("prefill", inputs, vars)
+
+
+def test_inputs_must_convert_without_loss(whole):
+    inputs, vars = prefill_inputs(2)
+    inputs["token_ids"] = np.array([1.5, 2.0])
+    with pytest.raises(KernccError, match="wrong element type"):
+        whole.run("prefill", inputs, vars)
+    inputs["token_ids"] = np.array([1, 2**40])
+    with pytest.raises(KernccError, match="does not fit int32"):
+        whole.run("prefill", inputs, vars)
+
+
+def test_vars_and_names_are_checked(whole):
+    with pytest.raises(KernccError, match=r"var `tokens` = 65 is outside \[1, 64\]"):
+        whole.run("prefill", {}, {"tokens": 65})
+    with pytest.raises(KernccError, match="not a var"):
+        whole.run("prefill", {}, {"rows": 2})
+    with pytest.raises(KernccError, match="no program `nope`"):
+        whole.run("nope")
+    with pytest.raises(KernccError, match="only input and inout"):
+        whole.run("prefill", {"logits": np.zeros((1, 256), np.float32)})
+
+
+def test_write_infers_vars_from_the_shape(whole):
+    whole.write("positions", np.array([7, 8, 9]))
+    np.testing.assert_array_equal(whole.read("positions", {"tokens": 3}), [7, 8, 9])
+
+# ---- chains and serving --------------------------------------------------------------------
+
+
+def test_a_chain_hands_crossing_buffers_on(bundle_dir, whole):
+    chain = Chain(bundle_dir)
+    inputs, vars = prefill_inputs(6)
+    got = chain.run("prefill", inputs, vars)
+    expected = whole.run("prefill", inputs, vars)
+    assert got["logits"].tobytes() == expected["logits"].tobytes()
+    with pytest.raises(KernccError, match="no stage of the bundle takes input `logits`"):
+        chain.run("prefill", {"logits": 0}, vars)
+
+
+def test_pages_come_from_the_top_and_go_back():
+    pool = PagePool(4)
+    assert pool.take(3) == [3, 2, 1]
+    pool.give_back([3, 2, 1])
+    assert pool.take(1) == [3]
+    with pytest.raises(KernccError, match="KV cache is full"):
+        pool.take(4)
+
+
+def test_generation_limits(bundle_dir):
+    gen = Generator(Chain(bundle_dir))
+    assert gen.stride == 16 and gen.width == 16
+    with pytest.raises(KernccError, match="empty"):
+        gen.generate([], 2)
+    with pytest.raises(KernccError, match=r"chunk 65 is outside \[1, 64\]"):
+        gen.generate([1, 2], 2, chunk=65)
+    with pytest.raises(KernccError, match="needs 257 tokens"):
+        gen.generate(list(range(200)), 60, chunk=64)
+    assert len(gen.pool.free) == gen.pool.pages  # pages came back after the failure
+
+# ---- the command line ----------------------------------------------------------------------
+
+
+def test_run_reports_bad_input_without_a_traceback(damaged, capsys):
+    (damaged / "stage1" / "manifest.json").write_text("{}")
+    assert main(["run", str(damaged), "--prompt", "1,2"]) == 1
+    err = capsys.readouterr().err
+    assert "sha256" in err and "Traceback" not in err
+
+
+def test_run_a_manifest_prints_tokens_last(model, capsys):
+    assert main(["run", str(model[0]), "--prompt", "4,5,6", "--max-new", "2", "--chunk", "2"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out[-1].split()) == 2
+
+
+def test_example_refuses_a_bad_size(tmp_path, capsys):
+    assert main(["example", "qwen", "-o", str(tmp_path), "--head-dim", "12"]) == 1
+    assert "head_dim" in capsys.readouterr().err
+
+# ---- launch records: packs, scratch, `when`, expressions -----------------------------------
+
+PROBE = {
+    "schema_version": 5, "model": "probe", "vars": {"tokens": {"max": 8}},
+    "buffers": {
+        "w": {"dtype": "f32", "shape": ["tokens", 4], "kind": "workspace"},
+        "x": {"dtype": "f32", "shape": ["tokens", 4], "kind": "input",
+              "domain": {"min": -1.0, "max": 1.0}},
+        "y": {"dtype": "f32", "shape": ["tokens", 4], "kind": "output"},
+    },
+    "modules": {"k": {"source": "k.cubin", "sha256": "0" * 64}},
+    "ops": {"copy": {"params": ["in buffer<f32>", "out buffer<f32>", "i32"], "impl": {
+        "scratch": {"tmp": {"dtype": "f32", "shape": ["tokens"]}},
+        "launches": [
+            {"module": "k", "entry": "probe",
+             "params": ["in buffer<f32>", "out buffer<f32>", "i32", "bytes<24>", "f32"],
+             "block": [32, 1, 1], "grid": [{"ceil_div": ["tokens", 2]}, 1, 1],
+             "args": [{"param": 0}, {"param": 1}, {"param": 2},
+                      {"pack": {"size": 24, "fields": [{"at": 0, "param": 0},
+                                                       {"at": 8, "var": "tokens"},
+                                                       {"at": 16, "scratch": "tmp"}]}},
+                      {"f32": 0.5}]},
+            {"module": "k", "entry": "probe", "block": [32, 1, 1], "grid": [1, 1, 1],
+             "when": {"var": "tokens", "min": 3}},
+        ]}}},
+    "programs": {"p": {"calls": [
+        {"label": "first", "op": "copy", "args": [{"buf": "x"}, {"buf": "w"}, {"var": "tokens"}]},
+        {"label": "second", "op": "copy",
+         "args": [{"buf": "w"}, {"buf": "y"}, {"expr": {"mul": ["tokens", 3]}}]},
+    ]}},
+}
+
+
+class Recorder(CpuBackend):
+    """The cpu backend with one extra kernel, `probe`, that records what it was given."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple] = []
+
+    def check_kernel(self, entry, module):
+        if entry != "probe":
+            super().check_kernel(entry, module)
+
+    def launch_kernel(self, geometry, args):
+        if geometry.entry != "probe":
+            return super().launch_kernel(geometry, args)
+        self.launches.append((geometry.grid, [self.describe(a) for a in args]))
+
+    def describe(self, arg):
+        if isinstance(arg, np.ndarray):
+            return ("ptr", self.address(arg), arg.size)
+        return arg if isinstance(arg, bytes) else (type(arg).__name__, arg.item())
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> Bundle:
+    path = tmp_path_factory.mktemp("probe") / "probe.json"
+    path.write_text(json.dumps(PROBE))
+    return Bundle.from_manifest(path)
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_launch_records_resolve_packs_scratch_and_gates(probe, interpret):
+    backend = Recorder()
+    session = Session(probe, backend=backend, interpret=interpret)
+    assert session.generated != interpret
+    session.run("p", {"x": np.zeros((2, 4), np.float32)}, {"tokens": 2})
+    session.run("p", {}, {"tokens": 5})
+    grids = [grid for grid, _ in backend.launches]
+    assert grids == [(1, 1, 1), (1, 1, 1), (3, 1, 1), (1, 1, 1), (3, 1, 1), (1, 1, 1)]
+    (_, first), (_, second) = backend.launches[0], backend.launches[1]
+    x, w, tokens, pack, half = first
+    assert x == ("ptr", backend.address(session.memory.buffer("x")), 128)
+    assert w[1] == backend.address(session.memory.arena)
+    assert tokens == ("int32", 2) and half == ("float32", 0.5)
+    assert second[2] == ("int32", 6)  # `mul: [tokens, 3]`
+    address, count, scratch = struct.unpack("<Qi4xQ", pack)
+    offset = session.stage.plan["arena"]["programs"]["p"]["offsets"]["op:copy/scratch:tmp@0"]
+    assert (address, count) == (x[1], 2)
+    assert scratch == backend.address(session.memory.arena) + offset
+
+
+def test_float_domains_are_checked(probe):
+    session = Session(probe, backend=Recorder())
+    x = np.zeros((1, 4), np.float32)
+    x[0, 2] = 1.5
+    with pytest.raises(KernccError, match=r"element \[0, 2\] is 1.5, above 1.0"):
+        session.run("p", {"x": x}, {"tokens": 1})
