@@ -38,7 +38,8 @@ def render_diagnostic(diag: Diagnostic, default_file: str | None = None) -> str:
 
 def render_error(err: KernccError, default_file: str | None = None) -> str:
     lone = err.diagnostics[0] if len(err.diagnostics) == 1 else None
-    if not err.diagnostics or (lone.message == err.headline and not lone.location.render()):
+    if not err.diagnostics or (lone is not None and lone.message == err.headline
+                               and not lone.location.render()):
         return f"error: {err.headline}"
     body = "\n".join(render_diagnostic(d, default_file) for d in err.diagnostics)
     return f"error: {err.headline}\n{body}"

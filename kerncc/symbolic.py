@@ -16,6 +16,7 @@ where it was read.
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any
 
@@ -41,8 +42,10 @@ def fnv_parts(parts: list[int]) -> int:
     return h
 
 
+@functools.lru_cache(maxsize=65536)
 def name_hash(text: str) -> int:
-    """kern's name_hash: the string's bytes, each widened to a u64 part."""
+    """kern's name_hash: the string's bytes, each widened to a u64 part (cached: op names,
+    labels and scalar reprs repeat every layer, and the byte loop dominated the check)."""
     return fnv_parts(list(text.encode()))
 
 

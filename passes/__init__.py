@@ -37,7 +37,8 @@ __all__ = [
 ]
 
 # Modules under kerncc.passes that define registered passes, imported by `registry()`.
-PASS_MODULES: tuple[str, ...] = ("liveness", "cut", "share_states", "slicing")
+PASS_MODULES: tuple[str, ...] = ("liveness", "cut", "share_states", "slicing", "plan_memory",
+                                 "emit")
 
 # A pipeline spec that is exactly one of these names (or names one as an element) expands to it.
 NAMED_PIPELINES: dict[str, str] = {

@@ -1,0 +1,108 @@
+"""`kerncc check BUNDLE`: re-prove a bundle from its files alone (docs/bundle.md).
+
+Reads `bundle.json`, re-hashes every stage's `manifest.json`, `plan.json` and `stage.py` and
+every file under `modules/` against what the bundle recorded, finds the input manifest (its
+path is relative to the bundle directory, or absolute) and checks its sha256, then loads the
+stage manifests and runs the symbolic check again (kerncc.symbolic.check_stages). A missing or
+changed file is a KernccError naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from kerncc import manifest as m
+from kerncc.diagnostics import KernccError
+from kerncc.symbolic import Proof, check_stages
+
+FORMAT = "kerncc-bundle/1"
+HEADLINE = "not a valid kerncc bundle:"
+STAGE_FILES = (("manifest.json", "manifest_sha256"), ("plan.json", "plan_sha256"),
+               ("stage.py", "stage_py_sha256"))
+
+
+def _fail(message: str, ptr: str = "") -> KernccError:
+    return KernccError(HEADLINE, KernccError.single(message, ptr).diagnostics)
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise _fail(f"{what} `{path}` is missing") from None
+    except OSError as err:
+        raise _fail(f"cannot read {what} `{path}`: {err.strerror}") from None
+
+
+def read_index(bundle: Path) -> dict[str, Any]:
+    """bundle.json, checked for the format this module reads."""
+    if not bundle.is_dir():
+        raise _fail(f"`{bundle}` is not a directory")
+    try:
+        index = json.loads(_read(bundle / "bundle.json", "the bundle index"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise _fail(f"`{bundle / 'bundle.json'}` is not JSON: {err}") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        found = index.get("format") if isinstance(index, dict) else None
+        raise _fail(f"`{bundle / 'bundle.json'}` has format {found!r}, not {FORMAT!r}",
+                    "/format")
+    return index
+
+
+def _checked(path: Path, what: str, expected: Any, ptr: str) -> bytes:
+    data = _read(path, what)
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != expected:
+        raise _fail(f"{what} `{path}` was changed after emit: sha256 {digest}, the bundle "
+                    f"recorded {expected}", ptr)
+    return data
+
+
+def stage_manifests(bundle: Path, index: dict[str, Any]) -> list[m.Manifest]:
+    """Each stage's manifest, after its files and modules hash to what bundle.json says."""
+    manifests = []
+    for k, entry in enumerate(index.get("stages") or []):
+        folder = bundle / str(entry.get("dir", f"stage{k}"))
+        texts = {name: _checked(folder / name, f"stage {k} {name}", entry.get(key),
+                                f"/stages/{k}/{key}")
+                 for name, key in STAGE_FILES}
+        _check_modules(folder / "modules", k)
+        manifests.append(m.loads(texts["manifest.json"].decode(), str(folder / "manifest.json")))
+    if not manifests:
+        raise _fail(f"`{bundle / 'bundle.json'}` lists no stages", "/stages")
+    return manifests
+
+
+def _check_modules(folder: Path, k: int) -> None:
+    """A module file is named by its sha256; one whose bytes hash otherwise was changed."""
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.iterdir()):
+        _checked(path, f"stage {k} module", path.name.removesuffix(".cubin"), "")
+
+
+def input_manifest(bundle: Path, index: dict[str, Any], whole: str | Path | None
+                   ) -> m.Manifest:
+    """The whole manifest the bundle was lowered from, checked against its recorded sha256."""
+    recorded = index.get("input") or {}
+    path = whole if whole is not None else recorded.get("path")
+    if path is None:
+        raise _fail("the bundle records no input manifest (it was emitted from memory); "
+                    "name the whole manifest to check it against", "/input/path")
+    path = bundle / path if not Path(path).is_absolute() else Path(path)
+    text = _checked(path, "the input manifest", recorded.get("sha256"), "/input/sha256")
+    return m.loads(text.decode(), str(path))
+
+
+def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proof:
+    """Prove again that the bundle's stages compute its input manifest; KernccError if not.
+
+    `whole` overrides the input path recorded in bundle.json (relative to the bundle).
+    """
+    bundle = Path(directory)
+    index = read_index(bundle)
+    stages = stage_manifests(bundle, index)
+    return check_stages(input_manifest(bundle, index, whole), stages)

@@ -1,0 +1,128 @@
+"""Benchmark: lower a 36-layer Qwen-like model (~1200 calls) through every pass, pass by pass.
+
+Run `python tests/bench/bench_lower.py [--layers N] [--profile PASS]`. It generates the example
+model (kerncc.example.qwen, size `tiny`, 36 layers: 3 driven programs of 400 calls), then times
+parse+verify, each pass (cut, share-states, slice-once, slice-derive, plan-memory), the
+symbolic check, and emit (with `check=false`: the check has its own row), each with its share
+of the total, and the ratio of the total to `json.loads` of the same file. It also runs the
+same pipeline through the runner (`run_pipeline`, verifying after each pass) as `kerncc lower`
+does, and prints every program's arena against its lower bound. Target: total < 2 s.
+`--profile PASS` prints the cProfile top functions of that step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import json
+import pstats
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kerncc import manifest as m
+from kerncc.example.qwen import generate
+from kerncc.ir import IR
+from kerncc.passes.cut import Cut
+from kerncc.passes.emit import Emit
+from kerncc.passes.plan_memory import PlanMemory
+from kerncc.passes.share_states import ShareStates
+from kerncc.passes.slicing import SliceDerive, SliceOnce
+from kerncc.pipeline import run_pipeline
+from kerncc.symbolic import check_stages
+from kerncc.verify import verify
+
+TARGET_S = 2.0
+
+
+def timed(label: str, action: Callable[[], Any], profile: str | None) -> tuple[Any, float]:
+    profiler = cProfile.Profile() if profile == label else None
+    start = time.perf_counter()
+    if profiler:
+        profiler.enable()
+    result = action()
+    if profiler:
+        profiler.disable()
+    elapsed = time.perf_counter() - start
+    if profiler:
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+    return result, elapsed
+
+
+def parse_and_verify(path: Path) -> IR:
+    man = m.load(str(path))
+    verify(man)
+    return IR.from_manifest(man, source=str(path))
+
+
+def steps(out: Path) -> list[tuple[str, Callable[[IR], IR]]]:
+    def check(ir: IR) -> IR:
+        check_stages(ir.whole, list(ir.stages))
+        return ir
+
+    passes = [Cut(stages=2), ShareStates(), SliceOnce(), SliceDerive(), PlanMemory()]
+    out_steps: list[tuple[str, Callable[[IR], IR]]] = [(p.name, p.run) for p in passes]
+    out_steps.append(("check", check))
+    out_steps.append(("emit", Emit(out=str(out / "bundle"), check=False).run))
+    return out_steps
+
+
+def run(layers: int, profile: str | None) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        path, _ = generate(tmp, "tiny", layers=layers)
+        text = path.read_text()
+        _, json_s = timed("json", lambda: json.loads(text), None)
+        ir, parse_s = timed("parse+verify", lambda: parse_and_verify(path), profile)
+        calls = sum(len(p.calls) for p in ir.whole.programs.values())
+        rows = [("parse+verify", parse_s)]
+        for name, step in steps(Path(tmp)):
+            ir, seconds = timed(name, functools.partial(step, ir), profile)
+            rows.append((name, seconds))
+        total = sum(s for _, s in rows)
+        print(f"{layers} layers, {calls} calls, {len(text) / 1e6:.2f} MB of JSON")
+        for name, seconds in rows + [("total", total)]:
+            print(f"  {name:<14} {seconds * 1e3:9.1f} ms  {100 * seconds / total:5.1f}%")
+        print(f"  json.loads     {json_s * 1e3:9.1f} ms  (total = {total / json_s:.1f}x json.loads)")
+        print_arenas(ir)
+        runner_s = run_runner(path, Path(tmp) / "runner")
+        print(f"run_pipeline `cut,share-states,slice-once,slice-derive,emit` with verification "
+              f"after each pass (as `kerncc lower`): {runner_s * 1e3:.1f} ms")
+        status = "ok" if total < TARGET_S else "OVER TARGET"
+        print(f"target: total < {TARGET_S:.1f} s: {status}")
+        return total
+
+
+def print_arenas(ir: IR) -> None:
+    report = ir.reports["plan-memory"]
+    print(f"arenas (worst ratio to the lower bound: {report.worst_ratio():.3f}):")
+    for s, stage in enumerate(report.stages):
+        for name, arena in sorted(stage.programs.items()):
+            lay = arena.layout
+            if lay.total:
+                print(f"  stage {s} {name:<13} {lay.total:>9} B  bound {lay.lower_bound:>9} B  "
+                      f"{arena.ratio:.3f}x  naive {lay.naive:>9} B")
+
+
+def run_runner(path: Path, out: Path) -> float:
+    ir = parse_and_verify(path)
+    spec = f'cut,share-states,slice-once,slice-derive,emit{{out="{out}"}}'
+    start = time.perf_counter()
+    run_pipeline(ir, spec)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--profile", metavar="STEP", help="cProfile one step (e.g. emit)")
+    args = parser.parse_args(argv)
+    total = run(args.layers, args.profile)
+    return 0 if total < TARGET_S else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Property tests (hypothesis): a package so their basenames may repeat tests/ ones."""
