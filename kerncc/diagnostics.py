@@ -120,8 +120,8 @@ class KernccError(Exception):
 
 
 def _merge(old: Location, new: Location) -> Location:
-    if old.line is not None or not old.pointer:
-        return old  # already placed, or about no place in the file (an output path, say)
+    if old.line is not None:
+        return old
     return attrs.evolve(old, file=new.file, line=new.line, column=new.column)
 
 
