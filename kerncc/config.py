@@ -2,6 +2,7 @@
 
 KERNCC_DEBUG=1   show Python tracebacks for internal errors (never for bad input)
 KERNCC_BACKEND   default runtime backend (`cpu` or `cuda`), `cpu` unless set
+KERNCC_NO_PROGRESS=1   never draw progress bars (kerncc.progress), even on a terminal
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ def default_backend() -> str:
 
 def no_color() -> bool:
     return "NO_COLOR" in os.environ
+
+
+def no_progress() -> bool:
+    return os.environ.get("KERNCC_NO_PROGRESS", "") not in ("", "0")
 
 
 def hypothesis_profile() -> str:
