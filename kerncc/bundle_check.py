@@ -61,19 +61,43 @@ def _checked(path: Path, what: str, expected: Any, ptr: str) -> bytes:
     return data
 
 
-def stage_manifests(bundle: Path, index: dict[str, Any]) -> list[m.Manifest]:
-    """Each stage's manifest, after its files and modules hash to what bundle.json says."""
-    manifests = []
-    for k, entry in enumerate(index.get("stages") or []):
+def stage_entries(bundle: Path, index: dict[str, Any]) -> list[dict[str, Any]]:
+    """bundle.json's `stages`: a non-empty list of objects."""
+    entries = index.get("stages")
+    if not isinstance(entries, list) or not entries:
+        raise _fail(f"`{bundle / 'bundle.json'}` lists no stages", "/stages")
+    for k, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise _fail(f"`{bundle / 'bundle.json'}`: stage {k} is not an object", f"/stages/{k}")
+    return entries
+
+
+def stage_files(bundle: Path, index: dict[str, Any]) -> list[tuple[Path, dict[str, bytes]]]:
+    """Each stage's folder and file bytes by name, after they and its modules hash to what
+    bundle.json says."""
+    stages = []
+    for k, entry in enumerate(stage_entries(bundle, index)):
         folder = bundle / str(entry.get("dir", f"stage{k}"))
         texts = {name: _checked(folder / name, f"stage {k} {name}", entry.get(key),
                                 f"/stages/{k}/{key}")
                  for name, key in STAGE_FILES}
         _check_modules(folder / "modules", k)
-        manifests.append(m.loads(texts["manifest.json"].decode(), str(folder / "manifest.json")))
-    if not manifests:
-        raise _fail(f"`{bundle / 'bundle.json'}` lists no stages", "/stages")
-    return manifests
+        stages.append((folder, texts))
+    return stages
+
+
+def stage_manifest(folder: Path, texts: dict[str, bytes]) -> m.Manifest:
+    path = folder / "manifest.json"
+    try:
+        text = texts["manifest.json"].decode()
+    except UnicodeDecodeError:
+        raise _fail(f"`{path}` is not UTF-8 text") from None
+    return m.loads(text, str(path))
+
+
+def stage_manifests(bundle: Path, index: dict[str, Any]) -> list[m.Manifest]:
+    """Each stage's manifest, after its files and modules hash to what bundle.json says."""
+    return [stage_manifest(folder, texts) for folder, texts in stage_files(bundle, index)]
 
 
 def _check_modules(folder: Path, k: int) -> None:

@@ -1,4 +1,4 @@
-"""The `kerncc` command line: verify, fmt, dump, lower, check, passes (and run, example, report).
+"""The `kerncc` command line: verify, fmt, dump, lower, check, report, passes (and run, example).
 
 Exit codes: 0 success, 1 the input is wrong (every problem printed, one per line, located),
 2 usage errors (argparse). A `KernccError` never shows a traceback; anything else is a bug in
@@ -228,6 +228,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from kerncc.report import read_report
+
+    report = read_report(args.bundle)
+    if args.diag_format == "json":
+        print(json.dumps(report.to_json(), indent=2))
+        return 0
+    sys.stdout.write(report.to_text())
+    return 0
+
+
 # ------------------------------------------------------------------------- parser
 
 
@@ -273,6 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text")
     p.set_defaults(handler=cmd_check)
 
+    p = sub.add_parser("report", help="summarise a bundle: stages, calls, crossings, states, "
+                       "memory, modules")
+    p.add_argument("bundle", metavar="BUNDLE", help="a bundle directory (kerncc lower ... emit)")
+    p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text",
+                   help="the report and its diagnostics as text or JSON")
+    p.set_defaults(handler=cmd_report)
+
     p = sub.add_parser("passes", help="list the passes with their options")
     p.add_argument("--markdown", action="store_true", help="the reference as markdown")
     p.set_defaults(handler=cmd_passes)
@@ -292,7 +310,7 @@ def _instrument_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _extra_commands(sub) -> None:
-    """Commands whose rooms land later register here (run, example, report)."""
+    """Commands whose rooms land later register here (run, example)."""
     for module in ("kerncc.cli_runtime",):
         try:
             __import__(module, fromlist=["register"]).register(sub)

@@ -120,14 +120,21 @@ def shared_stage(whole: m.Manifest, stage: m.Manifest) -> m.Manifest:
     return assemble(whole, programs, crossing_kinds(whole, stage), stage.cut)
 
 
+def manifest_regions(man: m.Manifest) -> dict[str, set[int]]:
+    """State -> the offsets that the calls of all of `man`'s programs touch."""
+    return _regions(man, man.programs.values())
+
+
+def state_uses(totals: dict[str, set[int]], stage: m.Manifest) -> tuple[StateUse, ...]:
+    """Each state the stage keeps: its regions the stage touches, of those in `totals`."""
+    used = manifest_regions(stage)
+    return tuple(StateUse(s, len(used.get(s, ())), len(totals.get(s, ())))
+                 for s in sorted(stage.states))
+
+
 def regions_report(whole: m.Manifest, stages: tuple[m.Manifest, ...]) -> RegionsReport:
-    totals = _regions(whole, whole.programs.values())
-    out = []
-    for stage in stages:
-        used = _regions(stage, stage.programs.values())
-        out.append(tuple(StateUse(s, len(used.get(s, ())), len(totals.get(s, ())))
-                         for s in sorted(stage.states)))
-    return RegionsReport(tuple(out))
+    totals = manifest_regions(whole)
+    return RegionsReport(tuple(state_uses(totals, stage) for stage in stages))
 
 
 @register
