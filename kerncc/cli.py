@@ -204,7 +204,8 @@ def _with_output(passes, out: str):
 
 
 def cmd_passes(args: argparse.Namespace) -> int:
-    from kerncc.pipeline import describe_passes, pass_reference_markdown
+    from kerncc.docgen import pass_reference_markdown
+    from kerncc.pipeline import describe_passes
 
     sys.stdout.write(pass_reference_markdown() if args.markdown else describe_passes())
     return 0

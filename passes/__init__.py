@@ -153,6 +153,11 @@ class PassRegistry:
         """The pass classes, by name."""
         return iter(self._passes[name] for name in self.names())
 
+    def in_order(self) -> list[type]:
+        """The pass classes as they were registered: for the global registry the order of
+        `PASS_MODULES`, which is the order a pipeline runs them in."""
+        return list(self._passes.values())
+
 
 def _check_pass_class(cls: type) -> None:
     what = f"pass class {cls.__qualname__}"

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kerncc import passes
+from kerncc.docgen import pass_reference_markdown
 from kerncc.diagnostics import Diagnostic, KernccError
 from kerncc.pipeline import (
     DumpDir,
@@ -30,7 +31,6 @@ from kerncc.pipeline import (
     format_value,
     instruments_from_args,
     parse_pipeline,
-    pass_reference_markdown,
     pass_spec,
     resolve_pipeline,
     run_pipeline,
@@ -798,10 +798,13 @@ def test_pass_reference_markdown() -> None:
     assert text.startswith("# Pass reference\n")
     assert "| `all` | `cut,noop` |" in text
     assert ("## `cut`\n\nSplit every driven program into stages.\n\nMore text for the "
-            "reference.\n\nRequires: `liveness`.\n") in text
+            "reference.\n\nClass `test_pipeline.Cut`.\n\nRequires: `liveness`.\n") in text
     assert "| `at-label` | `str` | `none` | label of the call |" in text
     assert "## `noop`\n\nChange nothing.\n" in text
-    assert text.index("## `cut`") < text.index("## `noop`")
+    assert "| [`noop`](#noop) | Change nothing. |" in text
+    assert text.index("## `cut`") < text.index("## `noop`")  # registration order
+    assert "> The pass framework (kerncc.pipeline" in text  # the module's docstring, once
+    assert "Module notes: see [`cut`](#cut)." in text
 
 
 def test_the_global_registry() -> None:
