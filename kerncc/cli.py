@@ -61,14 +61,10 @@ def report(err: KernccError, fmt: str, out: TextIO) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from kerncc import protocol
-    from kerncc.verify import verify_file
-
     failed = 0
     for path in args.files:
         try:
-            verified = verify_file(path)
-            lines = _protocol_lines(verified, args.unsampled)
+            verified, lines = _verify_file(path, args.unsampled)
         except KernccError as err:
             failed = 1
             _report_for_file(err, path, args.diag_format)
@@ -81,6 +77,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         for line in lines:
             print(line)
     return failed
+
+
+def _verify_file(path: str, unsampled: bool):
+    """The verified manifest and its protocol summary; every error at its line:col."""
+    from kerncc.reader import load_with_locator
+    from kerncc.verify import verify
+
+    manifest, locate = load_with_locator(path)
+    try:
+        verified = verify(manifest)
+        return verified, _protocol_lines(verified, unsampled)
+    except KernccError as err:
+        raise err.located(locate) from None
 
 
 def _protocol_lines(verified, unsampled: bool) -> list[str]:

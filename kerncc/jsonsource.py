@@ -1,7 +1,9 @@
 """Strict JSON text: parse like serde_json does, and map JSON pointers back to line:col.
 
 Python's `json` keeps the last of duplicate keys and accepts `NaN`; kern's parser refuses both.
-`parse_json` uses the fast C decoder and flags duplicates through `object_pairs_hook`; only when a
+`parse_json` uses the fast C decoder and flags duplicates through `object_pairs_hook`; numbers
+serde_json refuses (`NaN`, `1e400`, integers past Python's digit limit) stay in the value as
+markers, so that each is reported at its JSON pointer like a duplicate. Only when a
 diagnostic needs a file position does `PositionIndex` scan the text once (a small
 position-tracking scanner) to map every JSON pointer to its line and column.
 """
@@ -34,53 +36,82 @@ def _pairs_hook(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"`{name}` is not JSON")
+@attrs.frozen
+class _Refused:
+    """A number serde_json refuses, left in place so that the error can point at it."""
+
+    message: str
 
 
-def _finite_float(text: str) -> float:
+def _reject_constant(name: str) -> _Refused:
+    return _Refused(f"`{name}` is not JSON")
+
+
+def _finite_float(text: str) -> float | _Refused:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"number out of range `{text}`")
+        return _Refused(f"number out of range `{text}`")
     return value
+
+
+def _integer(text: str) -> int | _Refused:
+    try:
+        return int(text)
+    except ValueError:  # more digits than Python converts (sys.set_int_max_str_digits)
+        return _Refused(f"number out of range `{text[:16]}...` ({len(text)} digits)")
 
 
 def parse_json(text: str, file: str | None = None) -> Any:
     """Decode strict JSON; raise KernccError (with line:col) for anything serde_json refuses."""
     try:
-        value = json.loads(text, object_pairs_hook=_pairs_hook,
-                           parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(text, object_pairs_hook=_pairs_hook, parse_constant=_reject_constant,
+                           parse_float=_finite_float, parse_int=_integer)
     except json.JSONDecodeError as err:
         loc = Location("", file, err.lineno, err.colno)
         raise KernccError(PARSE_HEADLINE, [Diagnostic(err.msg, loc)]) from None
-    except ValueError as err:
-        raise KernccError(PARSE_HEADLINE, [Diagnostic(str(err), Location("", file))]) from None
     except RecursionError:
-        raise KernccError(PARSE_HEADLINE,
-                          [Diagnostic("recursion limit exceeded", Location("", file))]) from None
-    dups = list(_find_duplicates(value, ""))
-    if dups:
-        diags = [Diagnostic(f"duplicate name `{key}`", Location(ptr)) for ptr, key in dups]
+        raise KernccError(PARSE_HEADLINE, [Diagnostic(
+            "recursion limit exceeded", _deepest(text, file))]) from None
+    problems = list(_find_problems(value, ""))
+    if problems:
+        diags = [Diagnostic(message, Location(ptr)) for ptr, message in problems]
         raise KernccError(PARSE_HEADLINE, diags).located(PositionIndex.locator(text, file))
     return value
 
 
-def _find_duplicates(value: Any, ptr: str):
-    """(pointer of the object, key) for every duplicated key, depth first."""
+def _find_problems(value: Any, ptr: str):
+    """(pointer, message) for every duplicated key and refused number, depth first."""
     stack = [(value, ptr)]
     while stack:
         node, where = stack.pop()
-        if isinstance(node, dict):
+        if isinstance(node, _Refused):
+            yield where, node.message
+        elif isinstance(node, dict):
             for key in getattr(node, "duplicates", ()):
-                yield where, key
+                yield where, f"duplicate name `{key}`"
             stack.extend((v, where + pointer(k)) for k, v in node.items())
         elif isinstance(node, list):
             stack.extend((v, where + pointer(i)) for i, v in enumerate(node))
 
 
+def _deepest(text: str, file: str | None) -> Location:
+    """Where the nesting is deepest (the first bracket at the greatest depth), strings skipped."""
+    depth = best = best_at = 0
+    for match in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[{]|[\]}]', text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth > best:
+                best, best_at = depth, match.start()
+        elif token in "]}":
+            depth -= 1
+    line_start = text.rfind("\n", 0, best_at) + 1
+    return Location("", file, text.count("\n", 0, best_at) + 1, best_at - line_start + 1)
+
+
 _WS = re.compile(r"[ \t\n\r]*")
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-_SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null")
+_SCALAR = re.compile(r"-?[0-9][0-9.eE+-]*|true|false|null|NaN|-?Infinity")
 
 
 @attrs.define

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kerncc import manifest as m
-from kerncc.diagnostics import Diagnostics, KernccError, Location
+from kerncc.diagnostics import Diagnostic, Diagnostics, KernccError, Location
 from kerncc.jsonsource import PARSE_HEADLINE, PositionIndex, parse_json
 
 _PARAM_RE = re.compile(r"^(in|out|inout)?\s*(.*)$")
@@ -29,11 +29,23 @@ class _Fail(Exception):
 
 
 def read_text(path: str | Path) -> str:
+    """The file's text; bytes that are not UTF-8 are an error at their line:col."""
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        reason = getattr(err, "strerror", None) or err
-        raise KernccError.single(f"cannot read `{path}`: {reason}") from None
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise KernccError.single(f"cannot read `{path}`: {err.strerror or err}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise KernccError(PARSE_HEADLINE, [_not_utf8(data, err, str(path))]) from None
+
+
+def _not_utf8(data: bytes, err: UnicodeDecodeError, path: str) -> Diagnostic:
+    line_start = data.rfind(b"\n", 0, err.start) + 1
+    column = len(data[line_start:err.start].decode("utf-8", errors="replace")) + 1
+    line = data.count(b"\n", 0, err.start) + 1
+    return Diagnostic(f"not UTF-8: byte 0x{data[err.start]:02x} ({err.reason})",
+                      Location("", path, line, column))
 
 
 def load(path: str | Path) -> m.Manifest:

@@ -1,0 +1,75 @@
+"""Regression seeds: each input the fuzz suite once failed on, run through the same invariants
+as the fuzz case that found it, plus the exact behaviour the fix gave it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kerncc import reader
+from kerncc.diagnostics import KernccError
+from kerncc.testing import Xorshift, random_manifest
+
+from . import harness
+from .test_manifests import check_manifest_everywhere
+
+MINIMAL = (Path(__file__).resolve().parents[2] / "examples" / "minimal.json").read_text()
+
+
+def _with_value(text: str) -> str:
+    """examples/minimal.json with `text` as the max of var `tokens` (line 6)."""
+    assert '"tokens": {"max": 8,' in MINIMAL
+    return MINIMAL.replace('"tokens": {"max": 8,', f'"tokens": {{"max": {text},')
+
+
+# Numbers serde_json refuses were reported with no pointer and no line (`NaN` is not JSON),
+# the 5000-digit integer as Python's own ValueError text. Now each is a diagnostic at its
+# pointer and line:col (kerncc/jsonsource.py).
+@pytest.mark.parametrize("raw, message", [
+    ("NaN", "`NaN` is not JSON"), ("-Infinity", "`-Infinity` is not JSON"),
+    ("1e400", "number out of range `1e400`"), ("1" * 5000, "(5000 digits)"),
+])
+def test_refused_numbers_are_located(tmp_path: Path, raw: str, message: str) -> None:
+    path = tmp_path / "model.json"
+    path.write_text(_with_value(raw))
+    with pytest.raises(KernccError) as err:
+        reader.load(path)
+    (diag,) = err.value.diagnostics
+    assert message in diag.message
+    assert (diag.location.pointer, diag.location.line) == ("/vars/tokens/max", 6)
+    check_manifest_everywhere(path)
+
+
+def test_nesting_too_deep_is_located(tmp_path: Path) -> None:
+    path = tmp_path / "model.json"
+    path.write_text(_with_value("[" * 5000 + "]" * 5000))
+    with pytest.raises(KernccError, match="recursion limit exceeded") as err:
+        reader.load(path)
+    assert err.value.diagnostics[0].location.line == 6
+    check_manifest_everywhere(path)
+
+
+# A byte that is not UTF-8 gave "cannot read `FILE`: 'utf-8' codec can't decode byte 0x80 in
+# position 0" with no line:col (kerncc/reader.py).
+def test_bytes_that_are_not_utf8_are_located(tmp_path: Path) -> None:
+    path = tmp_path / "model.json"
+    path.write_bytes(MINIMAL.encode().replace(b'"minimal"', b'"mini\xc3mal"'))
+    with pytest.raises(KernccError) as err:
+        reader.load(path)
+    (diag,) = err.value.diagnostics
+    assert diag.message == "not UTF-8: byte 0xc3 (invalid continuation byte)"
+    assert (diag.location.line, diag.location.column) == (3, 17)
+    check_manifest_everywhere(path)
+
+
+# `kerncc verify` printed serving-protocol errors with a JSON pointer but no line:col, unlike
+# every other error about a file (kerncc/cli.py).
+def test_protocol_errors_are_located(tmp_path: Path) -> None:
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(random_manifest(Xorshift(11)), indent=2))
+    outcome = harness.run_cli(["verify", path])
+    assert outcome.code == 1
+    assert f"{path}:4:3: /vars: no var has `axis: groups`" in outcome.err
+    check_manifest_everywhere(path)
