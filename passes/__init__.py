@@ -154,9 +154,16 @@ class PassRegistry:
         return iter(self._passes[name] for name in self.names())
 
     def in_order(self) -> list[type]:
-        """The pass classes as they were registered: for the global registry the order of
-        `PASS_MODULES`, which is the order a pipeline runs them in."""
-        return list(self._passes.values())
+        """The pass classes in the order a pipeline runs them: by their module's place in
+        `PASS_MODULES`, then as each module defines them; other classes after, as registered.
+        (Not plain registration order: that follows whichever module was imported first.)"""
+        def rank(cls: type) -> int:
+            package, _, module = cls.__module__.rpartition(".")
+            if package != __name__ or module not in PASS_MODULES:
+                return len(PASS_MODULES)
+            return PASS_MODULES.index(module)
+
+        return sorted(self._passes.values(), key=rank)
 
 
 def _check_pass_class(cls: type) -> None:
