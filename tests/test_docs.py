@@ -23,6 +23,15 @@ def test_passes_md_is_current() -> None:
         f"docs/passes.md is stale: run `{docgen.REGENERATE}` from the repository root")
 
 
+def test_passes_come_in_pipeline_order_whatever_was_imported_first() -> None:
+    from kerncc.passes import PASS_MODULES, registry
+
+    classes = registry().in_order()
+    modules = [cls.__module__.rpartition(".")[2] for cls in classes]
+    assert modules == sorted(modules, key=PASS_MODULES.index)
+    assert [cls.name for cls in classes][:2] == ["liveness", "cut"]
+
+
 def test_docgen_check_says_when_the_file_is_stale(tmp_path: Path) -> None:
     target = tmp_path / "passes.md"
     assert docgen.main(["--check", str(target)]) == 1  # missing
@@ -35,6 +44,32 @@ def test_docgen_check_says_when_the_file_is_stale(tmp_path: Path) -> None:
 def test_kerncc_passes_markdown_prints_the_reference(capsys: pytest.CaptureFixture) -> None:
     assert kerncc_main(["passes", "--markdown"]) == 0
     assert capsys.readouterr().out == docgen.pass_reference_markdown()
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """(first line number, code) of every ```python block."""
+    blocks, current, start = [], None, 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if current is None and line.strip() == "```python":
+            current, start = [], number + 1
+        elif current is not None and line.strip() == "```":
+            blocks.append((start, "\n".join(current)))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return blocks
+
+
+def test_the_runtime_page_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/runtime.md's examples, in order, in one namespace, in an empty directory."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "runtime_md"}
+    page = DOCS / "runtime.md"
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    assert blocks, "docs/runtime.md has no python example"
+    for start, code in blocks:
+        # Padded so that a traceback points at the page's own line numbers.
+        exec(compile("\n" * (start - 1) + code, str(page), "exec"), namespace)  # noqa: S102
 
 
 def test_every_page_is_linked_from_the_index() -> None:
