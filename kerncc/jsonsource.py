@@ -20,6 +20,8 @@ import attrs
 from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
 
 PARSE_HEADLINE = "manifest failed to parse:"
+MAX_DEPTH = 128  # serde_json's recursion limit: kern refuses documents nested deeper
+TOO_DEEP = f"recursion limit exceeded (nested deeper than {MAX_DEPTH})"
 
 
 class _DuplicateKeys(dict):
@@ -70,28 +72,36 @@ def parse_json(text: str, file: str | None = None) -> Any:
         loc = Location("", file, err.lineno, err.colno)
         raise KernccError(PARSE_HEADLINE, [Diagnostic(err.msg, loc)]) from None
     except RecursionError:
-        raise KernccError(PARSE_HEADLINE, [Diagnostic(
-            "recursion limit exceeded", _deepest(text, file))]) from None
-    problems = list(_find_problems(value, ""))
+        raise KernccError(PARSE_HEADLINE, [Diagnostic(TOO_DEEP, _deepest(text, file))]) from None
+    problems = list(value_problems(value))
     if problems:
         diags = [Diagnostic(message, Location(ptr)) for ptr, message in problems]
         raise KernccError(PARSE_HEADLINE, diags).located(PositionIndex.locator(text, file))
     return value
 
 
-def _find_problems(value: Any, ptr: str):
-    """(pointer, message) for every duplicated key and refused number, depth first."""
-    stack = [(value, ptr)]
+def value_problems(value: Any):
+    """(pointer, message) for every duplicated key and refused number, and for the first object
+    or array nested deeper than MAX_DEPTH (whose contents are not looked at). Everything after
+    parsing (the typed reader, printers, expression evaluation) recurses over nested values;
+    bounding the depth here, as serde_json does, bounds theirs."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 1)]
+    deep_seen = False
     while stack:
-        node, where = stack.pop()
+        node, where, depth = stack.pop()
         if isinstance(node, _Refused):
             yield where, node.message
-        elif isinstance(node, dict):
-            for key in getattr(node, "duplicates", ()):
-                yield where, f"duplicate name `{key}`"
-            stack.extend((v, where + pointer(k)) for k, v in node.items())
-        elif isinstance(node, list):
-            stack.extend((v, where + pointer(i)) for i, v in enumerate(node))
+        if not isinstance(node, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            if not deep_seen:
+                yield where, TOO_DEEP
+            deep_seen = True
+            continue
+        for key in getattr(node, "duplicates", ()):
+            yield where, f"duplicate name `{key}`"
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        stack.extend((v, where + pointer(k), depth + 1) for k, v in items)
 
 
 def _deepest(text: str, file: str | None) -> Location:

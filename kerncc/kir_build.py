@@ -17,6 +17,7 @@ import lark
 
 from kerncc import manifest as m
 from kerncc.diagnostics import Diagnostic, Location, escape_pointer_token
+from kerncc.jsonsource import TOO_DEEP
 from kerncc.reader import parse_param_type
 
 KIND_WORDS = "`buf`, `state`, `var`, `expr`, `i32`, `i64`, `f32`, `u8` or `rank`"
@@ -30,7 +31,7 @@ def build(tree: lark.Tree, file: str | None) -> tuple[dict, dict[str, Position],
     try:
         walk.manifest(tree)
     except RecursionError:
-        walk.error("expression nested too deeply", tree)
+        walk.error(TOO_DEEP, tree)
     return walk.raw, walk.pos, walk.diags
 
 # ---------------------------------------------------------------------------- call args
@@ -111,7 +112,10 @@ class _Build:
             self.error(f"duplicate name `{key}`", node, child)
             return
         self.mark(child, node)
-        out[key] = build(child)
+        try:
+            out[key] = build(child)
+        except RecursionError:  # the innermost put around a runaway expression or list
+            self.error(TOO_DEEP, node, child)
 
     # -------------------------------------------------------------- declarations
 

@@ -19,7 +19,7 @@ import lark
 
 from kerncc import manifest as m
 from kerncc.diagnostics import Diagnostic, KernccError, Location
-from kerncc.jsonsource import PARSE_HEADLINE
+from kerncc.jsonsource import PARSE_HEADLINE, value_problems
 from kerncc.kir_build import Position, build
 from kerncc.reader import from_raw
 
@@ -85,6 +85,9 @@ def parse_raw(text: str, file: str | None = None) -> tuple[dict, dict[str, Posit
     raw, positions, problems = build(tree, file)
     if problems:
         raise KernccError(PARSE_HEADLINE, problems)
+    deep = [Diagnostic(message, Location(ptr)) for ptr, message in value_problems(raw)]
+    if deep:  # the builder keeps every value within JSON's depth limit but the document's own
+        raise KernccError(PARSE_HEADLINE, deep).located(locator(positions, file))
     return raw, positions
 
 # ---------------------------------------------------------------------------- syntax errors

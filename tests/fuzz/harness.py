@@ -117,7 +117,7 @@ def _debug_traceback(argv: list[str], cwd: Path | None) -> str:
         with deadline(CASE_TIMEOUT, "the debug re-run"):
             _invoke(argv, cwd)
     except Exception:  # noqa: BLE001 - this is what we came for
-        return traceback.format_exc()
+        return traceback.format_exc(limit=-25)
     finally:
         del os.environ["KERNCC_DEBUG"]
     return "(no exception on the re-run)"
@@ -135,7 +135,7 @@ def api(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         raise
     except Exception as err:  # noqa: BLE001 - the invariant under test
         raise AssertionError(f"{what} raised {type(err).__name__} (only KernccError is "
-                             f"allowed):\n{traceback.format_exc()}") from None
+                             f"allowed):\n{traceback.format_exc(limit=-25)}") from None
 
 
 # ------------------------------------------------------------------------------ locations

@@ -310,7 +310,7 @@ def tokenize(text: str, pattern: re.Pattern[str]) -> list[str]:
 
 MANIFEST_EDITS = ("call_delete", "call_repeat", "call_move", "arg_rename", "arg_offset",
                   "buffer_kind", "buffer_dtype", "shape", "var_max", "state_size", "batch",
-                  "flag", "param", "label", "drop_decl", "fill", "domain", "pointer")
+                  "flag", "param", "label", "drop_decl", "fill", "domain", "expr", "pointer")
 
 
 def edit_manifest(doc: dict, data: st.DataObject, count: int | None = None) -> Any:
@@ -323,6 +323,8 @@ def edit_manifest(doc: dict, data: st.DataObject, count: int | None = None) -> A
         kind = data.draw(st.sampled_from(MANIFEST_EDITS), label="edit")
         if kind == "pointer":
             return mutate_json(doc, data, count=1)
+        if kind == "expr":
+            return _expr(doc, data)
         _EDITS[kind](doc, data)
     return doc
 
@@ -508,3 +510,39 @@ _EDITS = {"call_delete": _call_delete, "call_repeat": _call_repeat, "call_move":
           "buffer_dtype": _buffer_dtype, "shape": _shape, "var_max": _var_max,
           "state_size": _state_size, "batch": _batch, "flag": _flag, "param": _param,
           "label": _label, "drop_decl": _drop_decl, "fill": _fill, "domain": _domain}
+
+
+def _expression_paths(doc: dict) -> list[Path_]:
+    """Where a manifest takes an expression: launch grids and shared memory, domain bounds."""
+    paths: list[Path_] = []
+    for name, op in _section(doc, "ops").items():
+        launches = op.get("impl", {}).get("launches") if isinstance(op, dict) else None
+        for i, launch in enumerate(launches if isinstance(launches, list) else []):
+            if isinstance(launch, dict) and isinstance(launch.get("grid"), list):
+                paths += [("ops", name, "impl", "launches", i, "grid", j)
+                          for j in range(len(launch["grid"]))]
+                paths.append(("ops", name, "impl", "launches", i, "shared_mem"))
+    for name, buf in _section(doc, "buffers").items():
+        if isinstance(buf, dict) and isinstance(buf.get("domain"), dict):
+            paths += [("buffers", name, "domain", "min"), ("buffers", name, "domain", "max")]
+    return paths
+
+
+def _expr(doc: dict, data: st.DataObject) -> Any:
+    """An expression position set to a deep, dividing-by-zero, huge or unknown expression."""
+    paths = _expression_paths(doc)
+    if not paths:
+        return doc
+    path = data.draw(st.sampled_from(paths), label="expression at")
+    var = _pick(data, _section(doc, "vars"), "var") or "tokens"
+    op = data.draw(st.sampled_from(("add", "mul", "ceil_div")))
+    if data.draw(st.booleans(), label="deep"):
+        depth = data.draw(st.sampled_from((2, 60, 61, 150, 250, 400)), label="depth")
+        value: Any = Raw(_deep_expr(depth, op).text.replace('"tokens"', json.dumps(var)))
+    else:
+        value = data.draw(st.sampled_from((
+            {"ceil_div": [var, 0]}, {"mul": [var, 0]}, {"mul": [var, 2**64 - 1]},
+            {"add": [var, var]}, {"mul": [{"add": [var, 2**63]}, 2**32]},
+            {"ceil_div": [var, -1]}, "nope", -1, 0, 2**64)), label="expression")
+    get_at(doc, path[:-1])[path[-1]] = value
+    return doc

@@ -15,7 +15,8 @@ from kerncc.testing import Xorshift, random_manifest
 from . import harness
 from .test_manifests import check_manifest_everywhere
 
-MINIMAL = (Path(__file__).resolve().parents[2] / "examples" / "minimal.json").read_text()
+ROOT = Path(__file__).resolve().parents[2]
+MINIMAL = (ROOT / "examples" / "minimal.json").read_text()
 
 
 def _with_value(text: str) -> str:
@@ -72,4 +73,53 @@ def test_protocol_errors_are_located(tmp_path: Path) -> None:
     outcome = harness.run_cli(["verify", path])
     assert outcome.code == 1
     assert f"{path}:4:3: /vars: no var has `axis: groups`" in outcome.err
+    check_manifest_everywhere(path)
+
+
+def _deep_grid(depth: int, op: str = "ceil_div") -> str:
+    """examples/minimal.json with a `depth`-deep expression as the step launch's grid x."""
+    doc = json.loads(MINIMAL)
+    doc["ops"]["step"]["impl"]["launches"][0]["grid"][0] = "@@"
+    expr = f'{{"{op}": [' * depth + '"tokens"' + ", 2]}" * depth
+    return json.dumps(doc, indent=2).replace('"@@"', expr)
+
+
+# A grid expression 300 deep (600 JSON levels, which Python's decoder takes) overflowed the
+# stack in the reader, the writer and the kir printer: an internal RecursionError from verify,
+# fmt and dump. JSON nested deeper than 128 levels is now refused as serde_json refuses it,
+# at its pointer (kerncc/jsonsource.py); the deepest expression that parses (60 levels here)
+# goes through every command.
+@pytest.mark.parametrize("depth", [61, 300, 3000])
+@pytest.mark.parametrize("op", ["ceil_div", "add"])
+def test_expressions_nested_too_deep_are_refused(tmp_path: Path, depth: int, op: str) -> None:
+    path = tmp_path / "model.json"
+    path.write_text(_deep_grid(depth, op))
+    with pytest.raises(KernccError, match=r"recursion limit exceeded \(nested deeper than 128\)"):
+        reader.load(path)
+    check_manifest_everywhere(path)
+
+
+@pytest.mark.parametrize("op", ["ceil_div", "add"])
+def test_the_deepest_expression_that_parses_goes_everywhere(tmp_path: Path, op: str) -> None:
+    path = tmp_path / "model.json"
+    path.write_text(_deep_grid(60, op))
+    assert reader.load(path).ops["step"].launches[0].grid[0]
+    check_manifest_everywhere(path)
+    kir_path = tmp_path / "model.kir"
+    kir_path.write_text(harness.run_cli(["fmt", path, "--to", "kir"]).out)
+    check_manifest_everywhere(kir_path)
+
+
+# The same in kir: a chain of 3000 `ceildiv 2` was "expression nested too deeply" at 1:1; now
+# the builder names the attribute, and a chain that builds but nests too deep is located too.
+@pytest.mark.parametrize("length, where", [(61, "18:53"), (3000, "18:47")])
+def test_kir_expressions_nested_too_deep_are_located(tmp_path: Path, length: int,
+                                                     where: str) -> None:
+    text = harness.run_cli(["fmt", "--to", "kir", ROOT / "examples" / "minimal.json"]).out
+    grid = "grid=[tokens" + " ceildiv 2" * length + ", 1, 1]"
+    path = tmp_path / "model.kir"
+    path.write_text(text.replace("grid=[tokens ceildiv 128, 1, 1]", grid))
+    outcome = harness.run_cli(["verify", path])
+    assert f"{path}:{where}: /ops/step/impl/launches/0/grid" in outcome.err
+    assert "recursion limit exceeded" in outcome.err
     check_manifest_everywhere(path)
