@@ -87,6 +87,9 @@ class Pass:
 
     name: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()
+    # A pass that writes files (emit) comes last: a pass after it could fail with the output
+    # already written, and `kerncc lower -o DIR` promises no output when it fails.
+    writes_output: ClassVar[bool] = False
 
     def run(self, ir: Any) -> Any:
         raise NotImplementedError(f"pass `{self.name}` does not define run()")
@@ -347,11 +350,19 @@ def _resolve(spec: PipelineSpec | str, reg: PassRegistry, expand_named: bool) ->
     if isinstance(spec, str) or spec.source is None:
         spec = parse_pipeline(str(spec))  # the text and spans the carets point into
     diags = Diagnostics()
-    passes: list[Pass] = []
-    for ps in spec.passes:
-        passes.extend(_resolve_pass(ps, spec.source or "", reg, diags, expand_named))
+    resolved = [_resolve_pass(ps, spec.source or "", reg, diags, expand_named)
+                for ps in spec.passes]
+    _check_writers_last(spec, resolved, diags)
     diags.raise_if_any(INVALID_PIPELINE)
-    return tuple(passes)
+    return tuple(p for passes in resolved for p in passes)
+
+
+def _check_writers_last(spec: PipelineSpec, resolved: list[list[Pass]],
+                        diags: Diagnostics) -> None:
+    for ps, passes, after in zip(spec.passes, resolved, spec.passes[1:]):
+        if any(getattr(p, "writes_output", False) for p in passes):
+            diags.add(caret_diagnostic(spec.source or "", ps.span, f"pass `{ps.name}` writes "
+                                       f"the output, so it comes last (`{after.name}` follows)"))
 
 
 def _resolve_pass(ps: PassSpec, text: str, reg: PassRegistry, diags: Diagnostics,
@@ -478,11 +489,15 @@ class ScheduledPass:
 def schedule_passes(passes: Sequence[Any], reg: PassRegistry | None = None
                     ) -> tuple[ScheduledPass, ...]:
     """The passes in order, each preceded by the passes it requires that have not run yet
-    (with default options, recursively); KernccError on an unknown or circular requirement."""
+    (with default options, recursively); KernccError on an unknown or circular requirement,
+    or a pass after one that writes the output."""
     reg = registry() if reg is None else reg
     schedule: list[ScheduledPass] = []
     for pass_ in passes:
         _schedule(pass_, None, reg, schedule, ())
+    writers = [item.pass_.name for item in schedule[:-1] if getattr(item.pass_, "writes_output", False)]
+    if writers:
+        raise KernccError.single(f"pass `{writers[0]}` writes the output, so it comes last")
     return tuple(schedule)
 
 

@@ -36,7 +36,8 @@ from kerncc.kernels import library
 from kerncc.passes import register
 from kerncc.passes.plan_memory import MemoryReport, StageArena, plan_stage
 from kerncc.passes.slicing import staging_plan
-from kerncc.pipeline import Pass, PassSpec, pass_spec, resolve_pipeline, schedule_passes
+from kerncc.pipeline import (Pass, PassSpec, PipelineSpec, parse_pipeline, pass_spec,
+                             resolve_pipeline, schedule_passes)
 from kerncc.symbolic import Proof, check_stages
 from kerncc.verify import verify
 
@@ -101,6 +102,7 @@ class Emit(Pass):
 
     name = "emit"
     requires = ("plan-memory",)
+    writes_output = True
     out: str = attrs.field(default="", metadata={
         "help": "the bundle directory (`kerncc lower -o DIR` sets it)"})
     check: bool = attrs.field(default=True, metadata={
@@ -184,9 +186,12 @@ def recorded_pipeline(ir: IR, emit: Emit) -> str:
     record where it was written, so moving it changes nothing.
     """
     text = ir.pipeline or ",".join(ir.history)
-    passes = list(resolve_pipeline(text)) if text else []
-    names = [p.name for p in passes]
-    passes = passes[:names.index("emit") + 1] if "emit" in names else passes + [emit]
+    written = list(parse_pipeline(text).passes) if text else []
+    names = [p.name for p in written]
+    if "emit" in names:  # nothing runs after emit, but an IR may carry a longer spec
+        written = written[:names.index("emit") + 1]
+    passes = list(resolve_pipeline(PipelineSpec(tuple(written)))) if written else []
+    passes += [] if "emit" in names else [emit]
     specs = [pass_spec(item.pass_) for item in schedule_passes(passes)]
     return ",".join(str(_without_out(s)) for s in specs)
 

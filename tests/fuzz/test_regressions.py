@@ -123,3 +123,28 @@ def test_kir_expressions_nested_too_deep_are_located(tmp_path: Path, length: int
     assert f"{path}:{where}: /ops/step/impl/launches/0/grid" in outcome.err
     assert "recursion limit exceeded" in outcome.err
     check_manifest_everywhere(path)
+
+
+# `lower model.json -p cut,emit,cut -o out` wrote the bundle, then the second cut failed
+# ("the manifest is already a stage of a cut"): exit 1 with `out/` left behind. A pass that
+# writes the output now has to be the last (kerncc/pipeline.py: Pass.writes_output).
+@pytest.mark.parametrize("spec, column", [("cut,emit,cut", 5), ("emit,liveness", 1),
+                                          ("cut,emit{out=b},emit", 5)])
+def test_nothing_runs_after_emit(tiny_model, tmp_path: Path, spec: str, column: int) -> None:
+    target = tmp_path / "out"
+    outcome = harness.run_cli(["lower", tiny_model[0], "-p", spec, "-o", target], cwd=tmp_path)
+    assert outcome.code == 1
+    assert f"pipeline:1:{column}: pass `emit` writes the output, so it comes last" in outcome.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_runner_refuses_a_pass_after_emit(tiny_model, tmp_path: Path) -> None:
+    from kerncc.ir import IR
+    from kerncc.passes.emit import Emit
+    from kerncc.passes.liveness import LivenessPass
+    from kerncc.pipeline import run_pipeline
+
+    ir = IR.from_manifest(reader.load(tiny_model[0]))
+    with pytest.raises(KernccError, match="pass `emit` writes the output, so it comes last"):
+        run_pipeline(ir, [Emit(out=str(tmp_path / "out")), LivenessPass()])
+    assert not (tmp_path / "out").exists()
