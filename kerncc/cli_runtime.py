@@ -31,6 +31,16 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _devices(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`")
+    return ids
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -42,20 +52,29 @@ def _say(message: str) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from kerncc.runtime import Bundle, Chain
     from kerncc.runtime.generate import Generator
+    from kerncc.runtime.trace import Timeline
 
     started = time.perf_counter()
     bundle = Bundle.open(args.target, args.pipeline)
     weights = args.weights or bundle.checkpoint
     if weights is not None and not Path(weights).exists():
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
-    chain = Chain(bundle, backend=args.backend, checkpoint=weights, interpret=args.interpret)
+    if args.devices and args.backend != "cuda":
+        raise KernccError.single("--devices needs --backend cuda")
+    timeline = Timeline() if args.trace else None
+    chain = Chain(bundle, backend=args.backend, checkpoint=weights, interpret=args.interpret,
+                  devices=args.devices, graphs=not args.no_graphs, trace=timeline)
     generator = Generator(chain)
     loaded = time.perf_counter()
-    _say(f"loaded {len(bundle.stages)} stage(s) on {args.backend} in {loaded - started:.2f} s "
+    _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
          f"(weights: {weights or 'none'})")
     result = generator.generate(args.prompt, args.max_new, args.chunk)
     _say(f"ran {len(result.steps)} steps in {time.perf_counter() - loaded:.2f} s: "
          + ", ".join(f"{p}×{rows}" for p, rows in result.steps))
+    if timeline is not None:
+        timeline.write(args.trace)
+        _say(f"wrote a trace of {len(timeline.spans)} spans to {args.trace} "
+             "(open it in https://ui.perfetto.dev)")
     if args.logits:
         _save_logits(args.logits, result.logits)
     print(" ".join(str(t) for t in result.tokens), flush=True)
@@ -113,6 +132,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--logits", metavar="OUT.npy", help="save every step's logits here")
     p.add_argument("--pipeline", default="emit",
                    help="passes lowering a manifest target (default: emit)")
+    p.add_argument("--devices", type=_devices, metavar="0,1",
+                   help="GPUs to spread the stages over, in order (cuda backend)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="launch `graph` programs one kernel at a time (no CUDA graphs)")
+    p.add_argument("--trace", metavar="FILE.json",
+                   help="write a Chrome/Perfetto trace of every stage's items and transfers")
     p.add_argument("--interpret", action="store_true",
                    help="interpret plan.json's launch records instead of running stage.py")
     p.set_defaults(handler=cmd_run, format="text")

@@ -200,7 +200,8 @@ class Generator:
             chunk = 1
         while seq.cached < len(seq.tokens) - 1:
             rows = min(chunk, len(seq.tokens) - 1 - seq.cached)
-            self._feed(seq, rows, self.chunk_program or self.step_program, record)
+            # Chunks are only issued: on GPUs the next chunk goes in while this one runs.
+            self._feed(seq, rows, self.chunk_program or self.step_program, record, wait=False)
         return self._one_row(seq, record)
 
     def _one_row(self, seq: Served, record: _Record) -> int:
@@ -211,15 +212,21 @@ class Generator:
                                      "(no `tokens` output): nothing to decode with")
         return token
 
-    def _feed(self, seq: Served, rows: int, forward: proto.Forward,
-              record: _Record) -> int | None:
+    def _feed(self, seq: Served, rows: int, forward: proto.Forward, record: _Record,
+              wait: bool = True) -> int | None:
         start, end = seq.cached, seq.cached + rows
         self._reserve(seq, end)
         inputs = self._inputs(seq, start, end)
         vars = self.protocol.vars(1, rows, rows, end)
-        outputs = self.runner.run(forward.name, inputs, vars)
+        if isinstance(self.runner, Chain):
+            pending = self.runner.submit(forward.name, inputs, vars, rows=rows)
+        else:
+            pending = self.runner.submit(forward.name, inputs, vars)
         seq.cached = end
-        record.add(forward.name, rows, outputs.get(LOGITS))
+        record.add(forward.name, rows, pending)
+        if not wait:
+            return None
+        outputs = pending.result()
         if forward.emits is None or forward.emits not in outputs:
             return None
         return int(np.asarray(outputs[forward.emits]).reshape(-1)[0])
@@ -274,16 +281,20 @@ def _reads(man: m.Manifest, programs: list[str]) -> set[str]:
 
 
 class _Record:
-    """Every run's program, rows and last-row logits."""
+    """Every run's program, rows and (once resolved) last-row logits."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[str, int]] = []
-        self.logits: list[np.ndarray] = []
+        self.pending: list[Any] = []
 
-    def add(self, program: str, rows: int, logits: Any) -> None:
+    def add(self, program: str, rows: int, pending: Any) -> None:
         self.steps.append((program, rows))
-        if logits is not None:
-            self.logits.append(np.asarray(logits).reshape(-1, np.shape(logits)[-1])[-1].copy())
+        self.pending.append(pending)
 
     def stacked(self) -> np.ndarray | None:
-        return np.stack(self.logits) if self.logits else None
+        logits = []
+        for pending in self.pending:
+            found = pending.result().get(LOGITS)
+            if found is not None:
+                logits.append(np.asarray(found).reshape(-1, np.shape(found)[-1])[-1].copy())
+        return np.stack(logits) if logits else None

@@ -175,6 +175,15 @@ class Site:
         """The values stage.py passes as `scalars`: every var-reading arg, in argument order."""
         return tuple(evaluate(v.expr, env) for v in self.var_scalars())
 
+    def vars_read(self) -> set[str]:
+        """Every var this launch depends on: grid, shared memory, scalars and its gate."""
+        found: set[str] = set()
+        for e in (*self.grid, self.shared_mem, *(v.expr for v in self.var_scalars())):
+            found.update(m.expr_vars(e))
+        if self.when is not None:
+            found.add(self.when.var)
+        return found
+
     def var_scalars(self) -> list[VarScalar]:
         found: list[VarScalar] = []
         for arg in self.args:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,13 @@ import numpy as np
 from kerncc import manifest as m
 from kerncc.analysis.access import call_access
 from kerncc.diagnostics import Diagnostic, KernccError, Location
+from kerncc.progress import progress
 from kerncc.runtime import domains
-from kerncc.runtime.backends.base import Backend, BackendError, Geometry, make_backend
+from kerncc.runtime.backends.base import Backend, BackendError, Launcher, make_backend
 from kerncc.runtime.bundle import Bundle, Stage, bundle_error
 from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
 from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype
+from kerncc.runtime.trace import Timeline
 from kerncc.runtime.weights import Checkpoint, assemble
 
 HOST_WRITTEN = ("input", "inout")
@@ -57,7 +60,8 @@ class Session:
 
     def __init__(self, bundle: Bundle | str | os.PathLike, stage: int = 0,
                  backend: str | Backend = "cpu", checkpoint: CheckpointLike = None,
-                 token_capacity: int | None = None, interpret: bool = False) -> None:
+                 token_capacity: int | None = None, interpret: bool = False,
+                 graphs: bool = True) -> None:
         self.bundle = open_bundle(bundle)
         if not 0 <= stage < len(self.bundle.stages):
             raise KernccError.single(f"the bundle has {len(self.bundle.stages)} stages; "
@@ -65,6 +69,9 @@ class Session:
         self.stage: Stage = self.bundle.stages[stage]
         self.manifest = self.stage.manifest
         self.backend = open_backend(backend)
+        self.backend.activate()
+        self.graphs = graphs and self.backend.graphs
+        self._graphs: dict[tuple, Any] = {}
         self.token_capacity = token_capacity or default_token_capacity(self.manifest)
         self.memory = Memory(self.backend, self.manifest, self.stage.plan, self.token_capacity)
         self.last_vars = self._vars({})
@@ -102,7 +109,9 @@ class Session:
         self.sites = self._parse_sites()
         self._by_number = {s.number: s for sites in self.sites.values() for s in sites}
         self.backend.add_modules({p.stem: p for p in self.stage.dir.glob("modules/*.cubin")})
-        self._check_entries()
+        self._launchers = self._prepare_sites()
+        self._graph_vars = {name: sorted(set().union(*(s.vars_read() for s in sites)))
+                            for name, sites in self.sites.items()}
         self._fast = {} if interpret else self._load_stage_py()
         self._load_weights()
         self._run_derive(derive)
@@ -116,21 +125,23 @@ class Session:
         except PlanError as err:
             raise plan_error(str(self.stage.plan_path()), "", str(err)) from None
 
-    def _check_entries(self) -> None:
-        """Every launch's kernel or extern exists on this backend, before anything runs."""
-        problems = []
+    def _prepare_sites(self) -> dict[int, Launcher]:
+        """Every launch's launcher, built once (kernels and externs checked before any run)."""
+        problems, launchers = [], {}
         for site in self._by_number.values():
             try:
                 if site.kind == "extern":
                     self.backend.check_extern(site.extern_name)
                 else:
                     self.backend.check_kernel(site.entry, site.module)
+                launchers[site.number] = self.backend.prepare(site)
             except BackendError as err:
                 problems.append(Diagnostic(f"{site.where()}: {err}",
                                            Location(file=str(self.stage.plan_path()))))
         if problems:
             raise KernccError(f"stage {self.stage.index} cannot run on the "
                               f"{self.backend.name} backend:", problems)
+        return launchers
 
     def _load_stage_py(self) -> dict[str, Callable]:
         path = self.stage.stage_py
@@ -151,7 +162,8 @@ class Session:
 
     def _load_weights(self) -> None:
         weights = [name for name, b in self.manifest.buffers.items() if b.kind == "weight"]
-        for name in sorted(weights, key=str.encode):
+        label = f"stage {self.stage.index} weights"
+        for name in progress(sorted(weights, key=str.encode), label, unit="tensors"):
             data = self._assemble(name)
             self.backend.upload(self.memory.buffer(name), 0, data)
 
@@ -212,13 +224,23 @@ class Session:
     def run(self, program: str, inputs: Mapping[str, Any] | None = None,
             vars: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
         """Write `inputs`, run `program` at `vars` (unset vars are 1), return its outputs."""
+        return self.submit(program, inputs, vars).result()
+
+    def submit(self, program: str, inputs: Mapping[str, Any] | None = None,
+               vars: Mapping[str, int] | None = None, outputs: bool = True) -> Pending:
+        """`run` without waiting: the launches and the outputs' downloads are issued, and
+        `result()` waits for them. On a GPU the host goes on while the device works.
+        `outputs=False` downloads nothing (a chain's inner stages: their outputs cross)."""
+        self.backend.activate()
         self._check_program(program)
         env = self._vars(vars or {})
         for name, value in (inputs or {}).items():
             self._write_host(name, value, env)
         self._execute(program, env)
         self.last_vars = env
-        return {name: self.read(name, env) for name in self._written(program)}
+        if not outputs:
+            return Pending({})
+        return Pending({name: self._read_async(name, env) for name in self._written(program)})
 
     def _check_program(self, program: str) -> None:
         if program in self._derived:
@@ -244,6 +266,17 @@ class Session:
 
     def _execute(self, program: str, env: dict[str, int]) -> None:
         self._env = env
+        if self.graphs and self.manifest.programs[program].graph:
+            key = (program, *(env[v] for v in self._graph_vars[program]))
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._graphs[key] = self.backend.capture(
+                    lambda: self._issue_program(program, env))
+            self.backend.replay(graph)
+            return
+        self._issue_program(program, env)
+
+    def _issue_program(self, program: str, env: dict[str, int]) -> None:
         fast = self._fast.get(program)
         if fast is not None:
             fast(_StageHandle(self), dict(env))
@@ -255,14 +288,10 @@ class Session:
     def _issue(self, site: Site, grid: tuple[int, int, int], scalars: Sequence[int]) -> None:
         if site.program in self._derive_base and self.memory.staging is not None:
             self._arrive(self._derive_base[site.program] + site.call)
-        args = site.bind(scalars)
+        shared = site.shared_mem if isinstance(site.shared_mem, int) \
+            else evaluate(site.shared_mem, self._env)
         try:
-            if site.kind == "extern":
-                self.backend.launch_extern(site.extern_name, args)
-                return
-            shared = evaluate(site.shared_mem, self._env)
-            geometry = Geometry(site.entry, site.module, tuple(grid), site.block, shared)
-            self.backend.launch_kernel(geometry, args)
+            self._launchers[site.number](grid, shared, scalars)
         except LAUNCH_FAILURES as err:
             raise KernccError.single(f"stage {self.stage.index}, {site.where()}, entry "
                                      f"`{site.entry}`: the launch failed: {err}") from None
@@ -292,8 +321,14 @@ class Session:
         buf = self._buffer(name)
         env = self.last_vars if vars is None else self._vars(vars)
         dims = buf.dims_at(env)
+        self.backend.activate()
         raw = self.backend.download(self.memory.buffer(name), 0, buf.nbytes(env))
         return raw.view(numpy_dtype(buf.dtype)).reshape(dims)
+
+    def _read_async(self, name: str, env: dict[str, int]) -> _Output:
+        buf = self.manifest.buffers[name]
+        raw = self.backend.download_async(self.memory.buffer(name), 0, buf.nbytes(env))
+        return _Output(raw, numpy_dtype(buf.dtype), tuple(buf.dims_at(env)))
 
     def write(self, name: str, array: Any, vars: Mapping[str, int] | None = None) -> None:
         """Write buffer `name` (shape at `vars`, default: read off the array's shape)."""
@@ -317,6 +352,7 @@ class Session:
         except KernccError as err:
             raise self.stage.located(err) from None
         data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self.backend.activate()
         self.backend.upload(self.memory.buffer(name), 0, data)
 
     def _index_rows(self, target: str, env: dict[str, int]) -> int | None:
@@ -339,9 +375,40 @@ class Session:
         nbytes = buf.nbytes(target._vars(vars))
         source, sink = self.memory.buffer(name), target.memory.buffer(name)
         if target.backend is self.backend:
+            self.backend.activate()
             self.backend.copy(source, 0, sink, 0, nbytes)
             return
-        target.backend.upload(sink, 0, self.backend.download(source, 0, nbytes))
+        send = getattr(self.backend, "send", None)
+        if send is not None and type(target.backend) is type(self.backend):
+            send(source, target.backend, sink, nbytes)  # device to device, no host wait
+            return
+        self.backend.activate()
+        data = self.backend.download(source, 0, nbytes)
+        target.backend.activate()
+        target.backend.upload(sink, 0, data)
+
+
+class _Output:
+    """One output's pending download, shaped on arrival."""
+
+    def __init__(self, raw: Any, dtype: np.dtype, dims: tuple[int, ...]) -> None:
+        self.raw, self.dtype, self.dims = raw, dtype, dims
+
+    def result(self) -> np.ndarray:
+        return self.raw.result().view(self.dtype).reshape(self.dims)
+
+
+class Pending:
+    """A submitted run: `result()` waits for its outputs ({buffer name: array})."""
+
+    def __init__(self, outputs: dict[str, _Output]) -> None:
+        self._outputs = outputs
+        self._done: dict[str, np.ndarray] | None = None
+
+    def result(self) -> dict[str, np.ndarray]:
+        if self._done is None:
+            self._done = {name: out.result() for name, out in self._outputs.items()}
+        return self._done
 
 
 class _StageHandle:
@@ -391,36 +458,70 @@ def _open_checkpoint(checkpoint: CheckpointLike) -> _Tensors | None:
 
 
 class Chain:
-    """Every stage of a bundle, run in order on one backend, crossing buffers copied by name."""
+    """Every stage of a bundle run in order, crossing buffers handed from stage to stage.
+
+    On one backend the stages run in sequence on it. With `backend="cuda"` and `devices`
+    (e.g. [0, 1]) the stages are spread over the GPUs in order (stage k on
+    devices[k * len(devices) // stages]), each GPU with its own stream: crossing buffers move
+    GPU to GPU, and `submit` returns as soon as everything is issued, so stage 1 works on item
+    k while stage 0 already works on item k+1. `trace` (a `Timeline`) records every stage's
+    item and every transfer.
+    """
 
     def __init__(self, bundle: Bundle | str | os.PathLike, backend: str | Backend = "cpu",
                  checkpoint: CheckpointLike = None, token_capacity: int | None = None,
-                 interpret: bool = False) -> None:
+                 interpret: bool = False, devices: Sequence[int] | None = None,
+                 graphs: bool = True, trace: Timeline | None = None) -> None:
         self.bundle = open_bundle(bundle)
-        self.backend = open_backend(backend)
+        stages = len(self.bundle.stages)
+        self.backends = _stage_backends(backend, devices, stages)
+        self.backend = self.backends[0]
         # One pool of page ids serves every stage, so every stage gets the same capacity.
         self.token_capacity = token_capacity or max(
             default_token_capacity(s.manifest) for s in self.bundle.stages)
-        self.sessions = [Session(self.bundle, k, self.backend, checkpoint, self.token_capacity,
-                                 interpret) for k in range(len(self.bundle.stages))]
+        self.sessions = [Session(self.bundle, k, self.backends[k], checkpoint,
+                                 self.token_capacity, interpret, graphs)
+                         for k in range(stages)]
+        for edge in self.bundle.edges:
+            sender, receiver = self.backends[edge["from"]], self.backends[edge["to"]]
+            if sender is not receiver and hasattr(sender, "enable_peer"):
+                sender.enable_peer(receiver)
+                receiver.enable_peer(sender)
+        self.trace = trace
+        self.items = 0
 
     def __repr__(self) -> str:
-        return f"Chain({self.bundle!r}, {self.backend.name})"
+        devices = sorted({b.name if not hasattr(b, "index") else f"{b.name}:{b.index}"
+                          for b in self.backends})
+        return f"Chain({self.bundle!r}, {', '.join(devices)})"
 
     def run(self, program: str, inputs: Mapping[str, Any] | None = None,
             vars: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
         """Run `program` on every stage in order; the last stage's outputs."""
+        return self.submit(program, inputs, vars).result()
+
+    def submit(self, program: str, inputs: Mapping[str, Any] | None = None,
+               vars: Mapping[str, int] | None = None, rows: int | None = None) -> Pending:
+        """Issue `program` on every stage in order without waiting; `result()` waits."""
         inputs, vars = dict(inputs or {}), dict(vars or {})
         self._check_names(inputs, vars)
-        outputs: dict[str, np.ndarray] = {}
+        item, self.items = self.items, self.items + 1
+        pending = Pending({})
         for k, session in enumerate(self.sessions):
             stage_vars = {n: v for n, v in vars.items() if n in session.manifest.vars}
-            self._receive(k, stage_vars)
+            self._receive(k, stage_vars, item)
             if program not in session.sites:
                 continue
             host = {n: v for n, v in inputs.items() if n in session.stage.host_inputs}
-            outputs = session.run(program, host, stage_vars)
-        return outputs
+            issued = time.perf_counter()
+            start = session.backend.mark() if self.trace else None
+            last = k == max(j for j, s in enumerate(self.sessions) if program in s.sites)
+            pending = session.submit(program, host, stage_vars, outputs=last)
+            if self.trace is not None:
+                self.trace.span(session.backend, f"stage {k}", f"{program} #{item}", issued,
+                                start, session.backend.mark(),
+                                {"stage": k, "item": item, "program": program, "rows": rows})
+        return pending
 
     def _check_names(self, inputs: dict, vars: dict) -> None:
         taken = {n for s in self.bundle.stages for n in s.host_inputs}
@@ -433,12 +534,47 @@ class Chain:
             if name not in known_vars:
                 raise KernccError.single(f"no stage of the bundle has var `{name}`")
 
-    def _receive(self, k: int, vars: dict[str, int]) -> None:
+    def _receive(self, k: int, vars: dict[str, int], item: int) -> None:
         for edge in self.bundle.edges:
-            if edge["to"] == k:
-                source = self.sessions[edge["from"]]
-                source.transfer(edge["buffer"], self.sessions[k], vars)
+            if edge["to"] != k:
+                continue
+            source = self.sessions[edge["from"]]
+            issued = time.perf_counter()
+            start = source.backend.mark() if self.trace else None
+            source.transfer(edge["buffer"], self.sessions[k], vars)
+            if self.trace is not None:
+                self.trace.span(source.backend, f"copy {edge['from']}->{k}",
+                                f"{edge['buffer']} #{item}", issued, start,
+                                source.backend.mark(), {"item": item, "buffer": edge["buffer"]})
+
+    def sync(self) -> None:
+        for backend in dict.fromkeys(self.backends):
+            backend.activate()
+            backend.sync()
 
     @property
     def programs(self) -> list[str]:
         return sorted({p for s in self.sessions for p in s.programs}, key=str.encode)
+
+
+def _stage_backends(backend: str | Backend, devices: Sequence[int] | None,
+                    stages: int) -> list[Backend]:
+    """The backend of every stage: one shared, or one per GPU of `devices`."""
+    if not devices:
+        shared = open_backend(backend)
+        return [shared] * stages
+    if not isinstance(backend, str) or backend != "cuda":
+        raise KernccError.single("--devices needs the cuda backend")
+    if len(set(devices)) != len(devices):
+        raise KernccError.single(f"devices {list(devices)} repeat a device")
+    if len(devices) > stages:
+        raise KernccError.single(f"{len(devices)} devices for {stages} stage(s): each device "
+                                 "runs at least one stage")
+    by_device: dict[int, Backend] = {}
+    out = []
+    for k in range(stages):
+        device = devices[k * len(devices) // stages]
+        if device not in by_device:
+            by_device[device] = make_backend("cuda", device=device)
+        out.append(by_device[device])
+    return out

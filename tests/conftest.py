@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes.util
-
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -25,9 +23,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if ctypes.util.find_library("cuda"):
+    if not any("gpu" in item.keywords for item in items):
         return
-    skip = pytest.mark.skip(reason="no CUDA driver on this machine")
+    from kerncc.runtime.backends.probe import cuda_devices
+
+    count, why = cuda_devices()
+    if count:
+        return
+    skip = pytest.mark.skip(reason=why)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -12,15 +12,20 @@ plain reason and the Session adds where (program, call, op, launch).
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
 from kerncc.diagnostics import KernccError
 
+if TYPE_CHECKING:
+    from kerncc.runtime.launch import Site
+
+Launcher = Callable[[tuple[int, int, int], int, Sequence[int]], None]
 BACKENDS = ("cpu", "cuda")
 
 
@@ -98,6 +103,62 @@ class Backend(abc.ABC):
     def sync(self) -> None:
         """Wait until every issued launch and copy has finished."""
 
+    # ---- what the Session uses beyond the basics (defaults: synchronous, no graphs) ----
+
+    graphs: bool = False  # whether `capture` / `replay` work
+
+    def activate(self) -> None:
+        """Make this backend's device current (several GPUs in one process)."""
+
+    def prepare(self, site: Site) -> Launcher:
+        """A launcher for one site, built once at load: `launcher(grid, shared, scalars)`.
+
+        The default binds the args at each launch and calls `launch_kernel` / `launch_extern`;
+        a GPU backend builds the site's parameter table here instead.
+        """
+        if site.kind == "extern":
+            name = site.extern_name
+
+            def extern(grid: tuple[int, int, int], shared: int, scalars: Sequence[int]) -> None:
+                self.launch_extern(name, site.bind(scalars))
+
+            return extern
+
+        def kernel(grid: tuple[int, int, int], shared: int, scalars: Sequence[int]) -> None:
+            geometry = Geometry(site.entry, site.module, grid, site.block, shared)
+            self.launch_kernel(geometry, site.bind(scalars))
+
+        return kernel
+
+    def download_async(self, allocation: Any, offset: int, nbytes: int) -> Any:
+        """A download to take later: an object whose `result()` is the uint8 host copy."""
+        return Ready(self.download(allocation, offset, nbytes))
+
+    def capture(self, issue: Callable[[], None]) -> Any:
+        """A replayable graph of what `issue()` launches (only when `graphs` is True)."""
+        raise BackendError(f"the {self.name} backend has no graphs")
+
+    def replay(self, graph: Any) -> None:
+        raise BackendError(f"the {self.name} backend has no graphs")
+
+    def mark(self) -> Any:
+        """A point in this backend's timeline (host time here: everything is synchronous)."""
+        return time.perf_counter()
+
+    @staticmethod
+    def elapsed_ms(start: Any, end: Any) -> float:
+        return (end - start) * 1e3
+
+
+class Ready:
+    """A download that is already on the host."""
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+    def result(self) -> np.ndarray:
+        return self.value
+
 
 def make_backend(name: str, **options: Any) -> Backend:
     """The backend called `name` (`cpu` or `cuda`)."""
@@ -110,4 +171,7 @@ def make_backend(name: str, **options: Any) -> Backend:
         from kerncc.runtime.backends import cuda
     except ImportError as err:
         raise KernccError.single(f"the cuda backend is not available: {err}") from None
-    return cuda.CudaBackend(**options)
+    try:
+        return cuda.CudaBackend(**options)
+    except BackendError as err:
+        raise KernccError.single(f"the cuda backend is not available: {err}") from None

@@ -1,0 +1,530 @@
+"""The cuda backend: one NVIDIA GPU, its memory, cubin launches, cuBLAS GEMMs, CUDA graphs.
+
+What lives where (gpu/NOTES.md has the measurements behind each choice):
+* cuda.core: the device (`Device(i).set_current()`, properties, peer capability), the stream
+  and the events, and graph capture (`Stream.create_graph_builder`).
+* cuda.bindings (the driver API): plain `cuMemAlloc` allocations (peer copies need plain
+  allocations, not pool memory), copies, module loading, and every launch through
+  `cuLaunchKernel` with a parameter table built once per launch site (`prepare`): pointers
+  are fixed at load (arena base + offset), literal scalars and `bytes<n>` packs are written
+  once, and only the var-dependent slots are rewritten before each launch.
+* cuBLAS through ctypes (`kerncc.runtime.backends.cublas`) for the GEMM externs.
+
+Every driver call is checked (cuda.bindings returns its CUresult; it does not raise) and a
+failure is a `BackendError` naming the call; the Session adds program, call, op and launch.
+Host-to-device copies are stream-ordered: small ones go through a ring of pinned slots, big
+ones (weights at load) wait for the stream and copy synchronously. Downloads can be taken
+later (`download_async`), so a chain of stages never waits for the host between items.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kerncc.runtime.backends.base import Backend, BackendError, Geometry
+
+try:  # the optional `cuda` extra
+    from cuda.bindings import driver as cu
+    from cuda.core import Device, EventOptions, StreamOptions
+except ImportError as _err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(f"{_err} (install kerncc[cuda])") from None
+
+from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
+from kerncc.runtime.backends.probe import cuda_devices
+from kerncc.runtime.launch import Pack, Site, VarScalar
+
+SLOT_BYTES = 1 << 20  # pinned upload slot
+SLOTS = 32
+PARAM_ALIGN = 16
+SCALAR_FORMATS = {"i32": ("<i", -2**31, 2**31 - 1), "i64": ("<q", -2**63, 2**63 - 1),
+                  "u8": ("<B", 0, 255), "f32": ("<f", None, None)}
+_active: list[Any] = [None]  # the backend whose context is current on this thread
+
+
+def available() -> str | None:
+    """None when a CUDA device can be used, else why not (asked in a child process)."""
+    count, why = cuda_devices()
+    return None if count else why
+
+
+def check(result: Any, what: str) -> Any:
+    """The values a cuda.bindings call returned, or a BackendError naming the call."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        _, text = cu.cuGetErrorString(err)
+        raise BackendError(f"{what} failed: {_text(name)} ({_text(text)})")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@attrs.define(eq=False)
+class Allocation:
+    """Device memory from `cuMemAlloc`."""
+
+    ptr: int
+    nbytes: int
+    device: int
+
+
+@attrs.define(eq=False)
+class _Landing:
+    """A receiver-side buffer that peer copies land in, with the events ordering its reuse."""
+
+    allocation: Allocation
+    free: Any  # the receiver's: recorded on its stream once the landing was copied out
+    arrived: Any = None  # the sender's: recorded on its stream after the peer copy
+    used: bool = False
+
+
+class Download:
+    """A device-to-host copy issued on the stream; `result()` waits for it."""
+
+    def __init__(self, backend: CudaBackend, host: int, nbytes: int, event: Any) -> None:
+        self._backend, self._host, self._nbytes, self._event = backend, host, nbytes, event
+        self._value: np.ndarray | None = None
+
+    def result(self) -> np.ndarray:
+        if self._value is None:
+            self._event.sync()
+            self._value = np.frombuffer(ctypes.string_at(self._host, self._nbytes),
+                                        dtype=np.uint8).copy()
+            self._backend._pinned_release(self._host, self._nbytes, self._event)
+        return self._value
+
+
+class CudaBackend(Backend):
+    """One GPU. `CudaBackend(device=0)`; a Chain makes one per device it uses."""
+
+    name = "cuda"
+    graphs = True
+
+    def __init__(self, device: int = 0) -> None:
+        problem = available()
+        if problem:
+            raise BackendError(problem)
+        try:
+            count = len(Device.get_all_devices())
+        except Exception as err:  # noqa: BLE001 - cuda.core raises its own error types
+            raise BackendError(f"cannot list CUDA devices: {err}") from None
+        if not 0 <= device < count:
+            raise BackendError(f"there is no CUDA device {device} (this machine has {count})")
+        self.index = device
+        self.device = Device(device)
+        self.device.set_current()
+        self.ctx = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        _active[0] = self
+        self.stream = self.device.create_stream(options=StreamOptions(nonblocking=True))
+        self.stream_handle = self.stream.handle
+        self._launch_stream = self.stream_handle  # the capture stream while capturing
+        self._modules: dict[str, Path] = {}
+        self._loaded: dict[str, Any] = {}  # module sha256 -> CUmodule
+        self._functions: dict[tuple[str, str | None], Any] = {}
+        self._allocations: list[Allocation] = []
+        self._workspace = self.allocate(32 << 20)
+        self.blas: Blas | None = None
+        self._blas_error: str | None = None
+        try:
+            self.blas = Blas(int(self.stream_handle), self._workspace.ptr)
+        except (CublasError, OSError) as err:
+            self._blas_error = str(err)
+        self._slots = [self._pinned(SLOT_BYTES) for _ in range(SLOTS)]
+        self._slot_events = [self.device.create_event() for _ in range(SLOTS)]
+        self._slot_used = [False] * SLOTS
+        self._next_slot = 0
+        self._pinned_free: dict[int, list[int]] = {}
+        self._landings: dict[tuple[int, int], _Landing] = {}
+        self.launches = 0
+
+    def __repr__(self) -> str:
+        return f"CudaBackend(device {self.index}: {self.device.name})"
+
+    # ------------------------------------------------------------------------ context
+
+    def activate(self) -> None:
+        """Make this device's context current (a no-op when it already is)."""
+        if _active[0] is not self:
+            self.device.set_current()
+            _active[0] = self
+
+    # ------------------------------------------------------------------------ memory
+
+    def allocate(self, nbytes: int) -> Allocation:
+        self.activate()
+        size = max(int(nbytes), 1)
+        ptr = int(check(cu.cuMemAlloc(size), f"cuMemAlloc({size} bytes)"))
+        check(cu.cuMemsetD8Async(cu.CUdeviceptr(ptr), 0, size, self.stream_handle),
+              "cuMemsetD8Async")
+        allocation = Allocation(ptr, int(nbytes), self.index)
+        self._allocations.append(allocation)
+        return allocation
+
+    def free(self, allocation: Any) -> None:
+        if not isinstance(allocation, Allocation) or allocation.ptr == 0:
+            return
+        self.activate()
+        self.stream.sync()
+        check(cu.cuMemFree(cu.CUdeviceptr(allocation.ptr)), "cuMemFree")
+        allocation.ptr = 0
+
+    def pointer(self, allocation: Allocation, offset: int) -> int:
+        if not 0 <= offset <= allocation.nbytes:
+            raise BackendError(f"offset {offset} is outside an allocation of "
+                               f"{allocation.nbytes} bytes")
+        return allocation.ptr + int(offset)
+
+    def address(self, pointer: int) -> int:
+        return int(pointer)
+
+    def _pinned(self, nbytes: int) -> int:
+        return int(check(cu.cuMemAllocHost(nbytes), f"cuMemAllocHost({nbytes} bytes)"))
+
+    def upload(self, allocation: Allocation, offset: int, data: np.ndarray) -> None:
+        self.activate()
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        n = data.size
+        if n == 0:
+            return
+        if offset < 0 or offset + n > allocation.nbytes:
+            raise BackendError(f"writing {n} bytes at {offset} overruns an allocation of "
+                               f"{allocation.nbytes} bytes")
+        dst = cu.CUdeviceptr(allocation.ptr + offset)
+        if n > SLOT_BYTES:  # big (weights): copy from pageable memory on the stream, then wait
+            # (a plain cuMemcpyHtoD may return before its DMA lands and is not ordered with
+            # this non-blocking stream, so kernels issued next could read stale bytes)
+            check(cu.cuMemcpyHtoDAsync(dst, data.ctypes.data, n, self.stream_handle),
+                  "cuMemcpyHtoDAsync")
+            self.stream.sync()
+            return
+        i = self._next_slot
+        self._next_slot = (i + 1) % SLOTS
+        if self._slot_used[i]:
+            self._slot_events[i].sync()  # the slot's last copy has been read
+        ctypes.memmove(self._slots[i], data.ctypes.data, n)
+        check(cu.cuMemcpyHtoDAsync(dst, self._slots[i], n, self.stream_handle),
+              "cuMemcpyHtoDAsync")
+        self.stream.record(self._slot_events[i])
+        self._slot_used[i] = True
+
+    def download(self, allocation: Allocation, offset: int, nbytes: int) -> np.ndarray:
+        return self.download_async(allocation, offset, nbytes).result()
+
+    def download_async(self, allocation: Allocation, offset: int, nbytes: int) -> Download:
+        self.activate()
+        if offset < 0 or offset + nbytes > allocation.nbytes:
+            raise BackendError(f"reading {nbytes} bytes at {offset} overruns an allocation of "
+                               f"{allocation.nbytes} bytes")
+        host = self._pinned_take(nbytes)
+        if nbytes:
+            check(cu.cuMemcpyDtoHAsync(host, cu.CUdeviceptr(allocation.ptr + offset), nbytes,
+                                       self.stream_handle), "cuMemcpyDtoHAsync")
+        event = self.device.create_event()
+        self.stream.record(event)
+        return Download(self, host, nbytes, event)
+
+    def _pinned_take(self, nbytes: int) -> int:
+        size = max(1 << 12, 1 << (max(nbytes, 1) - 1).bit_length())
+        free = self._pinned_free.setdefault(size, [])
+        return free.pop() if free else self._pinned(size)
+
+    def _pinned_release(self, host: int, nbytes: int, event: Any) -> None:
+        size = max(1 << 12, 1 << (max(nbytes, 1) - 1).bit_length())
+        self._pinned_free.setdefault(size, []).append(host)
+
+    def copy(self, source: Allocation, source_offset: int, target: Allocation,
+             target_offset: int, nbytes: int) -> None:
+        self.activate()
+        if nbytes:
+            check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(target.ptr + target_offset),
+                                       cu.CUdeviceptr(source.ptr + source_offset), nbytes,
+                                       self.stream_handle), "cuMemcpyDtoDAsync")
+
+    # ------------------------------------------------------------------------ two GPUs
+
+    def enable_peer(self, other: CudaBackend) -> None:
+        """Let this device reach `other`'s memory directly (NVLink / PCIe peer access)."""
+        if other.index == self.index:
+            return
+        if not self.device.can_access_peer(other.device):
+            raise BackendError(f"device {self.index} cannot access device {other.index}'s "
+                               "memory (no peer access)")
+        self.activate()
+        err, = cu.cuCtxEnablePeerAccess(other.ctx, 0)
+        if err not in (cu.CUresult.CUDA_SUCCESS,
+                       cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+            check((err,), f"cuCtxEnablePeerAccess({self.index} -> {other.index})")
+
+    def send(self, source: Allocation, target_backend: CudaBackend, target: Allocation,
+             nbytes: int) -> None:
+        """Copy `nbytes` from `source` (here) into `target` (on `target_backend`), no host wait.
+
+        The bytes cross into a landing buffer on the receiver with a peer copy on this stream
+        (after this stream's work on `source`, before its next), then the receiver's stream
+        waits for them and copies them into `target` (after its own work on `target`). The
+        landing is reused only once the receiver has copied it out, so neither side waits for
+        the other's whole item: the sender blocks only on a landing still unread.
+        """
+        if nbytes == 0:
+            return
+        landing = target_backend._landing(target, nbytes)
+        self.activate()
+        if landing.arrived is None:  # an event belongs to the device whose stream records it
+            landing.arrived = self.device.create_event(EventOptions(timing_enabled=False))
+        if landing.used:
+            check(cu.cuStreamWaitEvent(self.stream_handle, landing.free.handle, 0),
+                  "cuStreamWaitEvent")
+        check(cu.cuMemcpyPeerAsync(cu.CUdeviceptr(landing.allocation.ptr), target_backend.ctx,
+                                   cu.CUdeviceptr(source.ptr), self.ctx, nbytes,
+                                   self.stream_handle), "cuMemcpyPeerAsync")
+        check(cu.cuEventRecord(landing.arrived.handle, self.stream_handle), "cuEventRecord")
+        target_backend.activate()
+        check(cu.cuStreamWaitEvent(target_backend.stream_handle, landing.arrived.handle, 0),
+              "cuStreamWaitEvent")
+        target_backend.copy(landing.allocation, 0, target, 0, nbytes)
+        check(cu.cuEventRecord(landing.free.handle, target_backend.stream_handle),
+              "cuEventRecord")
+        landing.used = True
+
+    def _landing(self, target: Allocation, nbytes: int) -> _Landing:
+        key = (target.ptr, nbytes)
+        found = self._landings.get(key)
+        if found is None:
+            found = _Landing(self.allocate(nbytes),
+                             self.device.create_event(EventOptions(timing_enabled=False)))
+            # The allocation is zeroed on this (the receiver's) stream, which may still be
+            # busy: the sender's first copy must wait for that too, as for any later reuse.
+            check(cu.cuEventRecord(found.free.handle, self.stream_handle), "cuEventRecord")
+            found.used = True
+            self._landings[key] = found
+        return found
+
+    # ------------------------------------------------------------------------ modules
+
+    def add_modules(self, cubins: Mapping[str, Path]) -> None:
+        self._modules.update(cubins)
+
+    def _module(self, sha: str) -> Any:
+        module = self._loaded.get(sha)
+        if module is None:
+            path = self._modules.get(sha)
+            if path is None:
+                raise BackendError(f"module {sha[:12]}… has no cubin in the bundle")
+            image = np.frombuffer(Path(path).read_bytes(), dtype=np.uint8)
+            self.activate()
+            module = check(cu.cuModuleLoadData(image.ctypes.data),
+                           f"cuModuleLoadData({Path(path).name})")
+            self._loaded[sha] = module
+        return module
+
+    def _function(self, entry: str, module: str | None) -> Any:
+        key = (entry, module)
+        fn = self._functions.get(key)
+        if fn is None:
+            if module is None:
+                raise BackendError(f"kernel `{entry}` names no module")
+            fn = check(cu.cuModuleGetFunction(self._module(module), entry.encode()),
+                       f"cuModuleGetFunction({entry})")
+            self._functions[key] = fn
+        return fn
+
+    def check_kernel(self, entry: str, module: str | None) -> None:
+        self._function(entry, module)
+
+    def check_extern(self, name: str) -> None:
+        if name not in GEMMS:
+            raise BackendError(f"the cuda backend has no extern `{name}` "
+                               f"(known: {', '.join(sorted(GEMMS))})")
+        if self.blas is None:
+            raise BackendError(f"extern `{name}` needs cuBLAS: {self._blas_error}")
+
+    # ------------------------------------------------------------------------ launching
+
+    def prepare(self, site: Site) -> Callable[[tuple[int, int, int], int, Sequence[int]], None]:
+        if site.kind == "extern":
+            return self._prepare_extern(site)
+        return _KernelLaunch(self, site, self._function(site.entry, site.module))
+
+    def _prepare_extern(self, site: Site) -> Callable:
+        name = site.extern_name
+        self.check_extern(name)
+        if len(site.args) != 6:
+            raise BackendError(f"extern `{name}` takes 6 arguments (A, W, C, m, n, k), "
+                               f"plan.json gives {len(site.args)}")
+        fixed = [a if isinstance(a, VarScalar) else int(a) for a in site.args]
+        blas = self.blas
+
+        def launch(grid: tuple[int, int, int], shared: int, scalars: Sequence[int]) -> None:
+            values = iter(scalars)
+            a, w, c, m, n, k = (next(values) if isinstance(v, VarScalar) else v for v in fixed)
+            blas.gemm(name, a, w, c, int(m), int(n), int(k))  # type: ignore[union-attr]
+            self.launches += 1
+
+        return launch
+
+    def launch_kernel(self, geometry: Geometry, args: Sequence[Any]) -> None:
+        raise BackendError("the cuda backend launches prepared sites only (Backend.prepare)")
+
+    def launch_extern(self, name: str, args: Sequence[Any]) -> None:
+        raise BackendError("the cuda backend launches prepared sites only (Backend.prepare)")
+
+    def sync(self) -> None:
+        self.activate()
+        self.stream.sync()
+
+    # ------------------------------------------------------------------------ graphs
+
+    def capture(self, issue: Callable[[], None]) -> Any:
+        """A CUDA graph of everything `issue()` launches (nothing runs while capturing)."""
+        self.activate()
+        builder = self.stream.create_graph_builder()
+        builder.begin_building()
+        try:
+            self._launch_stream = builder.stream.handle
+            if self.blas is not None:
+                self.blas.set_stream(int(self._launch_stream))
+            issue()
+        except BaseException:
+            try:
+                builder.end_building()
+            finally:
+                self._restore_stream()
+            raise
+        self._restore_stream()
+        graph = builder.end_building().complete()
+        graph.upload(self.stream)
+        return graph
+
+    def _restore_stream(self) -> None:
+        self._launch_stream = self.stream_handle
+        if self.blas is not None:
+            self.blas.set_stream(int(self.stream_handle))
+
+    def replay(self, graph: Any) -> None:
+        self.activate()
+        graph.launch(self.stream)
+
+    # ------------------------------------------------------------------------ timing
+
+    def mark(self) -> Any:
+        """A timing event recorded now on the stream."""
+        self.activate()
+        return self.stream.record(options=EventOptions(timing_enabled=True))
+
+    @staticmethod
+    def elapsed_ms(start: Any, end: Any) -> float:
+        end.sync()
+        return float(end - start)
+
+    def describe(self) -> str:
+        cc = self.device.compute_capability
+        return f"{self.device.name} (sm_{cc.major}{cc.minor}, device {self.index})"
+
+
+class _KernelLaunch:
+    """One kernel launch site: its CUfunction, geometry and parameter table, built at load.
+
+    The parameter block holds every argument at a 16-byte aligned slot (pointers as u64,
+    scalars in their width, packs as their bytes); `cuLaunchKernel` gets a table of pointers
+    into it. Only the slots of var-dependent scalars are rewritten per launch (the driver
+    copies parameters at launch time, so rewriting right after is safe, also while capturing).
+    """
+
+    def __init__(self, backend: CudaBackend, site: Site, fn: Any) -> None:
+        self.backend, self.site, self.fn = backend, site, fn
+        self.block = site.block
+        slots: list[tuple[int, bytes]] = []
+        self.var_slots: list[tuple[int, str, Any, Any]] = []
+        offset = 0
+        for arg in site.args:
+            data, variable = _param_bytes(arg)
+            slots.append((offset, data))
+            self.var_slots += [(offset + at, fmt, lo, hi) for at, fmt, lo, hi in variable]
+            offset += -(-max(len(data), 1) // PARAM_ALIGN) * PARAM_ALIGN
+        self._check_params([len(d) for _, d in slots])
+        self.storage = ctypes.create_string_buffer(max(offset, 1))
+        base = ctypes.addressof(self.storage)
+        for at, data in slots:
+            ctypes.memmove(base + at, data, len(data))
+        self.table = (ctypes.c_void_p * max(len(slots), 1))(*[base + at for at, _ in slots])
+        self.params = ctypes.addressof(self.table) if slots else 0
+        shared = site.shared_mem
+        if isinstance(shared, int) and shared > 48 * 1024:
+            check(cu.cuFuncSetAttribute(
+                fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared), f"cuFuncSetAttribute({site.entry}, {shared} bytes of shared memory)")
+
+    def _check_params(self, sizes: list[int]) -> None:
+        """The kernel's own parameter sizes (from the cubin) against plan.json's arguments."""
+        getter = getattr(cu, "cuFuncGetParamInfo", None)
+        if getter is None:
+            return
+        found = []
+        for i in range(len(sizes) + 1):
+            err, *_, size = getter(self.fn, i)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                break
+            found.append(int(size))
+        if not found and sizes:
+            return  # the driver cannot say; the launch itself will
+        if len(found) != len(sizes):
+            raise BackendError(f"kernel `{self.site.entry}` takes {len(found)} parameters, "
+                               f"plan.json passes {len(sizes)}")
+        for i, (want, have) in enumerate(zip(found, sizes)):
+            if want != have:
+                raise BackendError(f"parameter {i} of kernel `{self.site.entry}` is {want} "
+                                   f"bytes, plan.json passes {have}")
+
+    def __call__(self, grid: tuple[int, int, int], shared: int, scalars: Sequence[int]) -> None:
+        if len(scalars) != len(self.var_slots):
+            raise BackendError(f"{len(scalars)} var-dependent scalars given, the site has "
+                               f"{len(self.var_slots)}")
+        for (at, fmt, lo, hi), value in zip(self.var_slots, scalars):
+            if lo is not None and not lo <= value <= hi:
+                raise BackendError(f"{value} does not fit a `{fmt}` parameter")
+            struct.pack_into(fmt, self.storage, at, value)
+        gx, gy, gz = grid
+        if gx <= 0 or gy <= 0 or gz <= 0:
+            return  # nothing to cover
+        b = self.block
+        check(cu.cuLaunchKernel(self.fn, gx, gy, gz, b[0], b[1], b[2], shared,
+                                self.backend._launch_stream, self.params, 0), "cuLaunchKernel")
+        self.backend.launches += 1
+
+
+def _param_bytes(arg: Any) -> tuple[bytes, list[tuple[int, str, Any, Any]]]:
+    """An argument's bytes and, for var-dependent parts, (offset, format, lo, hi) to rewrite."""
+    if isinstance(arg, (int, np.integer)) and not isinstance(arg, np.generic):
+        return struct.pack("<Q", int(arg)), []  # a device pointer
+    if isinstance(arg, np.generic):
+        return arg.tobytes(), []
+    if isinstance(arg, VarScalar):
+        fmt, lo, hi = SCALAR_FORMATS[arg.type]
+        return bytes(struct.calcsize(fmt)), [(0, fmt, lo, hi)]
+    if isinstance(arg, Pack):
+        data = bytearray(arg.size)
+        variable = []
+        for f in arg.fields:
+            if isinstance(f.value, VarScalar):
+                fmt, lo, hi = SCALAR_FORMATS[f.value.type]
+                variable.append((f.at, fmt, lo, hi))
+            else:
+                data[f.at:f.at + f.width] = f.value[:f.width].ljust(f.width, b"\0")
+        return bytes(data), variable
+    raise BackendError(f"cannot pass {type(arg).__name__} to a kernel")
+
+
+def now() -> float:
+    return time.perf_counter()
