@@ -5,6 +5,7 @@ backend; `Chain` runs every stage in order. Backends live in `kerncc.runtime.bac
 """
 
 from kerncc.runtime.bundle import Bundle
-from kerncc.runtime.session import Chain, Session
+from kerncc.runtime.chain import Chain
+from kerncc.runtime.session import Session
 
 __all__ = ["Bundle", "Chain", "Session"]

@@ -25,8 +25,9 @@ from kerncc import manifest as m
 from kerncc import protocol as proto
 from kerncc.analysis.access import call_access
 from kerncc.diagnostics import KernccError
+from kerncc.runtime.chain import Chain
 from kerncc.runtime.memory import numpy_dtype
-from kerncc.runtime.session import Chain, Session
+from kerncc.runtime.session import Session
 from kerncc.verify import verify
 
 INPUT_FILLS = ("token", "position", "valid", "slot", "seq_len", "cu_seqlens", "span_at")

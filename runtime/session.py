@@ -7,8 +7,10 @@ them, the staging freed after), runs the `once` programs, and then serves
 `run(program, inputs, vars)`: host inputs written and domain-checked, the program's launches
 issued (through stage.py's generated functions when the stage has them, else by interpreting
 plan.json's launch records, `when` gates included), the outputs it writes handed back.
-Workspaces are dead between runs; everything else persists. A `Chain` runs stage 0..S-1 in
-order, copying each edge's crossing buffers from stage k to stage k+1 by name.
+Workspaces are dead between runs; everything else persists. `submit` issues a run without
+waiting (its `Pending.result()` waits); programs marked `graph` are captured once per
+assignment of the vars they read and replayed on backends with graphs (cuda). Chains of stages
+are in kerncc.runtime.chain.
 """
 
 from __future__ import annotations
@@ -16,12 +18,9 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 
 from kerncc import manifest as m
@@ -33,12 +32,9 @@ from kerncc.runtime.backends.base import Backend, BackendError, Launcher, make_b
 from kerncc.runtime.bundle import Bundle, Stage, bundle_error
 from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
 from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype
-from kerncc.runtime.trace import Timeline
-from kerncc.runtime.weights import Checkpoint, assemble
+from kerncc.runtime.weights import CheckpointLike, assemble, open_checkpoint
 
 HOST_WRITTEN = ("input", "inout")
-CheckpointLike = str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, np.ndarray] \
-    | Checkpoint | None
 LAUNCH_FAILURES = (BackendError, ValueError, IndexError, TypeError)
 _stage_modules = itertools.count()
 
@@ -79,7 +75,7 @@ class Session:
         self._derive_base: dict[str, int] = {}
         self._uploaded: set[str] = set()
         self._derived: set[str] = set()
-        self._tensors = _open_checkpoint(checkpoint if checkpoint is not None
+        self._tensors = open_checkpoint(checkpoint if checkpoint is not None
                                          else self.bundle.checkpoint)
         try:
             self._load(interpret)
@@ -330,6 +326,19 @@ class Session:
         raw = self.backend.download_async(self.memory.buffer(name), 0, buf.nbytes(env))
         return _Output(raw, numpy_dtype(buf.dtype), tuple(buf.dims_at(env)))
 
+    def device_array(self, name: str, vars: Mapping[str, int] | None = None) -> DeviceArray:
+        """Buffer `name` in place on the GPU, shaped at `vars` (default: the last run's), for
+        other GPU libraries: it has `__cuda_array_interface__` (numba.cuda.as_cuda_array,
+        cupy.asarray, torch.as_tensor take it without a copy). Only on the cuda backend."""
+        buf = self._buffer(name)
+        if self.backend.name != "cuda":
+            raise KernccError.single(f"buffer `{name}` lives on the {self.backend.name} "
+                                     "backend; device arrays exist on cuda only (use `read`)")
+        env = self.last_vars if vars is None else self._vars(vars)
+        allocation = self.memory.buffer(name)
+        return DeviceArray(allocation.ptr, tuple(buf.dims_at(env)), numpy_dtype(buf.dtype),
+                           int(self.backend.stream_handle))  # type: ignore[attr-defined]
+
     def write(self, name: str, array: Any, vars: Mapping[str, int] | None = None) -> None:
         """Write buffer `name` (shape at `vars`, default: read off the array's shape)."""
         buf = self._buffer(name)
@@ -388,6 +397,21 @@ class Session:
         target.backend.upload(sink, 0, data)
 
 
+class DeviceArray:
+    """A view of device memory by the CUDA Array Interface (version 3), owning nothing."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype, stream: int) -> None:
+        self.ptr, self.shape, self.dtype, self.stream = ptr, shape, dtype, stream
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
+                "version": 3, "strides": None, "stream": self.stream or None}
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(0x{self.ptr:x}, {self.shape}, {self.dtype})"
+
+
 class _Output:
     """One output's pending download, shaped on arrival."""
 
@@ -425,156 +449,3 @@ class _StageHandle:
             raise KernccError.single(f"stage.py launches site {site}, which plan.json lacks")
         shape = (1, 1, 1) if grid is None else (int(grid[0]), int(grid[1]), int(grid[2]))
         s._issue(found, shape, scalars)
-
-
-@attrs.frozen
-class _Tensors:
-    """Checkpoint tensors by name while loading, and what messages call them."""
-
-    get: Callable[[str], np.ndarray]
-    name: str
-    owned: Checkpoint | None = None  # opened here, so closed here after loading
-
-
-def _open_checkpoint(checkpoint: CheckpointLike) -> _Tensors | None:
-    """Tensors by name from a path (file or directory), paths, a mapping or a Checkpoint."""
-    if checkpoint is None:
-        return None
-    if isinstance(checkpoint, Checkpoint):
-        return _Tensors(checkpoint, "the given Checkpoint")
-    if isinstance(checkpoint, Mapping):
-        return _Tensors(checkpoint.__getitem__, "the given tensors")
-    if isinstance(checkpoint, (str, os.PathLike)):
-        path = Path(checkpoint)
-        paths = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    else:
-        paths = [Path(p) for p in checkpoint]
-    missing = [p for p in paths if not p.is_file()]
-    if missing or not paths:
-        raise KernccError.single(f"checkpoint `{missing[0] if missing else checkpoint}` "
-                                 "does not exist")
-    opened = Checkpoint(paths)
-    return _Tensors(opened, ", ".join(str(p) for p in paths), opened)
-
-
-class Chain:
-    """Every stage of a bundle run in order, crossing buffers handed from stage to stage.
-
-    On one backend the stages run in sequence on it. With `backend="cuda"` and `devices`
-    (e.g. [0, 1]) the stages are spread over the GPUs in order (stage k on
-    devices[k * len(devices) // stages]), each GPU with its own stream: crossing buffers move
-    GPU to GPU, and `submit` returns as soon as everything is issued, so stage 1 works on item
-    k while stage 0 already works on item k+1. `trace` (a `Timeline`) records every stage's
-    item and every transfer.
-    """
-
-    def __init__(self, bundle: Bundle | str | os.PathLike, backend: str | Backend = "cpu",
-                 checkpoint: CheckpointLike = None, token_capacity: int | None = None,
-                 interpret: bool = False, devices: Sequence[int] | None = None,
-                 graphs: bool = True, trace: Timeline | None = None) -> None:
-        self.bundle = open_bundle(bundle)
-        stages = len(self.bundle.stages)
-        self.backends = _stage_backends(backend, devices, stages)
-        self.backend = self.backends[0]
-        # One pool of page ids serves every stage, so every stage gets the same capacity.
-        self.token_capacity = token_capacity or max(
-            default_token_capacity(s.manifest) for s in self.bundle.stages)
-        self.sessions = [Session(self.bundle, k, self.backends[k], checkpoint,
-                                 self.token_capacity, interpret, graphs)
-                         for k in range(stages)]
-        for edge in self.bundle.edges:
-            sender, receiver = self.backends[edge["from"]], self.backends[edge["to"]]
-            if sender is not receiver and hasattr(sender, "enable_peer"):
-                sender.enable_peer(receiver)
-                receiver.enable_peer(sender)
-        self.trace = trace
-        self.items = 0
-
-    def __repr__(self) -> str:
-        devices = sorted({b.name if not hasattr(b, "index") else f"{b.name}:{b.index}"
-                          for b in self.backends})
-        return f"Chain({self.bundle!r}, {', '.join(devices)})"
-
-    def run(self, program: str, inputs: Mapping[str, Any] | None = None,
-            vars: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
-        """Run `program` on every stage in order; the last stage's outputs."""
-        return self.submit(program, inputs, vars).result()
-
-    def submit(self, program: str, inputs: Mapping[str, Any] | None = None,
-               vars: Mapping[str, int] | None = None, rows: int | None = None) -> Pending:
-        """Issue `program` on every stage in order without waiting; `result()` waits."""
-        inputs, vars = dict(inputs or {}), dict(vars or {})
-        self._check_names(inputs, vars)
-        item, self.items = self.items, self.items + 1
-        pending = Pending({})
-        for k, session in enumerate(self.sessions):
-            stage_vars = {n: v for n, v in vars.items() if n in session.manifest.vars}
-            self._receive(k, stage_vars, item)
-            if program not in session.sites:
-                continue
-            host = {n: v for n, v in inputs.items() if n in session.stage.host_inputs}
-            issued = time.perf_counter()
-            start = session.backend.mark() if self.trace else None
-            last = k == max(j for j, s in enumerate(self.sessions) if program in s.sites)
-            pending = session.submit(program, host, stage_vars, outputs=last)
-            if self.trace is not None:
-                self.trace.span(session.backend, f"stage {k}", f"{program} #{item}", issued,
-                                start, session.backend.mark(),
-                                {"stage": k, "item": item, "program": program, "rows": rows})
-        return pending
-
-    def _check_names(self, inputs: dict, vars: dict) -> None:
-        taken = {n for s in self.bundle.stages for n in s.host_inputs}
-        known_vars = {v for s in self.sessions for v in s.manifest.vars}
-        for name in inputs:
-            if name not in taken:
-                raise KernccError.single(f"no stage of the bundle takes input `{name}` "
-                                         f"(host inputs: {', '.join(sorted(taken))})")
-        for name in vars:
-            if name not in known_vars:
-                raise KernccError.single(f"no stage of the bundle has var `{name}`")
-
-    def _receive(self, k: int, vars: dict[str, int], item: int) -> None:
-        for edge in self.bundle.edges:
-            if edge["to"] != k:
-                continue
-            source = self.sessions[edge["from"]]
-            issued = time.perf_counter()
-            start = source.backend.mark() if self.trace else None
-            source.transfer(edge["buffer"], self.sessions[k], vars)
-            if self.trace is not None:
-                self.trace.span(source.backend, f"copy {edge['from']}->{k}",
-                                f"{edge['buffer']} #{item}", issued, start,
-                                source.backend.mark(), {"item": item, "buffer": edge["buffer"]})
-
-    def sync(self) -> None:
-        for backend in dict.fromkeys(self.backends):
-            backend.activate()
-            backend.sync()
-
-    @property
-    def programs(self) -> list[str]:
-        return sorted({p for s in self.sessions for p in s.programs}, key=str.encode)
-
-
-def _stage_backends(backend: str | Backend, devices: Sequence[int] | None,
-                    stages: int) -> list[Backend]:
-    """The backend of every stage: one shared, or one per GPU of `devices`."""
-    if not devices:
-        shared = open_backend(backend)
-        return [shared] * stages
-    if not isinstance(backend, str) or backend != "cuda":
-        raise KernccError.single("--devices needs the cuda backend")
-    if len(set(devices)) != len(devices):
-        raise KernccError.single(f"devices {list(devices)} repeat a device")
-    if len(devices) > stages:
-        raise KernccError.single(f"{len(devices)} devices for {stages} stage(s): each device "
-                                 "runs at least one stage")
-    by_device: dict[int, Backend] = {}
-    out = []
-    for k in range(stages):
-        device = devices[k * len(devices) // stages]
-        if device not in by_device:
-            by_device[device] = make_backend("cuda", device=device)
-        out.append(by_device[device])
-    return out

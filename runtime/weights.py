@@ -15,7 +15,8 @@ ranked object (`.group`, `.items`); `seg.rows` / `seg.cols` are `None`, `(from, 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Self
 
 import attrs
@@ -247,3 +248,37 @@ class Checkpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+CheckpointLike = str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, np.ndarray] \
+    | Checkpoint | None
+
+
+@attrs.frozen
+class OpenCheckpoint:
+    """Checkpoint tensors by name while loading, and what messages call them."""
+
+    get: Callable[[str], np.ndarray]
+    name: str
+    owned: Checkpoint | None = None  # opened here, so closed here after loading
+
+
+def open_checkpoint(checkpoint: CheckpointLike) -> OpenCheckpoint | None:
+    """Tensors by name from a path (file or directory), paths, a mapping or a Checkpoint."""
+    if checkpoint is None:
+        return None
+    if isinstance(checkpoint, Checkpoint):
+        return OpenCheckpoint(checkpoint, "the given Checkpoint")
+    if isinstance(checkpoint, Mapping):
+        return OpenCheckpoint(checkpoint.__getitem__, "the given tensors")
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = Path(checkpoint)
+        paths = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    else:
+        paths = [Path(p) for p in checkpoint]
+    missing = [p for p in paths if not p.is_file()]
+    if missing or not paths:
+        raise KernccError.single(f"checkpoint `{missing[0] if missing else checkpoint}` "
+                                 "does not exist")
+    opened = Checkpoint(paths)
+    return OpenCheckpoint(opened, ", ".join(str(p) for p in paths), opened)

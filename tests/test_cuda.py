@@ -146,6 +146,19 @@ def test_cli_runs_on_two_gpus_with_a_trace(bundles, capsys, tmp_path):
     assert len({e["pid"] for e in spans}) == 2  # one track group per GPU
 
 
+def test_device_arrays_show_the_buffers_in_place(bundles):
+    chain = Chain(bundles["whole"], backend="cuda")
+    serve(chain, PROMPTS[2], 8, max_new=2)
+    session = chain.sessions[0]
+    view = session.device_array("logits")
+    face = view.__cuda_array_interface__
+    assert face["shape"] == session.read("logits").shape and face["data"][0] != 0
+    torch = pytest.importorskip("torch")
+    if face["typestr"] == "<f4":
+        seen = torch.as_tensor(view, device="cuda").cpu().numpy()
+        np.testing.assert_array_equal(seen, session.read("logits"))
+
+
 def test_a_missing_device_is_a_clean_error(bundles):
     with pytest.raises(KernccError, match="no CUDA device 64"):
         Chain(bundles["two"], backend="cuda", devices=[0, 64])

@@ -1,0 +1,150 @@
+"""Chains: every stage of a bundle run in order, on one backend or spread over GPUs.
+
+A `Chain` holds one `Session` per stage and hands each edge's crossing buffers from stage k
+to stage k+1 by name (bundle.json's `edges`). On one backend the stages run one after the
+other on it. With `backend="cuda", devices=[0, 1]` each GPU runs its stages on its own stream
+and the crossing buffers move GPU to GPU (`CudaBackend.send`: a peer copy ordered by events,
+no host round trip), and since `submit` returns once everything is issued, stage 1 works on
+item k while stage 0 already works on item k+1: chunked prefill is pipelined. `trace` (a
+`Timeline`) records every stage's items and every transfer.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from kerncc.diagnostics import KernccError
+from kerncc.runtime.backends.base import Backend, make_backend
+from kerncc.runtime.bundle import Bundle
+from kerncc.runtime.memory import default_token_capacity
+from kerncc.runtime.session import Pending, Session, open_backend, open_bundle
+from kerncc.runtime.trace import Timeline
+from kerncc.runtime.weights import CheckpointLike
+
+
+class Chain:
+    """Every stage of a bundle run in order, crossing buffers handed from stage to stage.
+
+    On one backend the stages run in sequence on it. With `backend="cuda"` and `devices`
+    (e.g. [0, 1]) the stages are spread over the GPUs in order (stage k on
+    devices[k * len(devices) // stages]), each GPU with its own stream: crossing buffers move
+    GPU to GPU, and `submit` returns as soon as everything is issued, so stage 1 works on item
+    k while stage 0 already works on item k+1. `trace` (a `Timeline`) records every stage's
+    item and every transfer.
+    """
+
+    def __init__(self, bundle: Bundle | str | os.PathLike, backend: str | Backend = "cpu",
+                 checkpoint: CheckpointLike = None, token_capacity: int | None = None,
+                 interpret: bool = False, devices: Sequence[int] | None = None,
+                 graphs: bool = True, trace: Timeline | None = None) -> None:
+        self.bundle = open_bundle(bundle)
+        stages = len(self.bundle.stages)
+        self.backends = _stage_backends(backend, devices, stages)
+        self.backend = self.backends[0]
+        # One pool of page ids serves every stage, so every stage gets the same capacity.
+        self.token_capacity = token_capacity or max(
+            default_token_capacity(s.manifest) for s in self.bundle.stages)
+        self.sessions = [Session(self.bundle, k, self.backends[k], checkpoint,
+                                 self.token_capacity, interpret, graphs)
+                         for k in range(stages)]
+        for edge in self.bundle.edges:
+            sender, receiver = self.backends[edge["from"]], self.backends[edge["to"]]
+            if sender is not receiver and hasattr(sender, "enable_peer"):
+                sender.enable_peer(receiver)
+                receiver.enable_peer(sender)
+        self.trace = trace
+        self.items = 0
+
+    def __repr__(self) -> str:
+        devices = sorted({b.name if not hasattr(b, "index") else f"{b.name}:{b.index}"
+                          for b in self.backends})
+        return f"Chain({self.bundle!r}, {', '.join(devices)})"
+
+    def run(self, program: str, inputs: Mapping[str, Any] | None = None,
+            vars: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
+        """Run `program` on every stage in order; the last stage's outputs."""
+        return self.submit(program, inputs, vars).result()
+
+    def submit(self, program: str, inputs: Mapping[str, Any] | None = None,
+               vars: Mapping[str, int] | None = None, rows: int | None = None) -> Pending:
+        """Issue `program` on every stage in order without waiting; `result()` waits."""
+        inputs, vars = dict(inputs or {}), dict(vars or {})
+        self._check_names(inputs, vars)
+        item, self.items = self.items, self.items + 1
+        pending = Pending({})
+        for k, session in enumerate(self.sessions):
+            stage_vars = {n: v for n, v in vars.items() if n in session.manifest.vars}
+            self._receive(k, stage_vars, item)
+            if program not in session.sites:
+                continue
+            host = {n: v for n, v in inputs.items() if n in session.stage.host_inputs}
+            issued = time.perf_counter()
+            start = session.backend.mark() if self.trace else None
+            last = k == max(j for j, s in enumerate(self.sessions) if program in s.sites)
+            pending = session.submit(program, host, stage_vars, outputs=last)
+            if self.trace is not None:
+                self.trace.span(session.backend, f"stage {k}", f"{program} #{item}", issued,
+                                start, session.backend.mark(),
+                                {"stage": k, "item": item, "program": program, "rows": rows})
+        return pending
+
+    def _check_names(self, inputs: dict, vars: dict) -> None:
+        taken = {n for s in self.bundle.stages for n in s.host_inputs}
+        known_vars = {v for s in self.sessions for v in s.manifest.vars}
+        for name in inputs:
+            if name not in taken:
+                raise KernccError.single(f"no stage of the bundle takes input `{name}` "
+                                         f"(host inputs: {', '.join(sorted(taken))})")
+        for name in vars:
+            if name not in known_vars:
+                raise KernccError.single(f"no stage of the bundle has var `{name}`")
+
+    def _receive(self, k: int, vars: dict[str, int], item: int) -> None:
+        for edge in self.bundle.edges:
+            if edge["to"] != k:
+                continue
+            source = self.sessions[edge["from"]]
+            issued = time.perf_counter()
+            start = source.backend.mark() if self.trace else None
+            source.transfer(edge["buffer"], self.sessions[k], vars)
+            if self.trace is not None:
+                self.trace.span(source.backend, f"copy {edge['from']}->{k}",
+                                f"{edge['buffer']} #{item}", issued, start,
+                                source.backend.mark(), {"item": item, "buffer": edge["buffer"]})
+
+    def sync(self) -> None:
+        for backend in dict.fromkeys(self.backends):
+            backend.activate()
+            backend.sync()
+
+    @property
+    def programs(self) -> list[str]:
+        return sorted({p for s in self.sessions for p in s.programs}, key=str.encode)
+
+
+def _stage_backends(backend: str | Backend, devices: Sequence[int] | None,
+                    stages: int) -> list[Backend]:
+    """The backend of every stage: one shared, or one per GPU of `devices`."""
+    if not devices:
+        shared = open_backend(backend)
+        return [shared] * stages
+    if not isinstance(backend, str) or backend != "cuda":
+        raise KernccError.single("--devices needs the cuda backend")
+    if len(set(devices)) != len(devices):
+        raise KernccError.single(f"devices {list(devices)} repeat a device")
+    if len(devices) > stages:
+        raise KernccError.single(f"{len(devices)} devices for {stages} stage(s): each device "
+                                 "runs at least one stage")
+    by_device: dict[int, Backend] = {}
+    out = []
+    for k in range(stages):
+        device = devices[k * len(devices) // stages]
+        if device not in by_device:
+            by_device[device] = make_backend("cuda", device=device)
+        out.append(by_device[device])
+    return out
