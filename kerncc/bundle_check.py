@@ -14,8 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from kerncc import manifest as m
 from kerncc.diagnostics import KernccError
+from kerncc.jsonsource import TOO_DEEP, PositionIndex
 from kerncc.symbolic import Proof, check_stages
 
 FORMAT = "kerncc-bundle/1"
@@ -37,6 +40,13 @@ def _read(path: Path, what: str) -> bytes:
         raise _fail(f"cannot read {what} `{path}`: {err.strerror}") from None
 
 
+def _text(data: bytes, path: Path) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _fail(f"`{path}` is not UTF-8 text") from None
+
+
 def read_index(bundle: Path) -> dict[str, Any]:
     """bundle.json, checked for the format this module reads."""
     if not bundle.is_dir():
@@ -45,6 +55,8 @@ def read_index(bundle: Path) -> dict[str, Any]:
         index = json.loads(_read(bundle / "bundle.json", "the bundle index"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise _fail(f"`{bundle / 'bundle.json'}` is not JSON: {err}") from None
+    except RecursionError:
+        raise _fail(f"`{bundle / 'bundle.json'}` is not JSON: {TOO_DEEP}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         found = index.get("format") if isinstance(index, dict) else None
         raise _fail(f"`{bundle / 'bundle.json'}` has format {found!r}, not {FORMAT!r}",
@@ -69,6 +81,10 @@ def stage_entries(bundle: Path, index: dict[str, Any]) -> list[dict[str, Any]]:
     for k, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise _fail(f"`{bundle / 'bundle.json'}`: stage {k} is not an object", f"/stages/{k}")
+        folder = entry.get("dir", f"stage{k}")
+        if not isinstance(folder, str) or Path(folder).is_absolute() or ".." in Path(folder).parts:
+            raise _fail(f"`{bundle / 'bundle.json'}`: stage {k}'s `dir` {folder!r} is not a "
+                        "directory inside the bundle", f"/stages/{k}/dir")
     return entries
 
 
@@ -77,7 +93,7 @@ def stage_files(bundle: Path, index: dict[str, Any]) -> list[tuple[Path, dict[st
     bundle.json says."""
     stages = []
     for k, entry in enumerate(stage_entries(bundle, index)):
-        folder = bundle / str(entry.get("dir", f"stage{k}"))
+        folder = bundle / entry.get("dir", f"stage{k}")
         texts = {name: _checked(folder / name, f"stage {k} {name}", entry.get(key),
                                 f"/stages/{k}/{key}")
                  for name, key in STAGE_FILES}
@@ -88,11 +104,7 @@ def stage_files(bundle: Path, index: dict[str, Any]) -> list[tuple[Path, dict[st
 
 def stage_manifest(folder: Path, texts: dict[str, bytes]) -> m.Manifest:
     path = folder / "manifest.json"
-    try:
-        text = texts["manifest.json"].decode()
-    except UnicodeDecodeError:
-        raise _fail(f"`{path}` is not UTF-8 text") from None
-    return m.loads(text, str(path))
+    return m.loads(_text(texts["manifest.json"], path), str(path))
 
 
 def stage_manifests(bundle: Path, index: dict[str, Any]) -> list[m.Manifest]:
@@ -112,13 +124,17 @@ def input_manifest(bundle: Path, index: dict[str, Any], whole: str | Path | None
                    ) -> m.Manifest:
     """The whole manifest the bundle was lowered from, checked against its recorded sha256."""
     recorded = index.get("input") or {}
+    if not isinstance(recorded, dict):
+        raise _fail(f"`{bundle / 'bundle.json'}`: `input` is not an object", "/input")
     path = whole if whole is not None else recorded.get("path")
+    if path is not None and not isinstance(path, (str, Path)):
+        raise _fail(f"`{bundle / 'bundle.json'}`: `input.path` is not a string", "/input/path")
     if path is None:
         raise _fail("the bundle records no input manifest (it was emitted from memory); "
                     "name the whole manifest to check it against", "/input/path")
     path = bundle / path if not Path(path).is_absolute() else Path(path)
     text = _checked(path, "the input manifest", recorded.get("sha256"), "/input/sha256")
-    return m.loads(text.decode(), str(path))
+    return m.loads(_text(text, path), str(path))
 
 
 def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proof:
@@ -127,6 +143,21 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proo
     `whole` overrides the input path recorded in bundle.json (relative to the bundle).
     """
     bundle = Path(directory)
-    index = read_index(bundle)
-    stages = stage_manifests(bundle, index)
-    return check_stages(input_manifest(bundle, index, whole), stages)
+    try:
+        index = read_index(bundle)
+        stages = stage_manifests(bundle, index)
+        source = input_manifest(bundle, index, whole)
+    except KernccError as err:
+        raise _in_index(err, bundle / "bundle.json") from None
+    return check_stages(source, stages)
+
+
+def _in_index(err: KernccError, index_path: Path) -> KernccError:
+    """The error with its bare JSON pointers, which all point into bundle.json, placed there."""
+    try:
+        locate = PositionIndex.locator(index_path.read_text(encoding="utf-8"), str(index_path))
+    except (OSError, UnicodeDecodeError):
+        return err
+    diags = [d if d.location.file or not d.location.pointer
+             else attrs.evolve(d, location=locate(d.location.pointer)) for d in err.diagnostics]
+    return KernccError(err.headline, diags)

@@ -23,6 +23,7 @@ import networkx as nx
 
 from kerncc import manifest as m
 from kerncc.analysis.access import call_access
+from kerncc.stage import host_inputs
 
 
 @attrs.frozen
@@ -59,10 +60,8 @@ class IR:
 
     def host_inputs(self, stage: int) -> list[str]:
         """Inputs of a stage the host must write: its inputs that no earlier stage hands on."""
-        arriving = {e.buffer for e in self.edges if e.target == stage}
-        man = self.stages[stage]
-        return sorted(name for name, b in man.buffers.items()
-                      if b.kind in ("input", "inout") and name not in arriving)
+        return host_inputs(self.stages[stage], {e.buffer for e in self.edges
+                                                if e.target == stage})
 
     def verify(self) -> None:
         """Every stage verifies on its own (the runner calls this after each pass)."""

@@ -15,6 +15,13 @@ from kerncc import manifest as m
 from kerncc.analysis.access import call_access
 
 
+def host_inputs(stage: m.Manifest, arriving: set[str]) -> list[str]:
+    """Inputs of a stage the host must write: its input and inout buffers that do not arrive
+    from an earlier stage (`arriving`), in name order."""
+    return sorted(name for name, b in stage.buffers.items()
+                  if b.kind in ("input", "inout") and name not in arriving)
+
+
 def keep_programs(whole: m.Manifest, calls: dict[str, tuple[m.Call, ...]]) -> dict[str, m.Program]:
     """The programs of a stage: each named program with its kept calls (empty ones vanish)."""
     return {name: attrs.evolve(whole.programs[name], calls=kept)

@@ -23,7 +23,9 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.diagnostics import Diagnostic, KernccError, Location
-from kerncc.reader import load_with_locator
+from kerncc.jsonsource import parse_json
+from kerncc.reader import load_with_locator, read_text
+from kerncc.stage import host_inputs
 
 FORMAT = "kerncc-bundle/1"
 WEIGHTS_BESIDE_MANIFEST = "model.safetensors"
@@ -71,6 +73,7 @@ class Bundle:
         self.stages = [_read_stage(self.dir, entry, i)
                        for i, entry in enumerate(self.index["stages"])]
         self._check_edges()
+        self._check_host_inputs()
 
     def __repr__(self) -> str:
         return f"Bundle({str(self.dir)!r}, stages={len(self.stages)})"
@@ -126,20 +129,31 @@ class Bundle:
                                        f"edge buffer `{edge['buffer']}` is not a buffer of "
                                        f"stage {edge[end]}", f"/edges/{i}")
 
+    def _check_host_inputs(self) -> None:
+        """Each stage's recorded host inputs are the ones its manifest and the edges give."""
+        for stage in self.stages:
+            arriving = {e["buffer"] for e in self.edges if e["to"] == stage.index}
+            expected = host_inputs(stage.manifest, arriving)
+            if list(stage.host_inputs) != expected:
+                raise bundle_error(self.dir / "bundle.json", f"stage {stage.index} records host "
+                                   f"inputs {list(stage.host_inputs)}, but its manifest.json "
+                                   f"and the edges give {expected}",
+                                   f"/stages/{stage.index}/host_inputs")
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading and checking files
 
 
 def _read_json(path: Path) -> Any:
+    """The file's JSON, read as strictly as a manifest (UTF-8, no NaN, bounded nesting)."""
     if not path.is_file():
         raise bundle_error(path, "the file is missing")
-    text = path.read_text(encoding="utf-8")
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise KernccError(f"cannot load bundle file `{path}`:", [Diagnostic(
-            f"not valid JSON: {err.msg}", Location("", str(path), err.lineno, err.colno))]
+        return parse_json(read_text(path), str(path))
+    except KernccError as err:
+        raise KernccError(f"cannot load bundle file `{path}`:", [
+            attrs.evolve(d, message=f"not valid JSON: {d.message}") for d in err.diagnostics]
         ) from None
 
 
@@ -155,7 +169,52 @@ def _read_index(root: Path) -> dict:
         raise bundle_error(path, f"format is {found!r}, expected {FORMAT!r}", "/format")
     if not isinstance(index.get("stages"), list) or not index["stages"]:
         raise bundle_error(path, "`stages` must be a non-empty list", "/stages")
+    _check_index(index, path)
     return index
+
+
+_TYPE_WORDS = {str: "a string", int: "an integer", list: "a list", dict: "an object",
+               type(None): "null"}
+
+
+def _expect(obj: dict, key: str, kinds: tuple[type, ...], path: Path, ptr: str) -> None:
+    """obj[key], when present, is one of `kinds`."""
+    if key in obj:
+        _expect_value(obj[key], kinds, path, f"{ptr}/{key}")
+
+
+def _expect_value(value: Any, kinds: tuple[type, ...], path: Path, ptr: str) -> None:
+    """`value` is one of `kinds` (a bool is not an integer)."""
+    if isinstance(value, kinds) and not isinstance(value, bool):
+        return
+    words = " or ".join(_TYPE_WORDS[k] for k in kinds)
+    raise bundle_error(path, f"must be {words}, not {json.dumps(value)[:80]}", ptr)
+
+
+def _check_index(index: dict, path: Path) -> None:
+    """The fields the runtime reads have the types docs/bundle.md gives them."""
+    _expect(index, "pipeline", (str,), path, "")
+    _expect(index, "checkpoint", (str, type(None)), path, "")
+    _expect(index, "edges", (list,), path, "")
+    for i, entry in enumerate(index["stages"]):
+        ptr = f"/stages/{i}"
+        if not isinstance(entry, dict) or "dir" not in entry:
+            raise bundle_error(path, "a stage entry needs `dir`", ptr)
+        _expect(entry, "dir", (str,), path, ptr)
+        if Path(entry["dir"]).is_absolute() or ".." in Path(entry["dir"]).parts:
+            raise bundle_error(path, f"stage directory `{entry['dir']}` is not inside the "
+                               "bundle", f"{ptr}/dir")
+        for key in ("manifest_sha256", "plan_sha256", "stage_py_sha256"):
+            _expect(entry, key, (str, type(None)), path, ptr)
+        _expect(entry, "host_inputs", (list,), path, ptr)
+        for j, name in enumerate(entry.get("host_inputs", ())):
+            _expect_value(name, (str,), path, f"{ptr}/host_inputs/{j}")
+    for i, edge in enumerate(index.get("edges", ())):
+        if not isinstance(edge, dict) or not {"buffer", "from", "to"} <= set(edge):
+            raise bundle_error(path, "an edge needs `buffer`, `from` and `to`", f"/edges/{i}")
+        _expect(edge, "buffer", (str,), path, f"/edges/{i}")
+        _expect(edge, "from", (int,), path, f"/edges/{i}")
+        _expect(edge, "to", (int,), path, f"/edges/{i}")
 
 
 def _check_sha(path: Path, entry: dict, key: str, where: Path, ptr: str) -> None:
@@ -171,10 +230,8 @@ def _check_sha(path: Path, entry: dict, key: str, where: Path, ptr: str) -> None
                            f"({ptr}/{key}): the file was changed after emit")
 
 
-def _read_stage(root: Path, entry: Any, i: int) -> Stage:
+def _read_stage(root: Path, entry: dict, i: int) -> Stage:
     index_path, ptr = root / "bundle.json", f"/stages/{i}"
-    if not isinstance(entry, dict) or "dir" not in entry:
-        raise bundle_error(index_path, "a stage entry needs `dir`", ptr)
     stage_dir = root / entry["dir"]
     manifest_path = stage_dir / "manifest.json"
     _check_sha(manifest_path, entry, "manifest_sha256", index_path, ptr)

@@ -10,6 +10,7 @@ import attrs
 import pytest
 
 from kerncc.example import generate
+
 from . import harness
 from .seeds import Seed, json_seeds, kir_seeds
 

@@ -23,7 +23,7 @@ from .harness import fresh_dir
 from .mutate import mutate_bytes, mutate_tokens, tokenize
 from .test_manifests import check_manifest_file
 
-TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|[A-Za-z0-9_.:%#@/-]+|\s+|.', re.S)
+TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|[A-Za-z0-9_.:%#@/-]+|\s+|.', re.DOTALL)
 PUNCTUATION = ("{", "}", "[", "]", "(", ")", "=", ",", "<", ">", "@", "+", "*", " ", "\n", '"',
                "//", "[0, 8)", "per tp", "\t")
 VALUES = ("%0", "%99", "#0", "#99999999999999999999", "@0", "@4294967296", "0", "-1", "1.5",

@@ -31,7 +31,7 @@ VALID = ("cut{at=3},share-states,slice-once,slice-derive,plan-memory,emit",
          "cut,slice-derive,emit", "cut{at=12},share-states,slice-once,slice-derive,emit",
          "cut{at-label=l1.qkv_proj}", "cut{stages=3},emit{check=false}", "default",
          "liveness,plan-memory{whole-life=true}", "cut{at=2,5}", "emit{out=b}", "")
-TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[A-Za-z0-9_.\/:+@~-]+|\s+|.', re.S)
+TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[A-Za-z0-9_.\/:+@~-]+|\s+|.', re.DOTALL)
 PASSES = ("cut", "emit", "liveness", "plan-memory", "share-states", "slice-derive",
           "slice-once", "default", "slise-derive", "Cut", "cut-", "")
 KEYS = ("at", "at-label", "stages", "out", "check", "whole-life", "at_label", "x", "")

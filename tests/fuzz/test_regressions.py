@@ -4,6 +4,7 @@ as the fuzz case that found it, plus the exact behaviour the fix gave it."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,52 @@ def test_the_runner_refuses_a_pass_after_emit(tiny_model, tmp_path: Path) -> Non
     with pytest.raises(KernccError, match="pass `emit` writes the output, so it comes last"):
         run_pipeline(ir, [Emit(out=str(tmp_path / "out")), LivenessPass()])
     assert not (tmp_path / "out").exists()
+
+
+# ---- bundles: each edit once crashed `kerncc run` / Bundle.open (TypeError,
+# UnicodeDecodeError, RecursionError) or `kerncc check` (AttributeError, RecursionError), or
+# gave an error that named no file; now each is a KernccError naming bundle.json or the file.
+def _index_edit(key_path: tuple, value) -> callable:
+    def edit(bundle: Path) -> None:
+        index = json.loads((bundle / "bundle.json").read_text())
+        node = index
+        for key in key_path[:-1]:
+            node = node[key]
+        node[key_path[-1]] = value
+        (bundle / "bundle.json").write_text(json.dumps(index, indent=2))
+    return edit
+
+
+def _bytes_edit(rel: str, data: bytes) -> callable:
+    def edit(bundle: Path) -> None:
+        (bundle / rel).write_bytes(data)
+    return edit
+
+
+BUNDLE_EDITS = {
+    "host_inputs null": (_index_edit(("stages", 0, "host_inputs"), None), "run"),
+    "host_inputs empty": (_index_edit(("stages", 0, "host_inputs"), ""), "run"),
+    "host_inputs short": (_index_edit(("stages", 0, "host_inputs"), ["positions"]), "run"),
+    "edge from a string": (_index_edit(("edges", 0, "from"), "0"), "run"),
+    "checkpoint a number": (_index_edit(("checkpoint",), 5), "run"),
+    "stage dir a number": (_index_edit(("stages", 0, "dir"), 0), "run"),
+    "stage dir outside": (_index_edit(("stages", 1, "dir"), "/"), "run"),
+    "input a list": (_index_edit(("input",), []), "check"),
+    "input path a number": (_index_edit(("input", "path"), 7), "check"),
+    "input missing": (_index_edit(("input",), None), "check"),
+    "index not UTF-8": (_bytes_edit("bundle.json", b'{"format": "\xff"}'), "run"),
+    "index too deep": (_bytes_edit("bundle.json", b"[" * 100_000 + b"]" * 100_000), "run"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(BUNDLE_EDITS))
+def test_damaged_bundle_index(tiny_bundle, tmp_path: Path, edit: str) -> None:
+    from .test_bundles import check_bundle_everywhere
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.dir, bundle)
+    damage, refuses = BUNDLE_EDITS[edit]
+    damage(bundle)
+    check_bundle_everywhere(bundle, {"bundle.json"})
+    outcome = harness.run_cli([refuses, bundle, *(("--prompt", "1,2") if refuses == "run" else ())])
+    assert outcome.code == 1 and "bundle.json" in outcome.err

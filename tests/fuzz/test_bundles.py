@@ -1,0 +1,207 @@
+"""Tampered bundles through `kerncc check`, `kerncc run` and the loader API.
+
+The tiny model's two-stage bundle is emitted once per session; each case copies it and
+tampers with one or two things: bytes of a cubin, a stage manifest, a plan, stage.py or the
+index; a JSON edit at a random pointer of bundle.json, a manifest.json or a plan.json (half
+the time with the recorded sha256 updated, so that the loader reads past the hash check);
+recorded hashes edited; files deleted or truncated; the checkpoint or the input manifest
+missing, or a corrupted copy of either named by the index. Then `kerncc check BUNDLE`,
+`kerncc run BUNDLE --backend cpu --prompt 1,2 --max-new 1`, `Bundle.open`, `check_bundle` and
+`Session(bundle, 0, "cpu")`: exit 0 or 1, only KernccError, every failure names a file, the
+bundle (and the model beside it) unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kerncc.bundle_check import check_bundle
+from kerncc.diagnostics import KernccError
+from kerncc.runtime import Bundle, Session
+from kerncc.testing import examples
+
+from . import harness
+from .harness import fresh_dir, run_cli
+from .mutate import dumps, mutate_bytes, mutate_json
+
+TAMPERS = ("bytes", "json", "json+sha", "sha", "delete", "truncate", "checkpoint", "input",
+           "index")
+SHA_KEYS = {"manifest.json": "manifest_sha256", "plan.json": "plan_sha256",
+            "stage.py": "stage_py_sha256"}
+RUN = ("--backend", "cpu", "--prompt", "1,2", "--max-new", "1")
+
+
+def files_of(bundle: Path) -> list[str]:
+    return sorted(str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file())
+
+
+def read_index(bundle: Path) -> dict:
+    return json.loads((bundle / "bundle.json").read_text())
+
+
+def write_index(bundle: Path, index: dict) -> None:
+    (bundle / "bundle.json").write_text(json.dumps(index, indent=2))
+
+
+def record_sha(bundle: Path, rel: str) -> None:
+    """Update bundle.json's sha256 of the stage file `rel` to its current bytes."""
+    stage, name = Path(rel).parts[0], Path(rel).name
+    index = read_index(bundle)
+    for entry in index["stages"]:
+        if entry.get("dir") == stage and name in SHA_KEYS:
+            entry[SHA_KEYS[name]] = hashlib.sha256((bundle / rel).read_bytes()).hexdigest()
+    write_index(bundle, index)
+
+
+# ------------------------------------------------------------------------------ tampers
+
+def tamper(bundle: Path, kind: str, data: st.DataObject) -> set[str]:
+    """Damage the bundle copy; the names an error about the damage may give."""
+    files = files_of(bundle)
+    json_files = [f for f in files if f.endswith(".json")]
+    if kind == "bytes":
+        rel = data.draw(st.sampled_from(files), label="file")
+        (bundle / rel).write_bytes(mutate_bytes((bundle / rel).read_bytes(), data))
+        return _names(rel)
+    if kind in ("json", "json+sha"):
+        rel = data.draw(st.sampled_from(json_files), label="file")
+        doc = mutate_json(json.loads((bundle / rel).read_text()), data)
+        (bundle / rel).write_text(dumps(doc))
+        if kind == "json+sha" and rel != "bundle.json":
+            record_sha(bundle, rel)
+        return _names(rel)
+    if kind == "sha":
+        return _edit_sha(bundle, data)
+    if kind in ("delete", "truncate"):
+        rel = data.draw(st.sampled_from(files), label="file")
+        if kind == "delete":
+            (bundle / rel).unlink()
+        else:
+            data_ = (bundle / rel).read_bytes()
+            (bundle / rel).write_bytes(data_[:data.draw(st.integers(0, len(data_)))])
+        return _names(rel)
+    return _edit_reference(bundle, kind, data)
+
+
+def tamper_if_possible(bundle: Path, kind: str, data: st.DataObject) -> set[str]:
+    """`tamper`, unless an earlier tamper left nothing it can read (then nothing happens)."""
+    try:
+        return tamper(bundle, kind, data)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+            RecursionError):
+        return set()
+
+
+def _names(rel: str) -> set[str]:
+    return {Path(rel).name, "bundle.json"} if rel != "bundle.json" else {"bundle.json"}
+
+
+def _edit_sha(bundle: Path, data: st.DataObject) -> set[str]:
+    index = read_index(bundle)
+    entry = index["stages"][data.draw(st.integers(0, len(index["stages"]) - 1))]
+    key = data.draw(st.sampled_from((*SHA_KEYS.values(), "input")), label="sha")
+    value = data.draw(st.sampled_from(("0" * 64, "", "x", 5, None, [], "A" * 64,
+                                       hashlib.sha256(b"").hexdigest())), label="sha value")
+    if key == "input":
+        index["input"]["sha256"] = value
+    elif data.draw(st.booleans(), label="drop it"):
+        entry.pop(key, None)
+    else:
+        entry[key] = value
+    write_index(bundle, index)
+    return {"bundle.json", "manifest.json", "plan.json", "stage.py", "model.json"}
+
+
+def _edit_reference(bundle: Path, kind: str, data: st.DataObject) -> set[str]:
+    """The index pointing at a missing or corrupted checkpoint or input, or odd stage dirs."""
+    index = read_index(bundle)
+    if kind == "index":
+        entry = index["stages"][data.draw(st.integers(0, len(index["stages"]) - 1))]
+        entry["dir"] = data.draw(st.sampled_from(("stage0", "stage1", "stage9", "", ".", "..",
+                                                  "/", "modules", 0, None, ["stage0"])))
+        write_index(bundle, index)
+        return {"bundle.json", "manifest.json", "plan.json", "stage.py"}
+    key, original = ("checkpoint", index["checkpoint"]) if kind == "checkpoint" \
+        else ("input", index["input"]["path"])
+    how = data.draw(st.sampled_from(("missing", "corrupt", "directory")), label=kind)
+    copy = bundle.parent / Path(original).name
+    if how == "corrupt":
+        copy.write_bytes(mutate_bytes(Path(original).read_bytes(), data))
+        if kind == "input" and data.draw(st.booleans(), label="record its sha"):
+            index["input"]["sha256"] = hashlib.sha256(copy.read_bytes()).hexdigest()
+    elif how == "directory":
+        copy.mkdir()
+    path = str(copy) if how != "missing" else str(bundle.parent / "nowhere" / copy.name)
+    if key == "checkpoint":
+        index["checkpoint"] = path
+    else:
+        index["input"]["path"] = path
+    write_index(bundle, index)
+    return {copy.name, "bundle.json"}
+
+
+# ------------------------------------------------------------------------------ entry points
+
+def check_bundle_everywhere(bundle: Path, names: set[str]) -> None:
+    """check, run and the loader API on `bundle`: the contract, and errors that name a file."""
+    with harness.unchanged(bundle):
+        checked = run_cli(["check", bundle])
+        harness.count("bundle: check")
+        harness.names_a_file(checked, names)
+        ran = run_cli(["run", bundle, *RUN])
+        harness.count("bundle: run")
+        harness.names_a_file(ran, names)
+        _api(bundle, names, ran.code)
+    harness.tally("bundle: check passed", checked.code == 0)
+    harness.tally("bundle: run passed", ran.code == 0)
+
+
+def _api(bundle: Path, names: set[str], ran: int) -> None:
+    proof = harness.api(check_bundle, bundle)
+    harness.count("bundle: check_bundle API")
+    if isinstance(proof, KernccError):
+        harness.error_names_a_file(proof, names)
+    opened = harness.api(Bundle.open, bundle)
+    harness.count("bundle: Bundle.open API")
+    if isinstance(opened, KernccError):
+        harness.error_names_a_file(opened, names)
+        assert ran == 1, "run took a bundle Bundle.open refuses"
+        return
+    session = harness.api(Session, opened, 0, "cpu")
+    harness.count("bundle: Session API")
+    if isinstance(session, KernccError):
+        harness.error_names_a_file(session, names)
+
+
+@pytest.fixture(scope="module")
+def pristine(tiny_bundle) -> Path:
+    """The untouched bundle passes every entry point (so that a refusal below means damage)."""
+    outcome = run_cli(["check", tiny_bundle.dir])
+    assert outcome.code == 0, outcome.describe()
+    outcome = run_cli(["run", tiny_bundle.dir, *RUN])
+    assert outcome.code == 0, outcome.describe()
+    return tiny_bundle.dir
+
+
+@settings(max_examples=examples(220, 3000))
+@given(data=st.data())
+def test_tampered_bundles(data: st.DataObject, pristine: Path, tiny_bundle,
+                          fuzz_root: Path) -> None:
+    harness.case("bundle: tampered")
+    case = fresh_dir(fuzz_root)
+    bundle = case / "bundle"
+    shutil.copytree(pristine, bundle)
+    names: set[str] = set()
+    for _ in range(data.draw(st.integers(1, 2), label="tampers")):
+        names |= tamper_if_possible(bundle, data.draw(st.sampled_from(TAMPERS), label="tamper"),
+                                    data)
+    with harness.unchanged(tiny_bundle.manifest, tiny_bundle.checkpoint):
+        check_bundle_everywhere(bundle, names)
+    shutil.rmtree(case)
