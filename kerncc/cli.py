@@ -229,6 +229,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         from kerncc.bundle_check import check_bundle
         proof = check_bundle(paths[0])
     else:
+        missing = [p for p in paths if not Path(p).exists()]
+        if missing:
+            raise KernccError.single(f"`{missing[0]}` does not exist (check takes a bundle "
+                                     "directory, or WHOLE STAGE0 STAGE1 ...)")
         if len(paths) < 3:
             raise KernccError.single("check takes WHOLE STAGE0 STAGE1 ... or a bundle directory")
         whole, *stages = [m.load(p) for p in paths]

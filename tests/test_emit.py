@@ -460,6 +460,11 @@ def test_check_bundle_refuses_what_is_not_a_bundle(tmp_path: Path) -> None:
         check_bundle(tmp_path)
 
 
+def test_check_names_a_path_that_does_not_exist(tmp_path: Path) -> None:
+    code, _, err = cli("check", str(tmp_path / "gone"))
+    assert code == 1 and f"`{tmp_path / 'gone'}` does not exist" in err
+
+
 def test_a_bundle_emitted_from_memory_needs_the_whole_named(mini: Path, tmp_path: Path) -> None:
     ir = IR.from_manifest(m.load(str(mini)))
     out = tmp_path / "b"
