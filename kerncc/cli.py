@@ -137,9 +137,10 @@ def cmd_dump(args: argparse.Namespace) -> int:
                                                                   "to_text"):
         sys.stdout.write(ir.reports[args.pass_name].to_text() + "\n")
         return 0
-    if args.format == "dot":
-        from kerncc.dot import render_dot
-        sys.stdout.write(render_dot(ir, args.program))
+    if args.format in ("dot", "svg"):
+        from kerncc.dot import render_dot, render_svg
+        source = render_dot(ir, args.program)
+        sys.stdout.write(source if args.format == "dot" else render_svg(source))
     elif args.format == "json":
         from kerncc import writer
         sys.stdout.write("".join(writer.dumps(s) for s in ir.stages))
@@ -276,11 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dump", help="print the IR after a pipeline (kir, json or dot)")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("--format", choices=("kir", "json", "dot"), default="kir")
+    p.add_argument("--format", choices=("kir", "json", "dot", "svg"), default="kir",
+                   help="svg: the dot picture drawn by graphviz (needs `dot` on PATH)")
     p.add_argument("-p", "--pipeline", help="passes to run first")
     p.add_argument("--pass", dest="pass_name", metavar="NAME",
                    help="run up to this pass and print its result (for analyses: the report)")
-    p.add_argument("--program", help="the program to draw (dot)")
+    p.add_argument("--program", help="the program to draw (dot, svg)")
     _instrument_flags(p)
     p.set_defaults(handler=cmd_dump)
 

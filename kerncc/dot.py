@@ -75,3 +75,25 @@ def _value_attrs(node: tuple, crossing: dict) -> str:
         text += f"\\ncrosses {edge.source}->{edge.target}: {edge.nbytes} B"
         return f"shape=ellipse, color=red, penwidth=2, label={_quote(text)}"
     return f"shape=ellipse, label={_quote(text)}"
+
+
+def render_svg(source: str) -> str:
+    """The dot source drawn as SVG by graphviz's `dot` (a clean error when it is missing)."""
+    import shutil
+    import subprocess
+
+    from kerncc.diagnostics import KernccError
+
+    dot = shutil.which("dot")
+    if dot is None:
+        raise KernccError.single("`--format svg` needs graphviz's `dot` on PATH (for example "
+                                 "`apt install graphviz`); `--format dot` prints the source")
+    try:
+        done = subprocess.run([dot, "-Tsvg"], input=source, capture_output=True, text=True,
+                              timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise KernccError.single(f"graphviz's `dot` failed: {err}") from None
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise KernccError.single(f"graphviz's `dot` failed: {reason}")
+    return done.stdout

@@ -38,3 +38,35 @@ def test_dot_of_a_cut_program() -> None:
     assert text.count("subgraph cluster_stage") == 2
     crossing = [attrs for attrs in nodes.values() if "crosses 0->1" in attrs]
     assert crossing and all("color=red" in a for a in crossing)
+
+
+def _fake_dot(tmp_path: Path, monkeypatch, script: str) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    dot = bin_dir / "dot"
+    dot.write_text("#!/bin/sh\n" + script)
+    dot.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+
+
+def test_svg_is_the_dot_source_drawn_by_graphviz(tmp_path, monkeypatch, capsys) -> None:
+    from kerncc.cli import main
+
+    # A stand-in `dot` that proves it was handed the dot source on stdin with -Tsvg.
+    _fake_dot(tmp_path, monkeypatch, 'test "$1" = -Tsvg || exit 3\n'
+              'grep -q "^digraph" && echo "<svg>drawn</svg>"\n')
+    manifest = str(Path(__file__).parent.parent / "golden" / "inputs" / "layers3.json")
+    assert main(["dump", manifest, "--format", "svg", "-p", "cut{at=4}"]) == 0
+    assert capsys.readouterr().out == "<svg>drawn</svg>\n"
+
+
+def test_svg_without_graphviz_is_a_clean_error(tmp_path, monkeypatch, capsys) -> None:
+    from kerncc.cli import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    manifest = str(Path(__file__).parent.parent / "golden" / "inputs" / "layers3.json")
+    assert main(["dump", manifest, "--format", "svg"]) == 1
+    assert "needs graphviz's `dot` on PATH" in capsys.readouterr().err
+    _fake_dot(tmp_path, monkeypatch, "echo 'syntax error in line 1' >&2; exit 1\n")
+    assert main(["dump", manifest, "--format", "svg"]) == 1
+    assert "graphviz's `dot` failed: syntax error in line 1" in capsys.readouterr().err
