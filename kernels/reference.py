@@ -171,6 +171,8 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray,
 
 def attn_prefill_bf16(launch: Any, qkv, kv, block_table, positions, out, rows, nq, nk, hd,
                       width, scale) -> None:
+    """f32 softmax; the CUDA kernel (tensor cores) rounds P to bf16 for its P.V product, so the
+    two agree within bf16 tolerance rather than by rounding point."""
     q = f32(view(qkv, BF16, rows * (nq + 2 * nk) * hd).reshape(rows, -1, hd)[:, :nq])
     pos = view(positions, I32, rows).astype(np.int64)
     n = int(pos.max()) + 1

@@ -77,7 +77,7 @@ class QwenConfig:
         checks = [
             (self.heads % self.kv_heads == 0, "heads must be a multiple of kv_heads"),
             (32 % self.group == 0 and self.group <= 8, "heads/kv_heads must be 1, 2, 4 or 8"),
-            (self.head_dim % 8 == 0 and self.head_dim <= 128, "head_dim must be 8k <= 128"),
+            (self.head_dim % 16 == 0 and self.head_dim <= 128, "head_dim must be 16k <= 128"),
             (self.hidden % 8 == 0, "hidden must be a multiple of 8"),
             (self.intermediate % self.gate_up_block == 0, "intermediate % interleave != 0"),
             (self.max_context % PAGE == 0, f"max_context must be a multiple of {PAGE}"),

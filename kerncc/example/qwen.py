@@ -73,7 +73,7 @@ def mul(e: Any, c: int) -> dict:
 
 
 def kernel_op(params: list[str], entry: str, scalars: list[str], consts: list[dict],
-              grid: list[Any], block: int) -> dict:
+              grid: list[Any], block: int, shared_mem: int = 0) -> dict:
     """An op of one kernel launch: the op's params forwarded, then launch-private constants."""
     launch = {
         "module": library.module_of(entry),
@@ -81,9 +81,16 @@ def kernel_op(params: list[str], entry: str, scalars: list[str], consts: list[di
         "params": params + scalars,
         "block": [block, 1, 1],
         "grid": grid + [1] * (3 - len(grid)),
-        "args": [param(i) for i in range(len(params))] + consts,
     }
+    if shared_mem:
+        launch["shared_mem"] = shared_mem  # dynamic bytes
+    launch["args"] = [param(i) for i in range(len(params))] + consts
     return {"params": params, "impl": {"launches": [launch]}}
+
+
+def attn_prefill_smem(hd: int) -> int:
+    """attn_prefill_bf16's dynamic shared memory: 576 rows of hd bf16 + 16 bytes (attention.cu)."""
+    return 576 * (2 * hd + 16)
 
 
 def gemm_op(c_param: str, extern: str, n: int, k: int) -> dict:
@@ -134,7 +141,8 @@ def ops(c: QwenConfig) -> dict[str, dict]:
                               ["i32"] * 3, heads, [ceil_div(mul(rows, nk * hd), 256)], 256),
         "attn_prefill": kernel_op([IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, "i32"],
                                   "attn_prefill_bf16", ["i32"] * 4 + ["f32"], attn,
-                                  [ceil_div(rows, 32 // c.group), nk], 256),
+                                  [ceil_div(rows, 64 // c.group), nk], 256,
+                                  attn_prefill_smem(hd)),
         "attn_decode": kernel_op([IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, "i32"],
                                  "attn_decode_bf16", ["i32"] * 4 + ["f32"], attn,
                                  [nk, "seqs"], 256),
