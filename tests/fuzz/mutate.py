@@ -285,7 +285,7 @@ def _apply_token(out: list[str], at: int, kind: str, original: list[str],
         other = data.draw(st.integers(0, len(out) - 1))
         out[at], out[other] = out[other], out[at]
     elif kind == "replace":
-        out[at] = data.draw(st.one_of(st.sampled_from(extra), st.sampled_from(original)))
+        out[at] = data.draw(st.sampled_from(extra + tuple(original)))
     elif kind == "insert":
         out.insert(at, data.draw(st.sampled_from(extra)))
     elif kind == "join" and at + 1 < len(out):

@@ -190,11 +190,10 @@ def pristine(tiny_bundle) -> Path:
     return tiny_bundle.dir
 
 
-@settings(max_examples=examples(220, 3000))
+@settings(max_examples=examples(180, 3000))
 @given(data=st.data())
 def test_tampered_bundles(data: st.DataObject, pristine: Path, tiny_bundle,
                           fuzz_root: Path) -> None:
-    harness.case("bundle: tampered")
     case = fresh_dir(fuzz_root)
     bundle = case / "bundle"
     shutil.copytree(pristine, bundle)
@@ -205,3 +204,4 @@ def test_tampered_bundles(data: st.DataObject, pristine: Path, tiny_bundle,
     with harness.unchanged(tiny_bundle.manifest, tiny_bundle.checkpoint):
         check_bundle_everywhere(bundle, names)
     shutil.rmtree(case)
+    harness.case("bundle: tampered")

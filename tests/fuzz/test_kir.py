@@ -10,6 +10,7 @@ parser's and the builder's error paths rather than only the lexer's. Every failu
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -43,18 +44,22 @@ def write_kir(fuzz_root: Path, text: bytes) -> Path:
     return path
 
 
-@settings(max_examples=examples(300, 5000))
+@settings(max_examples=examples(200, 5000))
 @given(data=st.data())
 def test_mutated_kir_tokens(data: st.DataObject, seeds, fuzz_root: Path) -> None:
-    harness.case("kir: tokens")
     seed = data.draw(st.sampled_from(seeds.kir), label="seed")
     text = mutate_tokens(tokenize(seed.text, TOKEN), extra_tokens(), data)
-    check_manifest_file(write_kir(fuzz_root, text.encode("utf-8", "surrogatepass")), data)
+    path = write_kir(fuzz_root, text.encode("utf-8", "surrogatepass"))
+    check_manifest_file(path, data)
+    shutil.rmtree(path.parent)
+    harness.case("kir: tokens")
 
 
-@settings(max_examples=examples(150, 3000))
+@settings(max_examples=examples(100, 3000))
 @given(data=st.data())
 def test_mutated_kir_bytes(data: st.DataObject, seeds, fuzz_root: Path) -> None:
-    harness.case("kir: bytes")
     seed = data.draw(st.sampled_from(seeds.kir), label="seed")
-    check_manifest_file(write_kir(fuzz_root, mutate_bytes(seed.text.encode(), data)), data)
+    path = write_kir(fuzz_root, mutate_bytes(seed.text.encode(), data))
+    check_manifest_file(path, data)
+    shutil.rmtree(path.parent)
+    harness.case("kir: bytes")

@@ -155,15 +155,20 @@ def run_spec(text: str, passes: tuple | None, model: Path, data: st.DataObject,
     shutil.rmtree(case)
 
 
-@settings(max_examples=examples(250, 4000))
+@settings(max_examples=examples(1000, 20000))
+@given(text=spec_cases())
+def test_pipeline_specs_parse_resolve_and_print_back(text: str) -> None:
+    check_spec_api(text)
+    harness.case("pipeline: specs (API)")
+
+
+@settings(max_examples=examples(150, 4000))
 @given(data=st.data())
-def test_pipeline_specs(data: st.DataObject, tiny_model, fuzz_root: Path) -> None:
-    harness.case("pipeline: specs")
+def test_pipeline_specs_drive_the_cli(data: st.DataObject, tiny_model, fuzz_root: Path) -> None:
     text = data.draw(spec_cases(), label="spec")
     passes = check_spec_api(text)
     harness.tally("pipeline: resolves", passes is not None)
-    if passes is None and data.draw(st.integers(0, 3), label="run a refused spec") != 0:
-        return  # most refused specs are checked by the API alone; a quarter go through the CLI
     model = data.draw(st.sampled_from((tiny_model[0], GOLDEN_INPUTS / "layers3.json")))
     with harness.unchanged(model):
         run_spec(text, passes, model, data, fresh_dir(fuzz_root))
+    harness.case("pipeline: specs (CLI)")
