@@ -773,8 +773,17 @@ class DumpDir(Instrument):
     directory: Path = attrs.field(converter=Path)
     _count: int = attrs.field(default=0, init=False)
 
+    def make(self) -> DumpDir:
+        """The directory, made now: `instruments_from_args` makes it before any pass runs, so
+        that a bad --dump-dir is reported as itself and not at a place in the input."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise self._cannot(err) from None
+        return self
+
     def before_pipeline(self, schedule: tuple[ScheduledPass, ...], ir: Any) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.make()
         self._count = 0
         self._write("input", ir)
 
@@ -783,7 +792,14 @@ class DumpDir(Instrument):
         self._write(pass_.name, ir_after)
 
     def _write(self, label: str, ir: Any) -> None:
-        (self.directory / f"{self._count:02d}-{label}.kir").write_text(ir.to_text())
+        try:
+            (self.directory / f"{self._count:02d}-{label}.kir").write_text(ir.to_text())
+        except OSError as err:
+            raise self._cannot(err) from None
+
+    def _cannot(self, err: OSError) -> KernccError:
+        """A directory that cannot be made or written is the command line's problem."""
+        return KernccError.single(f"--dump-dir `{self.directory}`: {err.strerror or err}")
 
 
 def instruments_from_args(print_ir_after: Sequence[str] | None, print_ir_after_all: bool,
@@ -802,7 +818,7 @@ def instruments_from_args(print_ir_after: Sequence[str] | None, print_ir_after_a
     if print_ir_after_change:
         instruments.append(PrintIRAfterChange(out=out))
     if dump_dir is not None:
-        instruments.append(DumpDir(dump_dir))
+        instruments.append(DumpDir(dump_dir).make())
     if time_passes:
         instruments.append(TimePasses(out=out))
     return instruments

@@ -198,3 +198,33 @@ def test_damaged_bundle_index(tiny_bundle, tmp_path: Path, edit: str) -> None:
     check_bundle_everywhere(bundle, {"bundle.json"})
     outcome = harness.run_cli([refuses, bundle, *(("--prompt", "1,2") if refuses == "run" else ())])
     assert outcome.code == 1 and "bundle.json" in outcome.err
+
+
+# ---- command lines
+# `--dump-dir` naming a file (or a place that cannot be made) was an internal FileExistsError;
+# now it is an error about the flag, not located in the input (kerncc/pipeline.py: DumpDir).
+@pytest.mark.parametrize("command", ["dump", "lower"])
+def test_a_dump_dir_that_cannot_be_made(tiny_model, tmp_path: Path, command: str) -> None:
+    (tmp_path / "file").write_text("x")
+    outcome = harness.run_cli([command, tiny_model[0], "-p", "cut", "--dump-dir",
+                               tmp_path / "file" / "dumps"])
+    assert outcome.code == 1
+    assert outcome.err.startswith(f"error: --dump-dir `{tmp_path / 'file' / 'dumps'}`: ")
+    assert str(tiny_model[0]) not in outcome.err
+
+
+# Found by the fuzz, in files this suite does not own; kept here so that a fix shows (strict).
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="kerncc/example/qwen.py generate(): out.mkdir() on an existing file "
+                          "raises FileExistsError, an internal error of `kerncc example`")
+def test_example_into_a_file(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_text("x")
+    harness.run_cli(["example", "qwen", "-o", tmp_path / "taken"])
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="kerncc/cli_runtime.py / runtime/trace.py: `run --trace DIR` writes "
+                          "to a directory path: IsADirectoryError, an internal error")
+def test_a_trace_into_a_directory(tiny_bundle, tmp_path: Path) -> None:
+    harness.run_cli(["run", tiny_bundle.dir, "--prompt", "1,2", "--max-new", "1", "--trace",
+                     tmp_path])
