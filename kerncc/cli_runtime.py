@@ -63,7 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise KernccError.single("--devices needs --backend cuda")
     timeline = Timeline() if args.trace else None
     chain = Chain(bundle, backend=args.backend, checkpoint=weights, interpret=args.interpret,
-                  devices=args.devices, graphs=not args.no_graphs, trace=timeline)
+                  devices=args.devices, graphs=args.graphs, trace=timeline)
     generator = Generator(chain)
     loaded = time.perf_counter()
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
@@ -134,8 +134,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="passes lowering a manifest target (default: emit)")
     p.add_argument("--devices", type=_devices, metavar="0,1",
                    help="GPUs to spread the stages over, in order (cuda backend)")
-    p.add_argument("--no-graphs", action="store_true",
-                   help="launch `graph` programs one kernel at a time (no CUDA graphs)")
+    p.add_argument("--graphs", choices=("auto", "marked", "off"), default="auto",
+                   help="CUDA graphs: for `graph` programs and repeated chunk sizes (auto, the "
+                   "default), for `graph` programs only (marked), or none (off)")
     p.add_argument("--trace", metavar="FILE.json",
                    help="write a Chrome/Perfetto trace of every stage's items and transfers")
     p.add_argument("--interpret", action="store_true",

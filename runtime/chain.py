@@ -41,7 +41,7 @@ class Chain:
     def __init__(self, bundle: Bundle | str | os.PathLike, backend: str | Backend = "cpu",
                  checkpoint: CheckpointLike = None, token_capacity: int | None = None,
                  interpret: bool = False, devices: Sequence[int] | None = None,
-                 graphs: bool = True, trace: Timeline | None = None) -> None:
+                 graphs: bool | str = "auto", trace: Timeline | None = None) -> None:
         self.bundle = open_bundle(bundle)
         stages = len(self.bundle.stages)
         self.backends = _stage_backends(backend, devices, stages)

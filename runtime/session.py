@@ -9,7 +9,8 @@ issued (through stage.py's generated functions when the stage has them, else by 
 plan.json's launch records, `when` gates included), the outputs it writes handed back.
 Workspaces are dead between runs; everything else persists. `submit` issues a run without
 waiting (its `Pending.result()` waits); programs marked `graph` are captured once per
-assignment of the vars they read and replayed on backends with graphs (cuda). Chains of stages
+assignment of the vars they read and replayed on backends with graphs (cuda), and other driven
+programs once an assignment repeats (`graphs="auto"`). Chains of stages
 are in kerncc.runtime.chain.
 """
 
@@ -36,7 +37,20 @@ from kerncc.runtime.weights import CheckpointLike, assemble, open_checkpoint
 
 HOST_WRITTEN = ("input", "inout")
 LAUNCH_FAILURES = (BackendError, ValueError, IndexError, TypeError)
+GRAPH_POLICIES = ("auto", "marked", "off")
+AUTO_GRAPHS = 16  # graphs per program beyond those marked `graph` (distinct chunk sizes)
 _stage_modules = itertools.count()
+
+
+def graph_policy(graphs: bool | str) -> str:
+    """`auto` (graph programs, and other driven programs once a var assignment repeats),
+    `marked` (only programs marked `graph`) or `off`; True means auto, False off."""
+    if graphs is True or graphs is False:
+        return "auto" if graphs else "off"
+    if graphs not in GRAPH_POLICIES:
+        raise KernccError.single(f"unknown graph policy `{graphs}` "
+                                 f"(known: {', '.join(GRAPH_POLICIES)})")
+    return graphs
 
 
 def cdiv(a: int, b: int) -> int:
@@ -57,7 +71,7 @@ class Session:
     def __init__(self, bundle: Bundle | str | os.PathLike, stage: int = 0,
                  backend: str | Backend = "cpu", checkpoint: CheckpointLike = None,
                  token_capacity: int | None = None, interpret: bool = False,
-                 graphs: bool = True) -> None:
+                 graphs: bool | str = "auto") -> None:
         self.bundle = open_bundle(bundle)
         if not 0 <= stage < len(self.bundle.stages):
             raise KernccError.single(f"the bundle has {len(self.bundle.stages)} stages; "
@@ -66,8 +80,9 @@ class Session:
         self.manifest = self.stage.manifest
         self.backend = open_backend(backend)
         self.backend.activate()
-        self.graphs = graphs and self.backend.graphs
+        self.graphs = graph_policy(graphs) if self.backend.graphs else "off"
         self._graphs: dict[tuple, Any] = {}
+        self._seen: dict[tuple, int] = {}
         self.token_capacity = token_capacity or default_token_capacity(self.manifest)
         self.memory = Memory(self.backend, self.manifest, self.stage.plan, self.token_capacity)
         self.last_vars = self._vars({})
@@ -262,15 +277,39 @@ class Session:
 
     def _execute(self, program: str, env: dict[str, int]) -> None:
         self._env = env
-        if self.graphs and self.manifest.programs[program].graph:
-            key = (program, *(env[v] for v in self._graph_vars[program]))
-            graph = self._graphs.get(key)
-            if graph is None:
-                graph = self._graphs[key] = self.backend.capture(
-                    lambda: self._issue_program(program, env))
+        graph = self._graph(program, env)
+        if graph is None:
+            self._issue_program(program, env)
+        else:
             self.backend.replay(graph)
-            return
-        self._issue_program(program, env)
+
+    def _graph(self, program: str, env: dict[str, int]) -> Any:
+        """The graph to replay for `program` at `env`, captured now if it is time; None: issue
+        the launches one by one.
+
+        A program marked `graph` is captured at its first run at each assignment of the vars
+        its launches read. Under the `auto` policy any other driven program is captured too,
+        once an assignment comes back (a prefill chunk size seen before), up to
+        AUTO_GRAPHS assignments per program: its launches depend on nothing but those vars
+        (inputs are read from buffers at fixed addresses), so a replay issues exactly them.
+        """
+        if self.graphs == "off":
+            return None
+        declared = self.manifest.programs[program]
+        if declared.once or declared.derive:
+            return None
+        key = (program, *(env[v] for v in self._graph_vars[program]))
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph
+        if not declared.graph:
+            seen = self._seen.get(key, 0)
+            self._seen[key] = seen + 1
+            captured = sum(1 for k in self._graphs if k[0] == program)
+            if self.graphs != "auto" or seen == 0 or captured >= AUTO_GRAPHS:
+                return None
+        graph = self._graphs[key] = self.backend.capture(lambda: self._issue_program(program, env))
+        return graph
 
     def _issue_program(self, program: str, env: dict[str, int]) -> None:
         fast = self._fast.get(program)
