@@ -239,6 +239,13 @@ def launch_overhead(model: dict) -> None:
             kernels.append(sum(backend.elapsed_ms(a, b) for a, b in marks))
     finally:
         session._launchers = originals
+    queued = []
+    for _ in range(5):  # the same launches queued back to back, events only around them all
+        with busy:
+            start = backend.mark()
+            session._issue_program(program, env)
+            end = backend.mark()
+        queued.append(backend.elapsed_ms(start, end))
 
     say("  capturing and replaying the graph")
     graph = backend.capture(lambda: session._issue_program(program, env))
@@ -256,6 +263,9 @@ def launch_overhead(model: dict) -> None:
     row("launch", "sum of kernel times (events), ms", f"{kernel_ms:.3f}")
     row("launch", "graph replay per step, ms", f"{graph_ms:.3f}")
     row("launch", "graph replay / kernel sum (gate <= 1.1)", f"{graph_ms / kernel_ms:.3f}")
+    queued_ms = statistics.median(queued)
+    row("launch", "same kernels queued back to back (no events between), ms", f"{queued_ms:.3f}")
+    row("launch", "graph replay / back-to-back kernels", f"{graph_ms / queued_ms:.3f}")
     eager_ms = statistics.median(step) * 1e3
     row("launch", "eager step (issue + run), ms", f"{eager_ms:.3f}")
     row("launch", "eager host issue per launch, us",
@@ -263,6 +273,7 @@ def launch_overhead(model: dict) -> None:
     row("launch", "eager cost per launch over graph, us",
         f"{(eager_ms - graph_ms) / per_step * 1e3:.2f}")
     RESULTS["launch"] = {"launches": per_step, "kernel_sum_ms": kernel_ms, "graph_ms": graph_ms,
+                         "queued_ms": queued_ms,
                          "eager_ms": eager_ms,
                          "issue_us_per_launch": statistics.median(issue) / per_step * 1e6}
 
