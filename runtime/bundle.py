@@ -1,8 +1,8 @@
 """Reading a stage bundle (docs/bundle.md): every file checked before anything runs.
 
 `Bundle(dir)` reads `bundle.json` and each stage's `manifest.json`, `plan.json` and (when
-present) `stage.py`, checking every recorded sha256 against the bytes read and the cubins under
-`modules/` against their names. Anything missing, tampered or malformed is a KernccError whose
+present) `stage.py`, checking every recorded sha256 against the bytes read, the cubins under
+`modules/` against their names, and each plan against its manifest (kerncc.runtime.plan_check). Anything missing, tampered or malformed is a KernccError whose
 diagnostics carry the file's path. `Bundle.from_manifest(path)` lowers a plain manifest in
 process (`emit`, optionally after other passes) into a temporary bundle, so a manifest and a
 bundle run through the same code. `Bundle.open(path)` takes either.
@@ -25,7 +25,9 @@ from kerncc import manifest as m
 from kerncc.diagnostics import Diagnostic, KernccError, Location
 from kerncc.jsonsource import parse_json
 from kerncc.reader import load_with_locator, read_text
+from kerncc.runtime.plan_check import MalformedPlan, check_plan
 from kerncc.stage import host_inputs
+from kerncc.verify import verify
 
 FORMAT = "kerncc-bundle/1"
 WEIGHTS_BESIDE_MANIFEST = "model.safetensors"
@@ -240,10 +242,18 @@ def _read_stage(root: Path, entry: dict, i: int) -> Stage:
     if not manifest_path.is_file():
         raise bundle_error(manifest_path, "the file is missing")
     manifest, locate = load_with_locator(manifest_path)
+    try:
+        verify(manifest)  # what runs must verify, whatever wrote the file
+    except KernccError as err:
+        raise err.located(locate) from None
     plan = _read_plan(stage_dir / "plan.json")
     if set(plan["programs"]) != set(manifest.programs):
         raise bundle_error(stage_dir / "plan.json", f"plans programs {sorted(plan['programs'])}, "
                            f"but manifest.json has {sorted(manifest.programs)}", "/programs")
+    try:
+        check_plan(plan, manifest)
+    except MalformedPlan as err:
+        raise bundle_error(stage_dir / "plan.json", str(err), err.ptr) from None
     _check_modules(stage_dir / "modules")
     stage_py = stage_dir / "stage.py"
     return Stage(i, stage_dir, manifest, plan, stage_py if stage_py.is_file() else None,
@@ -276,7 +286,6 @@ def _lower(path: Path, pipeline: str, out: Path) -> None:
     """`kerncc lower PATH -p PIPELINE -o OUT`, in process; the pipeline must end in `emit`."""
     from kerncc.ir import IR
     from kerncc.pipeline import pass_spec, resolve_pipeline, run_pipeline
-    from kerncc.verify import verify
 
     manifest, locate = load_with_locator(path)
     try:

@@ -79,23 +79,34 @@ class Memory:
         self.token_capacity = token_capacity
         self.seq_slots = man.seq_slots()
         self.arena_bytes = int(plan["arena"].get("bytes", 0))
-        self.arena = backend.allocate(self.arena_bytes)
+        self.arena = self._allocate("the arena", self.arena_bytes)
         self.buffer_bytes = {name: int(rec["bytes"])
                              for name, rec in plan["memory"].get("buffers", {}).items()
                              if rec.get("kind") not in NOT_ALLOCATED}
-        self.buffers = {name: backend.allocate(n) for name, n in self.buffer_bytes.items()}
+        self.buffers = {name: self._allocate(f"buffer `{name}`", n)
+                        for name, n in self.buffer_bytes.items()}
         self.state_bytes = {name: state_bytes(name, rec, token_capacity, self.seq_slots)
                             for name, rec in plan["memory"].get("states", {}).items()}
-        self.states = {name: backend.allocate(n) for name, n in self.state_bytes.items()}
+        self.states = {name: self._allocate(f"state `{name}`", n)
+                       for name, n in self.state_bytes.items()}
         self.staging: Any = None
         self.windows: dict[str, dict] = {}
+
+    def _allocate(self, what: str, nbytes: int) -> Any:
+        """An allocation; one the backend cannot make (a manifest may declare any size) is
+        the input's problem, said as such."""
+        try:
+            return self.backend.allocate(nbytes)
+        except (MemoryError, ValueError, OverflowError, BackendError) as err:
+            raise KernccError.single(f"cannot allocate {nbytes} bytes for {what} on the "
+                                     f"{self.backend.name} backend: {err}") from None
 
     # ------------------------------------------------------------------------ staging
 
     def stage(self, staging: dict) -> None:
         """Allocate the derive staging and learn the source windows."""
         self.windows = {w["source"]: w for w in staging.get("windows", [])}
-        self.staging = self.backend.allocate(int(staging.get("total", 0)))
+        self.staging = self._allocate("the derive staging", int(staging.get("total", 0)))
 
     def unstage(self) -> None:
         """Free the staging: sources are gone once derive programs have run."""

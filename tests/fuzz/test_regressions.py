@@ -228,3 +228,60 @@ def test_example_into_a_file(tmp_path: Path) -> None:
 def test_a_trace_into_a_directory(tiny_bundle, tmp_path: Path) -> None:
     harness.run_cli(["run", tiny_bundle.dir, "--prompt", "1,2", "--max-new", "1", "--trace",
                      tmp_path])
+
+
+# plan.json or manifest.json edited with its sha256 updated in bundle.json (so the hash check
+# passes): each of these was an internal error of `kerncc run` (AttributeError, KeyError,
+# TypeError, "negative dimensions", "could not broadcast") from the memory, staging, launch
+# parsing or weights code. The loader now checks each plan against its manifest
+# (kerncc/runtime/plan_check.py) and verifies each stage manifest (runtime/bundle.py).
+def _edit_stage_file(bundle: Path, rel: str, tokens: tuple, value) -> None:
+    import hashlib
+
+    doc = json.loads((bundle / rel).read_text())
+    node = doc
+    for key in tokens[:-1]:
+        node = node[key]
+    node[tokens[-1]] = value
+    (bundle / rel).write_text(json.dumps(doc, indent=2))
+    index = json.loads((bundle / "bundle.json").read_text())
+    key = {"plan.json": "plan_sha256", "manifest.json": "manifest_sha256"}[Path(rel).name]
+    stage = next(e for e in index["stages"] if e["dir"] == Path(rel).parts[0])
+    stage[key] = hashlib.sha256((bundle / rel).read_bytes()).hexdigest()
+    (bundle / "bundle.json").write_text(json.dumps(index, indent=2))
+
+
+STAGE_EDITS = {
+    "staging null": ("stage1/plan.json", ("staging",), None, "/staging"),
+    "staging too small": ("stage1/plan.json", ("staging", "total"), 0, "/staging/windows/0"),
+    "a window that is not an object": ("stage1/plan.json", ("staging", "windows", 0), [],
+                                       "/staging/windows/0"),
+    "buffer bytes 0": ("stage1/plan.json", ("memory", "buffers", "block_table", "bytes"), 0,
+                       "/memory/buffers/block_table"),
+    "buffers a list": ("stage1/plan.json", ("memory", "buffers"), [], "/memory/buffers"),
+    "arena bytes negative": ("stage1/plan.json", ("arena", "bytes"), -1, "/arena/bytes"),
+    "arena bytes a string": ("stage0/plan.json", ("arena", "bytes"), "x", "/arena/bytes"),
+    "program null": ("stage1/plan.json", ("programs", "convert"), None, "/programs/convert"),
+    "launches a string": ("stage0/plan.json", ("programs", "decode", "calls", 0, "launches"),
+                          "x", "/programs/decode/calls/0/launches"),
+    "shape names no var": ("stage0/manifest.json", ("buffers", "residual", "shape", 0), "",
+                           "/buffers/residual/shape/0"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(STAGE_EDITS))
+def test_damaged_stage_files_with_their_hash_updated(tiny_bundle, tmp_path: Path,
+                                                     edit: str) -> None:
+    from kerncc.runtime import Bundle
+
+    from .test_bundles import check_bundle_everywhere
+
+    rel, tokens, value, ptr = STAGE_EDITS[edit]
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.dir, bundle)
+    _edit_stage_file(bundle, rel, tokens, value)
+    with pytest.raises(KernccError) as err:
+        Bundle.open(bundle)
+    assert [(d.location.file, d.location.pointer) for d in err.value.diagnostics][:1] == \
+        [(str(bundle / rel), ptr)]
+    check_bundle_everywhere(bundle, {Path(rel).name})

@@ -1,0 +1,118 @@
+"""plan.json checked against its stage's manifest before anything is allocated (docs/bundle.md).
+
+The loader (`kerncc.runtime.bundle`) hands memory, staging and launch parsing a plan whose
+containers have the types they index and whose sizes agree with the manifest: `memory` is
+exactly what the manifest gives (kerncc.bundle_plan.memory_json), the arena holds every
+program's workspaces, and each staging window lies inside the staging and holds its source.
+Launch records themselves are read, and refused at their pointer, by kerncc.runtime.launch.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kerncc import manifest as m
+from kerncc.bundle_plan import memory_json
+from kerncc.diagnostics import pointer
+
+
+class MalformedPlan(Exception):
+    """What is wrong with plan.json, and where (a JSON pointer into it)."""
+
+    def __init__(self, message: str, ptr: str) -> None:
+        super().__init__(message)
+        self.ptr = ptr
+
+
+def check_plan(plan: dict, man: m.Manifest) -> None:
+    """Raise MalformedPlan at the first part of `plan` the runtime could not use as it is."""
+    _check_memory(plan, man)
+    _check_arena(plan)
+    _check_staging(plan, man)
+    _check_programs(plan)
+
+
+_TYPE_WORDS = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
+
+
+def _typed(value: Any, kind: type, ptr: str) -> Any:
+    if isinstance(value, kind) and not isinstance(value, bool):
+        return value
+    raise MalformedPlan(f"expected {_TYPE_WORDS[kind]}, found {_short(value)}", ptr)
+
+
+def _count(value: Any, ptr: str) -> int:
+    if _typed(value, int, ptr) < 0:
+        raise MalformedPlan(f"expected a byte count or index, found {value}", ptr)
+    return value
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_memory(plan: dict, man: m.Manifest) -> None:
+    """Every buffer and state record is the one manifest.json gives."""
+    expected = memory_json(man)
+    for section in ("buffers", "states"):
+        found = _typed(plan["memory"].get(section, {}), dict, f"/memory/{section}")
+        for name in sorted(set(found) | set(expected[section])):
+            if found.get(name) != expected[section].get(name):
+                raise MalformedPlan(f"{section[:-1]} `{name}` is {_short(found.get(name))}, "
+                                    f"but manifest.json gives {_short(expected[section].get(name))}",
+                                    pointer("memory", section, name))
+
+
+def _check_arena(plan: dict) -> None:
+    """The arena is as large as the largest program's workspaces; offsets lie inside them."""
+    arena = plan["arena"]
+    total = _count(arena.get("bytes", 0), "/arena/bytes")
+    programs = _typed(arena.get("programs", {}), dict, "/arena/programs")
+    for name, record in programs.items():
+        ptr = pointer("arena", "programs", name)
+        need = _count(_typed(record, dict, ptr).get("bytes", 0), f"{ptr}/bytes")
+        if need > total:
+            raise MalformedPlan(f"program `{name}` needs {need} arena bytes; the arena has "
+                                f"{total}", f"{ptr}/bytes")
+        for key, offset in _typed(record.get("offsets", {}), dict, f"{ptr}/offsets").items():
+            if _count(offset, pointer("arena", "programs", name, "offsets", key)) > need:
+                raise MalformedPlan(f"`{key}` starts at byte {offset} of the program's {need}",
+                                    pointer("arena", "programs", name, "offsets", key))
+
+
+def _check_staging(plan: dict, man: m.Manifest) -> None:
+    """Each window holds a source buffer of the manifest, inside the staging allocation."""
+    if "staging" not in plan:
+        return
+    staging = _typed(plan["staging"], dict, "/staging")
+    total = _count(staging.get("total", 0), "/staging/total")
+    for i, window in enumerate(_typed(staging.get("windows", []), list, "/staging/windows")):
+        ptr = f"/staging/windows/{i}"
+        source = _typed(_typed(window, dict, ptr).get("source"), str, f"{ptr}/source")
+        buf = man.buffers.get(source)
+        if buf is None or buf.kind != "source":
+            raise MalformedPlan(f"`{source}` is not a source buffer of manifest.json",
+                                f"{ptr}/source")
+        first, last, nbytes, offset = (_count(window.get(k), f"{ptr}/{k}")
+                                       for k in ("first", "last", "bytes", "offset"))
+        if nbytes != buf.nbytes(man.vars_max()) or first > last:
+            raise MalformedPlan(f"window of `{source}`: bytes {nbytes} (the buffer has "
+                                f"{buf.nbytes(man.vars_max())}), calls {first}..{last}", ptr)
+        if offset + nbytes > total:
+            raise MalformedPlan(f"window of `{source}` ends at byte {offset + nbytes} of the "
+                                f"staging's {total}", ptr)
+
+
+def _check_programs(plan: dict) -> None:
+    """Programs hold lists of calls, calls lists of launch records (objects)."""
+    for name, program in plan["programs"].items():
+        ptr = pointer("programs", name)
+        calls = _typed(_typed(program, dict, ptr).get("calls", []), list, f"{ptr}/calls")
+        for c, call in enumerate(calls):
+            where = f"{ptr}/calls/{c}"
+            launches = _typed(_typed(call, dict, where).get("launches", []), list,
+                              f"{where}/launches")
+            for j, record in enumerate(launches):
+                _typed(record, dict, f"{where}/launches/{j}")
