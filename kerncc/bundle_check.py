@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from kerncc import manifest as m
-from kerncc.diagnostics import KernccError
+from kerncc.diagnostics import KernccError, Location
 from kerncc.jsonsource import TOO_DEEP, PositionIndex
 from kerncc.symbolic import Proof, check_stages
 
@@ -123,6 +124,12 @@ def _check_modules(folder: Path, k: int) -> None:
 def input_manifest(bundle: Path, index: dict[str, Any], whole: str | Path | None
                    ) -> m.Manifest:
     """The whole manifest the bundle was lowered from, checked against its recorded sha256."""
+    return _input(bundle, index, whole)[0]
+
+
+def _input(bundle: Path, index: dict[str, Any], whole: str | Path | None
+           ) -> tuple[m.Manifest, Callable[[str], Location]]:
+    """The input manifest and the locator of its text."""
     recorded = index.get("input") or {}
     if not isinstance(recorded, dict):
         raise _fail(f"`{bundle / 'bundle.json'}`: `input` is not an object", "/input")
@@ -133,8 +140,9 @@ def input_manifest(bundle: Path, index: dict[str, Any], whole: str | Path | None
         raise _fail("the bundle records no input manifest (it was emitted from memory); "
                     "name the whole manifest to check it against", "/input/path")
     path = bundle / path if not Path(path).is_absolute() else Path(path)
-    text = _checked(path, "the input manifest", recorded.get("sha256"), "/input/sha256")
-    return m.loads(_text(text, path), str(path))
+    text = _text(_checked(path, "the input manifest", recorded.get("sha256"), "/input/sha256"),
+                 path)
+    return m.loads(text, str(path)), PositionIndex.locator(text, str(path))
 
 
 def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proof:
@@ -146,10 +154,13 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proo
     try:
         index = read_index(bundle)
         stages = stage_manifests(bundle, index)
-        source = input_manifest(bundle, index, whole)
+        source, locate = _input(bundle, index, whole)
     except KernccError as err:
         raise _in_index(err, bundle / "bundle.json") from None
-    return check_stages(source, stages)
+    try:
+        return check_stages(source, stages)
+    except KernccError as err:  # its pointers are the whole manifest's calls
+        raise err.located(locate) from None
 
 
 def _in_index(err: KernccError, index_path: Path) -> KernccError:

@@ -223,6 +223,7 @@ def cmd_passes(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from kerncc import manifest as m
+    from kerncc.reader import load_with_locator
     from kerncc.symbolic import check_stages
 
     paths = args.files
@@ -236,8 +237,12 @@ def cmd_check(args: argparse.Namespace) -> int:
                                      "directory, or WHOLE STAGE0 STAGE1 ...)")
         if len(paths) < 3:
             raise KernccError.single("check takes WHOLE STAGE0 STAGE1 ... or a bundle directory")
-        whole, *stages = [m.load(p) for p in paths]
-        proof = check_stages(whole, stages)
+        whole, locate = load_with_locator(paths[0])
+        stages = [m.load(p) for p in paths[1:]]
+        try:
+            proof = check_stages(whole, stages)
+        except KernccError as err:  # its pointers are the whole manifest's calls
+            raise err.located(locate) from None
     print(f"proved: {len(proof.programs)} driven programs, {proof.outputs} outputs, "
           f"{proof.carries} carries, {proof.regions} state regions equal the whole's")
     return 0

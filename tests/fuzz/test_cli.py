@@ -11,6 +11,7 @@ stderr without a traceback, a reader that closes the pipe early.
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def command_lines(draw: st.DrawFn) -> list[str]:
 def test_random_command_lines(data: st.DataObject, tiny_bundle, fuzz_root: Path) -> None:
     argv = data.draw(command_lines(), label="argv")
     case = case_dir(fuzz_root, tiny_bundle)
-    outputs = [value for flag, value in zip(argv, argv[1:]) if flag in OUTPUT_FLAGS]
+    outputs = [value for flag, value in itertools.pairwise(argv) if flag in OUTPUT_FLAGS]
     writes_inputs = any(value.startswith("in") for value in outputs)
     with harness.unchanged(*(() if writes_inputs else (case / "in",))):
         outcome = run_cli(argv, cwd=case, usage_ok=True)

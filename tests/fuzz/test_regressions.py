@@ -4,6 +4,7 @@ as the fuzz case that found it, plus the exact behaviour the fix gave it."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -285,3 +286,31 @@ def test_damaged_stage_files_with_their_hash_updated(tiny_bundle, tmp_path: Path
     assert [(d.location.file, d.location.pointer) for d in err.value.diagnostics][:1] == \
         [(str(bundle / rel), ptr)]
     check_bundle_everywhere(bundle, {Path(rel).name})
+
+
+# Two calls of stage 0 swapped (the hash updated): `kerncc check` refused the proof with bare
+# pointers into the whole manifest; they are now placed in it (kerncc/bundle_check.py; the
+# same for `kerncc check WHOLE STAGE...` in kerncc/cli.py).
+def test_a_proof_failure_is_located_in_the_input(tiny_bundle, tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.dir, bundle)
+    doc = json.loads((bundle / "stage0" / "manifest.json").read_text())
+    calls = doc["programs"]["decode"]["calls"]
+    _edit_stage_file(bundle, "stage0/manifest.json", ("programs", "decode", "calls"),
+                     [calls[0], calls[2], calls[1], *calls[3:]])
+    outcome = harness.run_cli(["check", bundle])
+    assert outcome.code == 1
+    assert re.search(re.escape(str(tiny_bundle.manifest)) + r":\d+:\d+: /programs/decode/calls/1:",
+                     outcome.err), outcome.err
+    stages = [bundle / "stage0" / "manifest.json", bundle / "stage1" / "manifest.json"]
+    outcome = harness.run_cli(["check", tiny_bundle.manifest, *stages])
+    assert re.search(re.escape(str(tiny_bundle.manifest)) + r":\d+:\d+: /programs/decode/calls/1:",
+                     outcome.err), outcome.err
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="runtime/generate.py _inputs(): np.asarray(prompt, int32) raises "
+                          "OverflowError for a token id past int32, an internal error of "
+                          "`kerncc run` (a domain check names ids past the vocabulary)")
+def test_a_token_id_past_int32(tiny_bundle) -> None:
+    harness.run_cli(["run", tiny_bundle.dir, "--prompt", "99999999999", "--max-new", "1"])
