@@ -32,13 +32,14 @@ def _fail(message: str, ptr: str = "") -> KernccError:
     return KernccError(HEADLINE, KernccError.single(message, ptr).diagnostics)
 
 
-def _read(path: Path, what: str) -> bytes:
+def _read(path: Path, what: str, ptr: str = "") -> bytes:
+    """The file's bytes; `ptr`, when given, is where bundle.json names the file."""
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise _fail(f"{what} `{path}` is missing") from None
+        raise _fail(f"{what} `{path}` is missing", ptr) from None
     except OSError as err:
-        raise _fail(f"cannot read {what} `{path}`: {err.strerror}") from None
+        raise _fail(f"cannot read {what} `{path}`: {err.strerror}", ptr) from None
 
 
 def _text(data: bytes, path: Path) -> str:
@@ -65,8 +66,8 @@ def read_index(bundle: Path) -> dict[str, Any]:
     return index
 
 
-def _checked(path: Path, what: str, expected: Any, ptr: str) -> bytes:
-    data = _read(path, what)
+def _checked(path: Path, what: str, expected: Any, ptr: str, named_at: str = "") -> bytes:
+    data = _read(path, what, named_at)
     digest = hashlib.sha256(data).hexdigest()
     if digest != expected:
         raise _fail(f"{what} `{path}` was changed after emit: sha256 {digest}, the bundle "
@@ -140,8 +141,8 @@ def _input(bundle: Path, index: dict[str, Any], whole: str | Path | None
         raise _fail("the bundle records no input manifest (it was emitted from memory); "
                     "name the whole manifest to check it against", "/input/path")
     path = bundle / path if not Path(path).is_absolute() else Path(path)
-    text = _text(_checked(path, "the input manifest", recorded.get("sha256"), "/input/sha256"),
-                 path)
+    text = _text(_checked(path, "the input manifest", recorded.get("sha256"), "/input/sha256",
+                          "/input/path" if whole is None else ""), path)
     return m.loads(text, str(path)), PositionIndex.locator(text, str(path))
 
 

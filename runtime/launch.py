@@ -247,20 +247,39 @@ def _site(program: str, call: dict, j: int, record: dict, resolve: Resolver, ptr
 
 
 def _parse_site(program: str, call: dict, j: int, record: dict, resolve: Resolver) -> Site:
-    kind = record.get("kind", "kernel")
+    kind = _typed(record.get("kind", "kernel"), str, "kind")
+    if kind not in ("kernel", "extern"):
+        raise PlanError(f"unknown launch kind {kind!r}")
     kernel = kind == "kernel"
     grid = tuple(expr(g) for g in record["grid"]) if kernel else (1, 1, 1)
-    if len(grid) != 3:
-        raise PlanError("grid needs 3 entries")
     block = tuple(int(b) for b in record["block"]) if kernel else (1, 1, 1)
-    when = record.get("when")
+    if len(grid) != 3 or len(block) != 3:
+        raise PlanError("grid and block need 3 entries")
     return Site(
-        number=int(record["site"]), program=program, call=int(call.get("index", 0)),
-        label=call.get("label"), op=call.get("op", "?"), launch=j, kind=kind,
-        entry=record["entry"], module=record.get("module"), block=block,  # type: ignore[arg-type]
-        grid=grid, shared_mem=expr(record.get("shared_mem") or 0),
-        when=m.When(when["var"], when.get("min"), when.get("max")) if when else None,
+        number=_typed(record["site"], int, "site"), program=program,
+        call=_typed(call.get("index", 0), int, "index"),
+        label=_typed(call.get("label"), (str, type(None)), "label"),
+        op=_typed(call.get("op", "?"), str, "op"), launch=j, kind=kind,
+        entry=_typed(record["entry"], str, "entry"),
+        module=_typed(record.get("module"), (str, type(None)), "module"),
+        block=block, grid=grid, shared_mem=expr(record.get("shared_mem") or 0),  # type: ignore[arg-type]
+        when=_when(record.get("when")),
         args=tuple(_arg(a, program, resolve) for a in record.get("args", [])))
+
+
+def _typed(value: Any, kinds: type | tuple[type, ...], what: str) -> Any:
+    """`value` when it is of `kinds` (a bool is not an int); else a PlanError naming `what`."""
+    if isinstance(value, kinds) and not isinstance(value, bool):
+        return value
+    raise PlanError(f"`{what}` is {value!r}")
+
+
+def _when(raw: Any) -> m.When | None:
+    if not raw:
+        return None
+    bound = (int, type(None))
+    return m.When(_typed(raw["var"], str, "when.var"), _typed(raw.get("min"), bound, "when.min"),
+                  _typed(raw.get("max"), bound, "when.max"))
 
 
 def _arg(raw: dict, program: str, resolve: Resolver) -> Any:

@@ -183,6 +183,7 @@ BUNDLE_EDITS = {
     "input a list": (_index_edit(("input",), []), "check"),
     "input path a number": (_index_edit(("input", "path"), 7), "check"),
     "input missing": (_index_edit(("input",), None), "check"),
+    "input path to nothing": (_index_edit(("input", "path"), "nowhere.json"), "check"),
     "index not UTF-8": (_bytes_edit("bundle.json", b'{"format": "\xff"}'), "run"),
     "index too deep": (_bytes_edit("bundle.json", b"[" * 100_000 + b"]" * 100_000), "run"),
 }
@@ -314,3 +315,19 @@ def test_a_proof_failure_is_located_in_the_input(tiny_bundle, tmp_path: Path) ->
                           "`kerncc run` (a domain check names ids past the vocabulary)")
 def test_a_token_id_past_int32(tiny_bundle) -> None:
     harness.run_cli(["run", tiny_bundle.dir, "--prompt", "99999999999", "--max-new", "1"])
+
+
+# A launch record whose entry is a list (plan.json's hash updated): the cpu backend's kernel
+# lookup raised TypeError (unhashable) while loading; launch parsing now types the record's
+# fields (kerncc/runtime/launch.py).
+def test_a_launch_record_of_the_wrong_type(tiny_bundle, tmp_path: Path) -> None:
+    from kerncc.runtime import Bundle, Session
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle.dir, bundle)
+    _edit_stage_file(bundle, "stage0/plan.json",
+                     ("programs", "decode", "calls", 0, "launches", 0, "entry"), [])
+    with pytest.raises(KernccError, match=r"/programs/decode/calls/0/launches/0: `entry` is \[\]"):
+        Session(Bundle.open(bundle), 0, "cpu")
+    outcome = harness.run_cli(["run", bundle, "--prompt", "1,2", "--max-new", "1"])
+    assert outcome.code == 1 and "stage0/plan.json" in outcome.err
