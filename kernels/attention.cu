@@ -3,17 +3,12 @@
 // Shared layout facts (see kv_cache.cu): packed qkv rows [q: nq*hd | k: nk*hd | v: nk*hd];
 // KV slot s holds [K: nk*hd | V: nk*hd] bf16 at byte s*4*nk*hd; key j of a sequence lives in
 // slot block_table[seq*width + j/16]*16 + j%16. Output rows are [nq*hd] bf16.
-// Limits: hd % 8 == 0 and hd <= 128 (the prefill kernel: hd % 16 == 0); the prefill kernel
-// needs 64 % (nq/nk) == 0, the decode kernel nq/nk <= 8. Softmax is the online (running max)
-// form in f32, scale folded into log2.
+// Limits: hd % 16 == 0 and hd <= 128; the prefill kernel needs 64 % (nq/nk) == 0, the decode
+// kernels nq/nk in {1, 2, 4, 8}. Softmax is the online (running max) form in f32, scale folded
+// into log2.
 #include "common.cuh"
 
-#define MAX_WORDS 64  // bf16x2 words of one head (hd <= 128)
 #define PAGE 16
-
-__device__ __forceinline__ long long key_slot(const int* table_row, int key) {
-  return (long long)table_row[key / PAGE] * PAGE + key % PAGE;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Prefill: one call = a chunk of `rows` consecutive rows of ONE sequence (block_table row 0)
@@ -358,101 +353,275 @@ attn_prefill_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
 
 // ---------------------------------------------------------------------------------------------
 // Decode: one row per sequence; row b is sequence b (block_table row b) and attends to keys
-// 0..seq_lens[b]-1 (its own key included). A block serves (kv head blockIdx.x, sequence
-// blockIdx.y) for all G q heads; warp w takes keys w, w+8, ... (one coalesced K and V row per
-// key, a warp reduction per q head) and the 8 partial softmaxes are merged at the end.
-// grid (nk, seqs), block (256).
+// 0..seq_lens[b]-1 (its own key included). Flash-decoding in two launches that share the f32
+// workspace `part` (seqs * nq * max_splits * (hd + 2) floats); deterministic: no atomics, every
+// merge in a fixed order.
+// 1. attn_decode_split_bf16: split s of sequence b covers keys [s*DC_SPLIT, (s+1)*DC_SPLIT)
+//    and writes, per q head h, the softmax partial of those keys to the entry
+//    part + ((b*nq + h)*max_splits + s)*(hd + 2) = [m | l | o[0..hd)]: m the largest score in
+//    log2 units (score = q.k * scale * log2 e), l = sum 2^(score - m), o = sum 2^(score - m) v
+//    (unnormalised). Entries of splits past the sequence are not written.
+// 2. attn_decode_combine_bf16: merges the entries of splits 0..ceil(len/DC_SPLIT)-1 in order,
+//    row = bf16(O / L) with O = sum_s o_s 2^(m_s - M), L = sum_s l_s 2^(m_s - M), M = max m_s;
+//    an empty sequence (len <= 0) writes zeros.
+// max_splits * DC_SPLIT must cover the longest sequence (keys past it are not attended).
+#define DC_SPLIT 256  // keys per split (kernels/reference.py DECODE_SPLIT mirrors it)
 #define DC_WARPS 8
 #define DC_MAX_G 8
+#define DC_MAX_HD 128
 
-extern "C" __global__ void __launch_bounds__(DC_WARPS * 32)
-attn_decode_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
-                 const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-                 bf16* __restrict__ out, int seqs, int nq, int nk, int hd, int width,
-                 float scale) {
-  __shared__ float sm[DC_WARPS], sl[DC_WARPS];
-  __shared__ float sacc[DC_WARPS][2 * MAX_WORDS];
+__device__ __forceinline__ uint32_t word_at(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 
-  const int G = nq / nk, W = hd / 2;
-  const int kvh = blockIdx.x, b = blockIdx.y;
-  if (b >= seqs) return;
+// Dot product of 8 bf16 pairs in f32, in dimension order.
+__device__ __forceinline__ float dot_bf16x8(const uint4& a, const uint4& b) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = unpack_bf16x2(word_at(a, i)), y = unpack_bf16x2(word_at(b, i));
+    s = fmaf(x.x, y.x, s);
+    s = fmaf(x.y, y.y, s);
+  }
+  return s;
+}
+
+// (m, l, o) of a partial softmax absorbing (mo, lo, oo): both weighted by 2^(own max - new max);
+// a side with no key (m = -inf) weighs 0.
+template <int N>
+__device__ __forceinline__ void merge_partial(float& m, float& l, float (&o)[N], float mo,
+                                              float lo, const float (&oo)[N]) {
+  const float mx = fmaxf(m, mo);
+  const float ms = mx == -INFINITY ? 0.f : mx;
+  const float fa = fast_exp2(m - ms), fb = fast_exp2(mo - ms);
+  l = l * fa + lo * fb;
+#pragma unroll
+  for (int d = 0; d < N; ++d) o[d] = o[d] * fa + oo[d] * fb;
+  m = mx;
+}
+
+// One split block. KL lanes (hd/8 rounded up to a power of 2) hold one key: 16 bytes of its K
+// row and of its V row each, dims 8c..8c+7 on lane c of the group; a warp holds 32/KL keys, the
+// block DC_KPS = 8*32/KL keys per step. Each thread issues the loads of U keys before it uses
+// any, then updates its key group's running softmax per q head once per U keys. At the end the
+// key groups of a warp merge by butterfly (xor KL, 2KL, ..., 16), and the 8 warps' partials
+// merge in warp order through shared memory.
+template <int HD, int G>
+__device__ __forceinline__ void attn_decode_split(const bf16* __restrict__ qkv,
+                                                  const uint8_t* __restrict__ kv,
+                                                  const int* __restrict__ table_row, int len,
+                                                  float* __restrict__ part, int nq, int nk,
+                                                  int max_splits, float scale, int* s_pages,
+                                                  uint4* s_q, float* s_stats, float* s_acc) {
+  constexpr int C = HD / 8;  // 16-byte chunks of one head's row
+  constexpr int KL = C <= 2 ? 2 : C <= 4 ? 4 : C <= 8 ? 8 : 16;
+  constexpr int KPW = 32 / KL, KPS = DC_WARPS * KPW, STEPS = DC_SPLIT / KPS;
+  constexpr int UMAX = G <= 2 ? 8 : 16 / G;  // keys in flight per thread (registers bound it)
+  constexpr int U = STEPS < UMAX ? STEPS : UMAX;
+  static_assert(STEPS % U == 0 && DC_SPLIT % PAGE == 0, "a split is whole batches and pages");
+  const int b = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const int k0 = split * DC_SPLIT, kend = min(len, k0 + DC_SPLIT);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int len = seq_lens[b];
-  const int* table_row = block_table + (long long)b * width;
-  const long long token_words = (long long)nk * hd;
+  const int kg = lane / KL, c = lane % KL;
+  const bool chunk_on = c < C;
+  const long long slot_bytes = 4LL * nk * HD;
+
+  if (tid < DC_SPLIT / PAGE && k0 + tid * PAGE < kend) s_pages[tid] = table_row[k0 / PAGE + tid];
+  // The G q rows of this kv head, contiguous in the qkv row, staged in shared memory.
+  const uint4* qrow = reinterpret_cast<const uint4*>(qkv + (long long)b * (nq + 2 * nk) * HD +
+                                                     (long long)kvh * G * HD);
+  for (int i = tid; i < G * C; i += DC_WARPS * 32) s_q[i] = qrow[i];
+  __syncthreads();
+
   const float scale2 = scale * LOG2E;
-
-  float2 q[DC_MAX_G][2];
-  float m[DC_MAX_G], l[DC_MAX_G];
-  float2 acc[DC_MAX_G][2];
-  const uint32_t* qrow = reinterpret_cast<const uint32_t*>(qkv + (long long)b * (nq + 2 * nk) * hd);
+  float m[G], l[G], acc[G][8];
 #pragma unroll
-  for (int g = 0; g < DC_MAX_G; ++g) {
-    m[g] = -INFINITY; l[g] = 0.f;
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.f;
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int a = lane + 32 * t;
-      q[g][t] = (g < G && a < W) ? unpack_bf16x2(qrow[(kvh * G + g) * W + a])
-                                 : make_float2(0.f, 0.f);
-      acc[g][t] = make_float2(0.f, 0.f);
-    }
+    for (int d = 0; d < 8; ++d) acc[g][d] = 0.f;
   }
 
-  for (int j = warp; j < len; j += DC_WARPS) {
-    const uint32_t* slot =
-        reinterpret_cast<const uint32_t*>(kv) + key_slot(table_row, j) * token_words;
-    float2 k[2], v[2];
+  for (int i0 = 0; i0 < STEPS; i0 += U) {
+    if (k0 + i0 * KPS >= kend) break;  // block-uniform: the rest of the split is past the end
+    uint4 kr[U], vr[U];
+    bool on[U];
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int a = lane + 32 * t;
-      const bool on = a < W;
-      k[t] = on ? unpack_bf16x2(slot[kvh * W + a]) : make_float2(0.f, 0.f);
-      v[t] = on ? unpack_bf16x2(slot[token_words / 2 + kvh * W + a]) : make_float2(0.f, 0.f);
+    for (int u = 0; u < U; ++u) {
+      const int j = (i0 + u) * KPS + warp * KPW + kg;  // key within the split
+      on[u] = k0 + j < kend;
+      kr[u] = make_uint4(0u, 0u, 0u, 0u);
+      vr[u] = kr[u];
+      if (on[u] && chunk_on) {
+        const long long slot = (long long)s_pages[j / PAGE] * PAGE + j % PAGE;
+        const uint4* src = reinterpret_cast<const uint4*>(kv + slot * slot_bytes +
+                                                          (long long)kvh * HD * 2 + c * 16);
+        kr[u] = __ldg(src);
+        vr[u] = __ldg(src + (long long)nk * HD / 8);
+      }
     }
 #pragma unroll
-    for (int g = 0; g < DC_MAX_G; ++g) {
-      if (g >= G) break;
-      float s = 0.f;
+    for (int g = 0; g < G; ++g) {
+      const uint4 q = chunk_on ? s_q[g * C + c] : make_uint4(0u, 0u, 0u, 0u);
+      float s[U];
 #pragma unroll
-      for (int t = 0; t < 2; ++t) s += q[g][t].x * k[t].x + q[g][t].y * k[t].y;
-      s = warp_sum(s) * scale2;
-      const float mnew = fmaxf(m[g], s);
-      const float corr = exp2f(m[g] - mnew), pr = exp2f(s - mnew);
-      l[g] = l[g] * corr + pr;
-      m[g] = mnew;
+      for (int u = 0; u < U; ++u) s[u] = dot_bf16x8(q, kr[u]);
 #pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        acc[g][t].x = acc[g][t].x * corr + pr * v[t].x;
-        acc[g][t].y = acc[g][t].y * corr + pr * v[t].y;
+      for (int o = KL / 2; o > 0; o >>= 1)  // butterfly within the key group: same bits on all
+#pragma unroll
+        for (int u = 0; u < U; ++u) s[u] += __shfl_xor_sync(FULL_MASK, s[u], o);
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        s[u] = on[u] ? s[u] * scale2 : -INFINITY;
+        mx = fmaxf(mx, s[u]);
+      }
+      const float ms = mx == -INFINITY ? 0.f : mx;  // no key yet
+      const float corr = fast_exp2(m[g] - ms);       // 0 from -inf
+      m[g] = mx;
+      l[g] *= corr;
+#pragma unroll
+      for (int d = 0; d < 8; ++d) acc[g][d] *= corr;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = fast_exp2(s[u] - ms);
+        l[g] += p;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 v = unpack_bf16x2(word_at(vr[u], i));
+          acc[g][2 * i] = fmaf(p, v.x, acc[g][2 * i]);
+          acc[g][2 * i + 1] = fmaf(p, v.y, acc[g][2 * i + 1]);
+        }
       }
     }
   }
 
-  // Merge the warps' partial softmaxes, one q head at a time.
-  uint32_t* orow = reinterpret_cast<uint32_t*>(out + (long long)b * nq * hd);
+  // Key groups of the warp, by butterfly: lanes 0..KL-1 end with the warp's partial.
 #pragma unroll
-  for (int g = 0; g < DC_MAX_G; ++g) {
-    if (g >= G) break;
-    __syncthreads();  // the previous head's merge has read sacc
-    if (lane == 0) { sm[warp] = m[g]; sl[warp] = l[g]; }
+  for (int o = KL; o < 32; o <<= 1)
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int a = lane + 32 * t;
-      if (a < W) { sacc[warp][2 * a] = acc[g][t].x; sacc[warp][2 * a + 1] = acc[g][t].y; }
+    for (int g = 0; g < G; ++g) {
+      float other[8];
+#pragma unroll
+      for (int d = 0; d < 8; ++d) other[d] = __shfl_xor_sync(FULL_MASK, acc[g][d], o);
+      const float mo = __shfl_xor_sync(FULL_MASK, m[g], o);
+      const float lo = __shfl_xor_sync(FULL_MASK, l[g], o);
+      merge_partial(m[g], l[g], acc[g], mo, lo, other);
     }
-    __syncthreads();
-    if (tid < W) {
-      float mx = -INFINITY;
-      for (int w = 0; w < DC_WARPS; ++w) mx = fmaxf(mx, sm[w]);
-      float lsum = 0.f, o0 = 0.f, o1 = 0.f;
-      for (int w = 0; w < DC_WARPS; ++w) {
-        const float f = sm[w] == -INFINITY ? 0.f : exp2f(sm[w] - mx);  // a warp with no key
-        lsum += sl[w] * f;
-        o0 += sacc[w][2 * tid] * f;
-        o1 += sacc[w][2 * tid + 1] * f;
+  if (lane < KL) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (lane == 0) {
+        s_stats[(warp * G + g) * 2] = m[g];
+        s_stats[(warp * G + g) * 2 + 1] = l[g];
       }
-      const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // len == 0 gives zeros, not NaN
-      orow[(kvh * G + g) * W + tid] = pack_bf16x2(o0 * inv, o1 * inv);
+      if (chunk_on) {
+        float4* dst = reinterpret_cast<float4*>(s_acc + (warp * G + g) * HD + c * 8);
+        dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+        dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+      }
     }
   }
+  __syncthreads();
+
+  // The warps in order; thread (g, d) writes dim d of head g's entry (d == 0 also m and l).
+  const long long entry = (long long)max_splits * (HD + 2);
+  float* base = part + ((long long)b * nq + kvh * G) * entry + (long long)split * (HD + 2);
+  for (int i = tid; i < G * HD; i += DC_WARPS * 32) {
+    const int g = i / HD, d = i % HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < DC_WARPS; ++w) mx = fmaxf(mx, s_stats[(w * G + g) * 2]);
+    const float ms = mx == -INFINITY ? 0.f : mx;
+    float lsum = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < DC_WARPS; ++w) {
+      const float f = fast_exp2(s_stats[(w * G + g) * 2] - ms);  // 0 for a warp with no key
+      lsum += s_stats[(w * G + g) * 2 + 1] * f;
+      o += s_acc[(w * G + g) * HD + d] * f;
+    }
+    float* e = base + g * entry;
+    e[2 + d] = o;
+    if (d == 0) {
+      e[0] = mx;
+      e[1] = lsum;
+    }
+  }
+}
+
+template <int G>
+__device__ __forceinline__ void attn_decode_split_hd(int hd, const bf16* qkv, const uint8_t* kv,
+                                                     const int* table_row, int len, float* part,
+                                                     int nq, int nk, int max_splits, float scale,
+                                                     int* s_pages, uint4* s_q, float* s_stats,
+                                                     float* s_acc) {
+  switch (hd) {
+#define DC_CASE(HD)                                                                        \
+  case HD:                                                                                 \
+    attn_decode_split<HD, G>(qkv, kv, table_row, len, part, nq, nk, max_splits, scale,     \
+                             s_pages, s_q, s_stats, s_acc);                                \
+    break;
+    DC_CASE(16) DC_CASE(32) DC_CASE(48) DC_CASE(64) DC_CASE(80) DC_CASE(96) DC_CASE(112)
+    DC_CASE(128)
+#undef DC_CASE
+    default:
+      __trap();  // hd must be a multiple of 16 up to 128
+  }
+}
+
+// Limits: hd % 16 == 0, hd <= 128; G = nq/nk is 1, 2, 4 or 8.
+// grid (seqs, nk, max_splits), block (256); a block whose split starts at or past the
+// sequence's length exits at once.
+extern "C" __global__ void __launch_bounds__(DC_WARPS * 32, 2)
+attn_decode_split_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
+                       const int* __restrict__ block_table, const int* __restrict__ seq_lens,
+                       float* __restrict__ part, int seqs, int nq, int nk, int hd, int width,
+                       int max_splits, float scale) {
+  __shared__ __align__(16) float s_acc[DC_WARPS * DC_MAX_G * DC_MAX_HD];
+  __shared__ uint4 s_q[DC_MAX_G * DC_MAX_HD / 8];
+  __shared__ float s_stats[DC_WARPS * DC_MAX_G * 2];
+  __shared__ int s_pages[DC_SPLIT / PAGE];
+  const int b = blockIdx.x;
+  if (b >= seqs || (long long)blockIdx.z * DC_SPLIT >= seq_lens[b]) return;
+  const int* table_row = block_table + (long long)b * width;
+  const int len = seq_lens[b];
+  switch (nq == nk * (nq / nk) ? nq / nk : 0) {
+#define DC_GROUP(G)                                                                           \
+  case G:                                                                                     \
+    attn_decode_split_hd<G>(hd, qkv, kv, table_row, len, part, nq, nk, max_splits, scale,     \
+                            s_pages, s_q, s_stats, s_acc);                                    \
+    break;
+    DC_GROUP(1) DC_GROUP(2) DC_GROUP(4) DC_GROUP(8)
+#undef DC_GROUP
+    default:
+      __trap();  // nq/nk must be 1, 2, 4 or 8
+  }
+}
+
+// grid (seqs, nq), block (128): thread d writes dim d of q head blockIdx.y (hd <= 128). Each
+// warp finds M by a butterfly max (exact in any order); every thread then weighs the splits
+// itself, in split order, so the weights agree bit for bit across threads.
+extern "C" __global__ void __launch_bounds__(DC_MAX_HD)
+attn_decode_combine_bf16(const float* __restrict__ part, const int* __restrict__ seq_lens,
+                         bf16* __restrict__ out, int seqs, int nq, int hd, int max_splits) {
+  const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x, lane = threadIdx.x & 31;
+  if (b >= seqs) return;
+  const int len = seq_lens[b];
+  const int n = len <= 0 ? 0 : min((len + DC_SPLIT - 1) / DC_SPLIT, max_splits);
+  const long long stride = hd + 2;
+  const float* e = part + ((long long)b * nq + h) * max_splits * stride;
+  float mx = -INFINITY;
+  for (int s = lane; s < n; s += 32) mx = fmaxf(mx, e[s * stride]);
+  mx = warp_max(mx);
+  const bool on = d < hd;  // lanes past hd still take part in the warp max
+  float lsum = 0.f, o = 0.f;
+#pragma unroll 8
+  for (int s = 0; s < n; ++s) {
+    const float f = fast_exp2(e[s * stride] - mx);
+    lsum += e[s * stride + 1] * f;
+    o += (on ? e[s * stride + 2 + d] : 0.f) * f;
+  }
+  const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // len == 0 gives zeros, not NaN
+  if (on) out[((long long)b * nq + h) * hd + d] = __float2bfloat16(o * inv);
 }

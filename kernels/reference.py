@@ -44,6 +44,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 PAGE = 16
+DECODE_SPLIT = 256  # keys per split of attn_decode_split_bf16 (attention.cu DC_SPLIT)
+LOG2E = np.float32(1.4426950408889634)
 
 
 def view(ptr: np.ndarray, dtype: np.dtype, count: int) -> np.ndarray:
@@ -182,20 +184,59 @@ def attn_prefill_bf16(launch: Any, qkv, kv, block_table, positions, out, rows, n
     view(out, BF16, rows * nq * hd).reshape(rows, nq, hd)[...] = bf16(o)
 
 
-def attn_decode_bf16(launch: Any, qkv, kv, block_table, seq_lens, out, seqs, nq, nk, hd,
-                     width, scale) -> None:
+def attn_decode_split_bf16(launch: Any, qkv, kv, block_table, seq_lens, part, seqs, nq, nk, hd,
+                           width, max_splits, scale) -> None:
+    """Per split s of DECODE_SPLIT keys of sequence b and q head h, the softmax partial
+    [m | l | o[0..hd)] at part[b, h, s] (f32): scores in log2 units (q.k * scale * log2 e),
+    m their max, l = sum 2^(score - m), o = sum 2^(score - m) v. Entries of splits past the
+    sequence are left alone, as on the GPU. f32 throughout, like the CUDA kernel (which sums in
+    another order and uses ex2.approx): the two agree within float rounding."""
     q = f32(view(qkv, BF16, seqs * (nq + 2 * nk) * hd).reshape(seqs, -1, hd)[:, :nq])
     lens = view(seq_lens, I32, seqs)
     tables = view(block_table, I32, seqs * width).reshape(seqs, width)
     cache = kv_slots(kv, nk, hd)
+    entries = view(part, F32, seqs * nq * max_splits * (hd + 2)).reshape(seqs, nq, max_splits,
+                                                                         hd + 2)
+    scale2 = np.float32(scale) * LOG2E
+    for b in range(int(seqs)):
+        n = min(int(lens[b]), max_splits * DECODE_SPLIT)
+        if n <= 0:
+            continue
+        splits = -(-n // DECODE_SPLIT)
+        k, v = _gather_keys(cache, tables[b], n)
+        k = np.repeat(k, nq // nk, axis=1)  # [n, nq, hd]
+        v = np.repeat(v, nq // nk, axis=1)
+        padded = np.full((nq, splits * DECODE_SPLIT), -np.inf, F32)
+        padded[:, :n] = np.einsum("hd,khd->hk", q[b], k) * scale2
+        scores = padded.reshape(nq, splits, DECODE_SPLIT)
+        m = scores.max(axis=-1)
+        p = np.exp2(scores - m[..., None])  # 0 past the sequence
+        vs = np.zeros((splits * DECODE_SPLIT, nq, hd), F32)
+        vs[:n] = v
+        entries[b, :, :splits, 0] = m
+        entries[b, :, :splits, 1] = p.sum(axis=-1)
+        entries[b, :, :splits, 2:] = np.einsum(
+            "hsk,skhd->hsd", p, vs.reshape(splits, DECODE_SPLIT, nq, hd))
+
+
+def attn_decode_combine_bf16(launch: Any, part, seq_lens, out, seqs, nq, hd, max_splits) -> None:
+    """Merges the partials of splits 0..ceil(len / DECODE_SPLIT)-1 of every (sequence, q head)
+    in order: row = bf16(O / L), O = sum_s o_s 2^(m_s - M), L = sum_s l_s 2^(m_s - M),
+    M = max_s m_s. An empty sequence writes zeros."""
+    lens = view(seq_lens, I32, seqs)
+    entries = view(part, F32, seqs * nq * max_splits * (hd + 2)).reshape(seqs, nq, max_splits,
+                                                                         hd + 2)
     o = view(out, BF16, seqs * nq * hd).reshape(seqs, nq, hd)
     for b in range(int(seqs)):
-        n = int(lens[b])
-        if n <= 0:
-            o[b] = 0  # the CUDA kernel writes zeros for an empty sequence
+        splits = min(-(-int(lens[b]) // DECODE_SPLIT), max_splits) if lens[b] > 0 else 0
+        if splits == 0:
+            o[b] = 0
             continue
-        k, v = _gather_keys(cache, tables[b], n)
-        o[b] = bf16(_attend(q[b:b + 1], k, v, np.ones((1, n), bool), scale)[0])
+        m = entries[b, :, :splits, 0]
+        w = np.exp2(m - m.max(axis=-1, keepdims=True))
+        total = (entries[b, :, :splits, 1] * w).sum(axis=-1)
+        acc = (entries[b, :, :splits, 2:] * w[..., None]).sum(axis=1)
+        o[b] = bf16(acc * (np.float32(1) / total)[:, None])
 
 
 # ---- activation, sampling, conversion ------------------------------------------------------
@@ -262,7 +303,8 @@ KERNELS: dict[str, Callable[..., None]] = {
         rope_neox_bf16,
         kv_write_bf16,
         attn_prefill_bf16,
-        attn_decode_bf16,
+        attn_decode_split_bf16,
+        attn_decode_combine_bf16,
         silu_mul_bf16,
         argmax_f32,
         cast_f32_bf16,

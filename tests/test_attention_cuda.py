@@ -1,11 +1,13 @@
-"""attn_prefill_bf16's cubin against the numpy reference, launched alone (marked `gpu`).
+"""The attention cubin's kernels against the numpy references, launched alone (marked `gpu`).
 
-The model tests reach only the tiny shape (hd 16, G 2); here the kernel runs every shape class
-it serves: head dims 16..128, GQA groups 1..8, chunks that start past 0 over a shuffled page
-table, row counts that leave a block part-filled, long contexts. What must hold: the output
-matches the f32 reference within bf16 tolerance, rows past the chunk are not written, and a
-second launch gives the same bits. `python tests/test_attention_cuda.py` prints each case's
-error and, for the `small` model's shape, the kernel's time.
+The model tests reach only the tiny shape (hd 16, G 2, one decode split); here the kernels run
+every shape class they serve: head dims 16..128, GQA groups 1..8, prefill chunks that start
+past 0 over a shuffled page table, row counts that leave a block part-filled, long contexts,
+and decode batches whose sequences end anywhere in a split (1, 17, 256, 300, 4100 keys) or
+hold no key. What must hold: the output matches the f32 reference within bf16 tolerance,
+rows past the chunk (decode: partials past a sequence's splits) are not written, and a second
+launch gives the same bits. `python tests/test_attention_cuda.py` prints each case's error
+and, for the `small` model's shape, the kernels' times.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import pytest
 
 from kerncc.example.qwen import attn_prefill_smem
 from kerncc.kernels import library
-from kerncc.kernels.reference import KERNELS
+from kerncc.kernels.reference import DECODE_SPLIT, KERNELS
 
 pytestmark = pytest.mark.gpu
 
 ENTRY = "attn_prefill_bf16"
+SPLIT, COMBINE = "attn_decode_split_bf16", "attn_decode_combine_bf16"
 PAGE = 16
 
 # (hd, nq, nk, start, rows): chunk rows [start, start + rows) of one sequence.
@@ -57,9 +60,10 @@ class Gpu:
         self.check(cu.cuCtxSetCurrent(self.ctx))
         image = np.frombuffer(library.cubin_path("attention").read_bytes(), dtype=np.uint8)
         self.module = self.check(cu.cuModuleLoadData(image.ctypes.data))
-        self.fn = self.check(cu.cuModuleGetFunction(self.module, ENTRY.encode()))
+        self.fns = {name: self.check(cu.cuModuleGetFunction(self.module, name.encode()))
+                    for name in (ENTRY, SPLIT, COMBINE)}
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        self.check(cu.cuFuncSetAttribute(self.fn, attr, attn_prefill_smem(128)))
+        self.check(cu.cuFuncSetAttribute(self.fns[ENTRY], attr, attn_prefill_smem(128)))
         self.stream = self.check(cu.cuStreamCreate(0))
 
     def check(self, result):
@@ -84,11 +88,11 @@ class Gpu:
         for p in ptrs:
             self.check(self.cu.cuMemFree(self.cu.CUdeviceptr(p)))
 
-    def launch(self, grid, shared: int, args: list) -> None:
+    def launch(self, grid, shared: int, args: list, entry: str = ENTRY, block: int = 256) -> None:
         slots = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_uint64(a) for a in args]
         table = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
-        self.check(self.cu.cuLaunchKernel(self.fn, *grid, 256, 1, 1, shared, self.stream,
-                                          ctypes.addressof(table), 0))
+        self.check(self.cu.cuLaunchKernel(self.fns[entry], *grid, block, 1, 1, shared,
+                                          self.stream, ctypes.addressof(table), 0))
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +193,121 @@ def timing(gpu: Gpu, hd=128, nq=16, nk=8, start=7680, rows=512, repeats=20) -> f
     return ms / 1e3 / repeats
 
 
+# ---- decode: attn_decode_split_bf16 then attn_decode_combine_bf16 ---------------------------
+
+# (hd, nq, nk, seq_lens): one decode batch, a row per sequence.
+DECODE_CASES = [
+    (128, 16, 8, [1, 17, 256, 300, 4100]), (128, 16, 8, [8448]), (16, 4, 2, [1, 17, 256, 300]),
+    (64, 8, 8, [0, 17, 300, 4100]), (128, 32, 4, [256, 4100, 1]), (80, 8, 2, [300, 4100, 17]),
+    (32, 16, 2, [17, 4100]), (128, 8, 8, [4100, 255]), (112, 4, 1, [257]),
+]
+SENTINEL = -12345.0  # partials past a sequence's splits keep it
+
+
+def make_decode_case(hd: int, nq: int, nk: int, lens: list[int], seed: int = 0):
+    """Sequences over disjoint shuffled pages; one split more than the longest needs."""
+    rng = np.random.default_rng(seed + 7 * hd + nq + sum(lens))
+    seqs = len(lens)
+    max_splits = -(-max(lens) // DECODE_SPLIT) + 1
+    width = max_splits * DECODE_SPLIT // PAGE
+    used = [-(-n // PAGE) for n in lens]
+    pages = sum(used) + 3
+    qkv = rng.standard_normal((seqs, (nq + 2 * nk) * hd)).astype(np.float32)
+    qkv[:, : nq * hd] *= 2.0
+    kv = rng.standard_normal((pages * PAGE, 2 * nk * hd)).astype(np.float32)
+    table = np.full((seqs, width), 1 << 29, np.int32)  # entries past a sequence: never read
+    perm = rng.permutation(pages)
+    for b, n in enumerate(used):
+        table[b, :n] = perm[sum(used[:b]): sum(used[:b]) + n]
+    return SimpleNamespace(hd=hd, nq=nq, nk=nk, seqs=seqs, width=width, max_splits=max_splits,
+                           qkv=bf16_bits(qkv), kv=bf16_bits(kv), table=table,
+                           lens=np.array(lens, np.int32), scale=np.float32(1 / math.sqrt(hd)))
+
+
+def decode_scalars(c) -> tuple[list, list]:
+    i = ctypes.c_int32
+    split = [i(c.seqs), i(c.nq), i(c.nk), i(c.hd), i(c.width), i(c.max_splits),
+             ctypes.c_float(c.scale)]
+    return split, [i(c.seqs), i(c.nq), i(c.hd), i(c.max_splits)]
+
+
+def decode_reference(c) -> tuple[np.ndarray, np.ndarray]:
+    """(partials [seqs, nq, max_splits, hd+2] f32, rows [seqs, nq*hd] f32) of the references."""
+    u8 = lambda a: a.view(np.uint8).reshape(-1)
+    part = np.full((c.seqs, c.nq, c.max_splits, c.hd + 2), SENTINEL, np.float32)
+    out = np.zeros(c.seqs * c.nq * c.hd, np.uint16)
+    split, combine = ([np.int32(v.value) if isinstance(v, ctypes.c_int32) else np.float32(v.value)
+                       for v in args] for args in decode_scalars(c))
+    KERNELS[SPLIT](None, u8(c.qkv), u8(c.kv), u8(c.table), u8(c.lens), u8(part), *split)
+    KERNELS[COMBINE](None, u8(part), u8(c.lens), u8(out), *combine)
+    return part, bits_f32(out).reshape(c.seqs, c.nq * c.hd)
+
+
+def run_decode(gpu: Gpu, c, repeats: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(partials, rows as bf16 bits) after each of `repeats` split + combine launches."""
+    part0 = np.full((c.seqs, c.nq, c.max_splits, c.hd + 2), SENTINEL, np.float32)
+    out0 = np.full((c.seqs, c.nq * c.hd), 0xFFFF, np.uint16)
+    ptrs = [gpu.upload(a) for a in (c.qkv, c.kv, c.table, c.lens)]
+    part, out = gpu.upload(part0), gpu.upload(out0)
+    split, combine = decode_scalars(c)
+    results = []
+    for _ in range(repeats):
+        gpu.launch((c.seqs, c.nk, c.max_splits), 0, ptrs + [part] + split, SPLIT, 256)
+        gpu.launch((c.seqs, c.nq, 1), 0, [part, ptrs[3], out] + combine, COMBINE, 128)
+        results.append((gpu.download(part, part0), gpu.download(out, out0)))
+    gpu.free(*ptrs, part, out)
+    return results
+
+
+def decode_errors(c, part: np.ndarray, rows: np.ndarray) -> tuple[float, float, bool]:
+    """(worst row error, worst partial error, partials past every sequence untouched)."""
+    want_part, want_rows = decode_reference(c)
+    live = want_part != SENTINEL
+    part_err = float((np.abs(part[live] - want_part[live]) / (1 + np.abs(want_part[live]))).max())
+    return error(rows, want_rows), part_err, bool((part[~live] == SENTINEL).all())
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "hd{}-q{}-k{}-lens{}".format(
+    *c[:3], "-".join(map(str, c[3]))))
+def test_decode_matches_the_reference(gpu, case):
+    c = make_decode_case(*case)
+    (part, rows), (part2, rows2) = run_decode(gpu, c, repeats=2)
+    row_err, part_err, untouched = decode_errors(c, part, rows)
+    assert np.isfinite(bits_f32(rows)).all()
+    assert row_err <= 1e-2  # the rows round once to bf16
+    assert part_err <= 1e-4  # f32 partials: summation order and ex2.approx only
+    assert untouched, "a partial past a sequence's splits was written"
+    assert (rows[c.lens == 0] == 0).all(), "an empty sequence writes zeros"
+    np.testing.assert_array_equal(part.view(np.uint32), part2.view(np.uint32))
+    np.testing.assert_array_equal(rows, rows2)
+
+
+def decode_timing(gpu: Gpu, keys: int, hd=128, nq=16, nk=8, seqs=1, repeats=50) -> float:
+    """Seconds per split + combine pair for `seqs` sequences of `keys` keys (small's shape)."""
+    c = make_decode_case(hd, nq, nk, [keys] * seqs)
+    c.max_splits = -(-8448 // DECODE_SPLIT)  # the benchmark's small model: max_context 8448
+    cu = gpu.cu
+    ptrs = [gpu.upload(a) for a in (c.qkv, c.kv, c.table, c.lens)]
+    part = gpu.upload(np.zeros((seqs, nq, c.max_splits, hd + 2), np.float32))
+    out = gpu.upload(np.zeros((seqs, nq * hd), np.uint16))
+    split, combine = decode_scalars(c)
+
+    def pair() -> None:
+        gpu.launch((seqs, nk, c.max_splits), 0, ptrs + [part] + split, SPLIT, 256)
+        gpu.launch((seqs, nq, 1), 0, [part, ptrs[3], out] + combine, COMBINE, 128)
+
+    pair()
+    a, b = gpu.check(cu.cuEventCreate(0)), gpu.check(cu.cuEventCreate(0))
+    gpu.check(cu.cuEventRecord(a, gpu.stream))
+    for _ in range(repeats):
+        pair()
+    gpu.check(cu.cuEventRecord(b, gpu.stream))
+    gpu.check(cu.cuEventSynchronize(b))
+    ms = gpu.check(cu.cuEventElapsedTime(a, b))
+    gpu.free(*ptrs, part, out)
+    return ms / 1e3 / repeats
+
+
 if __name__ == "__main__":
     g = Gpu()
     for case in CASES:
@@ -201,6 +320,18 @@ if __name__ == "__main__":
               "deterministic" if (first == second).all() else "NOT DETERMINISTIC", flush=True)
         if not e <= 2e-2:
             diagnose(c, first, want)
+    for case in DECODE_CASES:
+        c = make_decode_case(*case)
+        (part, rows), (part2, rows2) = run_decode(g, c, repeats=2)
+        row_err, part_err, untouched = decode_errors(c, part, rows)
+        same = (part.view(np.uint32) == part2.view(np.uint32)).all() and (rows == rows2).all()
+        print("decode", case, f"rows {row_err:.3e} partials {part_err:.3e}",
+              "untouched past splits" if untouched else "WROTE PAST",
+              "deterministic" if same else "NOT DETERMINISTIC", flush=True)
+    for keys, seqs in ((100, 1), (1024, 1), (8192, 1), (8192, 8)):
+        s = decode_timing(g, keys, seqs=seqs)
+        gb = seqs * keys * 2 * 8 * 128 * 2 / 1e9  # K and V of 8 kv heads
+        print(f"small decode, {seqs} x {keys} keys: {s * 1e6:.1f} us, {gb / s:.0f} GB/s")
     for start in (0, 3584, 7680):
         s = timing(g, start=start)
         keys = start + 256  # mean keys per row

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from kerncc.kernels import library
-from kerncc.kernels.reference import EXTERNS, KERNELS
+from kerncc.kernels.reference import DECODE_SPLIT, EXTERNS, KERNELS
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LAUNCH = SimpleNamespace(grid=(1, 1, 1), block=(1, 1, 1), shared_mem=0)
@@ -198,23 +198,48 @@ def test_attn_prefill_over_cached_context(rng):
             close(got[r, h], attention_formula(q[r, h], k, v, scale))
 
 
-def test_attn_decode_batch_of_sequences(rng):
-    nq, nk, hd, width, seqs = 4, 2, 16, 3, 3
+def decode(qkv, cache, tables, lens, nq, nk, hd, max_splits, scale):
+    """attn_decode's two launches through their ABI: (partials [seqs, nq, splits, hd+2], out)."""
+    seqs, width = tables.shape
+    part = ptr(np.full((seqs, nq, max_splits, hd + 2), -7.0, np.float32))
+    out = ptr(np.full((seqs, nq * hd), 5.0, BF16))
+    KERNELS["attn_decode_split_bf16"](LAUNCH, ptr(qkv), ptr(cache), ptr(tables), ptr(lens), part,
+                                      i32(seqs), i32(nq), i32(nk), i32(hd), i32(width),
+                                      i32(max_splits), np.float32(scale))
+    KERNELS["attn_decode_combine_bf16"](LAUNCH, part, ptr(lens), out, i32(seqs), i32(nq), i32(hd),
+                                        i32(max_splits))
+    return (read(part, np.float32, (seqs, nq, max_splits, hd + 2)),
+            read(out, BF16, (seqs, nq, hd)))
+
+
+def test_attn_decode_batch_of_sequences_over_several_splits(rng):
+    nq, nk, hd, max_splits = 4, 2, 16, 3
+    width = max_splits * DECODE_SPLIT // 16
+    lens = np.array([1, 33, 256, 300, 700, 0], np.int32)
+    seqs = len(lens)
     cache, pages = paged_cache(rng, nk, hd, width * seqs)
     tables = pages.reshape(seqs, width)
-    lens = np.array([1, 33, 48], np.int32)
     qkv = randn(rng, seqs, (nq + 2 * nk) * hd)
-    out = ptr(np.zeros((seqs, nq * hd), BF16))
     scale = 1 / math.sqrt(hd)
-    KERNELS["attn_decode_bf16"](LAUNCH, ptr(qkv), ptr(cache), ptr(tables), ptr(lens), out,
-                                i32(seqs), i32(nq), i32(nk), i32(hd), i32(width),
-                                np.float32(scale))
-    got = read(out, BF16, (seqs, nq, hd))
+    part, got = decode(qkv, cache, tables, lens, nq, nk, hd, max_splits, scale)
     q = qkv.reshape(seqs, -1, hd)
-    for b in range(seqs):
+    for b, n in enumerate(lens):
+        splits = -(-int(n) // DECODE_SPLIT)
+        assert (part[b, :, splits:] == -7.0).all(), "a split past the sequence was written"
+        if n == 0:
+            assert (f(got[b]) == 0).all(), "an empty sequence writes zeros"
+            continue
         for h in range(nq):
-            k, v = key_values(cache, tables[b], lens[b], h // (nq // nk))
+            k, v = key_values(cache, tables[b], n, h // (nq // nk))
             close(got[b, h], attention_formula(q[b, h], k, v, scale))
+    # A partial is its split's own softmax: o / l is attention over the split's keys, m the
+    # largest score in log2 units.
+    k, v = key_values(cache, tables[4], 700, 0)
+    keys = slice(DECODE_SPLIT, 2 * DECODE_SPLIT)
+    m, l, o = part[4, 0, 1, 0], part[4, 0, 1, 1], part[4, 0, 1, 2:]
+    close(o / l, attention_formula(q[4, 0], k[keys], v[keys], scale), rtol=1e-5, atol=1e-5)
+    scores = [float(np.dot(f(q[4, 0]), f(key))) * scale / math.log(2) for key in k[keys]]
+    assert m == pytest.approx(max(scores), rel=1e-5)
 
 
 def test_attention_is_deterministic(rng):

@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 
+from kerncc.kernels.reference import DECODE_SPLIT
+
 PAGE = 16  # KV block size: slots per page-table entry
 
 SIZES: dict[str, dict[str, int]] = {
@@ -67,6 +69,11 @@ class QwenConfig:
     @property
     def pages_per_seq(self) -> int:
         return self.max_context // PAGE
+
+    @property
+    def decode_splits(self) -> int:
+        """Splits of DECODE_SPLIT keys that attn_decode needs to cover max_context keys."""
+        return -(-self.max_context // DECODE_SPLIT)
 
     @property
     def kv_bytes_per_token(self) -> int:

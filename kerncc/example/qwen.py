@@ -72,20 +72,45 @@ def mul(e: Any, c: int) -> dict:
     return {"mul": [e, c]}
 
 
-def kernel_op(params: list[str], entry: str, scalars: list[str], consts: list[dict],
-              grid: list[Any], block: int, shared_mem: int = 0) -> dict:
-    """An op of one kernel launch: the op's params forwarded, then launch-private constants."""
+def kernel_launch(entry: str, params: list[str], args: list[dict], grid: list[Any], block: int,
+                  shared_mem: int = 0) -> dict:
+    """One launch of a library kernel: its params, the args that feed them, its geometry."""
     launch = {
         "module": library.module_of(entry),
         "entry": entry,
-        "params": params + scalars,
+        "params": params,
         "block": [block, 1, 1],
         "grid": grid + [1] * (3 - len(grid)),
     }
     if shared_mem:
         launch["shared_mem"] = shared_mem  # dynamic bytes
-    launch["args"] = [param(i) for i in range(len(params))] + consts
+    launch["args"] = args
+    return launch
+
+
+def kernel_op(params: list[str], entry: str, scalars: list[str], consts: list[dict],
+              grid: list[Any], block: int, shared_mem: int = 0) -> dict:
+    """An op of one kernel launch: the op's params forwarded, then launch-private constants."""
+    args = [param(i) for i in range(len(params))] + consts
+    launch = kernel_launch(entry, params + scalars, args, grid, block, shared_mem)
     return {"params": params, "impl": {"launches": [launch]}}
+
+
+def attn_decode_op(c: QwenConfig) -> dict:
+    """Flash-decoding in two launches (kernels/attention.cu): per (sequence, kv head, split of
+    DECODE_SPLIT keys) the softmax partials of the G q heads go to the f32 workspace of param 5
+    (`attn_partials`), then per (sequence, q head) the splits are merged in order into out."""
+    nq, nk, hd, splits = c.heads, c.kv_heads, c.head_dim, c.decode_splits
+    params = [IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, OUT_F32, "i32"]
+    split = kernel_launch(
+        "attn_decode_split_bf16", [IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_F32] + ["i32"] * 6
+        + ["f32"], [param(0), param(1), param(2), param(3), param(5), param(6), i32(nq), i32(nk),
+                    i32(hd), i32(c.pages_per_seq), i32(splits), f32(1.0 / math.sqrt(hd))],
+        ["seqs", nk, splits], 256)
+    combine = kernel_launch(
+        "attn_decode_combine_bf16", [IN_F32, IN_I32, OUT_BF16] + ["i32"] * 4,
+        [param(5), param(3), param(4), param(6), i32(nq), i32(hd), i32(splits)], ["seqs", nq], 128)
+    return {"params": params, "impl": {"launches": [split, combine]}}
 
 
 def attn_prefill_smem(hd: int) -> int:
@@ -143,9 +168,7 @@ def ops(c: QwenConfig) -> dict[str, dict]:
                                   "attn_prefill_bf16", ["i32"] * 4 + ["f32"], attn,
                                   [ceil_div(rows, 64 // c.group), nk], 256,
                                   attn_prefill_smem(hd)),
-        "attn_decode": kernel_op([IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, "i32"],
-                                 "attn_decode_bf16", ["i32"] * 4 + ["f32"], attn,
-                                 [nk, "seqs"], 256),
+        "attn_decode": attn_decode_op(c),
         "silu_mul": kernel_op([IN_BF16, OUT_BF16, "i32"], "silu_mul_bf16", ["i32", "i32"],
                               [i32(c.intermediate), i32(c.gate_up_block)],
                               [ceil_div(mul(rows, c.intermediate), 256)], 256),
@@ -239,6 +262,8 @@ def workspaces(c: QwenConfig) -> dict[str, dict]:
         "gate_up": workspace("bf16", [t, 2 * c.intermediate]),
         "act": workspace("bf16", [t, c.intermediate]),
         "final_normed": workspace("bf16", ["seqs", c.hidden]),
+        # attn_decode's split partials: [m | l | o[hd]] per (q head, split) of each sequence.
+        "attn_partials": workspace("f32", ["seqs", c.heads * c.decode_splits * (c.head_dim + 2)]),
     }
 
 
@@ -261,7 +286,8 @@ def layer_calls(i: int, prefill: bool) -> list[dict]:
                          buf("block_table"), buf("positions"), buf("attn_out"), rows)
     else:
         attention = call(pre + "attention", "attn_decode", buf("qkv"), {"state": f"kv.{i}"},
-                         buf("block_table"), buf("seq_lens"), buf("attn_out"), var("seqs"))
+                         buf("block_table"), buf("seq_lens"), buf("attn_out"),
+                         buf("attn_partials"), var("seqs"))
     calls = [
         call(pre + "input_norm", "rmsnorm", buf("residual"), w("input_norm"), buf("normed"), rows),
         call(pre + "qkv_proj", "qkv_proj", buf("normed"), w("qkv_proj"), buf("qkv"), rows),
