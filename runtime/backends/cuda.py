@@ -157,7 +157,9 @@ class CudaBackend(Backend):
     def activate(self) -> None:
         """Make this device's context current (a no-op when it already is)."""
         if _active[0] is not self:
-            self.device.set_current()
+            # The device's primary context, taken once by cuda.core at construction; the
+            # driver call alone is the cheapest switch (cuBLAS follows the current context).
+            check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
             _active[0] = self
 
     # ------------------------------------------------------------------------ memory

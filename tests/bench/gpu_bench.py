@@ -348,6 +348,30 @@ def ttft(chain: Chain, prompt: list[int], chunk: int) -> float:
     return ttft_fn(lambda: generator.generate(prompt, 1, chunk))
 
 
+def breakdown(chain: Chain, prompt: list[int], chunk: int) -> None:
+    """Where a pipelined TTFT goes: host issue until the last item is in, then the wait."""
+    generator = Generator(chain)
+    generator.generate(prompt, 1, chunk)
+    submits: list[float] = []
+    original = chain.submit
+
+    def submit(*args, **kwargs):
+        pending = original(*args, **kwargs)
+        submits.append(time.perf_counter())
+        return pending
+
+    chain.submit = submit  # type: ignore[method-assign]
+    try:
+        t0 = time.perf_counter()
+        generator.generate(prompt, 1, chunk)
+        total = time.perf_counter() - t0
+    finally:
+        del chain.submit
+    row("pipeline", f"TTFT 8192 on 2 GPUs, chunk {chunk}: first item issued / last issued / "
+        "done, ms", f"{(submits[0] - t0) * 1e3:.1f} / {(submits[-1] - t0) * 1e3:.1f} / "
+        f"{total * 1e3:.1f}")
+
+
 def pipeline(model: dict, out: Path, gpus: int) -> None:
     if gpus < 2:
         row("pipeline", "skipped", "one GPU")
@@ -371,6 +395,11 @@ def pipeline(model: dict, out: Path, gpus: int) -> None:
                                                  "whole_2048_ms": base_max * 1e3,
                                                  "two_gpus_ms": piped * 1e3}
     prompt = [int(t) for t in rng.integers(1, 32000, 8192)]
+    for chunk in (256, 1024):
+        row("pipeline", f"TTFT 8192, chunk {chunk}: whole 1 GPU / 2 GPUs, ms",
+            "{:.1f} / {:.1f}".format(ttft(whole, prompt, chunk) * 1e3,
+                                     ttft(two, prompt, chunk) * 1e3))
+    breakdown(two, prompt, 512)
     whole_marked = Chain(model["whole"], backend="cuda", graphs="marked")
     two_marked = Chain(model["two"], backend="cuda", devices=[0, 1], graphs="marked")
     base, piped = ttft(whole_marked, prompt, 512), ttft(two_marked, prompt, 512)
