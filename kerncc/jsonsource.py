@@ -81,7 +81,8 @@ def parse_json(text: str, file: str | None = None) -> Any:
 
 
 def value_problems(value: Any):
-    """(pointer, message) for every duplicated key and refused number, and for the first object
+    """(pointer, message) for every duplicated key, refused number and string holding a lone
+    surrogate (`"\\ud800"`: not text, so nothing can write it out), and for the first object
     or array nested deeper than MAX_DEPTH (whose contents are not looked at). Everything after
     parsing (the typed reader, printers, expression evaluation) recurses over nested values;
     bounding the depth here, as serde_json does, bounds theirs."""
@@ -91,6 +92,8 @@ def value_problems(value: Any):
         node, where, depth = stack.pop()
         if isinstance(node, _Refused):
             yield where, node.message
+        if isinstance(node, str) and _SURROGATE.search(node):
+            yield where, _lone_surrogate(node)
         if not isinstance(node, (dict, list)):
             continue
         if depth > MAX_DEPTH:
@@ -100,8 +103,19 @@ def value_problems(value: Any):
             continue
         for key in getattr(node, "duplicates", ()):
             yield where, f"duplicate name `{key}`"
+        for key in node if isinstance(node, dict) else ():
+            if _SURROGATE.search(key):
+                yield where + pointer(key), _lone_surrogate(key)
         items = node.items() if isinstance(node, dict) else enumerate(node)
         stack.extend((v, where + pointer(k), depth + 1) for k, v in items)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(text: str) -> str:
+    char = _SURROGATE.search(text).group()  # type: ignore[union-attr]
+    return f"lone surrogate `\\u{ord(char):04x}` in a string (serde_json refuses it)"
 
 
 def _deepest(text: str, file: str | None) -> Location:

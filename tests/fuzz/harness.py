@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import re
 import signal
@@ -161,8 +162,6 @@ def located_in_json(outcome: Outcome) -> None:
 
 
 def _json_line(line: str, outcome: Outcome) -> dict:
-    import json
-
     try:
         record = json.loads(line)
     except json.JSONDecodeError:
@@ -223,7 +222,8 @@ def unchanged(*paths: Path) -> Iterator[None]:
 
 def no_partial_output(outcome: Outcome, target: Path) -> None:
     """`lower -o DIR`: DIR exists after success and not after failure; no temporaries remain."""
-    leftovers = [p.name for p in target.parent.iterdir() if p.name.startswith(f".{target.name}.")]
+    siblings = target.parent.iterdir() if target.parent.is_dir() else ()
+    leftovers = [p.name for p in siblings if p.name.startswith(f".{target.name}.")]
     if leftovers:
         raise AssertionError(f"temporary directories left behind: {leftovers}\n"
                              f"{outcome.describe()}")

@@ -331,3 +331,29 @@ def test_a_launch_record_of_the_wrong_type(tiny_bundle, tmp_path: Path) -> None:
         Session(Bundle.open(bundle), 0, "cpu")
     outcome = harness.run_cli(["run", bundle, "--prompt", "1,2", "--max-new", "1"])
     assert outcome.code == 1 and "stage0/plan.json" in outcome.err
+
+
+# A label written `"\ud800"` (a lone surrogate: valid JSON escape syntax, but no character)
+# parsed, then `cut` crashed encoding the manifest for its id (UnicodeEncodeError, an internal
+# error); fmt would have printed what no UTF-8 stream can hold. serde_json refuses it, and now
+# so does the reader, at the string's pointer, in JSON and in kir (kerncc/jsonsource.py).
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "x\\ud800y"])
+def test_a_lone_surrogate_is_refused(tmp_path: Path, escape: str) -> None:
+    path = tmp_path / "model.json"
+    path.write_text(MINIMAL.replace('"minimal"', f'"{escape}"'))
+    outcome = harness.run_cli(["verify", path])
+    assert outcome.code == 1 and f"{path}:3:3: /model: lone surrogate" in outcome.err
+    check_manifest_everywhere(path)
+    kir_text = harness.run_cli(["fmt", "--to", "kir", ROOT / "examples" / "minimal.json"]).out
+    kir_path = tmp_path / "model.kir"
+    kir_path.write_text(kir_text.replace('model "minimal"', f'model "{escape}"'))
+    outcome = harness.run_cli(["verify", kir_path])
+    assert outcome.code == 1 and f"{kir_path}:2:1: /model: lone surrogate" in outcome.err
+    check_manifest_everywhere(kir_path)
+
+
+def test_a_surrogate_pair_is_a_character(tmp_path: Path) -> None:
+    path = tmp_path / "model.json"
+    path.write_text(MINIMAL.replace('"minimal"', '"\\ud83d\\ude00"'))
+    assert reader.load(path).model == "\U0001f600"
+    check_manifest_everywhere(path)
