@@ -55,7 +55,7 @@ def read_index(bundle: Path) -> dict[str, Any]:
         raise _fail(f"`{bundle}` is not a directory")
     try:
         index = json.loads(_read(bundle / "bundle.json", "the bundle index"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (ValueError, UnicodeDecodeError) as err:  # a JSONDecodeError, or 5000 digits
         raise _fail(f"`{bundle / 'bundle.json'}` is not JSON: {err}") from None
     except RecursionError:
         raise _fail(f"`{bundle / 'bundle.json'}` is not JSON: {TOO_DEEP}") from None

@@ -99,11 +99,17 @@ def tamper_if_possible(bundle: Path, kind: str, data: st.DataObject) -> set[str]
         return set()
 
 
+# An edit of bundle.json may send the loader to any file it names (a stage dir, the input,
+# the checkpoint), and the error then names that file.
+INDEXED = {"bundle.json", "manifest.json", "plan.json", "stage.py", ".cubin", "model.json",
+           "model.safetensors"}
+
+
 def _names(rel: str) -> set[str]:
     """A stage manifest that still hashes right but changed fails the proof, which is located
     in the input manifest (model.json), whose calls the proof speaks of."""
     if rel == "bundle.json":
-        return {"bundle.json"}
+        return INDEXED
     return {Path(rel).name, "bundle.json"} | ({"model.json"} if rel.endswith("manifest.json")
                                                else set())
 
@@ -121,7 +127,7 @@ def _edit_sha(bundle: Path, data: st.DataObject) -> set[str]:
     else:
         entry[key] = value
     write_index(bundle, index)
-    return {"bundle.json", "manifest.json", "plan.json", "stage.py", "model.json"}
+    return INDEXED
 
 
 def _edit_reference(bundle: Path, kind: str, data: st.DataObject) -> set[str]:
@@ -132,7 +138,7 @@ def _edit_reference(bundle: Path, kind: str, data: st.DataObject) -> set[str]:
         entry["dir"] = data.draw(st.sampled_from(("stage0", "stage1", "stage9", "", ".", "..",
                                                   "/", "modules", 0, None, ["stage0"])))
         write_index(bundle, index)
-        return {"bundle.json", "manifest.json", "plan.json", "stage.py"}
+        return INDEXED
     key, original = ("checkpoint", index["checkpoint"]) if kind == "checkpoint" \
         else ("input", index["input"]["path"])
     how = data.draw(st.sampled_from(("missing", "corrupt", "directory")), label=kind)

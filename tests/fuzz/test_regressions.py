@@ -186,6 +186,7 @@ BUNDLE_EDITS = {
     "input path to nothing": (_index_edit(("input", "path"), "nowhere.json"), "check"),
     "index not UTF-8": (_bytes_edit("bundle.json", b'{"format": "\xff"}'), "run"),
     "index too deep": (_bytes_edit("bundle.json", b"[" * 100_000 + b"]" * 100_000), "run"),
+    "index a 5000-digit number": (_bytes_edit("bundle.json", b"1" * 5000), "check"),
 }
 
 
