@@ -1,10 +1,11 @@
 """plan.json checked against its stage's manifest before anything is allocated (docs/bundle.md).
 
 The loader (`kerncc.runtime.bundle`) hands memory, staging and launch parsing a plan whose
-containers have the types they index and whose sizes agree with the manifest: `memory` is
+containers have the types they index and whose contents agree with the manifest: `memory` is
 exactly what the manifest gives (kerncc.bundle_plan.memory_json), the arena holds every
-program's workspaces, and each staging window lies inside the staging and holds its source.
-Launch records themselves are read, and refused at their pointer, by kerncc.runtime.launch.
+program's workspaces, each staging window lies inside the staging and holds its source, and
+the launch records are exactly the ones the manifest and the arena's offsets give
+(kerncc.bundle_plan.program_records), so that kerncc.runtime.launch parses what emit wrote.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import json
 from typing import Any
 
 from kerncc import manifest as m
-from kerncc.bundle_plan import memory_json
-from kerncc.diagnostics import pointer
+from kerncc.bundle_plan import memory_json, program_records
+from kerncc.diagnostics import escape_pointer_token, pointer
 
 
 class MalformedPlan(Exception):
@@ -30,7 +31,7 @@ def check_plan(plan: dict, man: m.Manifest) -> None:
     _check_memory(plan, man)
     _check_arena(plan)
     _check_staging(plan, man)
-    _check_programs(plan)
+    _check_programs(plan, man)
 
 
 _TYPE_WORDS = {dict: "an object", list: "a list", str: "a string", int: "an integer"}
@@ -105,14 +106,34 @@ def _check_staging(plan: dict, man: m.Manifest) -> None:
                                 f"staging's {total}", ptr)
 
 
-def _check_programs(plan: dict) -> None:
-    """Programs hold lists of calls, calls lists of launch records (objects)."""
-    for name, program in plan["programs"].items():
-        ptr = pointer("programs", name)
-        calls = _typed(_typed(program, dict, ptr).get("calls", []), list, f"{ptr}/calls")
-        for c, call in enumerate(calls):
-            where = f"{ptr}/calls/{c}"
-            launches = _typed(_typed(call, dict, where).get("launches", []), list,
-                              f"{where}/launches")
-            for j, record in enumerate(launches):
-                _typed(record, dict, f"{where}/launches/{j}")
+def _check_programs(plan: dict, man: m.Manifest) -> None:
+    """The launch records are the ones the manifest and the arena's offsets give."""
+    offsets = {name: record.get("offsets", {})
+               for name, record in plan["arena"].get("programs", {}).items()}
+    try:
+        expected = json.loads(json.dumps(program_records(man, offsets)))
+    except KeyError as err:
+        raise MalformedPlan(f"the arena places no `{err.args[0]}`", "/arena/programs") from None
+    for name in sorted(set(plan["programs"]) | set(expected), key=str.encode):
+        ptr = _first_difference(plan["programs"].get(name), expected.get(name),
+                                pointer("programs", name))
+        if ptr is not None:
+            raise MalformedPlan("the launch records differ from the ones manifest.json and the "
+                                "arena give", ptr)
+
+
+def _first_difference(found: Any, expected: Any, ptr: str) -> str | None:
+    """The pointer of the first place where `found` differs from `expected`, if any."""
+    if found == expected:
+        return None
+    dicts = isinstance(found, dict) and isinstance(expected, dict)
+    lists = isinstance(found, list) and isinstance(expected, list)
+    if not (dicts and set(found) == set(expected) or lists and len(found) == len(expected)):
+        return ptr
+    keys = list(found) if isinstance(found, dict) else list(range(len(found)))
+    for key in keys:
+        deeper = _first_difference(found[key], expected[key],
+                                   f"{ptr}/{escape_pointer_token(key)}")
+        if deeper is not None:
+            return deeper
+    return ptr

@@ -113,6 +113,7 @@ def run_cli(argv: Iterable[str], *, cwd: Path | None = None, usage_ok: bool = Fa
 
 def _debug_traceback(argv: list[str], cwd: Path | None) -> str:
     """The same command again with KERNCC_DEBUG=1, so the internal error shows where it is."""
+    previous = os.environ.get("KERNCC_DEBUG")
     os.environ["KERNCC_DEBUG"] = "1"
     try:
         with deadline(CASE_TIMEOUT, "the debug re-run"):
@@ -120,7 +121,9 @@ def _debug_traceback(argv: list[str], cwd: Path | None) -> str:
     except Exception:  # noqa: BLE001 - this is what we came for
         return traceback.format_exc(limit=-25)
     finally:
-        del os.environ["KERNCC_DEBUG"]
+        os.environ.pop("KERNCC_DEBUG")
+        if previous is not None:
+            os.environ["KERNCC_DEBUG"] = previous
     return "(no exception on the re-run)"
 
 

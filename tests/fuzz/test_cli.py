@@ -33,9 +33,11 @@ INPUTS = ("in/model.json", "in/model.kir", "in/layers3.json", "in/bundle", "in/m
 OUTPUTS = ("out", "out/deeper/dir", "in", "out.npy", "out.json", "in/model.json",
            "in/model.json", "in/bundle")
 # Known bugs outside the fuzz suite's reach (test_regressions.py holds them as strict xfails):
-# `example -o FILE` and `run --trace DIR` end in internal errors, so those are not drawn.
+# `example -o FILE`, `run --trace DIR` and `run --logits` into a missing directory end in
+# internal errors, so those are not drawn.
 EXAMPLE_OUTPUTS = ("out", "out/deeper/dir", "in/bundle")
 TRACE_OUTPUTS = ("out.json", "out/deeper/trace.json")
+LOGITS_OUTPUTS = ("out.npy", "in", "in/model.json", "in/bundle")
 SPECS = ("cut,slice-derive,emit", "cut{at=3}", "default", "emit", "cut{stages=9},emit", "nope",
          "cut{at=", "liveness")
 WORDS = ("liveness", "cut", "emit", "prefill", "decode", "nope", "0", "-1", "1,2", "1,2,3", "x",
@@ -57,7 +59,7 @@ COMMANDS = {
     "run": {"": INPUTS, "--backend": ("cpu", "cpu", "cuda"),
             "--prompt": ("1,2", "1", "", "a", "-1", "1,,2", "0,0,0,0,0,0,0,0,0", "99999999999"),
             "--max-new": ("0", "1", "2", "-1", "x"), "--chunk": ("0", "1", "2", "65", "-3"),
-            "--weights": INPUTS, "--logits": OUTPUTS, "--pipeline": SPECS, "--interpret": None,
+            "--weights": INPUTS, "--logits": LOGITS_OUTPUTS, "--pipeline": SPECS, "--interpret": None,
             "--trace": TRACE_OUTPUTS},
     "example": {"": ("qwen", "llama"), "-o": EXAMPLE_OUTPUTS, "--size": ("tiny", "huge"),
                 "--layers": ("0", "1", "2", "-1"), "--heads": ("0", "3", "x"),

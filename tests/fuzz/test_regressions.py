@@ -319,19 +319,41 @@ def test_a_token_id_past_int32(tiny_bundle) -> None:
 
 
 # A launch record whose entry is a list (plan.json's hash updated): the cpu backend's kernel
-# lookup raised TypeError (unhashable) while loading; launch parsing now types the record's
-# fields (kerncc/runtime/launch.py).
-def test_a_launch_record_of_the_wrong_type(tiny_bundle, tmp_path: Path) -> None:
-    from kerncc.runtime import Bundle, Session
+# lookup raised TypeError (unhashable) while loading. One whose args lost an entry: the
+# reference kernel's call failed with a message that named no file. Launch records are now
+# checked against the ones the manifest gives (kerncc/runtime/plan_check.py), and launch
+# parsing types a record's fields for callers that build plans themselves (launch.py).
+@pytest.mark.parametrize("tokens, value, ptr", [
+    (("programs", "decode", "calls", 0, "launches", 0, "entry"), [],
+     "/programs/decode/calls/0/launches/0/entry"),
+    (("programs", "load", "calls", 0, "launches", 0, "args"), [],
+     "/programs/load/calls/0/launches/0/args"),
+])
+def test_launch_records_that_differ_from_the_manifest(tiny_bundle, tmp_path: Path, tokens,
+                                                      value, ptr: str) -> None:
+    from kerncc.runtime import Bundle
 
     bundle = tmp_path / "bundle"
     shutil.copytree(tiny_bundle.dir, bundle)
-    _edit_stage_file(bundle, "stage0/plan.json",
-                     ("programs", "decode", "calls", 0, "launches", 0, "entry"), [])
-    with pytest.raises(KernccError, match=r"/programs/decode/calls/0/launches/0: `entry` is \[\]"):
-        Session(Bundle.open(bundle), 0, "cpu")
+    _edit_stage_file(bundle, "stage0/plan.json", tokens, value)
+    with pytest.raises(KernccError, match="launch records differ") as err:
+        Bundle.open(bundle)
+    assert err.value.diagnostics[0].location.pointer == ptr
     outcome = harness.run_cli(["run", bundle, "--prompt", "1,2", "--max-new", "1"])
     assert outcome.code == 1 and "stage0/plan.json" in outcome.err
+
+
+def test_launch_parsing_types_the_record(tiny_bundle) -> None:
+    from kerncc.runtime.launch import PlanError, parse_sites
+
+    class Resolver:
+        def pointer(self, record: dict, program: str) -> int:
+            return 0
+
+    plan = json.loads((tiny_bundle.dir / "stage0" / "plan.json").read_text())
+    plan["programs"]["decode"]["calls"][0]["launches"][0]["entry"] = []
+    with pytest.raises(PlanError, match=r"/programs/decode/calls/0/launches/0: `entry` is \[\]"):
+        parse_sites(plan, Resolver())
 
 
 # A label written `"\ud800"` (a lone surrogate: valid JSON escape syntax, but no character)
@@ -358,3 +380,11 @@ def test_a_surrogate_pair_is_a_character(tmp_path: Path) -> None:
     path.write_text(MINIMAL.replace('"minimal"', '"\\ud83d\\ude00"'))
     assert reader.load(path).model == "\U0001f600"
     check_manifest_everywhere(path)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="kerncc/cli_runtime.py _save_logits(): np.save into a directory that "
+                          "does not exist raises FileNotFoundError, an internal error")
+def test_logits_into_a_missing_directory(tiny_bundle, tmp_path: Path) -> None:
+    harness.run_cli(["run", tiny_bundle.dir, "--prompt", "1,2", "--max-new", "1", "--logits",
+                     tmp_path / "missing" / "logits.npy"])
