@@ -15,7 +15,7 @@ from typing import Any
 
 from kerncc import manifest as m
 from kerncc.bundle_plan import memory_json, program_records
-from kerncc.diagnostics import escape_pointer_token, pointer
+from kerncc.diagnostics import escape_pointer_token, pointer, split_pointer
 
 
 class MalformedPlan(Exception):
@@ -118,8 +118,31 @@ def _check_programs(plan: dict, man: m.Manifest) -> None:
         ptr = _first_difference(plan["programs"].get(name), expected.get(name),
                                 pointer("programs", name))
         if ptr is not None:
-            raise MalformedPlan("the launch records differ from the ones manifest.json and the "
-                                "arena give", ptr)
+            raise MalformedPlan(_difference(plan["programs"], expected, ptr), ptr)
+
+
+def _difference(found: dict, expected: dict, ptr: str) -> str:
+    """What differs at `ptr`, the launch named as the runtime names it."""
+    tokens = split_pointer(ptr)[1:]
+    where = "the value"
+    if len(tokens) >= 5 and tokens[1] == "calls" and tokens[3] == "launches":
+        call = expected[tokens[0]]["calls"][int(tokens[2])]
+        what = " ".join(f"`{t}`" for t in tokens[5:]) or "the record"
+        where = (f"program `{tokens[0]}` call {tokens[2]} (`{call['label']}`, op `{call['op']}`)"
+                 f" launch {tokens[4]}: {what}")
+    return (f"{where} is {_short(_at(found, tokens))}, but manifest.json and the arena give "
+            f"{_short(_at(expected, tokens))}")
+
+
+def _at(value: Any, tokens: list[str]) -> Any:
+    for token in tokens:
+        if isinstance(value, list) and token.isdigit() and int(token) < len(value):
+            value = value[int(token)]
+        elif isinstance(value, dict) and token in value:
+            value = value[token]
+        else:
+            return None
+    return value
 
 
 def _first_difference(found: Any, expected: Any, ptr: str) -> str | None:

@@ -336,7 +336,7 @@ def test_launch_records_that_differ_from_the_manifest(tiny_bundle, tmp_path: Pat
     bundle = tmp_path / "bundle"
     shutil.copytree(tiny_bundle.dir, bundle)
     _edit_stage_file(bundle, "stage0/plan.json", tokens, value)
-    with pytest.raises(KernccError, match="launch records differ") as err:
+    with pytest.raises(KernccError, match="but manifest.json and the arena give") as err:
         Bundle.open(bundle)
     assert err.value.diagnostics[0].location.pointer == ptr
     outcome = harness.run_cli(["run", bundle, "--prompt", "1,2", "--max-new", "1"])
