@@ -269,7 +269,8 @@ def schedule_passes(passes: Sequence[Any], reg: PassRegistry | None = None
     schedule: list[ScheduledPass] = []
     for pass_ in passes:
         _schedule(pass_, None, reg, schedule, ())
-    writers = [item.pass_.name for item in schedule[:-1] if getattr(item.pass_, "writes_output", False)]
+    writers = [item.pass_.name for item in schedule[:-1]
+               if getattr(item.pass_, "writes_output", False)]
     if writers:
         raise KernccError.single(f"pass `{writers[0]}` writes the output, so it comes last")
     return tuple(schedule)

@@ -1,7 +1,8 @@
 """Mutated JSON manifests through verify, fmt, dump and lower (and the reader/verifier API).
 
-Each case mutates a seed (JSON values at random pointers, or raw bytes), writes it to a fresh
-directory and runs `verify` (text or `--format json`), `fmt` (json or kir) and one of dump or
+Each case mutates a seed (JSON values at random pointers, shape-keeping edits that mostly still
+parse and so reach the verifier and the passes, or raw bytes), writes it to a fresh directory
+and runs `verify` (text or `--format json`), `fmt` (json or kir) and one of dump or
 lower. Besides the CLI contract (harness.py) it checks that the commands agree with each other
 (a manifest that verifies also formats; one that does not verify neither dumps nor lowers), that
 what `fmt` prints reads back to the same manifest in both forms, and that a failure is located.
