@@ -61,6 +61,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
     if args.devices and args.backend != "cuda":
         raise KernccError.single("--devices needs --backend cuda")
+    for flag, path in (("--trace", args.trace), ("--logits", args.logits)):
+        if path is not None and Path(path).is_dir():
+            raise KernccError.single(f"{flag} `{path}` is a directory; give a file name")
     timeline = Timeline() if args.trace else None
     chain = Chain(bundle, backend=args.backend, checkpoint=weights, interpret=args.interpret,
                   devices=args.devices, graphs=args.graphs, trace=timeline)
@@ -72,7 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _say(f"ran {len(result.steps)} steps in {time.perf_counter() - loaded:.2f} s: "
          + ", ".join(f"{p}×{rows}" for p, rows in result.steps))
     if timeline is not None:
-        timeline.write(args.trace)
+        _write(args.trace, "--trace", timeline.write)
         _say(f"wrote a trace of {len(timeline.spans)} spans to {args.trace} "
              "(open it in https://ui.perfetto.dev)")
     if args.logits:
@@ -81,10 +84,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write(path: str, flag: str, write) -> None:
+    """Write an output file (its directory made as needed); OS failures are clean errors."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except OSError as err:
+        raise KernccError.single(f"{flag} `{path}`: cannot write: {err.strerror or err}") from None
+
+
 def _save_logits(path: str, logits: np.ndarray | None) -> None:
     if logits is None:
         raise KernccError.single("the served programs write no `logits` output to save")
-    np.save(path, logits)
+
+    def save(target: str) -> None:
+        with open(target, "wb") as out:  # np.save(name) would append .npy to other names
+            np.save(out, logits)
+
+    _write(path, "--logits", save)
     _say(f"wrote logits {list(logits.shape)} to {path}")
 
 
@@ -105,10 +122,17 @@ def cmd_example(args: argparse.Namespace) -> int:
 
     overrides = {name: getattr(args, name) for name in _override_fields()
                  if getattr(args, name, None) is not None}
+    out = Path(args.output)
+    if out.exists() and not out.is_dir():
+        raise KernccError.single(f"`{out}` exists and is not a directory (-o names the "
+                                 "directory to write the example into)")
     try:
-        paths = generate(args.output, args.size, **overrides)
+        paths = generate(out, args.size, **overrides)
     except ValueError as err:
         raise KernccError.single(str(err)) from None
+    except OSError as err:
+        raise KernccError.single(f"cannot write the example into `{out}`: "
+                                 f"{err.strerror or err}") from None
     for path in (*paths, Path(args.output) / "config.json"):
         print(path)
     return 0

@@ -181,6 +181,7 @@ class Generator:
         if not 1 <= chunk <= self.max_chunk:
             raise KernccError.single(f"chunk {chunk} is outside [1, {self.max_chunk}] "
                                      f"(`{self.protocol.rows.var}` <= {self.max_chunk})")
+        self._check_tokens(prompt)
         seq = Served([int(t) for t in prompt])
         record = _Record()
         try:
@@ -212,6 +213,18 @@ class Generator:
             raise KernccError.single(f"program `{forward.name}` hands back no token "
                                      "(no `tokens` output): nothing to decode with")
         return token
+
+    def _check_tokens(self, prompt: Sequence[int]) -> None:
+        """Every prompt id fits the buffers that carry tokens (the domain checks then name
+        ids past the vocabulary)."""
+        for f in self.protocol.fills:
+            if f.fill != "token":
+                continue
+            info = np.iinfo(numpy_dtype(f.dtype))
+            bad = [int(t) for t in prompt if not info.min <= int(t) <= info.max]
+            if bad:
+                raise KernccError.single(f"token id {bad[0]} does not fit `{f.name}` "
+                                         f"({f.dtype}: {info.min}..{info.max})")
 
     def _feed(self, seq: Served, rows: int, forward: proto.Forward, record: _Record,
               wait: bool = True) -> int | None:

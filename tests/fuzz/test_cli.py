@@ -32,9 +32,8 @@ INPUTS = ("in/model.json", "in/model.kir", "in/layers3.json", "in/bundle", "in/m
           "in", "in/missing.json", "in/bundle/bundle.json", "-", "")
 OUTPUTS = ("out", "out/deeper/dir", "in", "out.npy", "out.json", "in/model.json",
            "in/model.json", "in/bundle")
-# Known bugs outside the fuzz suite's reach (test_regressions.py holds them as strict xfails):
-# `example -o FILE`, `run --trace DIR` and `run --logits` into a missing directory end in
-# internal errors, so those are not drawn.
+# `example -o FILE`, `run --trace DIR`, `run --logits` into a missing directory and token ids
+# past int32 were internal errors; test_regressions.py holds each case.
 EXAMPLE_OUTPUTS = ("out", "out/deeper/dir", "in/bundle")
 TRACE_OUTPUTS = ("out.json", "out/deeper/trace.json")
 LOGITS_OUTPUTS = ("out.npy", "in", "in/model.json", "in/bundle")

@@ -217,17 +217,11 @@ def test_a_dump_dir_that_cannot_be_made(tiny_model, tmp_path: Path, command: str
 
 
 # Found by the fuzz, in files this suite does not own; kept here so that a fix shows (strict).
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="kerncc/example/qwen.py generate(): out.mkdir() on an existing file "
-                          "raises FileExistsError, an internal error of `kerncc example`")
 def test_example_into_a_file(tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("x")
     harness.run_cli(["example", "qwen", "-o", tmp_path / "taken"])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="kerncc/cli_runtime.py / runtime/trace.py: `run --trace DIR` writes "
-                          "to a directory path: IsADirectoryError, an internal error")
 def test_a_trace_into_a_directory(tiny_bundle, tmp_path: Path) -> None:
     harness.run_cli(["run", tiny_bundle.dir, "--prompt", "1,2", "--max-new", "1", "--trace",
                      tmp_path])
@@ -310,10 +304,6 @@ def test_a_proof_failure_is_located_in_the_input(tiny_bundle, tmp_path: Path) ->
                      outcome.err), outcome.err
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="runtime/generate.py _inputs(): np.asarray(prompt, int32) raises "
-                          "OverflowError for a token id past int32, an internal error of "
-                          "`kerncc run` (a domain check names ids past the vocabulary)")
 def test_a_token_id_past_int32(tiny_bundle) -> None:
     harness.run_cli(["run", tiny_bundle.dir, "--prompt", "99999999999", "--max-new", "1"])
 
@@ -382,9 +372,6 @@ def test_a_surrogate_pair_is_a_character(tmp_path: Path) -> None:
     check_manifest_everywhere(path)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="kerncc/cli_runtime.py _save_logits(): np.save into a directory that "
-                          "does not exist raises FileNotFoundError, an internal error")
 def test_logits_into_a_missing_directory(tiny_bundle, tmp_path: Path) -> None:
     harness.run_cli(["run", tiny_bundle.dir, "--prompt", "1,2", "--max-new", "1", "--logits",
                      tmp_path / "missing" / "logits.npy"])
