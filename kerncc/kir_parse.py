@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import math
 import re
+import sys
 from collections.abc import Callable
 
 import lark
@@ -82,6 +84,9 @@ def parse_raw(text: str, file: str | None = None) -> tuple[dict, dict[str, Posit
     except lark.exceptions.UnexpectedInput as err:
         expected = accepts[0] if accepts else getattr(err, "expected", set())
         raise KernccError(PARSE_HEADLINE, [syntax_diagnostic(err, expected, text, file)]) from None
+    problems = number_problems(tree, file)
+    if problems:
+        raise KernccError(PARSE_HEADLINE, problems)
     raw, positions, problems = build(tree, file)
     if problems:
         raise KernccError(PARSE_HEADLINE, problems)
@@ -89,6 +94,42 @@ def parse_raw(text: str, file: str | None = None) -> tuple[dict, dict[str, Posit
     if deep:  # the builder keeps every value within JSON's depth limit but the document's own
         raise KernccError(PARSE_HEADLINE, deep).located(locator(positions, file))
     return raw, positions
+
+
+def number_problems(tree: lark.Tree, file: str | None) -> list[Diagnostic]:
+    """Numbers JSON refuses too (kerncc.jsonsource): a float past f64 (`1e400`), an integer
+    with more digits than Python converts; each at its token."""
+    limit = sys.get_int_max_str_digits() or None
+    out = []
+    for token in _tokens(tree):
+        if token.type not in _NUMBERS:
+            continue
+        if token.type == "FLOAT":
+            bad = not math.isfinite(float(token))
+        else:
+            bad = limit is not None and len(token.lstrip("-%#")) > limit
+        if bad:
+            out.append(Diagnostic(f"number out of range `{_clip(token)}`",
+                                  Location("", file, token.line, token.column)))
+    return out
+
+
+_NUMBERS = frozenset({"INT", "FLOAT", "PARAM", "CALLNO"})
+
+
+def _tokens(tree: lark.Tree):
+    """Every token of the tree in text order, without recursion (expressions nest deep)."""
+    stack: list = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, lark.Tree):
+            stack.extend(reversed(node.children))
+        elif isinstance(node, lark.Token):
+            yield node
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:16]}... ({len(text)} characters)"
 
 # ---------------------------------------------------------------------------- syntax errors
 

@@ -19,6 +19,7 @@ from kerncc.diagnostics import Diagnostic, Diagnostics, KernccError, Location
 from kerncc.jsonsource import PARSE_HEADLINE, PositionIndex, parse_json
 
 _PARAM_RE = re.compile(r"^(in|out|inout)?\s*(.*)$")
+_BYTE_COUNT = re.compile(r"[0-9]{1,20}")
 _LIMITS = {"u64": (0, 2**64 - 1), "u32": (0, 2**32 - 1), "u16": (0, 2**16 - 1),
            "u8": (0, 255), "i32": (-2**31, 2**31 - 1), "i64": (-2**63, 2**63 - 1),
            "usize": (0, 2**64 - 1)}
@@ -593,7 +594,8 @@ def parse_param_type(text: str, fail: Callable[[str], Any]) -> m.ParamType:
         return m.ParamType("scalar", scalar=body)
     if body.startswith("bytes<") and body.endswith(">"):
         count = body[6:-1]
-        if not count.isdigit() or int(count) == 0:
+        # a usize, as kern parses it: ASCII digits (str.isdigit takes `²`), nonzero, < 2**64
+        if not _BYTE_COUNT.fullmatch(count) or not 0 < int(count) < 2**64:
             return fail(f"invalid byte count in param type `{text}`")
         return m.ParamType("bytes", size=int(count))
     words = body.split(None, 1)

@@ -81,6 +81,11 @@ class QwenConfig:
 
     def problems(self) -> list[str]:
         """Shapes the kernels cannot run (see kernels/*.cu); empty when fine."""
+        sizes = ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
+                 "max_tokens", "max_seqs", "max_context")
+        small = [name for name in sizes if getattr(self, name) < 1]
+        if small:  # the checks below divide by these, and so does the generator
+            return [f"{', '.join(small)} must be positive"]
         checks = [
             (self.heads % self.kv_heads == 0, "heads must be a multiple of kv_heads"),
             (32 % self.group == 0 and self.group <= 8, "heads/kv_heads must be 1, 2, 4 or 8"),
@@ -89,7 +94,6 @@ class QwenConfig:
             (self.intermediate % self.gate_up_block == 0, "intermediate % interleave != 0"),
             (self.max_context % PAGE == 0, f"max_context must be a multiple of {PAGE}"),
             (self.max_seqs <= self.max_tokens, "max_seqs must not exceed max_tokens"),
-            (min(self.layers, self.vocab, self.max_seqs) >= 1, "layers/vocab/max_seqs >= 1"),
         ]
         return [message for ok, message in checks if not ok]
 

@@ -34,9 +34,6 @@ OUTPUTS = ("out", "out/deeper/dir", "in", "out.npy", "out.json", "in/model.json"
            "in/model.json", "in/bundle")
 # `example -o FILE`, `run --trace DIR`, `run --logits` into a missing directory and token ids
 # past int32 were internal errors; test_regressions.py holds each case.
-EXAMPLE_OUTPUTS = ("out", "out/deeper/dir", "in/bundle")
-TRACE_OUTPUTS = ("out.json", "out/deeper/trace.json")
-LOGITS_OUTPUTS = ("out.npy", "in", "in/model.json", "in/bundle")
 SPECS = ("cut,slice-derive,emit", "cut{at=3}", "default", "emit", "cut{stages=9},emit", "nope",
          "cut{at=", "liveness")
 WORDS = ("liveness", "cut", "emit", "prefill", "decode", "nope", "0", "-1", "1,2", "1,2,3", "x",
@@ -58,9 +55,9 @@ COMMANDS = {
     "run": {"": INPUTS, "--backend": ("cpu", "cpu", "cuda"),
             "--prompt": ("1,2", "1", "", "a", "-1", "1,,2", "0,0,0,0,0,0,0,0,0", "99999999999"),
             "--max-new": ("0", "1", "2", "-1", "x"), "--chunk": ("0", "1", "2", "65", "-3"),
-            "--weights": INPUTS, "--logits": LOGITS_OUTPUTS, "--pipeline": SPECS, "--interpret": None,
-            "--trace": TRACE_OUTPUTS},
-    "example": {"": ("qwen", "llama"), "-o": EXAMPLE_OUTPUTS, "--size": ("tiny", "huge"),
+            "--weights": INPUTS, "--logits": OUTPUTS, "--pipeline": SPECS, "--interpret": None,
+            "--trace": OUTPUTS},
+    "example": {"": ("qwen", "llama"), "-o": OUTPUTS, "--size": ("tiny", "huge"),
                 "--layers": ("0", "1", "2", "-1"), "--heads": ("0", "3", "x"),
                 "--head-dim": ("12", "16", "0")},
 }

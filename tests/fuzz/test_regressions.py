@@ -216,15 +216,16 @@ def test_a_dump_dir_that_cannot_be_made(tiny_model, tmp_path: Path, command: str
     assert str(tiny_model[0]) not in outcome.err
 
 
-# Found by the fuzz, in files this suite does not own; kept here so that a fix shows (strict).
+# Found by the fuzz in kerncc/example and kerncc/cli_runtime.py, fixed there (f11092a):
+# internal errors (FileExistsError, IsADirectoryError, FileNotFoundError, OverflowError).
 def test_example_into_a_file(tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("x")
-    harness.run_cli(["example", "qwen", "-o", tmp_path / "taken"])
+    assert harness.run_cli(["example", "qwen", "-o", tmp_path / "taken"]).code == 1
 
 
 def test_a_trace_into_a_directory(tiny_bundle, tmp_path: Path) -> None:
-    harness.run_cli(["run", tiny_bundle.dir, "--prompt", "1,2", "--max-new", "1", "--trace",
-                     tmp_path])
+    assert harness.run_cli(["run", tiny_bundle.dir, "--prompt", "1,2", "--max-new", "1",
+                            "--trace", tmp_path]).code == 1
 
 
 # plan.json or manifest.json edited with its sha256 updated in bundle.json (so the hash check
@@ -305,7 +306,8 @@ def test_a_proof_failure_is_located_in_the_input(tiny_bundle, tmp_path: Path) ->
 
 
 def test_a_token_id_past_int32(tiny_bundle) -> None:
-    harness.run_cli(["run", tiny_bundle.dir, "--prompt", "99999999999", "--max-new", "1"])
+    assert harness.run_cli(["run", tiny_bundle.dir, "--prompt", "99999999999",
+                            "--max-new", "1"]).code == 1
 
 
 # A launch record whose entry is a list (plan.json's hash updated): the cpu backend's kernel
@@ -373,5 +375,47 @@ def test_a_surrogate_pair_is_a_character(tmp_path: Path) -> None:
 
 
 def test_logits_into_a_missing_directory(tiny_bundle, tmp_path: Path) -> None:
+    target = tmp_path / "missing" / "logits.npy"
     harness.run_cli(["run", tiny_bundle.dir, "--prompt", "1,2", "--max-new", "1", "--logits",
-                     tmp_path / "missing" / "logits.npy"])
+                     target])
+    assert target.exists()  # the directory is made
+
+
+# kir took numbers JSON refuses: `max=1e400` became inf and `kerncc fmt --to json` printed
+# `Infinity` (which kerncc's own reader refuses); a 5000-digit integer raised ValueError from
+# int() in the builder (an internal error). Both are now "number out of range" at the token
+# (kerncc/kir_parse.py).
+@pytest.mark.parametrize("old, new, where", [
+    ("max=2.5e-05", "max=1e400", "19:49"),
+    ("max=2.5e-05", "max=" + "9" * 5000, "19:49"),
+    ("schema_version 5", "schema_version " + "9" * 5000, "2:16"),
+])
+def test_kir_numbers_json_cannot_carry(tmp_path: Path, old: str, new: str, where: str) -> None:
+    text = (ROOT / "golden" / "inputs" / "kitchen_sink.kir").read_text()
+    assert old in text
+    path = tmp_path / "model.kir"
+    path.write_text(text.replace(old, new, 1))
+    outcome = harness.run_cli(["fmt", path, "--to", "json"])
+    assert outcome.code == 1 and f"{path}:{where}: number out of range" in outcome.err
+    check_manifest_everywhere(path)
+
+
+# A param type `bytes<²>` (str.isdigit takes it, int() does not) or with 5000 digits raised
+# ValueError from the reader (kerncc/reader.py parse_param_type).
+@pytest.mark.parametrize("count", ["²", "9" * 5000, "18446744073709551616"])
+def test_byte_counts_that_are_not_a_usize(tmp_path: Path, count: str) -> None:
+    doc = json.loads(MINIMAL)
+    doc["ops"]["step"]["params"][-1] = f"bytes<{count}>"
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False))
+    with pytest.raises(KernccError, match="invalid byte count in param type"):
+        reader.load(path)
+    check_manifest_everywhere(path)
+
+
+# `kerncc example qwen --head-dim 0` (or --kv-heads 0) divided by zero generating the model,
+# an internal error; sizes below 1 are now refused (kerncc/example/config.py).
+@pytest.mark.parametrize("flag", ["--head-dim", "--kv-heads", "--heads", "--vocab"])
+def test_example_sizes_below_one(tmp_path: Path, flag: str) -> None:
+    outcome = harness.run_cli(["example", "qwen", "-o", tmp_path / "out", flag, "0"])
+    assert outcome.code == 1 and "must be positive" in outcome.err
