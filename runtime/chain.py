@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -71,8 +71,10 @@ class Chain:
         return self.submit(program, inputs, vars).result()
 
     def submit(self, program: str, inputs: Mapping[str, Any] | None = None,
-               vars: Mapping[str, int] | None = None, rows: int | None = None) -> Pending:
-        """Issue `program` on every stage in order without waiting; `result()` waits."""
+               vars: Mapping[str, int] | None = None, rows: int | None = None,
+               outputs: bool | Collection[str] = True) -> Pending:
+        """Issue `program` on every stage in order without waiting; `result()` waits for the
+        last stage's `outputs` (see Session.submit)."""
         inputs, vars = dict(inputs or {}), dict(vars or {})
         self._check_names(inputs, vars)
         item, self.items = self.items, self.items + 1
@@ -86,7 +88,7 @@ class Chain:
             issued = time.perf_counter()
             start = session.backend.mark() if self.trace else None
             last = k == max(j for j, s in enumerate(self.sessions) if program in s.sites)
-            pending = session.submit(program, host, stage_vars, outputs=last)
+            pending = session.submit(program, host, stage_vars, outputs=outputs if last else False)
             if self.trace is not None:
                 self.trace.span(session.backend, f"stage {k}", f"{program} #{item}", issued,
                                 start, session.backend.mark(),

@@ -232,10 +232,11 @@ class Generator:
         self._reserve(seq, end)
         inputs = self._inputs(seq, start, end)
         vars = self.protocol.vars(1, rows, rows, end)
+        wanted = {LOGITS} | ({forward.emits} if forward.emits else set())
         if isinstance(self.runner, Chain):
-            pending = self.runner.submit(forward.name, inputs, vars, rows=rows)
+            pending = self.runner.submit(forward.name, inputs, vars, rows=rows, outputs=wanted)
         else:
-            pending = self.runner.submit(forward.name, inputs, vars)
+            pending = self.runner.submit(forward.name, inputs, vars, outputs=wanted)
         seq.cached = end
         record.add(forward.name, rows, pending)
         if not wait:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -238,10 +238,13 @@ class Session:
         return self.submit(program, inputs, vars).result()
 
     def submit(self, program: str, inputs: Mapping[str, Any] | None = None,
-               vars: Mapping[str, int] | None = None, outputs: bool = True) -> Pending:
+               vars: Mapping[str, int] | None = None,
+               outputs: bool | Collection[str] = True) -> Pending:
         """`run` without waiting: the launches and the outputs' downloads are issued, and
         `result()` waits for them. On a GPU the host goes on while the device works.
-        `outputs=False` downloads nothing (a chain's inner stages: their outputs cross)."""
+        `outputs` says which outputs come back: all the program writes (True), none (False: a
+        chain's inner stages, whose outputs cross), or those named (a server needs the logits
+        and the token, not an inout buffer of megabytes a chunk)."""
         self.backend.activate()
         self._check_program(program)
         env = self._vars(vars or {})
@@ -249,9 +252,11 @@ class Session:
             self._write_host(name, value, env)
         self._execute(program, env)
         self.last_vars = env
-        if not outputs:
-            return Pending({})
-        return Pending({name: self._read_async(name, env) for name in self._written(program)})
+        written = self._written(program)
+        if outputs is not True:
+            wanted = set(outputs or ())
+            written = [name for name in written if name in wanted]
+        return Pending({name: self._read_async(name, env) for name in written})
 
     def _check_program(self, program: str) -> None:
         if program in self._derived:

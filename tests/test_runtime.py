@@ -353,3 +353,24 @@ def test_float_domains_are_checked(probe):
     x[0, 2] = 1.5
     with pytest.raises(KernccError, match=r"element \[0, 2\] is 1.5, above 1.0"):
         session.run("p", {"x": x}, {"tokens": 1})
+
+
+def test_serving_downloads_only_the_logits_and_the_token(bundle_dir):
+    # Stage 1 writes `residual` (inout, crossing from stage 0) every run; `run` hands it back,
+    # but the generator must not pay a download of it per chunk.
+    chain = Chain(bundle_dir)
+    assert "residual" in chain.run("decode", {"token_ids": [3], "positions": [0],
+                                              "slot_mapping": [0], "seq_lens": [1],
+                                              "block_table": [[0] * 16]})
+    seen: list[set[str]] = []
+    original = chain.submit
+
+    def submit(*args, **kwargs):
+        pending = original(*args, **kwargs)
+        seen.append(set(pending._outputs))
+        return pending
+
+    chain.submit = submit
+    Generator(chain).generate([5, 6, 7, 8, 9], 3, 2)
+    assert seen and all(names <= {"logits", "next_tokens"} for names in seen)
+    assert all("logits" in names for names in seen)

@@ -100,8 +100,8 @@ class Download:
     def result(self) -> np.ndarray:
         if self._value is None:
             self._event.sync()
-            self._value = np.frombuffer(ctypes.string_at(self._host, self._nbytes),
-                                        dtype=np.uint8).copy()
+            self._value = np.empty(self._nbytes, dtype=np.uint8)
+            ctypes.memmove(self._value.ctypes.data, self._host, self._nbytes)  # one copy
             self._backend._pinned_release(self._host, self._nbytes, self._event)
         return self._value
 
