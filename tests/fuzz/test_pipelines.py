@@ -132,7 +132,8 @@ def emit_target(passes: tuple, case: Path, default: Path) -> Path | None:
 
 def run_spec(text: str, passes: tuple | None, model: Path, data: st.DataObject,
              case: Path) -> None:
-    """`kerncc lower` (to a directory or stdout) or `kerncc dump -p` with the spec."""
+    """`kerncc lower` (to a directory or stdout) or `kerncc dump -p` with the spec (written
+    `--pipeline=SPEC`, so that a spec starting with `-` is not taken for a flag)."""
     how = data.draw(st.sampled_from(("lower -o", "lower", "dump")), label="command")
     target = case / "out"
     if passes is not None:
@@ -140,10 +141,10 @@ def run_spec(text: str, passes: tuple | None, model: Path, data: st.DataObject,
         if target is None:
             return
     if how == "dump":
-        outcome = run_cli(["dump", model, "-p", text, "--format", "json"], cwd=case)
+        outcome = run_cli(["dump", model, f"--pipeline={text}", "--format", "json"], cwd=case)
     else:
         flags = ["-o", target] if how == "lower -o" else []
-        outcome = run_cli(["lower", model, "-p", text, *flags], cwd=case)
+        outcome = run_cli(["lower", model, f"--pipeline={text}", *flags], cwd=case)
         if how == "lower -o" or "emit" in text:
             harness.no_partial_output(outcome, target)
     harness.count(f"pipeline: {how.split()[0]}")
