@@ -31,6 +31,16 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
 def _devices(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.split(",") if t.strip()]
@@ -149,8 +159,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend())
     p.add_argument("--prompt", type=_token_ids, required=True, help="token ids, e.g. 1,2,3")
-    p.add_argument("--max-new", type=int, default=8, help="tokens to generate (default 8)")
-    p.add_argument("--chunk", type=int, help="prefill chunk rows (default: the rows bound)")
+    p.add_argument("--max-new", type=_positive, default=8, help="tokens to generate (default 8)")
+    p.add_argument("--chunk", type=_positive, help="prefill chunk rows (default: the rows bound)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (file or "
                    "directory; default: the bundle's, or model.safetensors beside a manifest)")
     p.add_argument("--logits", metavar="OUT.npy", help="save every step's logits here")

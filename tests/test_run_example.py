@@ -114,3 +114,12 @@ def test_the_readme_command_from_a_shell(tmp_path):
     oracle = Oracle(tmp_path / "model" / "model.safetensors")
     assert tokens == oracle.greedy([1, 2, 3], 4)
     assert np.load(logits).shape == (5, oracle.config.vocab)  # a prefill chunk, 4 one-row steps
+
+
+@pytest.mark.parametrize("flag, value", [("--max-new", "0"), ("--max-new", "-1"),
+                                         ("--chunk", "0"), ("--chunk", "x")])
+def test_run_refuses_counts_below_one(flag, value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["run", "nowhere", "--prompt", "1,2", flag, value])
+    assert stop.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
