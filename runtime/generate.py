@@ -221,10 +221,12 @@ class Generator:
             if f.fill != "token":
                 continue
             info = np.iinfo(numpy_dtype(f.dtype))
-            bad = [int(t) for t in prompt if not info.min <= int(t) <= info.max]
-            if bad:
-                raise KernccError.single(f"token id {bad[0]} does not fit `{f.name}` "
-                                         f"({f.dtype}: {info.min}..{info.max})")
+            low, high = int(info.min), int(info.max)
+            if low <= min(prompt) and max(prompt) <= high:  # builtins: fast on long prompts
+                continue
+            bad = next(int(t) for t in prompt if not low <= int(t) <= high)
+            raise KernccError.single(f"token id {bad} does not fit `{f.name}` "
+                                     f"({f.dtype}: {low}..{high})")
 
     def _feed(self, seq: Served, rows: int, forward: proto.Forward, record: _Record,
               wait: bool = True) -> int | None:

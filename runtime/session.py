@@ -90,6 +90,7 @@ class Session:
         self._derive_base: dict[str, int] = {}
         self._uploaded: set[str] = set()
         self._derived: set[str] = set()
+        self._writes: dict[str, list[str]] = {}  # program -> the buffers it hands back
         self._tensors = open_checkpoint(checkpoint if checkpoint is not None
                                          else self.bundle.checkpoint)
         try:
@@ -337,13 +338,17 @@ class Session:
                                      f"`{site.entry}`: the launch failed: {err}") from None
 
     def _written(self, program: str) -> list[str]:
-        """Output and inout buffers the program's calls write, in name order."""
-        found: set[str] = set()
-        for call in self.manifest.programs[program].calls:
-            found |= call_access(call, self.manifest.ops.get(call.op)).buffer_writes
-        kinds = ("output", "inout")
-        return sorted((n for n in found if self.manifest.buffers[n].kind in kinds),
-                      key=str.encode)
+        """Output and inout buffers the program's calls write, in name order (worked out once
+        per program: on a GPU it was most of a chunk's host time)."""
+        written = self._writes.get(program)
+        if written is None:
+            found: set[str] = set()
+            for call in self.manifest.programs[program].calls:
+                found |= call_access(call, self.manifest.ops.get(call.op)).buffer_writes
+            kinds = ("output", "inout")
+            written = self._writes[program] = sorted(
+                (n for n in found if self.manifest.buffers[n].kind in kinds), key=str.encode)
+        return written
 
     # ------------------------------------------------------------------------ buffers
 
