@@ -102,7 +102,7 @@ def value_problems(value: Any):
             deep_seen = True
             continue
         for key in getattr(node, "duplicates", ()):
-            yield where, f"duplicate name `{key}`"
+            yield where + pointer(key), f"duplicate name `{key}`"  # located at its last use
         for key in node if isinstance(node, dict) else ():
             if _SURROGATE.search(key):
                 yield where + pointer(key), _lone_surrogate(key)
@@ -212,7 +212,9 @@ class PositionIndex:
             if match is None:
                 raise ValueError(i)
             child = ptr + pointer(json.loads(match.group()))
-            self.key_positions.setdefault(child, i)
+            # A repeated key maps to its last use: the value a dict keeps, and the one a
+            # `duplicate name` error points at (a text with one parses no further).
+            self.key_positions[child] = i
             i = self._skip(match.end())
             i = self._value(i + 1, child)  # past the ':'
             i = self._skip(i)

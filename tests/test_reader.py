@@ -77,7 +77,9 @@ def test_duplicate_names_anywhere_are_refused_with_a_position() -> None:
         m.loads(text, "d.json")
     diag = err.value.diagnostics[0]
     assert diag.message == "duplicate name `a`"
-    assert (diag.location.pointer, diag.location.line) == ("/buffers", 2)
+    # At the repeated key itself (line 2, the second "a"), as the .kir reader does.
+    assert (diag.location.pointer, diag.location.line, diag.location.column) == \
+        ("/buffers/a", 2, 22)
 
 
 def test_constants_expand_in_numeric_positions() -> None:
