@@ -30,8 +30,9 @@ def build(tree: lark.Tree, file: str | None) -> tuple[dict, dict[str, Position],
     walk = _Build(file)
     try:
         walk.manifest(tree)
-    except RecursionError:
-        walk.error(TOO_DEEP, tree)
+    except RecursionError:  # no put had the stack left to record it: where it ran away
+        node, ptr = walk.runaway or (tree, "")
+        walk.error(TOO_DEEP, node, ptr)
     return walk.raw, walk.pos, walk.diags
 
 # ---------------------------------------------------------------------------- call args
@@ -97,6 +98,7 @@ class _Build:
         self.raw: dict[str, Any] = {}
         self.pos: dict[str, Position] = {}
         self.diags: list[Diagnostic] = []
+        self.runaway: tuple[Any, str] | None = None  # the innermost put a runaway left
 
     def error(self, message: str, node: Any, ptr: str = "") -> None:
         line, col = _where(node)
@@ -115,7 +117,11 @@ class _Build:
         try:
             out[key] = build(child)
         except RecursionError:  # the innermost put around a runaway expression or list
-            self.error(TOO_DEEP, node, child)
+            if self.runaway is None:
+                self.runaway = (node, child)  # an assignment: room for it at the stack's end
+            # Recording may itself run out of stack; then an outer put records this place.
+            self.error(TOO_DEEP, *self.runaway)
+            self.runaway = None
 
     # -------------------------------------------------------------- declarations
 

@@ -490,3 +490,34 @@ def test_the_reference_example_reads_and_prints_back() -> None:
     example = doc.split("```\n", 2)[1].replace("00…00", "0" * 64)
     man = kir.loads(example)
     assert kir.dumps(man) == example.replace("// a comment runs to the end of the line\n", "")
+
+
+def test_a_runaway_the_innermost_put_cannot_record_is_placed_at_the_last_put(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder's last resort (a RecursionError escaping even the handler inside `put`)
+    points at the attribute it was building, not at 1:1."""
+    from kerncc import kir_build
+
+    real_error, real_value = kir_build._Build.error, kir_build._Build.value
+
+    def error(self, message, node, ptr=""):
+        if message == kir_build.TOO_DEEP and ptr.endswith("/grid"):
+            monkeypatch.setattr(kir_build._Build, "error", real_error)
+            raise RecursionError  # the handler itself ran out of stack
+        real_error(self, message, node, ptr)
+
+    def value(self, node, ptr, *rest):
+        if "/grid/" in ptr:
+            raise RecursionError
+        return real_value(self, node, ptr, *rest)
+
+    text = (HEAD + "var tokens max=8 axis=rows\n"
+            "op f() {\n  launch k module=mm block=[1, 1, 1] grid=[tokens, 1, 1]\n}\n")
+    monkeypatch.setattr(kir_build._Build, "error", error)
+    monkeypatch.setattr(kir_build._Build, "value", value)
+    with pytest.raises(KernccError) as err:
+        kir.loads(text, "m.kir")
+    found = [d for d in err.value.diagnostics if d.message == kir_build.TOO_DEEP]
+    assert found, "the runaway was not reported"
+    assert found[0].location.pointer == "/ops/f/impl/launches/0/grid"
+    assert (found[0].location.line, found[0].location.column) == (5, 38)
