@@ -162,13 +162,15 @@ class Generator:
         for s in self.sessions:
             for name in sorted(_reads(s.manifest, programs) & set(s.stage.host_inputs)):
                 if name not in fillable:
-                    raise KernccError.single(
+                    raise s.stage.located(KernccError.single(
                         f"stage {s.stage.index} reads input `{name}`, which is neither a fill "
-                        "`kerncc run` writes nor a page table")
+                        "`kerncc run` writes nor a page table", f"/buffers/{name}"))
         for f in self.protocol.fills:
             if (f.fill not in INPUT_FILLS and f.fill not in m.OUTPUT_FILLS) or f.width != 1:
-                raise KernccError.single(f"fill `{f.fill}` on `{f.name}` (width {f.width}) is "
-                                         "not served by `kerncc run` yet")
+                owner = next(s for s in self.sessions if f.name in s.manifest.buffers)
+                raise owner.stage.located(KernccError.single(
+                    f"fill `{f.fill}` on `{f.name}` (width {f.width}) is not served by "
+                    "`kerncc run` yet", f"/buffers/{f.name}/fill"))
 
     # ------------------------------------------------------------------------ serving
 
