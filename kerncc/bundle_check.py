@@ -18,9 +18,12 @@ from typing import Any
 import attrs
 
 from kerncc import manifest as m
-from kerncc.diagnostics import KernccError, Location
+from kerncc.bundle_index import index_problems
+from kerncc.diagnostics import Diagnostic, KernccError, Location
 from kerncc.jsonsource import TOO_DEEP, PositionIndex
+from kerncc.runtime.plan_check import MalformedPlan, check_plan
 from kerncc.symbolic import Proof, check_stages
+from kerncc.verify import verify
 
 FORMAT = "kerncc-bundle/1"
 HEADLINE = "not a valid kerncc bundle:"
@@ -63,6 +66,11 @@ def read_index(bundle: Path) -> dict[str, Any]:
         found = index.get("format") if isinstance(index, dict) else None
         raise _fail(f"`{bundle / 'bundle.json'}` has format {found!r}, not {FORMAT!r}",
                     "/format")
+    problems = index_problems(index)
+    if problems:  # placed in bundle.json, every one
+        raise _in_index(KernccError(HEADLINE, [Diagnostic(message, Location(ptr))
+                                               for ptr, message in problems]),
+                        bundle / "bundle.json")
     return index
 
 
@@ -75,38 +83,62 @@ def _checked(path: Path, what: str, expected: Any, ptr: str, named_at: str = "")
     return data
 
 
-def stage_entries(bundle: Path, index: dict[str, Any]) -> list[dict[str, Any]]:
-    """bundle.json's `stages`: a non-empty list of objects."""
-    entries = index.get("stages")
-    if not isinstance(entries, list) or not entries:
-        raise _fail(f"`{bundle / 'bundle.json'}` lists no stages", "/stages")
-    for k, entry in enumerate(entries):
-        if not isinstance(entry, dict):
-            raise _fail(f"`{bundle / 'bundle.json'}`: stage {k} is not an object", f"/stages/{k}")
-        folder = entry.get("dir", f"stage{k}")
-        if not isinstance(folder, str) or Path(folder).is_absolute() or ".." in Path(folder).parts:
-            raise _fail(f"`{bundle / 'bundle.json'}`: stage {k}'s `dir` {folder!r} is not a "
-                        "directory inside the bundle", f"/stages/{k}/dir")
-    return entries
-
-
 def stage_files(bundle: Path, index: dict[str, Any]) -> list[tuple[Path, dict[str, bytes]]]:
     """Each stage's folder and file bytes by name, after they and its modules hash to what
     bundle.json says."""
     stages = []
-    for k, entry in enumerate(stage_entries(bundle, index)):
-        folder = bundle / entry.get("dir", f"stage{k}")
-        texts = {name: _checked(folder / name, f"stage {k} {name}", entry.get(key),
-                                f"/stages/{k}/{key}")
-                 for name, key in STAGE_FILES}
+    for k, entry in enumerate(index["stages"]):  # read_index checked them
+        folder = bundle / entry["dir"]
+        texts = {}
+        for name, key in STAGE_FILES:
+            path, ptr, expected = folder / name, f"/stages/{k}/{key}", entry.get(key)
+            if key == "stage_py_sha256" and key in entry and expected is None:
+                _check_absent(path, k, ptr)  # null: the stage has no stage.py
+                continue
+            # a sha256 not recorded is not checked (docs/bundle.md), as the runtime does
+            texts[name] = _checked(path, f"stage {k} {name}", expected, ptr) \
+                if expected is not None else _read(path, f"stage {k} {name}", ptr)
         _check_modules(folder / "modules", k)
         stages.append((folder, texts))
     return stages
 
 
+def _check_absent(path: Path, k: int, ptr: str) -> None:
+    if path.exists():
+        raise _fail(f"stage {k} has a `{path.name}` (`{path}`), but bundle.json records none "
+                    "(null): a file the bundle does not pin would run", ptr)
+
+
 def stage_manifest(folder: Path, texts: dict[str, bytes]) -> m.Manifest:
     path = folder / "manifest.json"
     return m.loads(_text(texts["manifest.json"], path), str(path))
+
+
+def stage_plan(folder: Path, texts: dict[str, bytes], man: m.Manifest) -> dict[str, Any]:
+    """The stage's plan.json, checked against its manifest as the runtime's loader checks it
+    (kerncc.runtime.plan_check): what check and report pass, the runtime loads."""
+    try:  # the plan is read against a manifest the runtime would load
+        verify(man)
+    except KernccError as err:
+        where = folder / "manifest.json"
+        raise err.located(PositionIndex.locator(_text(texts["manifest.json"], where),
+                                                str(where))) from None
+    path = folder / "plan.json"
+    try:
+        plan = json.loads(texts["plan.json"])
+    except (ValueError, UnicodeDecodeError) as err:  # a JSONDecodeError, or 5000 digits
+        raise _fail(f"`{path}` is not JSON: {err}") from None
+    except RecursionError:
+        raise _fail(f"`{path}` is not JSON: {TOO_DEEP}") from None
+    try:
+        if not isinstance(plan, dict):
+            raise MalformedPlan("plan.json must hold an object", "")
+        check_plan(plan, man)
+    except MalformedPlan as err:
+        raise KernccError(HEADLINE, [Diagnostic(str(err), Location(err.ptr, str(path)))]
+                          ).located(PositionIndex.locator(_text(texts["plan.json"], path),
+                                                          str(path))) from None
+    return plan
 
 
 def stage_manifests(bundle: Path, index: dict[str, Any]) -> list[m.Manifest]:
@@ -154,14 +186,19 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proo
     bundle = Path(directory)
     try:
         index = read_index(bundle)
-        stages = stage_manifests(bundle, index)
+        files = stage_files(bundle, index)
+        stages = [stage_manifest(folder, texts) for folder, texts in files]
         source, locate = _input(bundle, index, whole)
     except KernccError as err:
         raise _in_index(err, bundle / "bundle.json") from None
     try:
-        return check_stages(source, stages)
+        proof = check_stages(source, stages)
     except KernccError as err:  # its pointers are the whole manifest's calls
         raise err.located(locate) from None
+    # What was proved is what runs: each plan.json fits its stage as the runtime checks it.
+    for (folder, texts), man in zip(files, stages):
+        stage_plan(folder, texts, man)
+    return proof
 
 
 def _in_index(err: KernccError, index_path: Path) -> KernccError:

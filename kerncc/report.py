@@ -16,7 +16,6 @@ paths but those bundle.json records (relative to the bundle).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,9 @@ from typing import Any
 import attrs
 
 from kerncc import manifest as m
-from kerncc.bundle_check import HEADLINE, input_manifest, read_index, stage_files, stage_manifest
-from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer, split_pointer
+from kerncc.bundle_check import (input_manifest, read_index, stage_files,
+                                  stage_manifest, stage_plan)
+from kerncc.diagnostics import KernccError
 from kerncc.passes.liveness import human_bytes
 from kerncc.passes.share_states import StateUse, manifest_regions, state_uses
 
@@ -110,7 +110,7 @@ class BundleReport:
     input_status: str  # matches | changed | missing | not recorded
     checkpoint: str | None
     cut: dict[str, Any] | None
-    proof: dict[str, Any]
+    proof: dict[str, Any] | None  # None: bundle.json records no proof
     stages: tuple[StageReport, ...]
     edges: tuple[Edge, ...]
 
@@ -133,96 +133,46 @@ class BundleReport:
 # Reading: every value taken from a file is checked, so a malformed one names its file.
 
 
-def _malformed(path: Path, ptr: str, what: str) -> KernccError:
-    return KernccError(HEADLINE, [Diagnostic(what, Location(ptr, file=str(path)))])
+# plan.json was checked by stage_plan (kerncc.runtime.plan_check): read it plainly.
 
 
-def _get(data: Any, path: Path, ptr: str, kind: type | tuple[type, ...]) -> Any:
-    """The value at JSON pointer `ptr` (keys and list indices) in `data`; it must be a `kind`."""
-    value = data
-    for key in split_pointer(ptr):
-        if isinstance(value, list) and key.isdigit() and int(key) < len(value):
-            value = value[int(key)]
-        elif isinstance(value, dict) and key in value:
-            value = value[key]
-        else:
-            raise _malformed(path, ptr, "a required field is missing")
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise _malformed(path, ptr, f"expected {_kind_text(kinds)}, found {_json_type(value)}")
-    return value
+def _arena(record: dict) -> Arena:
+    return Arena(record.get("bytes", 0), record["lower_bound"], record["naive"])
 
 
-def _kind_text(kinds: tuple[type, ...]) -> str:
-    return " or ".join(_TYPE_WORDS.get(k, k.__name__) for k in kinds)
+def _read_modules(plan: dict) -> tuple[Module, ...]:
+    modules = plan.get("modules", {})
+    return tuple(Module(sha, tuple(modules[sha].get("names", ())), modules[sha].get("source"),
+                        modules[sha].get("file") is not None) for sha in sorted(modules))
 
 
-def _json_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    return next((word for k, word in _TYPE_WORDS.items() if isinstance(value, k)), "a number")
-
-
-_TYPE_WORDS = {dict: "an object", list: "a list", int: "an integer", str: "a string",
-               bool: "a boolean", type(None): "null"}
-
-
-def _plan(path: Path, data: bytes) -> dict[str, Any]:
-    try:
-        plan = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise _malformed(path, "", f"not JSON: {err}") from None
-    return _get(plan, path, "", dict)
-
-
-def _arena(plan: dict, path: Path, ptr: str) -> Arena:
-    return Arena(*(_get(plan, path, f"{ptr}/{key}", int)
-                   for key in ("bytes", "lower_bound", "naive")))
-
-
-def _read_modules(plan: dict, path: Path) -> tuple[Module, ...]:
-    out = []
-    for sha in sorted(_get(plan, path, "/modules", dict)):
-        ptr = pointer("modules", sha)
-        names = _get(plan, path, f"{ptr}/names", list)
-        out.append(Module(sha, tuple(str(n) for n in names),
-                          _get(plan, path, f"{ptr}/source", (str, type(None))),
-                          _get(plan, path, f"{ptr}/file", (str, type(None))) is not None))
-    return tuple(out)
-
-
-def _stage(index: int, host_inputs: tuple[str, ...], man: m.Manifest, plan: dict, path: Path,
+def _stage(index: int, host_inputs: tuple[str, ...], man: m.Manifest, plan: dict,
            states: tuple[StateUse, ...]) -> StageReport:
-    programs = {name: _arena(plan, path, pointer("arena", "programs", name))
-                for name in sorted(_get(plan, path, "/arena/programs", dict))}
-    kinds = {name: _get(plan, path, pointer("programs", name, "kind"), str)
-             for name in sorted(_get(plan, path, "/programs", dict))}
-    staging = {key: _get(plan, path, f"/staging/{key}", int)
+    records = plan["arena"].get("programs", {})
+    programs = {name: _arena(records[name]) for name in sorted(records)}
+    kinds = {name: plan["programs"][name]["kind"] for name in sorted(plan["programs"])}
+    staging = {key: plan.get("staging", {}).get(key, 0)
                for key in ("total", "derived_bytes", "widest_live", "peak")}
-    arena = Arena(_get(plan, path, "/arena/bytes", int),
+    arena = Arena(plan["arena"].get("bytes", 0),
                   max((a.lower_bound for a in programs.values()), default=0),
                   max((a.naive for a in programs.values()), default=0))
     return StageReport(
         index=index, calls={name: len(man.programs[name].calls) for name in sorted(man.programs)},
         kinds=kinds, host_inputs=host_inputs,
         states=states, arena=arena, programs=programs, staging=staging,
-        modules=_read_modules(plan, path))
+        modules=_read_modules(plan))
 
 
-def _edges(index: dict, path: Path) -> tuple[Edge, ...]:
+def _edges(index: dict) -> tuple[Edge, ...]:
     grouped: dict[tuple[int, int], list[tuple[str, int]]] = {}
-    for k in range(len(_get(index, path, "/edges", list))):
-        ptr = f"/edges/{k}"
-        key = (_get(index, path, f"{ptr}/from", int), _get(index, path, f"{ptr}/to", int))
-        grouped.setdefault(key, []).append((_get(index, path, f"{ptr}/buffer", str),
-                                            _get(index, path, f"{ptr}/bytes", int)))
+    for edge in index.get("edges", ()):
+        grouped.setdefault((edge["from"], edge["to"]), []).append((edge["buffer"],
+                                                                   edge["bytes"]))
     return tuple(Edge(a, b, tuple(sorted(bufs))) for (a, b), bufs in sorted(grouped.items()))
 
 
-def _recorded_input(index: dict, path: Path) -> str | None:
-    if index.get("input") is None:
-        return None
-    return _get(index, path, "/input/path", (str, type(None)))
+def _recorded_input(index: dict) -> str | None:
+    return (index.get("input") or {}).get("path")
 
 
 def _whole(bundle: Path, index: dict, recorded: str | None) -> tuple[m.Manifest | None, str]:
@@ -250,58 +200,42 @@ def _region_totals(whole: m.Manifest | None, stages: Sequence[m.Manifest]
     return totals
 
 
-def _cut(index: dict, path: Path) -> dict[str, Any] | None:
-    if index.get("cut") is None:
-        return None
-    _get(index, path, "/cut/id", str)
-    for program in _get(index, path, "/cut/points", dict):
-        for k in range(len(_get(index, path, pointer("cut", "points", program), list))):
-            _get(index, path, pointer("cut", "points", program, k), int)
-    return index["cut"]
+def _cut(index: dict) -> dict[str, Any] | None:
+    return index.get("cut")
 
 
-def _host_inputs(index: dict, path: Path, k: int) -> tuple[str, ...]:
-    ptr = f"/stages/{k}/host_inputs"
-    if index["stages"][k].get("host_inputs") is None:
-        return ()
-    return tuple(_get(index, path, f"{ptr}/{j}", str)
-                 for j in range(len(_get(index, path, ptr, list))))
+def _host_inputs(index: dict, k: int) -> tuple[str, ...]:
+    return tuple(index["stages"][k].get("host_inputs", ()))
 
 
-def _optional_text(index: dict, path: Path, key: str) -> str | None:
-    return _get(index, path, f"/{key}", (str, type(None))) if key in index else None
+def _optional_text(index: dict, key: str) -> str | None:
+    return index.get(key)
 
 
-def _proof(index: dict, path: Path) -> dict[str, Any]:
-    proof = _get(index, path, "/proof", dict)
-    if not _get(index, path, "/proof/checked", bool):
-        return proof
-    _get(index, path, "/proof/programs", list)
-    for key in ("outputs", "carries", "state_regions"):
-        _get(index, path, f"/proof/{key}", int)
-    return proof
+def _proof(index: dict) -> dict[str, Any] | None:
+    """The proof emit recorded; None when bundle.json records none."""
+    return index.get("proof")
 
 
 def read_report(directory: str | Path) -> BundleReport:
     """The report of the bundle at `directory`; KernccError naming the file if it is damaged."""
     bundle = Path(directory)
     index = read_index(bundle)
-    index_path = bundle / "bundle.json"
     files = stage_files(bundle, index)
     manifests = [stage_manifest(folder, texts) for folder, texts in files]
-    recorded = _recorded_input(index, index_path)
+    # bundle.json's fields were checked by read_index (kerncc.bundle_index): read plainly.
+    recorded = _recorded_input(index)
     whole, status = _whole(bundle, index, recorded)
     totals = _region_totals(whole, manifests)
-    stages = tuple(_stage(k, _host_inputs(index, index_path, k), manifests[k],
-                          _plan(folder / "plan.json", texts["plan.json"]),
-                          folder / "plan.json", state_uses(totals, manifests[k]))
+    stages = tuple(_stage(k, _host_inputs(index, k), manifests[k],
+                          stage_plan(folder, texts, manifests[k]),
+                          state_uses(totals, manifests[k]))
                    for k, (folder, texts) in enumerate(files))
     return BundleReport(
-        model=manifests[0].model, kerncc=_optional_text(index, index_path, "kerncc") or "?",
-        pipeline=_optional_text(index, index_path, "pipeline") or "", input_path=recorded,
-        input_status=status, checkpoint=_optional_text(index, index_path, "checkpoint"),
-        cut=_cut(index, index_path), proof=_proof(index, index_path),
-        stages=stages, edges=_edges(index, index_path))
+        model=manifests[0].model, kerncc=_optional_text(index, "kerncc") or "?",
+        pipeline=_optional_text(index, "pipeline") or "", input_path=recorded,
+        input_status=status, checkpoint=_optional_text(index, "checkpoint"),
+        cut=_cut(index), proof=_proof(index), stages=stages, edges=_edges(index))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +265,9 @@ def _cut_text(cut: dict[str, Any] | None) -> str:
     return f"{cut.get('id')}: before calls {where}"
 
 
-def _proof_text(proof: dict[str, Any]) -> str:
+def _proof_text(proof: dict[str, Any] | None) -> str:
+    if proof is None:
+        return "not recorded"
     if not proof.get("checked"):
         return "not checked (emit{check=false})"
     return (f"{_count(len(proof.get('programs', ())), 'driven program')}, "

@@ -26,8 +26,13 @@ class MalformedPlan(Exception):
         self.ptr = ptr
 
 
-def check_plan(plan: dict, man: m.Manifest) -> None:
-    """Raise MalformedPlan at the first part of `plan` the runtime could not use as it is."""
+def check_plan(plan: Any, man: m.Manifest) -> None:
+    """Raise MalformedPlan at the first part of `plan` the runtime could not use as it is
+    (the runtime's loader, `kerncc check` and `kerncc report` all ask this)."""
+    _check_shape(plan)
+    if set(plan["programs"]) != set(man.programs):
+        raise MalformedPlan(f"plans programs {sorted(plan['programs'])}, but manifest.json has "
+                            f"{sorted(man.programs)}", "/programs")
     _check_memory(plan, man)
     _check_arena(plan)
     _check_staging(plan, man)
@@ -52,6 +57,32 @@ def _count(value: Any, ptr: str) -> int:
 def _short(value: Any) -> str:
     text = json.dumps(value, default=str)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_shape(plan: Any) -> None:
+    """The containers and counts docs/bundle.md gives plan.json, whoever reads them."""
+    _typed(plan, dict, "")
+    for key in ("arena", "memory", "programs"):
+        if key not in plan:
+            raise MalformedPlan(f"the required field `{key}` is missing", f"/{key}")
+        _typed(plan[key], dict, f"/{key}")
+    for name, record in _typed(plan["arena"].get("programs", {}), dict,
+                               "/arena/programs").items():
+        ptr = pointer("arena", "programs", name)
+        for key in ("bytes", "lower_bound", "naive"):
+            _count(_typed(record, dict, ptr).get(key), f"{ptr}/{key}")
+    if "staging" in plan:
+        staging = _typed(plan["staging"], dict, "/staging")
+        for key in ("total", "derived_bytes", "widest_live", "peak"):
+            _count(staging.get(key, 0), f"/staging/{key}")
+    for sha, module in _typed(plan.get("modules", {}), dict, "/modules").items():
+        ptr = pointer("modules", sha)
+        for i, name in enumerate(_typed(_typed(module, dict, ptr).get("names", []), list,
+                                        f"{ptr}/names")):
+            _typed(name, str, f"{ptr}/names/{i}")
+        for key in ("source", "file"):
+            if module.get(key) is not None:
+                _typed(module[key], str, f"{ptr}/{key}")
 
 
 def _check_memory(plan: dict, man: m.Manifest) -> None:

@@ -27,6 +27,7 @@ from kerncc.passes.cut import cut_ir
 from kerncc.passes.emit import Emit, recorded_pipeline, whole_protocol
 from kerncc.passes.plan_memory import PlanMemory, plan_stage, workspace_intervals
 from kerncc.pipeline import run_pipeline
+from kerncc.runtime import Bundle
 from kerncc.testing import Xorshift, random_manifest
 from kerncc.verify import verify
 
@@ -494,3 +495,61 @@ def test_check_bundle_catches_a_stage_that_no_longer_computes_the_whole(
 
 def test_scratch_slots_are_named_as_documented() -> None:
     assert scratch_slot("attn", "tmp", 3) == "op:attn/scratch:tmp@3"
+
+
+def _record_no_stage_py(bundle: Path, remove: bool) -> None:
+    """Edit bundle.json the way docs/bundle.md allows: stage 0 records no stage.py (null)."""
+    index = json.loads((bundle / "bundle.json").read_text())
+    index["stages"][0]["stage_py_sha256"] = None
+    (bundle / "bundle.json").write_text(json.dumps(index))
+    if remove:
+        (bundle / "stage0" / "stage.py").unlink()
+
+
+def test_check_bundle_takes_a_stage_recorded_without_stage_py(bundle: Path) -> None:
+    _record_no_stage_py(bundle, remove=True)
+    assert check_bundle(bundle).outputs >= 1
+
+
+def test_check_bundle_refuses_a_stage_py_the_bundle_does_not_pin(bundle: Path) -> None:
+    _record_no_stage_py(bundle, remove=False)
+    with pytest.raises(KernccError, match="records none \\(null\\)") as err:
+        check_bundle(bundle)
+    assert err.value.diagnostics[0].location.pointer == "/stages/0/stage_py_sha256"
+
+
+def test_check_bundle_reads_a_file_whose_hash_is_not_recorded(bundle: Path) -> None:
+    """docs/bundle.md: a sha256 bundle.json does not record is not checked (as the runtime
+    does); the file itself still is, as it is now."""
+    index = json.loads((bundle / "bundle.json").read_text())
+    del index["stages"][1]["plan_sha256"]
+    index["stages"][0]["manifest_sha256"] = None
+    (bundle / "bundle.json").write_text(json.dumps(index))
+    plan = bundle / "stage1" / "plan.json"
+    plan.write_bytes(plan.read_bytes() + b"\n")
+    assert check_bundle(bundle).outputs >= 1
+    manifest = bundle / "stage0" / "manifest.json"
+    raw = json.loads(manifest.read_text())
+    program = next(p for p in raw["programs"].values() if len(p["calls"]) > 1)
+    program["calls"].pop()  # unpinned, but no longer the whole's stage 0
+    manifest.write_text(json.dumps(raw))
+    with pytest.raises(KernccError, match="the stages do not compute the whole"):
+        check_bundle(bundle)
+
+
+def test_check_bundle_checks_each_plan_as_the_runtime_loads_it(bundle: Path) -> None:
+    """A plan.json edited with its hash updated: check refuses it as Bundle() does, in it."""
+    plan_path = bundle / "stage1" / "plan.json"
+    plan = json.loads(plan_path.read_text())
+    plan["arena"]["bytes"] = "big"
+    plan_path.write_text(json.dumps(plan, indent=1))
+    index = json.loads((bundle / "bundle.json").read_text())
+    index["stages"][1]["plan_sha256"] = hashlib.sha256(plan_path.read_bytes()).hexdigest()
+    (bundle / "bundle.json").write_text(json.dumps(index))
+    with pytest.raises(KernccError) as err:
+        check_bundle(bundle)
+    where = err.value.diagnostics[0].location
+    assert (where.file, where.pointer) == (str(plan_path), "/arena/bytes")
+    assert '"bytes": "big"' in plan_path.read_text().splitlines()[where.line - 1]
+    with pytest.raises(KernccError, match="expected an integer"):
+        Bundle(bundle)

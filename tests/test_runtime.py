@@ -76,6 +76,24 @@ def test_a_bundle_reads_its_stages(bundle_dir):
     assert all(s.stage_py is not None for s in bundle.stages)
 
 
+def test_a_stage_recorded_without_stage_py_runs_from_its_plan(damaged, bundle_dir):
+    index = json.loads((damaged / "bundle.json").read_text())
+    index["stages"][1]["stage_py_sha256"] = None
+    (damaged / "bundle.json").write_text(json.dumps(index))
+    with pytest.raises(KernccError, match="records no stage.py for stage 1") as err:
+        Bundle(damaged)  # null, but a stage.py is there: it would run unpinned
+    assert str(damaged / "stage1" / "stage.py") in error_text(err)
+    (damaged / "stage1" / "stage.py").unlink()
+    chain = Chain(damaged)
+    assert chain.sessions[1].stage.stage_py is None and not chain.sessions[1].generated
+    inputs, vars = prefill_inputs(6)
+    expected = Chain(bundle_dir).run("prefill", inputs, vars)
+    got = chain.run("prefill", inputs, vars)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert np.array_equal(expected[name], got[name]), name
+
+
 def test_a_missing_file_is_named(damaged):
     (damaged / "stage1" / "plan.json").unlink()
     with pytest.raises(KernccError, match="plan.json") as err:
@@ -374,3 +392,20 @@ def test_serving_downloads_only_the_logits_and_the_token(bundle_dir):
     Generator(chain).generate([5, 6, 7, 8, 9], 3, 2)
     assert seen and all(names <= {"logits", "next_tokens"} for names in seen)
     assert all("logits" in names for names in seen)
+
+
+def test_an_input_serving_cannot_fill_is_placed_in_the_stage_manifest(damaged):
+    """A stage manifest edited after emit (its hash updated) so that `token_ids` lost its
+    fill: the driver refuses it, pointing at the buffer in that stage's manifest.json."""
+    path = damaged / "stage0" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["buffers"]["token_ids"]["fill"]
+    path.write_text(json.dumps(manifest, indent=1))
+    index = json.loads((damaged / "bundle.json").read_text())
+    index["stages"][0]["manifest_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (damaged / "bundle.json").write_text(json.dumps(index))
+    with pytest.raises(KernccError, match="reads input `token_ids`, which is neither") as err:
+        Generator(Chain(damaged))
+    where = err.value.diagnostics[0].location
+    assert where.pointer == "/buffers/token_ids" and where.file == str(path)
+    assert path.read_text().splitlines()[where.line - 1].strip().startswith('"token_ids"')

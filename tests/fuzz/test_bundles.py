@@ -169,6 +169,24 @@ def check_bundle_everywhere(bundle: Path, names: set[str]) -> None:
         ran = run_cli(["run", bundle, *RUN])
         harness.count("bundle: run")
         harness.names_a_file(ran, names)
+        reported = run_cli(["report", bundle])
+        harness.count("bundle: report")
+        harness.names_a_file(reported, names)
+        as_json = run_cli(["report", bundle, "--format", "json"])
+        harness.count("bundle: report --format json")
+        assert as_json.code == reported.code, "report's text and JSON forms disagree"
+        if as_json.code == 0:
+            json.loads(as_json.out)
+        # report hashes every file as check does, but reads on without the input manifest
+        # (its totals then say so): it passes wherever check passes, and where check fails
+        # and it does not, the input is why.
+        if checked.code == 0:
+            assert reported.code == 0, "check passed, report refused"
+        elif reported.code == 0:
+            assert "input manifest" in checked.err and "sha256 matches" not in reported.out, \
+                f"report passed a bundle check refuses:\n{checked.describe()}"
+        harness.tally("bundle: report passed where check did not", 
+                      reported.code == 0 and checked.code != 0)
         _api(bundle, names, ran.code)
     harness.tally("bundle: check passed", checked.code == 0)
     harness.tally("bundle: run passed", ran.code == 0)
@@ -197,6 +215,8 @@ def pristine(tiny_bundle) -> Path:
     outcome = run_cli(["check", tiny_bundle.dir])
     assert outcome.code == 0, outcome.describe()
     outcome = run_cli(["run", tiny_bundle.dir, *RUN])
+    assert outcome.code == 0, outcome.describe()
+    outcome = run_cli(["report", tiny_bundle.dir])
     assert outcome.code == 0, outcome.describe()
     return tiny_bundle.dir
 
