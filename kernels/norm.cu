@@ -1,59 +1,206 @@
 // Module `norm`: RMSNorm variants (HF Qwen3RMSNorm rounding: the normalized value is rounded
 // to bf16 before the bf16 weight multiplies it, as `weight * x.to(bf16)` does).
-// Each warp normalizes one row; blocks are 128 threads = 4 rows. cols (or head_dim) is even.
+// rmsnorm, add_rmsnorm and rmsnorm_last: a block normalizes a row at a time (grid-stride over
+// the rows, so any grid is correct; the block is a whole number of warps: the example launches
+// one block of cols/8 threads, at most 256, per row), its warps' sums added in a fixed order. head_rmsnorm: a warp per
+// (row, head), 4 per block. A thread reads 8 bf16 (16 bytes) at a time when cols is a
+// multiple of 8 and the rows 16-byte aligned, 4 when a multiple of 4 (8-byte aligned), else 2
+// (cols is even): with every load of a row in flight at once, a row costs about one memory
+// latency instead of a chain of them.
 #include "common.cuh"
 
 #define ROWS_PER_BLOCK 4
 
+// V consecutive bf16 at p (V * 2 bytes, aligned to that) as floats, and back.
+template <int V>
+__device__ __forceinline__ void load_bf16(const bf16* p, float (&f)[V]) {
+  uint32_t w[V / 2];
+  if constexpr (V == 8) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    w[0] = q.x; w[1] = q.y; w[2] = q.z; w[3] = q.w;
+  } else if constexpr (V == 4) {
+    const uint2 q = *reinterpret_cast<const uint2*>(p);
+    w[0] = q.x; w[1] = q.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  }
+#pragma unroll
+  for (int k = 0; k < V / 2; ++k) {
+    const float2 v = unpack_bf16x2(w[k]);
+    f[2 * k] = v.x;
+    f[2 * k + 1] = v.y;
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void store_bf16(bf16* p, const float (&f)[V]) {
+  uint32_t w[V / 2];
+#pragma unroll
+  for (int k = 0; k < V / 2; ++k) w[k] = pack_bf16x2(f[2 * k], f[2 * k + 1]);
+  if constexpr (V == 8) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  } else if constexpr (V == 4) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+  } else {
+    *reinterpret_cast<uint32_t*>(p) = w[0];
+  }
+}
+
+template <int V>
 __device__ __forceinline__ float inv_rms(const bf16* x, int cols, float eps, int lane) {
   float ss = 0.f;
-  for (int c = 2 * lane; c < cols; c += 64) {
-    float2 v = unpack_bf16x2(*reinterpret_cast<const uint32_t*>(x + c));
-    ss += v.x * v.x + v.y * v.y;
+#pragma unroll 4
+  for (int c = V * lane; c < cols; c += 32 * V) {
+    float f[V];
+    load_bf16<V>(x + c, f);
+#pragma unroll
+    for (int k = 0; k < V; ++k) ss += f[k] * f[k];
   }
   ss = warp_sum(ss);
   return rsqrtf(ss / (float)cols + eps);
 }
 
 // y = bf16(bf16(x * r) * w) for one row; x may alias y (each lane rewrites what it read).
-__device__ __forceinline__ void norm_row(const bf16* x, const bf16* w, bf16* y, int cols,
-                                         float eps, int lane) {
-  const float r = inv_rms(x, cols, eps, lane);
-  for (int c = 2 * lane; c < cols; c += 64) {
-    float2 v = unpack_bf16x2(*reinterpret_cast<const uint32_t*>(x + c));
-    float2 g = unpack_bf16x2(*reinterpret_cast<const uint32_t*>(w + c));
-    *reinterpret_cast<uint32_t*>(y + c) =
-        pack_bf16x2(round_bf16(v.x * r) * g.x, round_bf16(v.y * r) * g.y);
+template <int V>
+__device__ __forceinline__ void norm_row_v(const bf16* x, const bf16* w, bf16* y, int cols,
+                                           float eps, int lane) {
+  const float r = inv_rms<V>(x, cols, eps, lane);
+#pragma unroll 4
+  for (int c = V * lane; c < cols; c += 32 * V) {
+    float v[V], g[V];
+    load_bf16<V>(x + c, v);
+    load_bf16<V>(w + c, g);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = round_bf16(v[k] * r) * g[k];
+    store_bf16<V>(y + c, v);
   }
 }
 
-// y[r] = rmsnorm(x[r]) * w. grid (ceil(rows/4)), block (128).
+// The widest loads the row allows: 8 (cols % 256 == 0, 16-byte aligned), 4, else 2. The same
+// for every warp of a launch (cols is a launch param; the bases are the launch's pointers).
+__device__ __forceinline__ int width(int cols, uintptr_t addresses) {
+  if (cols % 256 == 0 && addresses % 16 == 0) return 8;
+  if (cols % 128 == 0 && addresses % 8 == 0) return 4;
+  return 2;
+}
+
+__device__ __forceinline__ uintptr_t bits(const void* a, const void* b, const void* c) {
+  return reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
+         reinterpret_cast<uintptr_t>(c);
+}
+
+__device__ __forceinline__ void norm_row(const bf16* x, const bf16* w, bf16* y, int cols,
+                                         float eps, int lane, int v) {
+  if (v == 8) norm_row_v<8>(x, w, y, cols, eps, lane);
+  else if (v == 4) norm_row_v<4>(x, w, y, cols, eps, lane);
+  else norm_row_v<2>(x, w, y, cols, eps, lane);
+}
+
+// ---- a block per row ------------------------------------------------------------------
+
+// The sum of `v` over the block, the same bits in every thread: each warp's butterfly, then
+// the warps' sums added in warp order. `scratch` holds 32 floats; a barrier first, so a loop
+// over rows may call it again.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.f;
+  const int warps = (blockDim.x + 31) >> 5;
+  for (int i = 0; i < warps; ++i) total += scratch[i];
+  return total;
+}
+
+// The widest loads a row allows, for a block stepping V * blockDim.x elements at a time.
+__device__ __forceinline__ int block_width(int cols, uintptr_t addresses) {
+  if (cols % 8 == 0 && addresses % 16 == 0) return 8;
+  if (cols % 4 == 0 && addresses % 8 == 0) return 4;
+  return 2;
+}
+
+template <int V>
+__device__ __forceinline__ float row_squares(const bf16* x, int cols) {
+  float ss = 0.f;
+  for (int c = V * threadIdx.x; c < cols; c += V * blockDim.x) {
+    float f[V];
+    load_bf16<V>(x + c, f);
+#pragma unroll
+    for (int k = 0; k < V; ++k) ss += f[k] * f[k];
+  }
+  return ss;
+}
+
+template <int V>
+__device__ __forceinline__ void row_scale(const bf16* x, const bf16* w, bf16* y, int cols,
+                                          float r) {
+  for (int c = V * threadIdx.x; c < cols; c += V * blockDim.x) {
+    float v[V], g[V];
+    load_bf16<V>(x + c, v);
+    load_bf16<V>(w + c, g);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = round_bf16(v[k] * r) * g[k];
+    store_bf16<V>(y + c, v);
+  }
+}
+
+// residual += x over one row (each thread's own elements, read back by row_squares and
+// row_scale at the same width, so no barrier is needed between them).
+template <int V>
+__device__ __forceinline__ void row_add(bf16* res, const bf16* x, int cols) {
+  for (int c = V * threadIdx.x; c < cols; c += V * blockDim.x) {
+    float a[V], b[V];
+    load_bf16<V>(res + c, a);
+    load_bf16<V>(x + c, b);
+#pragma unroll
+    for (int k = 0; k < V; ++k) a[k] += b[k];
+    store_bf16<V>(res + c, a);
+  }
+}
+
+template <int V>
+__device__ __forceinline__ void block_norm(const bf16* x, const bf16* w, bf16* y, int cols,
+                                           float eps, float* scratch) {
+  const float ss = block_sum(row_squares<V>(x, cols), scratch);
+  row_scale<V>(x, w, y, cols, rsqrtf(ss / (float)cols + eps));
+}
+
+// y[r] = rmsnorm(x[r]) * w. grid (rows), block (cols/8 rounded up to a warp, at most 256).
 extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                         bf16* __restrict__ y, int rows, int cols, float eps) {
-  const int row = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-  if (row >= rows) return;
-  const long long off = (long long)row * cols;
-  norm_row(x + off, w, y + off, cols, eps, threadIdx.x & 31);
+  __shared__ float scratch[32];
+  const int v = block_width(cols, bits(x, w, y) | (uintptr_t)(cols * 2));
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    const long long off = (long long)row * cols;
+    if (v == 8) block_norm<8>(x + off, w, y + off, cols, eps, scratch);
+    else if (v == 4) block_norm<4>(x + off, w, y + off, cols, eps, scratch);
+    else block_norm<2>(x + off, w, y + off, cols, eps, scratch);
+  }
 }
 
 // residual[r] = bf16(residual[r] + x[r]); y[r] = rmsnorm(residual[r]) * w.
-// grid (ceil(rows/4)), block (128).
+// grid (rows), block (cols/8 rounded up to a warp, at most 256).
 extern "C" __global__ void add_rmsnorm_bf16(bf16* __restrict__ residual,
                                             const bf16* __restrict__ x,
                                             const bf16* __restrict__ w, bf16* __restrict__ y,
                                             int rows, int cols, float eps) {
-  const int row = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-  if (row >= rows) return;
-  const int lane = threadIdx.x & 31;
-  const long long off = (long long)row * cols;
-  bf16* res = residual + off;
-  // Pass 1 writes the new residual; pass 2 (norm_row) reads back only this lane's own words.
-  for (int c = 2 * lane; c < cols; c += 64) {
-    float2 a = unpack_bf16x2(*reinterpret_cast<const uint32_t*>(res + c));
-    float2 b = unpack_bf16x2(*reinterpret_cast<const uint32_t*>(x + off + c));
-    *reinterpret_cast<uint32_t*>(res + c) = pack_bf16x2(a.x + b.x, a.y + b.y);
+  __shared__ float scratch[32];
+  const int v = block_width(cols, bits(residual, x, w) | reinterpret_cast<uintptr_t>(y) |
+                                      (uintptr_t)(cols * 2));
+  for (int row = blockIdx.x; row < rows; row += gridDim.x) {
+    const long long off = (long long)row * cols;
+    bf16* res = residual + off;
+    if (v == 8) {
+      row_add<8>(res, x + off, cols);
+      block_norm<8>(res, w, y + off, cols, eps, scratch);
+    } else if (v == 4) {
+      row_add<4>(res, x + off, cols);
+      block_norm<4>(res, w, y + off, cols, eps, scratch);
+    } else {
+      row_add<2>(res, x + off, cols);
+      block_norm<2>(res, w, y + off, cols, eps, scratch);
+    }
   }
-  norm_row(res, w, y + off, cols, eps, lane);
 }
 
 // Per-head RMSNorm of q and k inside a packed qkv row [q: nq*hd | k: nk*hd | v: nk*hd], in place.
@@ -67,16 +214,22 @@ extern "C" __global__ void head_rmsnorm_bf16(bf16* __restrict__ qkv, const bf16*
   const long long row = item / heads;
   const int head = (int)(item % heads);
   bf16* x = qkv + row * (long long)(nq + 2 * nk) * hd + (long long)head * hd;
-  norm_row(x, w + (head < nq ? 0 : hd), x, hd, eps, threadIdx.x & 31);
+  norm_row(x, w + (head < nq ? 0 : hd), x, hd, eps, threadIdx.x & 31,
+           width(hd, bits(qkv, w, w) | (uintptr_t)(hd * 2)));
 }
 
 // y[s] = rmsnorm(x[(s+1)*rows_per_seq - 1]) * w: the last row of each sequence's rows.
-// grid (ceil(seqs/4)), block (128).
+// grid (seqs), block (cols/8 rounded up to a warp, at most 256).
 extern "C" __global__ void rmsnorm_last_bf16(const bf16* __restrict__ x,
                                              const bf16* __restrict__ w, bf16* __restrict__ y,
                                              int seqs, int rows_per_seq, int cols, float eps) {
-  const int seq = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-  if (seq >= seqs) return;
-  const long long src = ((long long)(seq + 1) * rows_per_seq - 1) * cols;
-  norm_row(x + src, w, y + (long long)seq * cols, cols, eps, threadIdx.x & 31);
+  __shared__ float scratch[32];
+  const int v = block_width(cols, bits(x, w, y) | (uintptr_t)(cols * 2));
+  for (int seq = blockIdx.x; seq < seqs; seq += gridDim.x) {
+    const bf16* src = x + ((long long)(seq + 1) * rows_per_seq - 1) * cols;
+    bf16* dst = y + (long long)seq * cols;
+    if (v == 8) block_norm<8>(src, w, dst, cols, eps, scratch);
+    else if (v == 4) block_norm<4>(src, w, dst, cols, eps, scratch);
+    else block_norm<2>(src, w, dst, cols, eps, scratch);
+  }
 }

@@ -17,26 +17,66 @@ extern "C" __global__ void rope_table_f32(float* __restrict__ table, int max_pos
   table[pos * hd + half + i] = (float)sin(angle);
 }
 
-// In place on the q and k heads of packed qkv rows [q: nq*hd | k: nk*hd | v: nk*hd]:
 // x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin (x1, x2 = first and second half of a head),
-// cos/sin from table row positions[r]. One thread per (row, head, i < hd/2).
-// grid (ceil(rows*(nq+nk)*hd/2/256)), block (256).
+// each product rounded (no fused multiply-add): the wide and narrow paths, compiled apart,
+// give the same bits, as the numpy reference computes them.
+__device__ __forceinline__ void rotate(float& x1, float& x2, float c, float s) {
+  const float a = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+  const float b = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+  x1 = a;
+  x2 = b;
+}
+
+// In place on the q and k heads of packed qkv rows [q: nq*hd | k: nk*hd | v: nk*hd]: each
+// head's halves rotated, cos/sin from table row positions[r].
+// Grid-stride over (row, head, i < hd/2): 4 consecutive i at a time (8-byte bf16 and 16-byte
+// table loads) when hd/2 is a multiple of 4 and the buffers aligned, else one, so any grid is
+// correct; the example sizes it grid (ceil(rows*(nq+nk)*hd/8/256)), block (256), when it can.
 extern "C" __global__ void rope_neox_bf16(bf16* __restrict__ qkv,
                                           const int* __restrict__ positions,
                                           const float* __restrict__ table, int rows, int nq,
                                           int nk, int hd) {
   const int half = hd / 2;
   const int heads = nq + nk;
-  const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (idx >= (long long)rows * heads * half) return;
-  const int i = (int)(idx % half);
-  const long long rh = idx / half;
-  const int head = (int)(rh % heads);
-  const long long row = rh / heads;
-  bf16* x = qkv + row * (long long)(nq + 2 * nk) * hd + (long long)head * hd;
-  const float* t = table + (long long)positions[row] * hd;
-  const float c = t[i], s = t[half + i];
-  const float x1 = __bfloat162float(x[i]), x2 = __bfloat162float(x[half + i]);
-  x[i] = __float2bfloat16(x1 * c - x2 * s);
-  x[half + i] = __float2bfloat16(x2 * c + x1 * s);
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const uintptr_t bases = reinterpret_cast<uintptr_t>(qkv) | reinterpret_cast<uintptr_t>(table);
+  if (half % 4 == 0 && bases % 16 == 0) {
+    const int quads = half / 4;
+    for (long long v = first; v < (long long)rows * heads * quads; v += stride) {
+      const int i = (int)(v % quads) * 4;
+      const long long rh = v / quads;
+      const int head = (int)(rh % heads);
+      const long long row = rh / heads;
+      bf16* x = qkv + row * (long long)(nq + 2 * nk) * hd + (long long)head * hd;
+      const float* t = table + (long long)positions[row] * hd;
+      const float4 c = *reinterpret_cast<const float4*>(t + i);
+      const float4 s = *reinterpret_cast<const float4*>(t + half + i);
+      const uint2 lo = *reinterpret_cast<const uint2*>(x + i);
+      const uint2 hi = *reinterpret_cast<const uint2*>(x + half + i);
+      float2 a0 = unpack_bf16x2(lo.x), a1 = unpack_bf16x2(lo.y);
+      float2 b0 = unpack_bf16x2(hi.x), b1 = unpack_bf16x2(hi.y);
+      rotate(a0.x, b0.x, c.x, s.x);
+      rotate(a0.y, b0.y, c.y, s.y);
+      rotate(a1.x, b1.x, c.z, s.z);
+      rotate(a1.y, b1.y, c.w, s.w);
+      *reinterpret_cast<uint2*>(x + i) = make_uint2(pack_bf16x2(a0.x, a0.y),
+                                                    pack_bf16x2(a1.x, a1.y));
+      *reinterpret_cast<uint2*>(x + half + i) = make_uint2(pack_bf16x2(b0.x, b0.y),
+                                                           pack_bf16x2(b1.x, b1.y));
+    }
+    return;
+  }
+  for (long long idx = first; idx < (long long)rows * heads * half; idx += stride) {
+    const int i = (int)(idx % half);
+    const long long rh = idx / half;
+    const int head = (int)(rh % heads);
+    const long long row = rh / heads;
+    bf16* x = qkv + row * (long long)(nq + 2 * nk) * hd + (long long)head * hd;
+    const float* t = table + (long long)positions[row] * hd;
+    float x1 = __bfloat162float(x[i]), x2 = __bfloat162float(x[half + i]);
+    rotate(x1, x2, t[i], t[half + i]);
+    x[i] = __float2bfloat16(x1);
+    x[half + i] = __float2bfloat16(x2);
+  }
 }

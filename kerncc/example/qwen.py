@@ -72,6 +72,17 @@ def mul(e: Any, c: int) -> dict:
     return {"mul": [e, c]}
 
 
+def norm_block(cols: int) -> int:
+    """Threads of a row-norm block: one per 8 columns, whole warps, at most 256."""
+    return min(256, 32 * ceil(ceil(cols, 8), 32))
+
+
+def vector(n: int, width: int) -> int:
+    """The elements a thread handles at once: `width` when n is a multiple of it, else 1
+    (the kernels' own test, so the grid covers exactly what they step over)."""
+    return width if n % width == 0 else 1
+
+
 def kernel_launch(entry: str, params: list[str], args: list[dict], grid: list[Any], block: int,
                   shared_mem: int = 0) -> dict:
     """One launch of a library kernel: its params, the args that feed them, its geometry."""
@@ -152,18 +163,23 @@ def ops(c: QwenConfig) -> dict[str, dict]:
     return {
         "embed": kernel_op([IN_I32, IN_BF16, OUT_BF16, "i32"], "embedding_gather_bf16",
                            ["i32"], [i32(c.hidden)], [rows], 128),
+        # a block per row (kernels/norm.cu); rmsnorm_last too, per sequence
         "rmsnorm": kernel_op([IN_BF16, IN_BF16, OUT_BF16, "i32"], "rmsnorm_bf16",
-                             ["i32", "f32"], [i32(c.hidden), eps], [ceil_div(rows, 4)], 128),
+                             ["i32", "f32"], [i32(c.hidden), eps], [rows], norm_block(c.hidden)),
         "add_rmsnorm": kernel_op([INOUT_BF16, IN_BF16, IN_BF16, OUT_BF16, "i32"],
                                  "add_rmsnorm_bf16", ["i32", "f32"], [i32(c.hidden), eps],
-                                 [ceil_div(rows, 4)], 128),
+                                 [rows], norm_block(c.hidden)),
         "qk_norm": kernel_op([INOUT_BF16, IN_BF16, "i32"], "head_rmsnorm_bf16",
                              ["i32"] * 3 + ["f32"], heads + [eps],
                              [ceil_div(mul(rows, nq + nk), 4)], 128),
+        # rope, kv_write and silu_mul step over their elements 4 or 8 at a time when the
+        # sizes allow (kernels/*.cu); any grid is correct, this one has no idle threads.
         "rope": kernel_op([INOUT_BF16, IN_I32, IN_F32, "i32"], "rope_neox_bf16", ["i32"] * 3,
-                          heads, [ceil_div(mul(rows, (nq + nk) * hd // 2), 256)], 256),
+                          heads, [ceil_div(mul(rows, (nq + nk) * hd // 2 // vector(hd // 2, 4)),
+                                           256)], 256),
         "kv_write": kernel_op([IN_BF16, IN_I32, INOUT_STATE, "i32"], "kv_write_bf16",
-                              ["i32"] * 3, heads, [ceil_div(mul(rows, nk * hd), 256)], 256),
+                              ["i32"] * 3, heads,
+                              [ceil_div(mul(rows, nk * hd // vector(nk * hd, 4)), 256)], 256),
         "attn_prefill": kernel_op([IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, "i32"],
                                   "attn_prefill_bf16", ["i32"] * 4 + ["f32"], attn,
                                   [ceil_div(rows, 64 // c.group), nk], 256,
@@ -171,9 +187,11 @@ def ops(c: QwenConfig) -> dict[str, dict]:
         "attn_decode": attn_decode_op(c),
         "silu_mul": kernel_op([IN_BF16, OUT_BF16, "i32"], "silu_mul_bf16", ["i32", "i32"],
                               [i32(c.intermediate), i32(c.gate_up_block)],
-                              [ceil_div(mul(rows, c.intermediate), 256)], 256),
+                              [ceil_div(mul(rows, c.intermediate // vector(
+                                  math.gcd(c.intermediate, c.gate_up_block), 8)), 256)], 256),
         "final_norm": kernel_op([IN_BF16, IN_BF16, OUT_BF16, "i32", "i32"], "rmsnorm_last_bf16",
-                                ["i32", "f32"], [i32(c.hidden), eps], [ceil_div("seqs", 4)], 128),
+                                ["i32", "f32"], [i32(c.hidden), eps], ["seqs"],
+                                norm_block(c.hidden)),
         "argmax": kernel_op([IN_F32, OUT_I32, "i32"], "argmax_f32", ["i32"], [i32(c.vocab)],
                             ["seqs"], 256),
         "rope_table": kernel_op([OUT_F32], "rope_table_f32", ["i32", "i32", "f32"],

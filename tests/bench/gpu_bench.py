@@ -323,6 +323,16 @@ def against_torch(model: dict) -> None:
     ours_tokens = generator.generate(prompt, 9, 512).tokens
     theirs_tokens = torch_generate(prompt, 9)
     row("torch", "greedy tokens equal to torch (9; a near-tie may flip)", f"{sum(a == b for a, b in zip(ours_tokens, theirs_tokens))}/9")
+    # Whether a flip is a near-tie: the first token's logits side by side, and torch's gap
+    # between its top two against how far the implementations differ.
+    ours_logits = np.asarray(generator.generate(prompt, 1, 512).logits[-1], np.float32)
+    ref.reset()
+    theirs_logits = ref.prefill(prompt).float().cpu().numpy().reshape(-1)
+    scale = float(np.abs(theirs_logits).max())
+    top2 = np.sort(theirs_logits)[-2:]
+    row("torch", "first token's logits: max |diff| vs torch / max |logit|; torch's top-2 gap "
+        "/ max |logit|", f"{float(np.abs(ours_logits - theirs_logits).max()) / scale:.2e}; "
+        f"{float(top2[1] - top2[0]) / scale:.2e}")
 
     long = [int(t) for t in np.random.default_rng(4).integers(1, 32000, 8192)]
     ours_ttft = ttft(chain, long, 512)
