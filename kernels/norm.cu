@@ -46,27 +46,27 @@ __device__ __forceinline__ void store_bf16(bf16* p, const float (&f)[V]) {
   }
 }
 
+// The elements a thread handles: from `first`, every `step` (a warp's lanes or a block's
+// threads, V apiece); the sum of their squares, and y = bf16(bf16(x * r) * w) on them. x may
+// alias y (each thread rewrites what it read).
 template <int V>
-__device__ __forceinline__ float inv_rms(const bf16* x, int cols, float eps, int lane) {
+__device__ __forceinline__ float squares(const bf16* x, int cols, int first, int step) {
   float ss = 0.f;
 #pragma unroll 4
-  for (int c = V * lane; c < cols; c += 32 * V) {
+  for (int c = first; c < cols; c += step) {
     float f[V];
     load_bf16<V>(x + c, f);
 #pragma unroll
     for (int k = 0; k < V; ++k) ss += f[k] * f[k];
   }
-  ss = warp_sum(ss);
-  return rsqrtf(ss / (float)cols + eps);
+  return ss;
 }
 
-// y = bf16(bf16(x * r) * w) for one row; x may alias y (each lane rewrites what it read).
 template <int V>
-__device__ __forceinline__ void norm_row_v(const bf16* x, const bf16* w, bf16* y, int cols,
-                                           float eps, int lane) {
-  const float r = inv_rms<V>(x, cols, eps, lane);
+__device__ __forceinline__ void scale(const bf16* x, const bf16* w, bf16* y, int cols, float r,
+                                      int first, int step) {
 #pragma unroll 4
-  for (int c = V * lane; c < cols; c += 32 * V) {
+  for (int c = first; c < cols; c += step) {
     float v[V], g[V];
     load_bf16<V>(x + c, v);
     load_bf16<V>(w + c, g);
@@ -74,6 +74,15 @@ __device__ __forceinline__ void norm_row_v(const bf16* x, const bf16* w, bf16* y
     for (int k = 0; k < V; ++k) v[k] = round_bf16(v[k] * r) * g[k];
     store_bf16<V>(y + c, v);
   }
+}
+
+// ---- a warp per row --------------------------------------------------------------------
+
+template <int V>
+__device__ __forceinline__ void norm_row_v(const bf16* x, const bf16* w, bf16* y, int cols,
+                                           float eps, int lane) {
+  const float ss = warp_sum(squares<V>(x, cols, V * lane, 32 * V));
+  scale<V>(x, w, y, cols, rsqrtf(ss / (float)cols + eps), V * lane, 32 * V);
 }
 
 // The widest loads the row allows: 8 (cols % 256 == 0, 16-byte aligned), 4, else 2. The same
@@ -119,33 +128,8 @@ __device__ __forceinline__ int block_width(int cols, uintptr_t addresses) {
   return 2;
 }
 
-template <int V>
-__device__ __forceinline__ float row_squares(const bf16* x, int cols) {
-  float ss = 0.f;
-  for (int c = V * threadIdx.x; c < cols; c += V * blockDim.x) {
-    float f[V];
-    load_bf16<V>(x + c, f);
-#pragma unroll
-    for (int k = 0; k < V; ++k) ss += f[k] * f[k];
-  }
-  return ss;
-}
-
-template <int V>
-__device__ __forceinline__ void row_scale(const bf16* x, const bf16* w, bf16* y, int cols,
-                                          float r) {
-  for (int c = V * threadIdx.x; c < cols; c += V * blockDim.x) {
-    float v[V], g[V];
-    load_bf16<V>(x + c, v);
-    load_bf16<V>(w + c, g);
-#pragma unroll
-    for (int k = 0; k < V; ++k) v[k] = round_bf16(v[k] * r) * g[k];
-    store_bf16<V>(y + c, v);
-  }
-}
-
-// residual += x over one row (each thread's own elements, read back by row_squares and
-// row_scale at the same width, so no barrier is needed between them).
+// residual += x over one row (each thread's own elements, read back by squares and scale
+// at the same width, so no barrier is needed between them).
 template <int V>
 __device__ __forceinline__ void row_add(bf16* res, const bf16* x, int cols) {
   for (int c = V * threadIdx.x; c < cols; c += V * blockDim.x) {
@@ -161,8 +145,9 @@ __device__ __forceinline__ void row_add(bf16* res, const bf16* x, int cols) {
 template <int V>
 __device__ __forceinline__ void block_norm(const bf16* x, const bf16* w, bf16* y, int cols,
                                            float eps, float* scratch) {
-  const float ss = block_sum(row_squares<V>(x, cols), scratch);
-  row_scale<V>(x, w, y, cols, rsqrtf(ss / (float)cols + eps));
+  const int first = V * threadIdx.x, step = V * blockDim.x;
+  const float ss = block_sum(squares<V>(x, cols, first, step), scratch);
+  scale<V>(x, w, y, cols, rsqrtf(ss / (float)cols + eps), first, step);
 }
 
 // y[r] = rmsnorm(x[r]) * w. grid (rows), block (cols/8 rounded up to a warp, at most 256).
