@@ -20,7 +20,7 @@ import attrs
 from kerncc import manifest as m
 from kerncc.bundle_index import index_problems
 from kerncc.diagnostics import Diagnostic, KernccError, Location
-from kerncc.jsonsource import TOO_DEEP, PositionIndex
+from kerncc.jsonsource import TOO_DEEP, PositionIndex, parse_json
 from kerncc.runtime.plan_check import MalformedPlan, check_plan
 from kerncc.symbolic import Proof, check_stages
 from kerncc.verify import verify
@@ -124,20 +124,13 @@ def stage_plan(folder: Path, texts: dict[str, bytes], man: m.Manifest) -> dict[s
         raise err.located(PositionIndex.locator(_text(texts["manifest.json"], where),
                                                 str(where))) from None
     path = folder / "plan.json"
+    text = _text(texts["plan.json"], path)
+    plan = parse_json(text, str(path))  # as strictly as the runtime reads it
     try:
-        plan = json.loads(texts["plan.json"])
-    except (ValueError, UnicodeDecodeError) as err:  # a JSONDecodeError, or 5000 digits
-        raise _fail(f"`{path}` is not JSON: {err}") from None
-    except RecursionError:
-        raise _fail(f"`{path}` is not JSON: {TOO_DEEP}") from None
-    try:
-        if not isinstance(plan, dict):
-            raise MalformedPlan("plan.json must hold an object", "")
         check_plan(plan, man)
     except MalformedPlan as err:
         raise KernccError(HEADLINE, [Diagnostic(str(err), Location(err.ptr, str(path)))]
-                          ).located(PositionIndex.locator(_text(texts["plan.json"], path),
-                                                          str(path))) from None
+                          ).located(PositionIndex.locator(text, str(path))) from None
     return plan
 
 

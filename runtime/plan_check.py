@@ -91,9 +91,10 @@ def _check_memory(plan: dict, man: m.Manifest) -> None:
     for section in ("buffers", "states"):
         found = _typed(plan["memory"].get(section, {}), dict, f"/memory/{section}")
         for name in sorted(set(found) | set(expected[section])):
-            if found.get(name) != expected[section].get(name):
+            want = expected[section].get(name)
+            if found.get(name) != want:
                 raise MalformedPlan(f"{section[:-1]} `{name}` is {_short(found.get(name))}, "
-                                    f"but manifest.json gives {_short(expected[section].get(name))}",
+                                    f"but manifest.json gives {_short(want)}",
                                     pointer("memory", section, name))
 
 

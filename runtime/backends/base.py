@@ -65,7 +65,8 @@ class Backend(abc.ABC):
         """A pointer as the integer a `bytes<n>` pack holds."""
 
     def tensormap(self, pointer: Any, record: dict) -> bytes:
-        """The 128-byte descriptor of a pack's `tensormap` field (cpu: zeros; no kernel reads it)."""
+        """The 128-byte descriptor of a pack's `tensormap` field (cpu: zeros; no kernel reads
+        it)."""
         return bytes(128)
 
     @abc.abstractmethod

@@ -144,7 +144,8 @@ def correctness(model: dict, size: str, gpus: int) -> None:
                 if tokens == tokens2 and logits.tobytes() == logits2.tobytes():
                     same += 1
                     continue
-                steps = [i for i in range(len(logits)) if logits[i].tobytes() != logits2[i].tobytes()]
+                steps = [i for i in range(len(logits))
+                         if logits[i].tobytes() != logits2[i].tobytes()]
                 say(f"    differs: {name}, prompt {n}, chunk {chunk}: tokens equal "
                     f"{tokens == tokens2}, steps differing {steps}, max |diff| "
                     f"{np.abs(logits - logits2).max():.3e}")
@@ -322,7 +323,8 @@ def against_torch(model: dict) -> None:
     row("torch", "kerncc / torch decode (gate <= 0.5)", f"{ours / theirs:.3f}")
     ours_tokens = generator.generate(prompt, 9, 512).tokens
     theirs_tokens = torch_generate(prompt, 9)
-    row("torch", "greedy tokens equal to torch (9; a near-tie may flip)", f"{sum(a == b for a, b in zip(ours_tokens, theirs_tokens))}/9")
+    equal = sum(a == b for a, b in zip(ours_tokens, theirs_tokens))
+    row("torch", "greedy tokens equal to torch (9; a near-tie may flip)", f"{equal}/9")
     # Whether a flip is a near-tie: the first token's logits side by side, and torch's gap
     # between its top two against how far the implementations differ.
     ours_logits = np.asarray(generator.generate(prompt, 1, 512).logits[-1], np.float32)
