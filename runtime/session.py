@@ -192,8 +192,11 @@ class Session:
 
     def _require_checkpoint(self) -> Callable[[str], np.ndarray]:
         if self._tensors is None:
+            index = self.bundle.dir / "bundle.json"
             raise KernccError.single(f"stage {self.stage.index} binds weights from a checkpoint, "
-                                     "but none was given and the bundle records none")
+                                     f"but none was given and `{index}` records none "
+                                     "(give one: `kerncc run --weights FILE`, `checkpoint=`)",
+                                     "/checkpoint")
         return self._tensors.get
 
     @property
