@@ -150,6 +150,14 @@ def kv_write_bf16(launch: Any, qkv, slot_mapping, kv, rows, nq, nk, hd) -> None:
     cache[slots[keep]] = rows_kv[keep, nq:].reshape(-1, 2, nk, hd)
 
 
+def qk_norm_rope_kv_bf16(launch: Any, qkv, w, positions, table, slot_mapping, kv, rows, nq, nk,
+                         hd, eps) -> None:
+    """head_rmsnorm_bf16, rope_neox_bf16 and kv_write_bf16 in sequence (one launch on a GPU)."""
+    head_rmsnorm_bf16(launch, qkv, w, rows, nq, nk, hd, eps)
+    rope_neox_bf16(launch, qkv, positions, table, rows, nq, nk, hd)
+    kv_write_bf16(launch, qkv, slot_mapping, kv, rows, nq, nk, hd)
+
+
 def _gather_keys(cache: np.ndarray, table_row: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     """K and V ([n, nk, hd] f32) of keys 0..n-1 of the sequence whose page row is table_row."""
     keys = np.arange(n)
@@ -302,6 +310,7 @@ KERNELS: dict[str, Callable[..., None]] = {
         rope_table_f32,
         rope_neox_bf16,
         kv_write_bf16,
+        qk_norm_rope_kv_bf16,
         attn_prefill_bf16,
         attn_decode_split_bf16,
         attn_decode_combine_bf16,

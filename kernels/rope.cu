@@ -1,5 +1,5 @@
 // Module `rope`: rotary position embedding (neox style: rotate the two halves of a head).
-#include "common.cuh"
+#include "rope.cuh"
 
 // table[p, i] = cos(p * theta^(-2i/hd)), table[p, hd/2 + i] = sin(...), for p < max_pos,
 // i < hd/2. Computed in double (run once at load) so the f32 table is correctly rounded.
@@ -15,16 +15,6 @@ extern "C" __global__ void rope_table_f32(float* __restrict__ table, int max_pos
   const double angle = (double)pos * inv_freq;
   table[pos * hd + i] = (float)cos(angle);
   table[pos * hd + half + i] = (float)sin(angle);
-}
-
-// x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin (x1, x2 = first and second half of a head),
-// each product rounded (no fused multiply-add): the wide and narrow paths, compiled apart,
-// give the same bits, as the numpy reference computes them.
-__device__ __forceinline__ void rotate(float& x1, float& x2, float c, float s) {
-  const float a = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
-  const float b = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
-  x1 = a;
-  x2 = b;
 }
 
 // In place on the q and k heads of packed qkv rows [q: nq*hd | k: nk*hd | v: nk*hd]: each

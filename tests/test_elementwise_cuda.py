@@ -260,3 +260,43 @@ def test_rmsnorm_last(gpu, cols):
                [gpu.upload(x), gpu.upload(w), y, ctypes.c_int32(seqs), ctypes.c_int32(per_seq),
                 ctypes.c_int32(cols), ctypes.c_float(eps)])
     close_bf16(gpu.download(y, want), want)
+
+
+@pytest.mark.parametrize("rows, nq, nk, hd", [(21, 16, 8, 128), (7, 4, 2, 16), (5, 3, 1, 20),
+                                              (4, 2, 2, 256)])
+@pytest.mark.parametrize("shift", SHIFTS)
+def test_qk_norm_rope_kv_is_the_three_kernels_in_one(gpu, rows, nq, nk, hd, shift):
+    """The fused launch gives the bits of head_rmsnorm, rope_neox and kv_write in sequence."""
+    rng = np.random.default_rng(rows * hd + nq)
+    eps = np.float32(1e-6)
+    qkv = bf16_bits(rng.standard_normal((rows, (nq + 2 * nk) * hd)).astype(np.float32) * 2)
+    w = bf16_bits(1 + 0.1 * rng.standard_normal(2 * hd).astype(np.float32))
+    positions = rng.integers(0, 300, rows).astype(np.int32)
+    half = hd // 2
+    angle = np.arange(300)[:, None] * 10000.0 ** (-2 * np.arange(half) / hd)[None, :]
+    table = np.concatenate([np.cos(angle), np.sin(angle)], axis=1).astype(np.float32)
+    slots = rng.permutation(2 * rows)[:rows].astype(np.int32)
+    slots[1::3] = -1
+    kv = bf16_bits(rng.standard_normal(2 * rows * 2 * nk * hd).astype(np.float32))
+    want_qkv, want_kv = qkv.copy(), kv.copy()
+    KERNELS["qk_norm_rope_kv_bf16"](None, u8(want_qkv), u8(w), u8(positions), u8(table),
+                                    u8(slots), u8(want_kv), rows, nq, nk, hd, eps)
+    ints = [ctypes.c_int32(rows), ctypes.c_int32(nq), ctypes.c_int32(nk), ctypes.c_int32(hd)]
+    common = [gpu.upload(w), gpu.upload(positions), gpu.upload(table), gpu.upload(slots)]
+    fused_qkv, fused_kv = gpu.upload(qkv, shift), gpu.upload(kv)
+    gpu.launch("qk_rope_kv", "qk_norm_rope_kv_bf16", -(-rows * (nq + 2 * nk) // 4), 128,
+               [fused_qkv, *common, fused_kv, *ints, ctypes.c_float(eps)])
+    split_qkv, split_kv = gpu.upload(qkv, shift), gpu.upload(kv)
+    w_ptr, pos_ptr, table_ptr, slot_ptr = common
+    gpu.launch("norm", "head_rmsnorm_bf16", -(-rows * (nq + nk) // 4), 128,
+               [split_qkv, w_ptr, *ints, ctypes.c_float(eps)])
+    gpu.launch("rope", "rope_neox_bf16", -(-rows * (nq + nk) * half // 256), 256,
+               [split_qkv, pos_ptr, table_ptr, *ints])
+    gpu.launch("kv_cache", "kv_write_bf16", -(-rows * nk * hd // 256), 256,
+               [split_qkv, slot_ptr, split_kv, *ints])
+    got_qkv, got_kv = gpu.download(fused_qkv, qkv), gpu.download(fused_kv, kv)
+    assert np.array_equal(got_qkv, gpu.download(split_qkv, qkv)), "qkv differs from the three"
+    assert np.array_equal(got_kv, gpu.download(split_kv, kv)), "kv differs from the three"
+    close_bf16(got_qkv, want_qkv, ulps=2)  # a norm's rounding, then rope's
+    assert not np.array_equal(got_kv, kv)
+    close_bf16(got_kv, want_kv, ulps=2)

@@ -34,7 +34,7 @@ def model(tmp_path_factory) -> tuple[Path, Path]:
 def bundle_dir(model) -> Path:
     manifest, _ = model
     out = manifest.parent / "two"
-    pipeline = "cut{at=12},share-states,slice-once,slice-derive,emit"
+    pipeline = "cut{at-label=l1.input_norm},share-states,slice-once,slice-derive,emit"
     assert main(["lower", str(manifest), "-p", pipeline, "-o", str(out)]) == 0
     return out
 

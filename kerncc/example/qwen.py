@@ -4,10 +4,11 @@
 struct order, maps sorted, 2-space indent), `model.safetensors` (deterministic random bf16
 weights under HF Qwen3 names) and `config.json` (HF-style, read by the oracle).
 
-The manifest, per layer i (11 calls, layer i starting at call 1 + 11*i in every driven
-program, so `l{i}.qkv_proj` is call 2 + 11*i everywhere):
-  input_norm, qkv_proj, qk_norm, rope, kv_write, attention, o_proj, post_norm,
-  gate_up_proj, act, down_proj
+The manifest, per layer i (9 calls, layer i starting at call 1 + 9*i in every driven
+program, so `l{i}.qkv_proj` is call 2 + 9*i everywhere):
+  input_norm, qkv_proj, qk_rope_kv, attention, o_proj, post_norm, gate_up_proj, act,
+  down_proj
+(`qk_rope_kv`: q/k head norms, rope and the KV-cache write in one launch)
 framed by `embed` (call 0) and `final_norm`, `lm_head`, `argmax` (the last three).
 Programs: `prefill` (one sequence, `tokens` rows, over a paged KV cache that may already hold
 earlier chunks), `decode` (one row), `decode_batch` (one row for each of up to `seqs`
@@ -33,7 +34,7 @@ IN_I32, OUT_I32 = "in buffer<i32>", "out buffer<i32>"
 IN_F32, OUT_F32 = "in buffer<f32>", "out buffer<f32>"
 IN_STATE, INOUT_STATE = "in state", "inout state"
 
-LAYER_CALLS = ("input_norm", "qkv_proj", "qk_norm", "rope", "kv_write", "attention", "o_proj",
+LAYER_CALLS = ("input_norm", "qkv_proj", "qk_rope_kv", "attention", "o_proj",
                "post_norm", "gate_up_proj", "act", "down_proj")
 
 
@@ -169,22 +170,18 @@ def ops(c: QwenConfig) -> dict[str, dict]:
         "add_rmsnorm": kernel_op([INOUT_BF16, IN_BF16, IN_BF16, OUT_BF16, "i32"],
                                  "add_rmsnorm_bf16", ["i32", "f32"], [i32(c.hidden), eps],
                                  [rows], norm_block(c.hidden)),
-        "qk_norm": kernel_op([INOUT_BF16, IN_BF16, "i32"], "head_rmsnorm_bf16",
-                             ["i32"] * 3 + ["f32"], heads + [eps],
-                             [ceil_div(mul(rows, nq + nk), 4)], 128),
-        # rope, kv_write and silu_mul step over their elements 4 or 8 at a time when the
-        # sizes allow (kernels/*.cu); any grid is correct, this one has no idle threads.
-        "rope": kernel_op([INOUT_BF16, IN_I32, IN_F32, "i32"], "rope_neox_bf16", ["i32"] * 3,
-                          heads, [ceil_div(mul(rows, (nq + nk) * hd // 2 // vector(hd // 2, 4)),
-                                           256)], 256),
-        "kv_write": kernel_op([IN_BF16, IN_I32, INOUT_STATE, "i32"], "kv_write_bf16",
-                              ["i32"] * 3, heads,
-                              [ceil_div(mul(rows, nk * hd // vector(nk * hd, 4)), 256)], 256),
+        # q/k head norms, rope and the KV-cache write of a layer in one launch
+        # (kernels/qk_rope_kv.cu): a warp per (row, head) over all nq + 2*nk heads
+        "qk_rope_kv": kernel_op([INOUT_BF16, IN_BF16, IN_I32, IN_F32, IN_I32, INOUT_STATE,
+                                 "i32"], "qk_norm_rope_kv_bf16", ["i32"] * 3 + ["f32"],
+                                heads + [eps], [ceil_div(mul(rows, nq + 2 * nk), 4)], 128),
         "attn_prefill": kernel_op([IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, "i32"],
                                   "attn_prefill_bf16", ["i32"] * 4 + ["f32"], attn,
                                   [ceil_div(rows, 64 // c.group), nk], 256,
                                   attn_prefill_smem(hd)),
         "attn_decode": attn_decode_op(c),
+        # silu_mul steps over its outputs 8 at a time when the sizes allow (kernels/
+        # activation.cu); any grid is correct, this one has no idle threads.
         "silu_mul": kernel_op([IN_BF16, OUT_BF16, "i32"], "silu_mul_bf16", ["i32", "i32"],
                               [i32(c.intermediate), i32(c.gate_up_block)],
                               [ceil_div(mul(rows, c.intermediate // vector(
@@ -309,10 +306,8 @@ def layer_calls(i: int, prefill: bool) -> list[dict]:
     calls = [
         call(pre + "input_norm", "rmsnorm", buf("residual"), w("input_norm"), buf("normed"), rows),
         call(pre + "qkv_proj", "qkv_proj", buf("normed"), w("qkv_proj"), buf("qkv"), rows),
-        call(pre + "qk_norm", "qk_norm", buf("qkv"), w("qk_norm"), rows),
-        call(pre + "rope", "rope", buf("qkv"), buf("positions"), buf("rope"), rows),
-        call(pre + "kv_write", "kv_write", buf("qkv"), buf("slot_mapping"), {"state": f"kv.{i}"},
-             rows),
+        call(pre + "qk_rope_kv", "qk_rope_kv", buf("qkv"), w("qk_norm"), buf("positions"),
+             buf("rope"), buf("slot_mapping"), {"state": f"kv.{i}"}, rows),
         attention,
         call(pre + "o_proj", "o_proj", buf("attn_out"), w("o_proj"), buf("o_out"), rows),
         call(pre + "post_norm", "add_rmsnorm", buf("residual"), buf("o_out"), w("post_norm"),
