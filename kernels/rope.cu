@@ -38,22 +38,8 @@ extern "C" __global__ void rope_neox_bf16(bf16* __restrict__ qkv,
       const long long rh = v / quads;
       const int head = (int)(rh % heads);
       const long long row = rh / heads;
-      bf16* x = qkv + row * (long long)(nq + 2 * nk) * hd + (long long)head * hd;
-      const float* t = table + (long long)positions[row] * hd;
-      const float4 c = *reinterpret_cast<const float4*>(t + i);
-      const float4 s = *reinterpret_cast<const float4*>(t + half + i);
-      const uint2 lo = *reinterpret_cast<const uint2*>(x + i);
-      const uint2 hi = *reinterpret_cast<const uint2*>(x + half + i);
-      float2 a0 = unpack_bf16x2(lo.x), a1 = unpack_bf16x2(lo.y);
-      float2 b0 = unpack_bf16x2(hi.x), b1 = unpack_bf16x2(hi.y);
-      rotate(a0.x, b0.x, c.x, s.x);
-      rotate(a0.y, b0.y, c.y, s.y);
-      rotate(a1.x, b1.x, c.z, s.z);
-      rotate(a1.y, b1.y, c.w, s.w);
-      *reinterpret_cast<uint2*>(x + i) = make_uint2(pack_bf16x2(a0.x, a0.y),
-                                                    pack_bf16x2(a1.x, a1.y));
-      *reinterpret_cast<uint2*>(x + half + i) = make_uint2(pack_bf16x2(b0.x, b0.y),
-                                                           pack_bf16x2(b1.x, b1.y));
+      rope_quad(qkv + row * (long long)(nq + 2 * nk) * hd + (long long)head * hd,
+                table + (long long)positions[row] * hd, half, i);
     }
     return;
   }
@@ -63,10 +49,6 @@ extern "C" __global__ void rope_neox_bf16(bf16* __restrict__ qkv,
     const int head = (int)(rh % heads);
     const long long row = rh / heads;
     bf16* x = qkv + row * (long long)(nq + 2 * nk) * hd + (long long)head * hd;
-    const float* t = table + (long long)positions[row] * hd;
-    float x1 = __bfloat162float(x[i]), x2 = __bfloat162float(x[half + i]);
-    rotate(x1, x2, t[i], t[half + i]);
-    x[i] = __float2bfloat16(x1);
-    x[half + i] = __float2bfloat16(x2);
+    rope_pair(x, table + (long long)positions[row] * hd, half, i);
   }
 }
