@@ -4,12 +4,16 @@ Every error kerncc reports about its input is a `Diagnostic` carrying kern's mes
 `Location`: a JSON pointer always, plus file, line and column when the input came from text.
 Loading and verifying collect diagnostics (`Diagnostics`) and raise them together as a
 `KernccError`; passes raise a `KernccError` with one diagnostic naming the pass, program and call.
-The CLI turns a `KernccError` into exit code 1 and readable lines, never a traceback.
+The CLI turns a `KernccError` into exit code 1 and readable lines, never a traceback:
+`render_error` prints them like a compiler's (`file:line:col: /pointer: message`, the source
+line, a caret).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 import attrs
@@ -152,3 +156,39 @@ class Diagnostics:
     def raise_if_any(self, headline: str) -> None:
         if self.items:
             raise KernccError(headline, self.items)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering, like a compiler: the source line is read back from the file named in the location
+# (once per file); a message that carries its own caret rendering is printed as it is.
+
+@lru_cache(maxsize=16)
+def _lines(path: str) -> tuple[str, ...]:
+    try:
+        return tuple(Path(path).read_text(encoding="utf-8").splitlines())
+    except (OSError, UnicodeDecodeError):
+        return ()
+
+
+def render_diagnostic(diag: Diagnostic, default_file: str | None = None) -> str:
+    loc = diag.location
+    head = diag.render()
+    if loc.file is None and default_file and not head.startswith(default_file):
+        head = f"{default_file}: {head}"
+    if "\n" in diag.message or loc.file is None or loc.line is None:
+        return head
+    lines = _lines(loc.file)
+    if not 0 < loc.line <= len(lines):
+        return head
+    text = lines[loc.line - 1]
+    col = max(1, loc.column or 1)
+    return f"{head}\n  {text}\n  {' ' * (col - 1)}^"
+
+
+def render_error(err: KernccError, default_file: str | None = None) -> str:
+    lone = err.diagnostics[0] if len(err.diagnostics) == 1 else None
+    if not err.diagnostics or (lone is not None and lone.message == err.headline
+                               and not lone.location.render()):
+        return f"error: {err.headline}"
+    body = "\n".join(render_diagnostic(d, default_file) for d in err.diagnostics)
+    return f"error: {err.headline}\n{body}"

@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 
 from kerncc import manifest as m
-from kerncc import writer
+from kerncc.manifest import writer
 from kerncc.analysis.access import call_access
 from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
 from kerncc.ir import execution_order

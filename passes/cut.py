@@ -17,13 +17,13 @@ import struct
 import attrs
 
 from kerncc import manifest as m
-from kerncc import writer
+from kerncc.manifest import writer
 from kerncc.analysis.access import CallAccess, program_access
 from kerncc.analysis.liveness import buffer_sizes, crossings
 from kerncc.diagnostics import Diagnostics, KernccError, pointer
 from kerncc.ir import IR, Edge
 from kerncc.passes import register
-from kerncc.pipeline import Pass
+from kerncc.pipeline.base import Pass
 from kerncc.stage import assemble, keep_programs
 
 HEADLINE = "manifest cannot be cut:"

@@ -26,10 +26,11 @@ import attrs
 
 from kerncc import __version__
 from kerncc import manifest as m
-from kerncc import protocol, writer
+from kerncc import protocol
+from kerncc.manifest import writer
 from kerncc.atomic import atomic_directory
-from kerncc.bundle_plan import memory_json, program_records
-from kerncc.bundle_render import render_stage
+from kerncc.bundle.plan import memory_json, program_records
+from kerncc.bundle.stage_py import render_stage
 from kerncc.diagnostics import Diagnostic, KernccError, pointer, split_pointer
 from kerncc.ir import IR
 from kerncc.kernels import library

@@ -14,7 +14,7 @@ from kerncc import manifest as m
 from kerncc.analysis.liveness import Liveness, ProgramLiveness, analyze
 from kerncc.ir import IR
 from kerncc.passes import register
-from kerncc.pipeline import Pass
+from kerncc.pipeline.base import Pass
 
 
 @attrs.frozen

@@ -8,7 +8,7 @@ buffer rewritten every layer is therefore free between its last read and the nex
 and other buffers may use its bytes there; `whole-life=true` places each workspace for its
 whole first..last access range instead. An op's scratch is live only during its call and gets
 one slot per call, named `op:<op>/scratch:<name>@<call index>`; all sizes are at var max.
-Placement is `kerncc.layout.arena_layout` (256-aligned); the report gives, per program, the
+Placement is `kerncc.analysis.layout.arena_layout` (256-aligned); the report gives, per program, the
 arena against its lower bound (the most bytes live at one call) and the naive sum.
 """
 
@@ -21,11 +21,11 @@ import attrs
 from kerncc import manifest as m
 from kerncc.analysis.access import program_access
 from kerncc.analysis.liveness import buffer_sizes, live_ins
-from kerncc.bundle_plan import scratch_slot
+from kerncc.bundle.plan import scratch_slot
 from kerncc.ir import IR
-from kerncc.layout import ArenaLayout, Interval, arena_layout
+from kerncc.analysis.layout import ArenaLayout, Interval, arena_layout
 from kerncc.passes import register
-from kerncc.pipeline import Pass
+from kerncc.pipeline.base import Pass
 
 
 @attrs.frozen

@@ -19,7 +19,7 @@ from kerncc.analysis.access import call_access
 from kerncc.diagnostics import Diagnostics, pointer
 from kerncc.ir import IR
 from kerncc.passes import register
-from kerncc.pipeline import Pass
+from kerncc.pipeline.base import Pass
 from kerncc.stage import assemble, crossing_kinds
 
 HEADLINE = "manifest cannot be cut:"

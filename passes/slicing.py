@@ -11,7 +11,7 @@ one reversed sequence makes the result independent of how their names sort.
 
 `slice-derive` also lays out the stage's source staging (spec §5): each source's window
 [first reader, last reader] over the concatenated derive calls, placed first-fit, 256-aligned
-(kerncc.layout.staging_layout), with the peak = derived carry bytes + the widest set of
+(kerncc.analysis.layout.staging_layout), with the peak = derived carry bytes + the widest set of
 sources live at one derive call.
 """
 
@@ -23,9 +23,9 @@ from kerncc import manifest as m
 from kerncc.analysis.access import CallAccess, Region, call_access
 from kerncc.analysis.liveness import buffer_sizes
 from kerncc.ir import IR, execution_order
-from kerncc.layout import StagingLayout, Window, staging_layout
+from kerncc.analysis.layout import StagingLayout, Window, staging_layout
 from kerncc.passes import register
-from kerncc.pipeline import Pass
+from kerncc.pipeline.base import Pass
 from kerncc.stage import assemble, crossing_kinds
 
 

@@ -3,18 +3,15 @@
 `Bundle(dir)` reads `bundle.json` and each stage's `manifest.json`, `plan.json` and (when
 present) `stage.py`, checking every recorded sha256 against the bytes read, the cubins under
 `modules/` against their names, and each plan against its manifest
-(kerncc.runtime.plan_check). Anything missing, tampered or malformed is a KernccError whose
-diagnostics carry the file's path. `Bundle.from_manifest(path)` lowers a plain manifest in
-process (`emit`, optionally after other passes) into a temporary bundle, so a manifest and a
-bundle run through the same code. `Bundle.open(path)` takes either.
+(kerncc.bundle.plan_check). Anything missing, tampered or malformed is a KernccError whose
+diagnostics carry the file's path. The runtime never lowers: `kerncc.lower` (above both the
+compiler and the runtime) turns a manifest into a temporary bundle, so that a manifest and a
+bundle run through the same code.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
-import tempfile
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,10 +20,10 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.diagnostics import Diagnostic, KernccError, Location
-from kerncc.bundle_index import index_problems
-from kerncc.jsonsource import PositionIndex, parse_json
-from kerncc.reader import load_with_locator, read_text
-from kerncc.runtime.plan_check import MalformedPlan, check_plan
+from kerncc.bundle.index import index_problems
+from kerncc.manifest.jsonsource import PositionIndex, parse_json
+from kerncc.manifest.reader import load_with_locator, read_text
+from kerncc.bundle.plan_check import MalformedPlan, check_plan
 from kerncc.stage import host_inputs
 from kerncc.verify import verify
 
@@ -82,36 +79,15 @@ class Bundle:
         return f"Bundle({str(self.dir)!r}, stages={len(self.stages)})"
 
     @classmethod
-    def open(cls, path: str | Path, pipeline: str = "emit") -> Bundle:
-        """A bundle directory as is; a manifest file lowered with `pipeline` (ending in emit)."""
+    def open(cls, path: str | Path) -> Bundle:
+        """A bundle directory (a manifest file is lowered first: `kerncc.lower.open_target`)."""
         path = Path(path)
         if path.is_dir():
             return cls(path)
         if not path.exists():
-            raise KernccError.single(f"`{path}` does not exist (expected a bundle directory or "
-                                     "a manifest file)")
-        return cls.from_manifest(path, pipeline)
-
-    @classmethod
-    def from_manifest(cls, path: str | Path, pipeline: str = "emit") -> Bundle:
-        """Lower the manifest at `path` in process into a temporary bundle and read it.
-
-        The temporary directory lives as long as the returned Bundle. The checkpoint is
-        `model.safetensors` beside the manifest when that file exists.
-        """
-        tmp = Path(tempfile.mkdtemp(prefix="kerncc-bundle-"))
-        try:
-            out = tmp / "bundle"
-            _lower(Path(path), pipeline, out)
-            bundle = cls(out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        weakref.finalize(bundle, shutil.rmtree, tmp, True)
-        beside = Path(path).parent / WEIGHTS_BESIDE_MANIFEST
-        if beside.exists():
-            bundle.checkpoint = beside.resolve()
-        return bundle
+            raise KernccError.single(f"`{path}` does not exist (expected a bundle directory)")
+        raise KernccError.single(f"`{path}` is not a bundle directory (lower a manifest with "
+                                 "`kerncc lower FILE -p emit -o DIR`)")
 
     def _checkpoint(self) -> Path | None:
         recorded = self.index.get("checkpoint")
@@ -227,26 +203,3 @@ def _check_modules(modules: Path) -> None:
     for cubin in sorted(modules.glob("*.cubin")):
         if sha256_of(cubin) != cubin.stem:
             raise bundle_error(cubin, "the cubin's sha256 is not the one its name records")
-
-
-# ---------------------------------------------------------------------------------------------
-# Lowering a manifest in process
-
-
-def _lower(path: Path, pipeline: str, out: Path) -> None:
-    """`kerncc lower PATH -p PIPELINE -o OUT`, in process; the pipeline must end in `emit`."""
-    from kerncc.ir import IR
-    from kerncc.pipeline import pass_spec, resolve_pipeline, run_pipeline
-
-    manifest, locate = load_with_locator(path)
-    try:
-        verify(manifest)
-        passes = resolve_pipeline(pipeline)
-        if not passes or passes[-1].name != "emit":
-            raise KernccError.single(f"pipeline `{pipeline}` must end in `emit` to give a bundle")
-        passes = tuple(attrs.evolve(p, out=str(out)) if p.name == "emit" else p for p in passes)
-        ir = attrs.evolve(IR.from_manifest(manifest, source=str(path)),
-                          pipeline=",".join(str(pass_spec(p)) for p in passes))
-        run_pipeline(ir, passes, input_name=str(path))
-    except KernccError as err:
-        raise err.located(locate) from None

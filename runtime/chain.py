@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from kerncc.diagnostics import KernccError
-from kerncc.runtime.backends.base import Backend, make_backend
+from kerncc.runtime.backends import make_backend
+from kerncc.runtime.backends.base import Backend
 from kerncc.runtime.bundle import Bundle
 from kerncc.runtime.memory import default_token_capacity
 from kerncc.runtime.session import Pending, Session, open_backend, open_bundle

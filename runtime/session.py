@@ -29,7 +29,8 @@ from kerncc.analysis.access import call_access
 from kerncc.diagnostics import Diagnostic, KernccError, Location
 from kerncc.progress import progress
 from kerncc.runtime import domains
-from kerncc.runtime.backends.base import Backend, BackendError, Launcher, make_backend
+from kerncc.runtime.backends import make_backend
+from kerncc.runtime.backends.base import Backend, BackendError, Launcher
 from kerncc.runtime.bundle import Bundle, Stage, bundle_error
 from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
 from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype

@@ -1,4 +1,4 @@
-"""bundle.json's fields (kerncc.bundle_index): the one check the runtime, check and report use."""
+"""bundle.json's fields (kerncc.bundle.index): the one check the runtime, check and report use."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kerncc.bundle_check import check_bundle
-from kerncc.bundle_index import index_problems
-from kerncc.cli import main
+from kerncc.bundle.check import check_bundle
+from kerncc.bundle.index import index_problems
+from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError
-from kerncc.report import read_report
+from kerncc.bundle.report import read_report
 from kerncc.runtime import Bundle
 
 GOLDEN_MODEL = Path(__file__).resolve().parent.parent / "golden" / "bundles" / "cut-two"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kerncc import docgen
-from kerncc.cli import main as kerncc_main
+from kerncc.pipeline import docgen
+from kerncc.cli.main import main as kerncc_main
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

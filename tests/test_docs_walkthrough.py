@@ -89,11 +89,11 @@ def matches(expected: tuple[str, ...], output: str) -> bool:
 
 def environment(bin_dir: Path) -> dict[str, str]:
     """`kerncc` on PATH runs this interpreter's kerncc (what the console script runs:
-    `kerncc.cli:main`), whatever else is installed; unbuffered, so stdout and stderr interleave
+    `kerncc.cli.main:main`), whatever else is installed; unbuffered, so stdout and stderr interleave
     as on a terminal; no progress bars; a fixed width and locale."""
     bin_dir.mkdir(exist_ok=True)
     script = bin_dir / "kerncc"
-    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kerncc.cli "$@"\n')
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kerncc "$@"\n')
     script.chmod(0o755)
     env = dict(os.environ, PYTHONUNBUFFERED="1", KERNCC_NO_PROGRESS="1", COLUMNS="100",
                LC_ALL="C", PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]))

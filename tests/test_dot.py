@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kerncc import reader
+from kerncc.manifest import reader
 from kerncc.dot import render_dot
 from kerncc.ir import IR, dataflow_graph
 from kerncc.passes.cut import cut_ir
@@ -50,7 +50,7 @@ def _fake_dot(tmp_path: Path, monkeypatch, script: str) -> None:
 
 
 def test_svg_is_the_dot_source_drawn_by_graphviz(tmp_path, monkeypatch, capsys) -> None:
-    from kerncc.cli import main
+    from kerncc.cli.main import main
 
     # A stand-in `dot` that proves it was handed the dot source on stdin with -Tsvg.
     _fake_dot(tmp_path, monkeypatch, 'test "$1" = -Tsvg || exit 3\n'
@@ -61,7 +61,7 @@ def test_svg_is_the_dot_source_drawn_by_graphviz(tmp_path, monkeypatch, capsys) 
 
 
 def test_svg_without_graphviz_is_a_clean_error(tmp_path, monkeypatch, capsys) -> None:
-    from kerncc.cli import main
+    from kerncc.cli.main import main
 
     monkeypatch.setenv("PATH", str(tmp_path))
     manifest = str(Path(__file__).parent.parent / "golden" / "inputs" / "layers3.json")

@@ -15,10 +15,11 @@ import attrs
 import pytest
 
 from kerncc import manifest as m
-from kerncc import reader, symbolic
-from kerncc.bundle_check import check_bundle
-from kerncc.bundle_plan import scratch_slot
-from kerncc.cli import main
+from kerncc import symbolic
+from kerncc.manifest import reader
+from kerncc.bundle.check import check_bundle
+from kerncc.bundle.plan import scratch_slot
+from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError
 from kerncc.example.qwen import generate
 from kerncc.ir import IR
@@ -488,7 +489,7 @@ def test_check_bundle_catches_a_stage_that_no_longer_computes_the_whole(
         calls.append(len(stages))
         return real(whole, stages)
 
-    monkeypatch.setattr("kerncc.bundle_check.check_stages", spy)
+    monkeypatch.setattr("kerncc.bundle.check.check_stages", spy)
     check_bundle(bundle)
     assert calls == [2]
 

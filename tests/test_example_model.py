@@ -127,7 +127,8 @@ def test_modules_are_the_library_cubins(tiny):
 
 
 def test_the_verifier_and_protocol_accept_it(tiny, tmp_path):
-    from kerncc import protocol, reader, verify
+    from kerncc import protocol, verify
+    from kerncc.manifest import reader
 
     path = tmp_path / "model.json"
     path.write_text(json.dumps(tiny[0], indent=2) + "\n")

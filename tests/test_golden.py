@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kerncc.cli import main
+from kerncc.cli.main import main
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 CASES = sorted(p for p in GOLDEN.rglob("*.test"))

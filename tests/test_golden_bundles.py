@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kerncc.bundle_check import check_bundle
-from kerncc.cli import main
+from kerncc.bundle.check import check_bundle
+from kerncc.cli.main import main
 
 BUNDLES = Path(__file__).resolve().parent.parent / "golden" / "bundles"
 CASES = sorted(p for p in BUNDLES.iterdir() if (p / "RUN").is_file())

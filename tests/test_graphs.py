@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kerncc.cli import main
+from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.runtime import Chain

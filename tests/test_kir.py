@@ -9,10 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kerncc import kir, reader, writer
+from kerncc import kir, source
+from kerncc.manifest import writer
+from kerncc.manifest import reader
 from kerncc import manifest as m
 from kerncc.diagnostics import KernccError
-from kerncc.kir_parse import DECLARATIONS, FLAGS, keywords
+from kerncc.kir.parse import DECLARATIONS, FLAGS, keywords
 from kerncc.testing import examples
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +158,7 @@ def test_the_keyword_sets_follow_the_grammar() -> None:
 def test_load_reads_kir_files(tmp_path: Path) -> None:
     path = tmp_path / "k.kir"
     path.write_text(KITCHEN_SINK)
-    man, locate = reader.load_with_locator(path)
+    man, locate = source.load_with_locator(path)  # kerncc.source reads .kir and .json
     assert writer.dumps(man) == writer.dumps(kir.loads(KITCHEN_SINK))
     assert locate("/buffers/x").file == str(path)
 
@@ -496,7 +498,7 @@ def test_a_runaway_the_innermost_put_cannot_record_is_placed_at_the_last_put(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The builder's last resort (a RecursionError escaping even the handler inside `put`)
     points at the attribute it was building, not at 1:1."""
-    from kerncc import kir_build
+    from kerncc.kir import build as kir_build
 
     real_error, real_value = kir_build._Build.error, kir_build._Build.value
 

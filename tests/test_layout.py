@@ -1,4 +1,4 @@
-"""kerncc.layout: kern's staging rule (spec §5 properties) and the workspace arena planner."""
+"""kerncc.analysis.layout: kern's staging rule (spec §5 properties) and the workspace arena planner."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kerncc.layout import (
+from kerncc.analysis.layout import (
     ALIGN,
     Interval,
     Window,

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kerncc import passes
-from kerncc.docgen import pass_reference_markdown
+from kerncc.pipeline.docgen import pass_reference_markdown
 from kerncc.diagnostics import Diagnostic, KernccError
 from kerncc.pipeline import (
     DumpDir,

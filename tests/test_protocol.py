@@ -16,7 +16,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from kerncc import protocol, reader
+from kerncc import protocol
+from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
 from kerncc.protocol import (
     HEADLINE,

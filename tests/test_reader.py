@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kerncc import manifest as m
-from kerncc import reader, writer
+from kerncc.manifest import writer
+from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
 from kerncc.testing import Xorshift, examples, random_manifest
 
@@ -172,7 +173,7 @@ def test_seeded_random_manifests_verify() -> None:
 def test_the_cli_prints_no_traceback_for_bad_input(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"schema_version": 5, "model": 3, "buffers": []}')
-    result = subprocess.run([sys.executable, "-m", "kerncc.cli", "verify", str(bad)],
+    result = subprocess.run([sys.executable, "-m", "kerncc", "verify", str(bad)],
                             capture_output=True, text=True)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr

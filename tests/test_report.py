@@ -1,4 +1,4 @@
-"""`kerncc report BUNDLE` (kerncc.report): deterministic, and clean errors for damaged bundles.
+"""`kerncc report BUNDLE` (kerncc.bundle.report): deterministic, and clean errors for damaged bundles.
 
 The goldens (golden/report/) pin the text and JSON forms; here: the report does not depend on
 where the bundle lies, agrees with plan.json and bundle.json, and any value of those two files
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from kerncc.cli import main
+from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError
-from kerncc.report import read_report
+from kerncc.bundle.report import read_report
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 CUT_ONE = GOLDEN / "bundles" / "cut-one"

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kerncc.cli import main
+from kerncc.lower import lower_to_bundle
+from kerncc.cli.main import main
 from kerncc.example import generate
 from kerncc.example.oracle import Oracle
 from kerncc.runtime import Bundle, Chain
@@ -40,7 +41,7 @@ def model(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def generators(model) -> dict[str, Generator]:
     manifest, _ = model
-    out = {"whole": Generator(Chain(Bundle.from_manifest(manifest)))}
+    out = {"whole": Generator(Chain(lower_to_bundle(manifest)))}
     for name, cut in CUTS.items():
         target = manifest.parent / name.replace(" ", "-")
         assert main(["lower", str(manifest), "-p", f"{cut},{PASSES}", "-o", str(target)]) == 0
@@ -101,7 +102,7 @@ def test_stage_py_and_interpreted_plans_agree(generators, model):
 
 def test_the_readme_command_from_a_shell(tmp_path):
     # The installed `kerncc` script when there is one, else the same CLI through this Python.
-    kerncc = shutil.which("kerncc") or f"{shlex.quote(sys.executable)} -m kerncc.cli"
+    kerncc = shutil.which("kerncc") or f"{shlex.quote(sys.executable)} -m kerncc"
     out = shlex.quote(str(tmp_path / "model"))
     logits = tmp_path / "logits.npy"
     command = (f"{kerncc} example qwen --size tiny -o {out} && "

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kerncc.cli import main
+from kerncc.lower import lower_to_bundle
+from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.runtime import Bundle, Chain, Session
@@ -41,7 +42,7 @@ def bundle_dir(model) -> Path:
 
 @pytest.fixture(scope="module")
 def whole(model) -> Session:
-    return Session(Bundle.from_manifest(model[0]))
+    return Session(lower_to_bundle(model[0]))
 
 
 @pytest.fixture
@@ -341,7 +342,7 @@ class Recorder(CpuBackend):
 def probe(tmp_path_factory) -> Bundle:
     path = tmp_path_factory.mktemp("probe") / "probe.json"
     path.write_text(json.dumps(PROBE))
-    return Bundle.from_manifest(path)
+    return lower_to_bundle(path)
 
 
 @pytest.mark.parametrize("interpret", [False, True])

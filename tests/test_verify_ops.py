@@ -1,4 +1,4 @@
-"""Rule group 7 of the verifier (kerncc.verify_ops, verify_wiring, verify_packs).
+"""Rule group 7 of the verifier (kerncc.verify.ops, verify_wiring, verify_packs).
 
 Each negative case edits one valid manifest (`verify_ops_builders.base`) and expects kern's
 exact message at an exact JSON pointer; only rule groups 7 and 8 run, so the cases do not
@@ -13,10 +13,10 @@ import pytest
 from verify_ops_builders import DELETE, add_op, base, checked, diagnostics, edit, edited
 
 from kerncc import manifest as m
-from kerncc.reader import from_raw
+from kerncc.manifest.reader import from_raw
 from kerncc.verify import verify
-from kerncc.verify_packs import tensormap_footprint, tensormap_problems
-from kerncc.verify_wiring import TensorMapUse, describe_arg, op_tensormaps
+from kerncc.verify.packs import tensormap_footprint, tensormap_problems
+from kerncc.verify.wiring import TensorMapUse, describe_arg, op_tensormaps
 
 ACT = ("ops", "act", "impl", "launches")
 TMA = ("ops", "tma", "impl", "launches", 0)

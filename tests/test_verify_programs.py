@@ -1,4 +1,4 @@
-"""Rule group 8 of the verifier (kerncc.verify_programs): programs, calls, dataflow.
+"""Rule group 8 of the verifier (kerncc.verify.programs): programs, calls, dataflow.
 
 Each negative case edits one valid manifest (`verify_ops_builders.base`: a derive program
 `load` and a driven program `p` of four calls, the last unlabeled) and expects kern's exact
@@ -14,7 +14,7 @@ import pytest
 from verify_ops_builders import DELETE, add_op, base, checked, diagnostics, edit, edited
 
 from kerncc import manifest as m
-from kerncc.verify_programs import buffer_size
+from kerncc.verify.programs import buffer_size
 
 P = ("programs", "p", "calls")
 LOAD = ("programs", "load", "calls")

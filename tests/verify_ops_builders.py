@@ -10,10 +10,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kerncc.reader import from_raw
+from kerncc.manifest.reader import from_raw
 from kerncc.verify import Checker
-from kerncc.verify_ops import check_ops
-from kerncc.verify_programs import check_programs
+from kerncc.verify.ops import check_ops
+from kerncc.verify.programs import check_programs
 
 SHA = "ab" * 32
 

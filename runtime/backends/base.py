@@ -159,20 +159,3 @@ class Ready:
 
     def result(self) -> np.ndarray:
         return self.value
-
-
-def make_backend(name: str, **options: Any) -> Backend:
-    """The backend called `name` (`cpu` or `cuda`)."""
-    if name == "cpu":
-        from kerncc.runtime.backends.cpu import CpuBackend
-        return CpuBackend()
-    if name != "cuda":
-        raise KernccError.single(f"unknown backend `{name}` (known: {', '.join(BACKENDS)})")
-    try:
-        from kerncc.runtime.backends import cuda
-    except ImportError as err:
-        raise KernccError.single(f"the cuda backend is not available: {err}") from None
-    try:
-        return cuda.CudaBackend(**options)
-    except BackendError as err:
-        raise KernccError.single(f"the cuda backend is not available: {err}") from None

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kerncc import reader
+from kerncc.manifest import reader
 from kerncc.example.qwen import generate
 from kerncc.ir import IR, dataflow_graph
 from kerncc.pipeline import resolve_pipeline, run_pipeline

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kerncc.cli import main as kerncc
+from kerncc.cli.main import main as kerncc
 from kerncc.example import generate
 from kerncc.runtime import Chain
 from kerncc.runtime.generate import Generator

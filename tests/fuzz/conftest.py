@@ -78,6 +78,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(f"{title}:")
         for name, n in sorted(tally.items()):
             terminalreporter.write_line(f"  {name:<32} {n:>6}")
-    if config.cache is not None:
-        config.cache.set("fuzz/cases", {"total": total, "cases": dict(harness.CASES),
+    cache = getattr(config, "cache", None)  # absent under `-p no:cacheprovider`
+    if cache is not None:
+        cache.set("fuzz/cases", {"total": total, "cases": dict(harness.CASES),
                                         "runs": dict(harness.CALLS)})

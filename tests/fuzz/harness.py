@@ -28,7 +28,7 @@ from typing import Any
 
 import attrs
 
-from kerncc.cli import main
+from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError
 
 CASES: Counter[str] = Counter()  # mutated inputs, per family

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kerncc import kir, reader
+from kerncc import kir
+from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
 from kerncc.testing import Xorshift, random_manifest
 

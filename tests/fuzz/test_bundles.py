@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kerncc.bundle_check import check_bundle
+from kerncc.bundle.check import check_bundle
 from kerncc.diagnostics import KernccError
 from kerncc.runtime import Bundle, Session
 from kerncc.testing import examples

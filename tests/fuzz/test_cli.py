@@ -123,7 +123,7 @@ def test_random_command_lines(data: st.DataObject, tiny_bundle, fuzz_root: Path)
 
 def kerncc(*argv: str, cwd: Path, stdin: bytes = b"") -> subprocess.CompletedProcess:
     script = Path(sys.executable).parent / "kerncc"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "kerncc.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "kerncc"]
     return subprocess.run([*command, *argv], cwd=cwd, input=stdin, capture_output=True,
                           timeout=120, check=False)
 
@@ -166,7 +166,7 @@ def test_a_reader_that_closes_the_pipe(tiny_bundle, fuzz_root: Path) -> None:
     """`kerncc fmt big.json | head -1`: the broken pipe is not an error worth a traceback."""
     case = case_dir(fuzz_root, tiny_bundle)
     script = Path(sys.executable).parent / "kerncc"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "kerncc.cli"]
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "kerncc"]
     fmt = subprocess.Popen([*command, "fmt", "in/model.json", "--to", "kir"], cwd=case,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert fmt.stdout is not None and fmt.stderr is not None

@@ -16,7 +16,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kerncc.kir_parse import keywords
+from kerncc.kir.parse import keywords
 from kerncc.testing import examples
 
 from . import harness

@@ -16,7 +16,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kerncc import kir, reader, writer
+from kerncc import kir, source
+from kerncc.manifest import writer
+from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
 from kerncc.testing import examples
 from kerncc.verify import verify
@@ -75,7 +77,7 @@ def fmt_case(path: Path, to: str, valid: bool) -> None:
     harness.located_in_text(outcome, str(path))
     assert not valid or outcome.code == 0, "verifies, but fmt cannot read it"
     if outcome.code == 0:
-        check_round_trip(outcome.out, to, reader.load(path))
+        check_round_trip(outcome.out, to, source.load(path))
 
 
 def check_round_trip(text: str, form: str, manifest) -> None:
@@ -111,7 +113,7 @@ def lower_case(path: Path, spec: str, valid: bool) -> None:
 def api_accepts(path: Path) -> bool:
     """The library's reader and verifier on the file (KernccError and nothing else): whether
     they accept it."""
-    loaded = harness.api(reader.load_with_locator, path)
+    loaded = harness.api(source.load_with_locator, path)
     count("manifest: reader/verify API")
     if isinstance(loaded, KernccError):
         return False

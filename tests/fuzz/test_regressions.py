@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kerncc import reader
+from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
 from kerncc.testing import Xorshift, random_manifest
 

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kerncc import reader, symbolic
+from kerncc import symbolic
+from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
 from kerncc.ir import IR
 from kerncc.passes.cut import cut_ir, cut_manifest

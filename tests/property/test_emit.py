@@ -17,9 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kerncc import manifest as m
-from kerncc import reader, writer
+from kerncc.manifest import writer
+from kerncc.manifest import reader
 from kerncc.analysis.access import call_access
-from kerncc.bundle_check import check_bundle
+from kerncc.bundle.check import check_bundle
 from kerncc.diagnostics import KernccError
 from kerncc.ir import IR
 from kerncc.passes.cut import cut_ir

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kerncc import reader, symbolic
+from kerncc import symbolic
+from kerncc.manifest import reader
 from kerncc.analysis.access import call_access
 from kerncc.diagnostics import KernccError
 from kerncc.ir import IR

@@ -1,0 +1,277 @@
+"""Canonical serialization of a `Manifest` (spec §1.11): kern's `to_json`, byte for byte in shape.
+
+Struct fields in declaration order, maps sorted by key (byte-wise, as Rust's BTreeMap), defaults
+omitted, launch `params`/`args` written only when the input spelled them, 2-space indentation.
+`to_raw` gives the plain JSON value; `dumps` the text. Constants are never written back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kerncc.manifest import model as m
+
+
+def dumps(manifest: m.Manifest) -> str:
+    return json.dumps(to_raw(manifest), indent=2, ensure_ascii=False) + "\n"
+
+
+def sort_key(name: str) -> bytes:
+    return name.encode("utf-8")
+
+
+def sorted_map(items: dict, convert) -> dict:
+    return {k: convert(items[k]) for k in sorted(items, key=sort_key)}
+
+
+def to_raw(man: m.Manifest) -> dict:
+    out: dict[str, Any] = {"schema_version": man.schema_version, "model": man.model}
+    if man.topology is not None:
+        out["topology"] = {"groups": sorted_map(man.topology, lambda v: v)}
+    if man.cut is not None:
+        out["cut"] = {"id": man.cut.id, "stage": man.cut.stage, "stages": man.cut.stages}
+    if man.vars:
+        out["vars"] = sorted_map(man.vars, var)
+    if man.states:
+        out["states"] = sorted_map(man.states, state)
+    out["buffers"] = sorted_map(man.buffers, buffer)
+    out["modules"] = sorted_map(man.modules, lambda x: {"source": x.source, "sha256": x.sha256})
+    out["ops"] = sorted_map(man.ops, op)
+    out["programs"] = sorted_map(man.programs, program)
+    return out
+
+
+def expr(e: m.Expr) -> Any:
+    if isinstance(e, (int, float, str)):
+        return e
+    if isinstance(e, m.CeilDiv):
+        return {"ceil_div": [expr(e.expr), e.divisor]}
+    if isinstance(e, m.Mul):
+        return {"mul": [expr(e.expr), e.factor]}
+    return {"add": [expr(e.left), expr(e.right)]}
+
+
+def var(v: m.Var) -> dict:
+    out: dict[str, Any] = {"max": v.max}
+    if v.axis is not None:
+        out["axis"] = v.axis
+    return out
+
+
+def state(s: m.State) -> dict:
+    out: dict[str, Any] = {}
+    for key in ("bytes_per_token", "bytes", "bytes_per_seq"):
+        if getattr(s, key):
+            out[key] = getattr(s, key)
+    if s.host is not None:
+        out["host"] = {"dtype": s.host.dtype, "shape": list(s.host.shape),
+                       "strides": list(s.host.strides)}
+    return out
+
+
+def buffer(b: m.Buffer) -> dict:
+    out: dict[str, Any] = {"dtype": b.dtype, "shape": list(b.shape), "kind": b.kind}
+    if b.placement != "device":
+        out["placement"] = b.placement
+    if b.fill is not None:
+        out["fill"] = b.fill
+    if b.domain is not None:
+        out["domain"] = domain(b.domain)
+    if b.export:
+        out["export"] = True
+    if b.of is not None:
+        out["of"] = b.of
+    if b.group is not None:
+        out["group"] = b.group
+    if b.bind:
+        out["bind"] = [segment(s) for s in b.bind]
+    return out
+
+
+def domain(d: m.Domain) -> dict:
+    out: dict[str, Any] = {}
+    if d.min is not None:
+        out["min"] = expr(d.min)
+    if d.max is not None:
+        out["max"] = expr(d.max)
+    if d.index_into is not None:
+        out["index_into"] = d.index_into
+    if d.stride != 1:
+        out["stride"] = d.stride
+    if d.monotone:
+        out["monotone"] = True
+    return out
+
+
+def tensor_source(t: m.TensorSource) -> Any:
+    if isinstance(t, str):
+        return t
+    return {"group": t.group, "tensors": list(t.items)}
+
+
+def ranges(r: m.Ranges) -> Any:
+    if isinstance(r, m.Ranked):
+        return {"group": r.group, "ranges": [list(x) for x in r.items]}
+    return list(r)
+
+
+def segment(s: m.Segment) -> dict:
+    out: dict[str, Any] = {"tensor": tensor_source(s.tensor)}
+    if s.rows is not None:
+        out["rows"] = ranges(s.rows)
+    if s.cols is not None:
+        out["cols"] = ranges(s.cols)
+    if s.interleave is not None:
+        out["interleave"] = {"with": tensor_source(s.interleave.with_),
+                             "rows": s.interleave.rows}
+    return out
+
+
+def op(o: m.Op) -> dict:
+    impl: dict[str, Any] = {}
+    if o.scratch:
+        impl["scratch"] = sorted_map(o.scratch, lambda s: {"dtype": s.dtype,
+                                                           "shape": list(s.shape)})
+    impl["launches"] = [launch(x) for x in o.launches]
+    return {"params": [str(p) for p in o.params], "impl": impl}
+
+
+def launch(x: m.Launch) -> dict:
+    if isinstance(x, m.ExternLaunch):
+        out: dict[str, Any] = {"entry": x.entry}
+        _params(out, x.params)
+        if x.when is not None:
+            out["when"] = when(x.when)
+        if x.algo is not None:
+            out["algo"] = {k: getattr(x.algo, k) for k in m.ALGO_FIELDS}
+        _args(out, x.args)
+        return out
+    out = {"module": x.module, "entry": x.entry}
+    _params(out, x.params)
+    out["block"] = list(x.block)
+    out["grid"] = [expr(g) for g in x.grid]
+    if x.shared_mem is not None:
+        out["shared_mem"] = expr(x.shared_mem)
+    if x.cluster is not None:
+        out["cluster"] = list(x.cluster)
+    if x.pdl is not None:
+        out["pdl"] = x.pdl
+    if x.when is not None:
+        out["when"] = when(x.when)
+    _args(out, x.args)
+    return out
+
+
+def _params(out: dict, params) -> None:
+    if params is not None:
+        out["params"] = [str(p) for p in params]
+
+
+def _args(out: dict, args) -> None:
+    if args is not None:
+        out["args"] = [launch_arg(a) for a in args]
+
+
+def when(w: m.When) -> dict:
+    out: dict[str, Any] = {"var": w.var}
+    if w.min is not None:
+        out["min"] = w.min
+    if w.max is not None:
+        out["max"] = w.max
+    return out
+
+
+def literal(lit: m.Literal) -> dict:
+    return {lit.type: float(lit.value) if lit.type == "f32" else lit.value}
+
+
+def launch_arg(a: m.LaunchArg) -> dict:
+    if isinstance(a, m.ParamRef):
+        return {"param": a.index}
+    if isinstance(a, m.ScratchRef):
+        return {"scratch": a.name}
+    if isinstance(a, m.Literal):
+        return literal(a)
+    if isinstance(a, m.RankArg):
+        return {"rank": a.group}
+    return {"pack": {"size": a.size, "fields": [field(f) for f in a.fields]}}
+
+
+def field(f: m.Field) -> dict:
+    out: dict[str, Any] = {"at": f.at}
+    if f.width is not None:
+        out["width"] = f.width
+    out.update(field_source(f.source))
+    return out
+
+
+def field_source(s: m.FieldSource) -> dict:
+    if isinstance(s, m.VarArg):
+        return {"var": s.name}
+    if isinstance(s, m.ExprArg):
+        return {"expr": expr(s.expr)}
+    if isinstance(s, m.TensorMap):
+        return {"tensormap": tensormap(s)}
+    return launch_arg(s)
+
+
+def tensormap(t: m.TensorMap) -> dict:
+    out: dict[str, Any] = {"param": t.param, "dtype": t.dtype, "dims": list(t.dims)}
+    if t.strides:
+        out["strides"] = list(t.strides)
+    out["box"] = list(t.box)
+    for key, default in (("swizzle", 0), ("l2_promotion", 0), ("oob_nan", False),
+                         ("wrap", False)):
+        if getattr(t, key) != default:
+            out[key] = getattr(t, key)
+    return out
+
+
+def program(p: m.Program) -> dict:
+    out: dict[str, Any] = {}
+    if p.batch is not None:
+        out["batch"] = batch(p.batch)
+    for flag in ("once", "derive", "graph"):
+        if getattr(p, flag):
+            out[flag] = True
+    out["calls"] = [call(c) for c in p.calls]
+    return out
+
+
+def batch(b: m.Batch) -> dict:
+    out: dict[str, Any] = {"groups": b.groups, "rows": b.rows}
+    if b.span is not None:
+        out["span"] = b.span
+    if b.context is not None:
+        out["context"] = b.context
+    return out
+
+
+def call(c: m.Call) -> dict:
+    out: dict[str, Any] = {}
+    if c.label is not None:
+        out["label"] = c.label
+    out["op"] = c.op
+    out["args"] = [call_arg(a) for a in c.args]
+    return out
+
+
+def call_arg(a: m.CallArg) -> dict:
+    if isinstance(a, m.BufArg):
+        return _offset({"buf": a.name}, a.offset)
+    if isinstance(a, m.StateArg):
+        return _offset({"state": a.name}, a.offset)
+    if isinstance(a, m.VarArg):
+        return {"var": a.name}
+    if isinstance(a, m.ExprArg):
+        return {"expr": expr(a.expr)}
+    if isinstance(a, m.Literal):
+        return literal(a)
+    return {"rank": a.group}
+
+
+def _offset(out: dict, offset: int | None) -> dict:
+    if offset is not None:
+        out["offset"] = offset
+    return out

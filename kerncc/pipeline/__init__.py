@@ -1,0 +1,9 @@
+"""Pass pipelines (kerncc.pipeline): the Pass base, the `-p` spec, resolution, the runner, instruments.
+
+`base` (Pass, scheduling), `spec` (the `-p` syntax), `instruments` (print-ir, time-passes,
+dump-dir), `runner` (resolve and run) and `docgen` (the pass reference); this package
+re-exports the runner's public names.
+"""
+
+from kerncc.pipeline.runner import *  # noqa: F403
+from kerncc.pipeline.runner import __all__  # noqa: F401

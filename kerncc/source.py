@@ -1,0 +1,33 @@
+"""A manifest source a user hands us: JSON (`kerncc.manifest`) or the textual IR (`kerncc.kir`).
+
+The one place that chooses between the two forms by the file's suffix, so that every command
+reading a user's file (verify, lower, fmt, dump, check's input) accepts both. Bundles hold JSON
+only and are read by `kerncc.manifest.reader` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from kerncc import kir
+from kerncc.diagnostics import Location
+from kerncc.manifest import model as m
+from kerncc.manifest.reader import load_with_locator as load_json_with_locator
+from kerncc.manifest.reader import read_text
+
+
+def is_kir(path: str | Path) -> bool:
+    return Path(path).suffix == ".kir"
+
+
+def load(path: str | Path) -> m.Manifest:
+    """Read a `.json` manifest or a `.kir` text; parse strictly, no verification."""
+    return load_with_locator(path)[0]
+
+
+def load_with_locator(path: str | Path) -> tuple[m.Manifest, Callable[[str], Location]]:
+    """The manifest and a function mapping a JSON pointer to its place in the file."""
+    if not is_kir(path):
+        return load_json_with_locator(path)
+    return kir.loads_with_locator(read_text(path), str(path))
