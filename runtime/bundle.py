@@ -27,11 +27,12 @@ from kerncc.bundle_index import index_problems
 from kerncc.jsonsource import PositionIndex, parse_json
 from kerncc.reader import load_with_locator, read_text
 from kerncc.runtime.plan_check import MalformedPlan, check_plan
+from kerncc.shards import checkpoint_beside
 from kerncc.stage import host_inputs
 from kerncc.verify import verify
 
 FORMAT = "kerncc-bundle/1"
-WEIGHTS_BESIDE_MANIFEST = "model.safetensors"
+WEIGHTS_BESIDE_MANIFEST = "model.safetensors"  # or its shard index: kerncc.shards
 
 
 def bundle_error(path: Path | str, message: str, ptr: str = "") -> KernccError:
@@ -108,8 +109,8 @@ class Bundle:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         weakref.finalize(bundle, shutil.rmtree, tmp, True)
-        beside = Path(path).parent / WEIGHTS_BESIDE_MANIFEST
-        if beside.exists():
+        beside = checkpoint_beside(Path(path).parent)  # model.safetensors or a shard index
+        if beside is not None:
             bundle.checkpoint = beside.resolve()
         return bundle
 
