@@ -64,8 +64,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kerncc.runtime.generate import Generator
     from kerncc.runtime.trace import Timeline
 
+    from kerncc.hf.cli import TextRun, check_run_args
+
+    check_run_args(args)
     started = time.perf_counter()
     bundle = Bundle.open(args.target, args.pipeline)
+    text = TextRun.of(args, bundle)  # the prompt's ids, eos ids, streamed text
     weights = args.weights or bundle.checkpoint
     if weights is not None and not Path(weights).exists():
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
@@ -81,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     loaded = time.perf_counter()
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
          f"(weights: {weights or 'none'})")
-    result = generator.generate(args.prompt, args.max_new, args.chunk)
+    result = generator.generate(text.prompt, args.max_new, args.chunk, stop=text.stop)
     _say(f"ran {len(result.steps)} steps in {time.perf_counter() - loaded:.2f} s: "
          + ", ".join(f"{p}×{rows}" for p, rows in result.steps))
     if timeline is not None:
@@ -90,7 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
              "(open it in https://ui.perfetto.dev)")
     if args.logits:
         _save_logits(args.logits, result.logits)
-    print(" ".join(str(t) for t in result.tokens), flush=True)
+    text.finish(result.tokens)
     return 0
 
 
