@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 
 from kerncc.example.checkpoint import checkpoint, hf
 from kerncc.example.config import PAGE, QwenConfig, make_config
@@ -59,16 +58,6 @@ class Binding:
     dtypes: Mapping[str, str]  # checkpoint tensor name -> kern dtype (bf16, f16 or f32)
     tied: bool = False  # lm_head is the embedding table (no lm_head.weight)
     kv_repeat: int = 1  # manifest kv heads per checkpoint kv head (bind rows repeat them)
-
-
-def kern_dtype(dtype: np.dtype) -> str:
-    """The kern dtype name of a checkpoint array's numpy dtype (bf16, f16, f32, ...)."""
-    from kerncc.runtime.memory import numpy_dtype
-
-    for name in ("bf16", "f16", "f32"):
-        if np.dtype(dtype) == numpy_dtype(name):
-            return name
-    return np.dtype(dtype).name
 
 
 def layer_call_names(c: QwenConfig) -> tuple[str, ...]:

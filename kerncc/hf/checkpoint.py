@@ -18,8 +18,16 @@ from pathlib import Path
 import attrs
 
 from kerncc.diagnostics import KernccError
-from kerncc.safetensors import (_MAX_HEADER, TensorInfo, _check_overlaps, _error, _parse_entry,
-                                _parse_json, _parse_metadata, dtype_name)
+from kerncc.safetensors import (
+    _MAX_HEADER,
+    TensorInfo,
+    _check_overlaps,
+    _error,
+    _parse_entry,
+    _parse_json,
+    _parse_metadata,
+    dtype_name,
+)
 from kerncc.shards import CHECKPOINT_FILE, SHARD_INDEX, checkpoint_beside, shard_map
 
 KERN_DTYPES = {"BF16": "bf16", "F16": "f16", "F32": "f32"}

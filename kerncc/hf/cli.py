@@ -165,8 +165,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("directory", metavar="DIR",
                    help="folder with config.json and model.safetensors (or a shard index)")
     p.add_argument("-o", "--output", metavar="OUT.json", help="default: DIR/model.json")
-    for flag, what in (("--max-tokens", "rows of one call"), ("--max-seqs", "sequences of one "
-                       "call"), ("--max-context", "longest sequence (a multiple of 16)")):
+    sizes = (("--max-tokens", "rows of one call"), ("--max-seqs", "sequences of one call"),
+             ("--max-context", "longest sequence (a multiple of 16)"))
+    for flag, what in sizes:
         p.add_argument(flag, type=_positive, metavar="N", help=what)
     p.set_defaults(handler=cmd_import, format="text")
     run = sub.choices.get("run")

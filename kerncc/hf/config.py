@@ -286,13 +286,9 @@ def _kernel_limits(f: _Fields, s: dict[str, Any]) -> None:
         f.problem(f"hidden_size {s['hidden']} is not a multiple of 8", "hidden_size")
     if heads is None or kv is None:
         return
-    if heads % kv:
+    if heads % kv:  # any whole group is served (kv_repeat), so this is the one limit
         f.problem(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}",
                   "num_key_value_heads")
-    elif not any((heads // kv) % r == 0 and heads // kv // r in GROUPS
-                 for r in range(1, heads // kv + 1)):
-        f.problem(f"{heads // kv} query heads per kv head cannot be served",
-                  "num_key_value_heads")  # unreachable today: r = group always works
 
 
 def parse_config(path: str, raw: Any) -> HFConfig:

@@ -100,7 +100,7 @@ def binding(hf: HFConfig, table: Table) -> Binding:
     return Binding(dtypes, tied=hf.tied, kv_repeat=hf.kv_repeat)
 
 
-def _verified(raw: dict, label: str) -> None:
+def _verified(raw: dict) -> None:
     """The built manifest passes kern's rules (a builder bug must not reach a file)."""
     from kerncc import reader
     from kerncc.verify import verify
@@ -138,7 +138,7 @@ def build(directory: str | Path, max_tokens: int | None = None, max_seqs: int | 
                           [Diagnostic(p, Location("", file=hf.path)) for p in problems])
     label = directory.resolve().name or "model"
     raw = manifest(c, label, binding(hf, table))
-    _verified(raw, label)
+    _verified(raw)
     return raw, hf, c, table
 
 

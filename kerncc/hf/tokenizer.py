@@ -159,7 +159,7 @@ class TextCodec:
             return self._compiled.render(messages=[dict(m) for m in messages],
                                          add_generation_prompt=add_generation_prompt,
                                          **self.specials)
-        except Exception as err:  # the template's own raise_exception, or a bad expression
+        except Exception as err:  # noqa: BLE001 - raise_exception, or any bad expression
             where = self.template_file or self.directory / TOKENIZER_CONFIG
             raise _file_error(where, f"the chat template failed: {err}", "/chat_template"
                               ) from None
@@ -173,7 +173,7 @@ def _load_tokenizer(path: Path) -> Any:
     tokenizers = _tokenizers()
     try:
         return tokenizers.Tokenizer.from_file(str(path))
-    except Exception as err:  # the library raises a plain Exception for malformed files
+    except Exception as err:  # noqa: BLE001 - the library raises plain Exceptions
         raise _file_error(path, f"not a tokenizer the `tokenizers` library reads: {err}"
                           ) from None
 

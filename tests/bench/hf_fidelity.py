@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 results.append(run_case(name, Path(tmp)))
                 say(json.dumps(results[-1]))
-            except Exception:  # one failing case is reported; the others still run
+            except Exception:  # noqa: BLE001 - one failing case is reported, the rest run
                 traceback.print_exc()
                 results.append({"case": name, "error": traceback.format_exc(limit=3)})
     (out / "results.json").write_text(json.dumps(results, indent=2))

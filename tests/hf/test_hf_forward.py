@@ -18,6 +18,7 @@ import pytest
 from kerncc.hf.importer import import_model
 from kerncc.runtime import Bundle, Chain
 from kerncc.runtime.generate import Generator
+
 from .models import forward, write_model
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
