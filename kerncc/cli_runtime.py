@@ -86,6 +86,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
          f"(weights: {weights or 'none'})")
     result = generator.generate(text.prompt, args.max_new, args.chunk, stop=text.stop)
+    text.end_stream()
     _say(f"ran {len(result.steps)} steps in {time.perf_counter() - loaded:.2f} s: "
          + ", ".join(f"{p}×{rows}" for p, rows in result.steps))
     if timeline is not None:

@@ -4,8 +4,8 @@
 `--chat`, `--ignore-eos`, `--format json`, `--tokenizer DIR`; `--prompt` becomes one of the
 three prompt forms). `TextRun.of(args, bundle)` is what `run` calls around generation: the
 prompt ids (given, or encoded from text / a chat message), a `stop` that ends at an eos id
-and streams decoded text to stdout as it comes, and `finish(tokens)` that prints the last
-line (ids, or one JSON object with ids and text).
+and streams decoded text to stdout as it comes, `end_stream()` that ends the streamed line, and
+`finish(tokens)` that prints the last line (ids, or one JSON object with ids and text).
 
 The tokenizer of a bundle is the model folder of the manifest it was lowered from (bundle.json
 `input.path`, kept relative to the bundle): emit copies nothing, so a bundle never carries
@@ -116,17 +116,20 @@ class TextRun:
             sys.stdout.flush()
         return False
 
+    def end_stream(self) -> None:
+        """Streamed text ends its line as generation ends (before the progress lines)."""
+        if self.stream is not None:
+            print(self.stream.flush(), flush=True)
+
     def finish(self, tokens: list[int]) -> None:
-        """The last line on stdout: streamed text's newline, the ids, or the JSON object."""
+        """The last line on stdout: the ids or the JSON object (streamed text has ended)."""
         if self.json:
             text = None if self.codec is None else self.codec.decode(
                 tokens[:-1] if self.stopped else tokens)
             print(json.dumps({"prompt_ids": self.prompt, "ids": tokens, "text": text,
                               "stop": "eos" if self.stopped else "length"},
                              ensure_ascii=False), flush=True)
-        elif self.stream is not None:
-            print(self.stream.flush(), flush=True)
-        else:
+        elif self.stream is None:
             print(" ".join(str(t) for t in tokens), flush=True)
 
 
