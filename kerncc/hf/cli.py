@@ -15,6 +15,7 @@ files that run code; `--tokenizer DIR` names another folder.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -87,7 +88,9 @@ class TextRun:
         as_json = getattr(args, "format", "text") == "json"
         wants_text = text is not None or chat is not None
         codec = None
-        if folder is not None and (wants_text or as_json):
+        # ids in, JSON out: text is a bonus there, so no tokenizers library means text null
+        bonus = as_json and not wants_text and importlib.util.find_spec("tokenizers") is None
+        if folder is not None and (wants_text or as_json) and not bonus:
             codec = TextCodec.from_dir(folder)
         if wants_text and codec is None:
             raise KernccError.single(f"--text and --chat need a tokenizer.json in the model "

@@ -9,6 +9,7 @@ per-token decode would print broken UTF-8.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -181,3 +182,9 @@ def test_run_prompt_forms_are_exclusive(example, capsys):
     assert "exactly one of --prompt, --text and --chat" in capsys.readouterr().err
     assert main(["run", target, "--backend", "cpu"]) == 1
     assert "exactly one of" in capsys.readouterr().err
+
+
+def test_text_without_the_library_names_the_install_command(monkeypatch, example):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` fails
+    with pytest.raises(KernccError, match=r"pip install 'kerncc\[hf\]'"):
+        TextCodec.from_dir(example)
