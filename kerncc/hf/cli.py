@@ -100,7 +100,8 @@ class TextRun:
             prompt = codec.encode(text)
         elif chat is not None:
             prompt = codec.encode(codec.apply_chat_template(
-                [{"role": "user", "content": chat}], add_generation_prompt=True))
+                [{"role": "user", "content": chat}], add_generation_prompt=True),
+                add_special_tokens=False)  # the template writes its own
         if not prompt:
             raise KernccError.single("the prompt encodes to no tokens")
         eos: tuple[int, ...] = ()

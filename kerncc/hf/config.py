@@ -201,6 +201,11 @@ def token_ids(value: Any) -> tuple[int, ...]:
 
 
 def _architecture(f: _Fields) -> tuple[str, str]:
+    """The architecture, from `architectures` (or, where a bare config has none, from
+    `model_type`)."""
+    by_type = {family: name for name, family in ARCHITECTURES.items()}
+    if f.raw.get("architectures") is None and f.raw.get("model_type") in by_type:
+        return by_type[f.raw["model_type"]], f.raw["model_type"]
     names = f.get("architectures", "list")
     if names is None:
         return "", ""

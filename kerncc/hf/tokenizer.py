@@ -7,7 +7,9 @@ command), the chat template (`chat_template.jinja`, else `tokenizer_config.json`
 `config.json`'s, then the tokenizer config's `eos_token`). It returns None when the folder has
 no tokenizer.json. The API, used by `kerncc run` and the serving engine:
 
-    codec.encode(text) -> list[int]          ids (special tokens in the text are recognised)
+    codec.encode(text, add_special_tokens=True) -> list[int]
+                                             ids as transformers' tokenizer(text) gives them;
+                                             False for apply_chat_template's output
     codec.decode(ids) -> str                 text, special tokens kept
     codec.stream() -> TextStream             incremental: stream.push(id) -> new text
     codec.apply_chat_template(messages, add_generation_prompt=True) -> str
@@ -133,9 +135,12 @@ class TextCodec:
 
     # ---------------------------------------------------------------------- ids and text
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of `text` (no special tokens added; those written in it are recognised)."""
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The ids of `text`, as transformers' `tokenizer(text)` gives them: special tokens
+        written in the text are recognised, and the tokenizer's post-processor adds its own
+        (Llama 3's <|begin_of_text|>) unless `add_special_tokens` is False, which is how text
+        rendered by `apply_chat_template` (carrying its own) is encoded."""
+        ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
         if self.vocab_size is not None and ids and max(ids) >= self.vocab_size:
             bad = max(ids)
             raise _file_error(self.directory / TOKENIZER,
@@ -209,9 +214,29 @@ def _template(directory: Path, config: dict) -> tuple[str | None, Path | None]:
     return value, where
 
 
+def _generation_extension() -> type:
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with it for
+    its masks): here the body renders as is."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            from jinja2 import nodes
+
+            return nodes.Scope(body, lineno=lineno)
+
+    return Generation
+
+
 def _compile(template: str, where: Path | None) -> Any:
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    _Generation = _generation_extension()
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
@@ -225,7 +250,7 @@ def _compile(template: str, where: Path | None) -> Any:
         return datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", _Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

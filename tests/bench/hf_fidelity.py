@@ -9,7 +9,10 @@ the cuda backend (chunked prefill, then greedy decode over the paged cache); tra
 the same checkpoint in float32 and in bf16 over the same tokens. Printed per case: max |diff| /
 max |logit| of kerncc against transformers float32, the same for transformers' own bf16 run
 (the rounding a bf16 model carries anyway), and greedy tokens equal to float32's argmax
-(teacher-forced on kerncc's tokens), near-ties counted apart. Results go to --out/results.json.
+(teacher-forced on kerncc's tokens), near-ties counted apart. The `example` case loads the
+example model's folder with transformers as written (AutoModelForCausalLM, AutoTokenizer) and
+compares its logits, ids and rendered chat templates with kerncc's. Results go to
+--out/results.json.
 """
 
 from __future__ import annotations
@@ -139,10 +142,70 @@ def run_case(name: str, root: Path) -> dict:
     }
 
 
+TEMPLATES = {  # chat templates exercising what transformers' renderer provides
+    "example": None,  # the example's own (tokenizer_config.json)
+    "globals": ("{{ bos_token or '' }}{% for m in messages %}{% if m.role == 'system' and "
+                "not loop.first %}{{ raise_exception('system first') }}{% endif %}"
+                "{% if loop.index0 > 3 %}{% break %}{% endif %}{{ m.role | upper }}: "
+                "{{ m.content | tojson }}{{ eos_token }}\n{% endfor %}"
+                "{% if add_generation_prompt %}ASSISTANT:{% endif %}"),
+    "generation": ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+                   "{{ m.content }}{% endgeneration %}{% else %}<{{ m.role }}>{{ m.content }}"
+                   "{% endif %}\n{% endfor %}"),
+}
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo \"x\""},
+            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
+TEXTS = ["hello world", "the quick brown fox\njumps", "<|im_start|>user\nhi<|im_end|>", "é ü 中"]
+
+
+def example_checks(root: Path) -> dict:
+    """The example folder as transformers loads it: the model (logits against kerncc's cuda
+    run) and the tokenizer (ids and chat templates against TextCodec)."""
+    import torch
+    import transformers as tf
+
+    from kerncc.example import generate
+    from kerncc.hf.tokenizer import TextCodec
+    from kerncc.runtime import Bundle, Chain
+    from kerncc.runtime.generate import Generator
+
+    folder = root / "example"
+    manifest, _ = generate(folder, "tiny")
+    prompt = [1, 2, 3, 40, 50, 60, 70, 80]
+    result = Generator(Chain(Bundle.open(manifest), backend="cuda")).generate(prompt, 8)
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt + result.tokens[:-1]], device="cuda")
+        f32 = model(ids).logits[0].float().cpu().numpy()[len(prompt) - 2:]
+    scale = float(np.abs(f32).max())
+    out = {"case": "example", "model_class": type(model).__name__,
+           "kerncc_vs_f32": float(np.abs(result.logits - f32).max()) / scale,
+           "tokens_equal": sum(int(np.argmax(r)) == t for r, t in zip(f32[1:], result.tokens)),
+           "tokens": len(result.tokens)}
+    hf_tok = tf.AutoTokenizer.from_pretrained(folder)
+    codec = TextCodec.from_dir(folder)
+    out["encode_equal"] = [hf_tok(t).input_ids == codec.encode(t) for t in TEXTS]
+    out["decode_equal"] = [hf_tok.decode(codec.encode(t)) == codec.decode(codec.encode(t))
+                           for t in TEXTS]
+    rendered = {}
+    for name, template in TEMPLATES.items():
+        theirs = hf_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True,
+                                            **({"chat_template": template} if template else {}))
+        if template:
+            (folder / "chat_template.jinja").write_text(template)
+        ours = TextCodec.from_dir(folder).apply_chat_template(MESSAGES)
+        rendered[name] = theirs == ours
+        if theirs != ours:
+            out[f"template_{name}"] = [theirs, ours]
+    out["templates_equal"] = rendered
+    out["eos"] = list(codec.eos_token_ids)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "hf-fidelity"))
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join([*CASES, "example"]))
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.cases.split(","):
             say(f"== {name}")
             try:
-                results.append(run_case(name, Path(tmp)))
+                results.append(example_checks(Path(tmp)) if name == "example"
+                               else run_case(name, Path(tmp)))
                 say(json.dumps(results[-1]))
             except Exception:  # noqa: BLE001 - one failing case is reported, the rest run
                 traceback.print_exc()
@@ -160,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     say("\n| case | kerncc vs HF f32 | HF bf16 vs HF f32 | greedy = f32 argmax | near-ties |")
     say("|---|---|---|---|---|")
     for r in results:
+        if r["case"] == "example" and "error" not in r:
+            say(f"| example ({r['model_class']}, as written) | {r['kerncc_vs_f32']:.2e} | | "
+                f"{r['tokens_equal']}/{r['tokens']} | |")
+            say(f"example tokenizer vs AutoTokenizer: encode {r['encode_equal']}, decode "
+                f"{r['decode_equal']}, chat templates {r['templates_equal']}")
+            continue
         if "error" in r:
             say(f"| {r['case']} | error | | | |")
             continue

@@ -141,10 +141,23 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return w * (x / np.sqrt(variance + eps))
 
 
+def v5_layout(config: dict) -> dict:
+    """The config as transformers 5 writes it: `rope_parameters` holds theta and scaling, and
+    a bare config has no `architectures`."""
+    out = {k: v for k, v in config.items()
+           if k not in ("rope_theta", "rope_scaling", "architectures")}
+    out["rope_parameters"] = {"rope_type": "default", **(config.get("rope_scaling") or {}),
+                              "rope_theta": config["rope_theta"]}
+    return out
+
+
 def inv_freq(config: dict) -> np.ndarray:
     hd = config["head_dim"]
-    base = 1.0 / (config["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-    scaling = config.get("rope_scaling")
+    params = config.get("rope_parameters")
+    theta = params["rope_theta"] if params else config["rope_theta"]
+    base = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+    scaling = params if params and params["rope_type"] == "llama3" else config.get(
+        "rope_scaling")
     if not scaling:
         return base.astype(np.float32)
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]

@@ -19,7 +19,7 @@ from kerncc.hf.importer import import_model
 from kerncc.runtime import Bundle, Chain
 from kerncc.runtime.generate import Generator
 
-from .models import forward, write_model
+from .models import config_json, forward, v5_layout, write_model
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -32,6 +32,8 @@ CASES = {
                                            "rope_scaling": LLAMA3, "shards": 3,
                                            "theta": 500000.0}),
     "mistral-f16-tied": ("mistral", {"dtype": "f16", "tied": True, "heads": 8, "kv_heads": 1}),
+    # config.json as transformers 5 writes it: rope_parameters, no architectures
+    "llama3-v5-config": ("llama", {"rope_scaling": LLAMA3, "theta": 500000.0, "v5": True}),
 }
 PROMPT = [5, 17, 42, 99, 3, 150, 77, 8, 61, 120, 33, 190]
 NEW = 6
@@ -48,6 +50,9 @@ def run(path, prompt: list[int], new: int) -> tuple[list[int], np.ndarray]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_float32_forward(tmp_path, case):
     family, options = CASES[case]
+    options = dict(options)
+    if options.pop("v5", False):
+        options["config"] = v5_layout(config_json(family, **options))
     folder = write_model(tmp_path / case, family, seed=len(case), **options)
     done = import_model(folder, max_tokens=32, max_seqs=2, max_context=128)
     tokens, logits = run(done.path, PROMPT, NEW)

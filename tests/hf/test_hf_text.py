@@ -188,3 +188,25 @@ def test_text_without_the_library_names_the_install_command(monkeypatch, example
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` fails
     with pytest.raises(KernccError, match=r"pip install 'kerncc\[hf\]'"):
         TextCodec.from_dir(example)
+
+
+def test_the_post_processor_adds_bos_except_to_chat_text(tmp_path):
+    """Llama 3 style: tokenizer(text) starts with BOS; a chat template writes its own."""
+    from tokenizers import AddedToken, processors
+
+    folder = byte_level_folder(tmp_path)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<s>", special=True)])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", bos)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 300}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}"}))
+    codec = TextCodec.from_dir(folder)
+    assert codec.encode("ab") == [bos] + codec.encode("ab", add_special_tokens=False)
+    rendered = codec.apply_chat_template([{"role": "user", "content": "ab"}])
+    assert rendered == "<s>ab"
+    assert codec.encode(rendered, add_special_tokens=False) == codec.encode("ab")
