@@ -153,6 +153,7 @@ class _Fields:
 
 
 _KINDS = {"int": "a whole number", "posint": "a positive whole number", "number": "a number",
+          "posnumber": "a positive finite number",
           "bool": "true or false", "str": "a string", "int_list": "a token id or a list of them",
           "object": "an object", "list": "a list"}
 
@@ -162,7 +163,10 @@ def _is(kind: str, value: Any) -> bool:
     checks = {
         "int": is_int and value >= 0,
         "posint": is_int and value > 0,
-        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value),
+        "posnumber": isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value) and value > 0,
         "bool": isinstance(value, bool),
         "str": isinstance(value, str),
         "int_list": (is_int and value >= 0) or (isinstance(value, list) and all(
@@ -242,11 +246,11 @@ def _rope(f: _Fields) -> tuple[float, Llama3Rope | None]:
     params = f.get("rope_parameters", "object", None)
     if params is not None:
         where: tuple[str, ...] = ("rope_parameters",)
-        theta = f.get("rope_theta", "number", ROPE_THETA_DEFAULT, params, where)
+        theta = f.get("rope_theta", "posnumber", ROPE_THETA_DEFAULT, params, where)
         scaling: dict | None = params
     else:
         where = ("rope_scaling",)
-        theta = f.get("rope_theta", "number", ROPE_THETA_DEFAULT)
+        theta = f.get("rope_theta", "posnumber", ROPE_THETA_DEFAULT)
         scaling = f.get("rope_scaling", "object", None)
     if scaling is None:
         return theta, None
@@ -258,7 +262,8 @@ def _rope(f: _Fields) -> tuple[float, Llama3Rope | None]:
                   *where, "rope_type")
         return theta, None
     values = [f.get(n, k, within=scaling, prefix=where) for n, k in (
-        ("factor", "number"), ("low_freq_factor", "number"), ("high_freq_factor", "number"),
+        ("factor", "posnumber"), ("low_freq_factor", "posnumber"),
+        ("high_freq_factor", "posnumber"),
         ("original_max_position_embeddings", "posint"))]
     if None in values:
         return theta, None
@@ -281,8 +286,19 @@ def _shapes(f: _Fields, family: str) -> dict[str, Any]:
     return sizes
 
 
+# Bounds far past any published model, so that an untrusted config cannot ask for a
+# manifest of a billion layers (and sizes stay inside the kernels' i32 arithmetic).
+LIMITS = {"num_hidden_layers": 1024, "hidden_size": 65536, "num_attention_heads": 1024,
+          "intermediate_size": 1 << 20, "vocab_size": 1 << 22,
+          "max_position_embeddings": 1 << 24}
+
+
 def _kernel_limits(f: _Fields, s: dict[str, Any]) -> None:
     """Shapes the kernels cannot run (kernels/*.cu), each naming its field."""
+    for name, limit in LIMITS.items():
+        value = f.raw.get(name)
+        if _is("posint", value) and value > limit:
+            f.problem(f"{name} {value} is past kerncc's limit of {limit}", name)
     hd, heads, kv = s["head_dim"], s["heads"], s["kv_heads"]
     if hd is not None and (hd % 16 or hd > 128):
         f.problem(f"head_dim {hd} is not supported (the attention kernels take multiples of 16 "
@@ -307,7 +323,7 @@ def parse_config(path: str, raw: Any) -> HFConfig:
     shapes = _shapes(f, family)
     _kernel_limits(f, shapes)
     theta, scaling = _rope(f)
-    eps = f.get("rms_norm_eps", "number", 1e-6)
+    eps = f.get("rms_norm_eps", "posnumber", 1e-6)
     tied = f.get("tie_word_embeddings", "bool", False)
     window = f.get("sliding_window", "posint", None) if family == "mistral" else None
     eos = f.get("eos_token_id", "int_list", None)

@@ -8,9 +8,12 @@ tensor, and a refused import writes nothing.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kerncc.cli import main
 from kerncc.diagnostics import KernccError
@@ -87,6 +90,8 @@ def edit_config(folder: Path, **changes) -> None:
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quantized"),
     ({"tie_word_embeddings": "yes"}, "field `tie_word_embeddings` must be true or false"),
+    ({"num_hidden_layers": 10**9}, "num_hidden_layers 1000000000 is past kerncc's limit"),
+    ({"rms_norm_eps": float("nan")}, "field `rms_norm_eps` must be a positive finite number"),
 ])
 def test_bad_config_names_the_field(tmp_path, changes, message):
     folder = write_model(tmp_path / "m", "llama")
@@ -201,5 +206,44 @@ def test_cli_errors_are_clean(tmp_path, capsys):
     edit_config(folder, rope_theta="big")
     assert main(["import", str(folder)]) == 1
     err = capsys.readouterr().err
-    assert "config.json: /rope_theta: field `rope_theta` must be a number" in err
+    assert "config.json: /rope_theta: field `rope_theta` must be a positive finite number" in err
     assert "Traceback" not in err
+
+
+FIELDS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+          "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
+          "rope_parameters", "tie_word_embeddings", "hidden_act", "attention_bias",
+          "sliding_window", "eos_token_id", "kerncc", "layer_types", "quantization_config")
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**12) | st.text(max_size=8)
+                    | st.floats(allow_nan=True, allow_infinity=True),
+                    lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.sampled_from(["rope_type", "factor", "rope_theta",
+                                                       "low_freq_factor", "x"]), inner,
+                                      max_size=3), max_leaves=6)
+
+
+@settings(max_examples=150)
+@given(family=st.sampled_from(["qwen3", "llama", "mistral"]),
+       changes=st.dictionaries(st.sampled_from(FIELDS), JSON | st.just(...), max_size=4))
+def test_any_config_is_parsed_or_refused_cleanly(family, changes):
+    """Whatever a config holds: an HFConfig whose builder config the kernels can take, or a
+    KernccError naming config.json; never another exception."""
+    from kerncc.hf.config import parse_config
+
+    from .models import config_json
+
+    raw = config_json(family)
+    for key, value in changes.items():
+        if value is ...:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    try:
+        hf = parse_config("config.json", raw)
+        c = hf.model(max_context=64) if hf.max_position_embeddings >= 64 else hf.model()
+    except KernccError as err:
+        assert "config.json" in str(err)
+        return
+    assert c.problems() == [] or all(isinstance(p, str) for p in c.problems())
+    assert math.isfinite(c.eps) and math.isfinite(c.rope_theta)
