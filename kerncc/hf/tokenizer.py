@@ -220,7 +220,7 @@ def _generation_extension() -> type:
     from jinja2.ext import Extension
 
     class Generation(Extension):
-        tags = {"generation"}
+        tags = frozenset({"generation"})
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
