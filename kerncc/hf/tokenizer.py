@@ -10,9 +10,9 @@ no tokenizer.json. The API, used by `kerncc run` and the serving engine:
     codec.encode(text, add_special_tokens=True) -> list[int]
                                              ids as transformers' tokenizer(text) gives them;
                                              False for apply_chat_template's output
-    codec.decode(ids) -> str                 text, special tokens kept
+    codec.decode(ids, skip_special_tokens=False) -> str
     codec.stream() -> TextStream             incremental: stream.push(id) -> new text
-    codec.apply_chat_template(messages, add_generation_prompt=True) -> str
+    codec.apply_chat_template(messages, add_generation_prompt=True, **variables) -> str
     codec.eos_token_ids, codec.has_chat_template, codec.vocab_size
 
 Chat templates render as transformers renders them: jinja2's immutable sandbox with
@@ -148,22 +148,25 @@ class TextCodec:
                               f"{self.vocab_size} (config.json vocab_size)")
         return ids
 
-    def decode(self, ids: Iterable[int]) -> str:
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode([int(i) for i in ids],
+                                     skip_special_tokens=skip_special_tokens)
 
     def stream(self) -> TextStream:
         return TextStream(self)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages` ([{"role", "content"}, ...]) by the chat template."""
+                            add_generation_prompt: bool = True, **variables: Any) -> str:
+        """The prompt text of `messages` ([{"role", "content"}, ...]) by the chat template;
+        `variables` reach the template as transformers passes its extra arguments (`tools`,
+        Qwen3's `enable_thinking`, ...)."""
         if self._compiled is None:
             raise KernccError.single(f"{self.directory}: the tokenizer has no chat template "
                                      f"({TOKENIZER_CONFIG} `chat_template` or {TEMPLATE_FILE})")
         try:
-            return self._compiled.render(messages=[dict(m) for m in messages],
-                                         add_generation_prompt=add_generation_prompt,
-                                         **self.specials)
+            return self._compiled.render(**{**self.specials, **variables},
+                                         messages=[dict(m) for m in messages],
+                                         add_generation_prompt=add_generation_prompt)
         except Exception as err:  # noqa: BLE001 - raise_exception, or any bad expression
             where = self.template_file or self.directory / TOKENIZER_CONFIG
             raise _file_error(where, f"the chat template failed: {err}", "/chat_template"

@@ -138,6 +138,11 @@ def test_template_renders_like_transformers_globals(tmp_path, example):
     assert out == '<|im_end|>|[{"role": "user", "content": "é"}, {"role": "user", ' \
                   '"content": "b"}]|4b'
     assert "{%- for message in messages %}" in CHAT_TEMPLATE
+    (tmp_path / "chat_template.jinja").write_text("{{ 'T' if enable_thinking else 'F' }}")
+    codec = TextCodec.from_dir(tmp_path)
+    assert codec.apply_chat_template([], enable_thinking=True) == "T"
+    assert codec.apply_chat_template([]) == "F"
+    assert codec.decode([0, 30, 2], skip_special_tokens=True) == " "
 
 
 # ---- the command line ----------------------------------------------------------------------
