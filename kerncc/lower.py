@@ -16,7 +16,8 @@ import attrs
 from kerncc.diagnostics import KernccError
 from kerncc.ir import IR
 from kerncc.pipeline import pass_spec, resolve_pipeline, run_pipeline
-from kerncc.runtime.bundle import WEIGHTS_BESIDE_MANIFEST, Bundle
+from kerncc.checkpoint.shards import checkpoint_beside
+from kerncc.runtime.bundle import Bundle
 from kerncc.source import load_with_locator
 from kerncc.verify import verify
 
@@ -41,7 +42,7 @@ def lower_to_bundle(path: str | Path, pipeline: str = "emit") -> Bundle:
     """Lower the manifest at `path` into a temporary bundle and open it.
 
     The temporary directory lives as long as the returned Bundle. The checkpoint is
-    `model.safetensors` beside the manifest when that file exists.
+    the one beside the manifest (`model.safetensors` or a shard index) when there is one.
     """
     tmp = Path(tempfile.mkdtemp(prefix="kerncc-bundle-"))
     try:
@@ -52,8 +53,8 @@ def lower_to_bundle(path: str | Path, pipeline: str = "emit") -> Bundle:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     weakref.finalize(bundle, shutil.rmtree, tmp, True)
-    beside = Path(path).parent / WEIGHTS_BESIDE_MANIFEST
-    if beside.exists():
+    beside = checkpoint_beside(Path(path).parent)  # model.safetensors or a shard index
+    if beside is not None:
         bundle.checkpoint = beside.resolve()
     return bundle
 

@@ -120,6 +120,28 @@ def rope_table_f32(launch: Any, table, max_pos, hd, theta) -> None:
     out[:, half:] = np.sin(angle)
 
 
+def llama3_inv_freq(hd: int, theta: float, factor: float, low_freq: float, high_freq: float,
+                    original: int) -> np.ndarray:
+    """Llama 3 `rope_scaling` frequencies (float64), as rope_table_llama3_f32 computes them."""
+    base = np.power(np.float64(theta), -2.0 * np.arange(hd // 2, dtype=np.float64) / hd)
+    wavelen = 2.0 * np.pi / base
+    smooth = (original / wavelen - low_freq) / (high_freq - low_freq)
+    blended = (1.0 - smooth) * base / factor + smooth * base
+    inv_freq = np.where(wavelen >= original / high_freq, blended, base)
+    return np.where(wavelen > original / low_freq, base / factor, inv_freq)
+
+
+def rope_table_llama3_f32(launch: Any, table, max_pos, hd, theta, factor, low_freq, high_freq,
+                          original) -> None:
+    half = int(hd) // 2
+    inv_freq = llama3_inv_freq(int(hd), float(theta), float(factor), float(low_freq),
+                               float(high_freq), int(original))
+    angle = np.arange(int(max_pos), dtype=np.float64)[:, None] * inv_freq[None, :]
+    out = view(table, F32, max_pos * hd).reshape(max_pos, hd)
+    out[:, :half] = np.cos(angle)
+    out[:, half:] = np.sin(angle)
+
+
 def rope_neox_bf16(launch: Any, qkv, positions, table, rows, nq, nk, hd) -> None:
     half = int(hd) // 2
     heads = view(qkv, BF16, rows * (nq + 2 * nk) * hd).reshape(rows, nq + 2 * nk, hd)
@@ -267,6 +289,10 @@ def cast_f32_bf16(launch: Any, x, y, n) -> None:
     view(y, BF16, n)[...] = bf16(view(x, F32, n))
 
 
+def cast_f16_bf16(launch: Any, x, y, n) -> None:
+    view(y, BF16, n)[...] = bf16(view(x, np.dtype(np.float16), n).astype(F32))
+
+
 # ---- GEMM externs --------------------------------------------------------------------------
 
 
@@ -317,6 +343,8 @@ KERNELS: dict[str, Callable[..., None]] = {
         silu_mul_bf16,
         argmax_f32,
         cast_f32_bf16,
+        cast_f16_bf16,
+        rope_table_llama3_f32,
     )
 }
 

@@ -39,11 +39,12 @@ from kerncc.passes.plan_memory import MemoryReport, StageArena, plan_stage
 from kerncc.passes.slicing import staging_plan
 from kerncc.pipeline import (Pass, PassSpec, PipelineSpec, parse_pipeline, pass_spec,
                              resolve_pipeline, schedule_passes)
+from kerncc.checkpoint.shards import checkpoint_beside
 from kerncc.symbolic import Proof, check_stages
 from kerncc.verify import verify
 
 FORMAT = "kerncc-bundle/1"
-CHECKPOINT = "model.safetensors"
+CHECKPOINT = "model.safetensors"  # or its shard index: kerncc.checkpoint.shards.checkpoint_beside
 STAGE_HEADLINE = "a stage of the bundle fails its own checks:"
 
 
@@ -158,9 +159,9 @@ class BundleMeta:
             return cls(recorded_pipeline(ir, emit), None, digest, None, None)
         source = Path(ir.source)
         digest = sha256(_read(source, "the input manifest"))
-        checkpoint = source.parent / CHECKPOINT
+        checkpoint = checkpoint_beside(source.parent)  # model.safetensors or a shard index
         return cls(recorded_pipeline(ir, emit), bundle_relative(source, emit.out), digest,
-                   bundle_relative(checkpoint, emit.out) if checkpoint.is_file() else None,
+                   bundle_relative(checkpoint, emit.out) if checkpoint is not None else None,
                    source.parent)
 
 

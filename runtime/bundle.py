@@ -24,11 +24,12 @@ from kerncc.bundle.index import index_problems
 from kerncc.manifest.jsonsource import PositionIndex, parse_json
 from kerncc.manifest.reader import load_with_locator, read_text
 from kerncc.bundle.plan_check import MalformedPlan, check_plan
+from kerncc.checkpoint.shards import checkpoint_beside
 from kerncc.stage import host_inputs
 from kerncc.verify import verify
 
 FORMAT = "kerncc-bundle/1"
-WEIGHTS_BESIDE_MANIFEST = "model.safetensors"
+WEIGHTS_BESIDE_MANIFEST = "model.safetensors"  # or its shard index: kerncc.checkpoint.shards
 
 
 def bundle_error(path: Path | str, message: str, ptr: str = "") -> KernccError:

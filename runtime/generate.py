@@ -15,7 +15,7 @@ from one pool (block size = the page table's `stride`), handed out from the top 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -174,9 +174,11 @@ class Generator:
 
     # ------------------------------------------------------------------------ serving
 
-    def generate(self, prompt: Sequence[int], max_new: int, chunk: int | None = None
-                 ) -> Generation:
-        """Prefill `prompt` in chunks of `chunk` rows, then decode `max_new` tokens greedily."""
+    def generate(self, prompt: Sequence[int], max_new: int, chunk: int | None = None,
+                 stop: Callable[[int], bool] | None = None) -> Generation:
+        """Prefill `prompt` in chunks of `chunk` rows, then decode `max_new` tokens greedily;
+        `stop(token)` sees each new token as it comes and ends generation by returning True
+        (an eos token: it stays the last of the tokens)."""
         if not prompt:
             raise KernccError.single("the prompt is empty")
         chunk = chunk or self.max_chunk
@@ -192,6 +194,8 @@ class Generator:
             while len(generated) < max_new:
                 generated.append(token)
                 seq.tokens.append(token)
+                if stop is not None and stop(token):
+                    break
                 if len(generated) < max_new:
                     token = self._one_row(seq, record)
         finally:

@@ -9,7 +9,8 @@ Segments arrive duck-typed, as the manifest model gives them: `seg.tensor` is a 
 ranked object (`.group`, `.items`); `seg.rows` / `seg.cols` are `None`, `(from, to)` or ranked;
 `seg.interleave` is `None` or an object with `.with_` and `.rows`. Every problem becomes one
 `KernccError` naming the buffer, with a diagnostic per bad segment at `<where>/<i>`.
-`Checkpoint` serves tensors from one or more safetensors files.
+`Checkpoint` serves tensors from one or more safetensors files: a file, a directory of them,
+or a Hugging Face shard index (`model.safetensors.index.json`, see kerncc.checkpoint.shards).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import attrs
 import numpy as np
 
 from kerncc.diagnostics import Diagnostic, KernccError, Location, split_pointer
-from kerncc.safetensors import SafeTensors
+from kerncc.checkpoint.safetensors import SafeTensors
+from kerncc.checkpoint.shards import shard_paths
 
 Tensors = Callable[[str], np.ndarray]
 
@@ -273,7 +275,12 @@ def open_checkpoint(checkpoint: CheckpointLike) -> OpenCheckpoint | None:
         return OpenCheckpoint(checkpoint.__getitem__, "the given tensors")
     if isinstance(checkpoint, (str, os.PathLike)):
         path = Path(checkpoint)
-        paths = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if path.is_dir():
+            paths = sorted(path.glob("*.safetensors"))
+        elif path.name.endswith(".json") and path.is_file():
+            paths = shard_paths(path)
+        else:
+            paths = [path]
     else:
         paths = [Path(p) for p in checkpoint]
     missing = [p for p in paths if not p.is_file()]

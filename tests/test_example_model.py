@@ -23,7 +23,7 @@ from kerncc.kernels.reference import EXTERNS, KERNELS
 from kerncc.example import generate, make_config
 from kerncc.example.oracle import Oracle
 from kerncc.example.qwen import LAYER_CALLS
-from kerncc.safetensors import load_file
+from kerncc.checkpoint.safetensors import load_file
 
 DRIVEN = ("prefill", "decode", "decode_batch")
 DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32),

@@ -23,7 +23,7 @@ from kerncc.runtime import Bundle, Chain, Session
 from kerncc.runtime.backends.cpu import CpuBackend
 from kerncc.runtime.generate import Generator, PagePool
 from kerncc.runtime.memory import default_token_capacity
-from kerncc.safetensors import load_file
+from kerncc.checkpoint.safetensors import load_file
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""kerncc.safetensors: round trips of every dtype, the header layout, every malformed file."""
+"""kerncc.checkpoint.safetensors: round trips of every dtype, the header layout, every malformed file."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kerncc.diagnostics import KernccError
-from kerncc.safetensors import SafeTensors, dtypes, load_file, save_file
+from kerncc.checkpoint.safetensors import SafeTensors, dtypes, load_file, save_file
 
 
 def _nonzero(dtype: np.dtype, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.weights import Checkpoint, assemble
-from kerncc.safetensors import save_file
+from kerncc.checkpoint.safetensors import save_file
 
 WHERE = "/buffers/w_qkv/bind"
 

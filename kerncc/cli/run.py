@@ -65,8 +65,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kerncc.runtime.generate import Generator
     from kerncc.runtime.trace import Timeline
 
+    from kerncc.cli.hf import TextRun, check_run_args
+
+    check_run_args(args)
     started = time.perf_counter()
     bundle = open_target(args.target, args.pipeline)
+    text = TextRun.of(args, bundle)  # the prompt's ids, eos ids, streamed text
     weights = args.weights or bundle.checkpoint
     if weights is not None and not Path(weights).exists():
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
@@ -82,7 +86,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     loaded = time.perf_counter()
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
          f"(weights: {weights or 'none'})")
-    result = generator.generate(args.prompt, args.max_new, args.chunk)
+    result = generator.generate(text.prompt, args.max_new, args.chunk, stop=text.stop)
+    text.end_stream()
     _say(f"ran {len(result.steps)} steps in {time.perf_counter() - loaded:.2f} s: "
          + ", ".join(f"{p}×{rows}" for p, rows in result.steps))
     if timeline is not None:
@@ -91,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
              "(open it in https://ui.perfetto.dev)")
     if args.logits:
         _save_logits(args.logits, result.logits)
-    print(" ".join(str(t) for t in result.tokens), flush=True)
+    text.finish(result.tokens)
     return 0
 
 
@@ -154,7 +159,7 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add `run` and `example` to the `kerncc` command line (called by kerncc.cli)."""
+    """Add `run` and `example` to the `kerncc` command line (called by kerncc.cli.main)."""
     p = sub.add_parser("run", help="serve a prompt: chunked prefill, then greedy decode")
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")

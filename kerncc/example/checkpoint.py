@@ -1,7 +1,7 @@
 """The example model's checkpoint: deterministic random weights under HF Qwen3 tensor names.
 
 Everything is bf16 except `model.norm.weight` (f32, cast by the manifest's `derive` program);
-`lm_head.weight` is padded past the vocabulary (the manifest binds rows [0, vocab)). Values
+`lm_head.weight` has exactly vocab rows, so transformers loads the file as written. Values
 come from one seeded numpy Generator drawn in a fixed order, so a seed gives the same bytes.
 """
 
@@ -65,6 +65,8 @@ def checkpoint(c: QwenConfig) -> dict[str, np.ndarray]:
     for i in range(c.layers):
         tensors.update(layer_tensors(c, rng, i))
     tensors["model.norm.weight"] = norm_weight(rng, c.hidden, np.dtype(np.float32))
-    tensors["lm_head.weight"] = random_bf16(rng, (c.padded_vocab, c.hidden),
-                                            1 / math.sqrt(c.hidden))
+    # Drawn padded past vocab and cut back, so the values are those of the earlier padded
+    # checkpoint (and the example's tokens did not change when the padding went).
+    head = random_bf16(rng, (c.padded_vocab, c.hidden), 1 / math.sqrt(c.hidden))
+    tensors["lm_head.weight"] = np.ascontiguousarray(head[:c.vocab])
     return tensors

@@ -1,8 +1,10 @@
 """The example model's configuration: sizes, presets, checks against the kernels' limits.
 
-`QwenConfig` is shared by the generator (`qwen.py`) and the oracle (`oracle.py`); it is saved
-beside the checkpoint as an HF-style `config.json` (with kerncc's serving sizes under
-`"kerncc"`) so the oracle can rebuild it from the files alone.
+`QwenConfig` is shared by the generator (`qwen.py`), the oracle (`oracle.py`) and the
+Hugging Face importer (`kerncc.hf`, which builds one from a checkpoint's config.json); the
+example saves it beside the checkpoint as an HF `config.json` (with kerncc's serving sizes
+under `"kerncc"`, a key transformers keeps as an attribute) so the oracle can rebuild it from
+the files alone.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import attrs
 from kerncc.kernels.reference import DECODE_SPLIT
 
 PAGE = 16  # KV block size: slots per page-table entry
+BOS_ID, EOS_ID = 0, 2  # the example tokenizer's <|endoftext|> and <|im_end|> (text.py)
 
 SIZES: dict[str, dict[str, int]] = {
     # CI: runs through the numpy references in seconds.
@@ -48,6 +51,9 @@ class QwenConfig:
     rope_theta: float = 1_000_000.0
     eps: float = 1e-6
     interleave: int = 0  # gate/up interleave block (rows); 0 = min(128, intermediate)
+    qk_norm: bool = True  # Qwen3's q/k head RMSNorms (Llama has none)
+    # Llama 3 `rope_scaling` (factor, low_freq_factor, high_freq_factor, original context)
+    rope_scaling: tuple[float, float, float, int] | None = None
 
     @property
     def group(self) -> int:
@@ -63,7 +69,8 @@ class QwenConfig:
 
     @property
     def padded_vocab(self) -> int:
-        """Rows of the checkpoint's lm_head: padded past vocab, as some exporters do."""
+        """Rows the checkpoint's lm_head is drawn with (then cut to vocab): kept so the
+        example's weights stay those of its earlier, padded checkpoint."""
         return (self.vocab // 128 + 1) * 128
 
     @property
@@ -113,6 +120,11 @@ class QwenConfig:
             "rope_theta": self.rope_theta,
             "tie_word_embeddings": False,
             "torch_dtype": "bfloat16",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "use_sliding_window": False,
+            "bos_token_id": BOS_ID,
+            "eos_token_id": EOS_ID,
             "kerncc": {"max_tokens": self.max_tokens, "max_seqs": self.max_seqs,
                        "seed": self.seed, "interleave": self.gate_up_block},
         }

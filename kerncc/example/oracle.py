@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from kerncc.example.config import QwenConfig
-from kerncc.safetensors import load_file
+from kerncc.checkpoint.safetensors import load_file
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)

@@ -14,20 +14,31 @@ Programs: `prefill` (one sequence, `tokens` rows, over a paged KV cache that may
 earlier chunks), `decode` (one row), `decode_batch` (one row for each of up to `seqs`
 sequences), `load` (once: rope cos/sin table) and `convert` (derive: f32 `model.norm.weight`
 source cast to a bf16 carry). Binds show each segment form: q/k/v laid end to end, gate/up
-interleaved, lm_head rows [0, vocab) of a padded checkpoint tensor.
+interleaved, lm_head rows [0, vocab) of the checkpoint tensor.
+
+`manifest(config, model, binding)` is the one manifest builder: the example and the Hugging
+Face importer (`kerncc.hf.importer`) both call it. `Binding` says what the checkpoint holds:
+each tensor's dtype (a tensor that is not bf16 binds a `source` buffer `<name>.src` cast into
+the bf16 carry `<name>.w` by the derive program `convert`), tied embeddings, and kv heads
+replicated by bind rows for head groups the attention kernels cannot take. A config without
+q/k norms (Llama) gets a `rope_kv` op (rope, then the KV-cache write) in place of
+`qk_rope_kv`; Llama 3 rope scaling gets its own rope table kernel.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from kerncc.example.checkpoint import checkpoint, hf
 from kerncc.example.config import PAGE, QwenConfig, make_config
 from kerncc.kernels import library
-from kerncc.safetensors import save_file
+from kerncc.checkpoint.safetensors import save_file
 
 IN_BF16, OUT_BF16, INOUT_BF16 = "in buffer<bf16>", "out buffer<bf16>", "inout buffer<bf16>"
 IN_I32, OUT_I32 = "in buffer<i32>", "out buffer<i32>"
@@ -36,6 +47,24 @@ IN_STATE, INOUT_STATE = "in state", "inout state"
 
 LAYER_CALLS = ("input_norm", "qkv_proj", "qk_rope_kv", "attention", "o_proj",
                "post_norm", "gate_up_proj", "act", "down_proj")
+# The checkpoint dtypes a weight may bind: bf16 as is, the others cast at load (derive).
+CASTS = {"f32": ("cast_bf16", "cast_f32_bf16"), "f16": ("cast_f16_bf16", "cast_f16_bf16")}
+
+
+@attrs.frozen
+class Binding:
+    """What the checkpoint holds, as far as the manifest's binds care."""
+
+    dtypes: Mapping[str, str]  # checkpoint tensor name -> kern dtype (bf16, f16 or f32)
+    tied: bool = False  # lm_head is the embedding table (no lm_head.weight)
+    kv_repeat: int = 1  # manifest kv heads per checkpoint kv head (bind rows repeat them)
+
+
+def layer_call_names(c: QwenConfig) -> tuple[str, ...]:
+    """The calls of a layer: LAYER_CALLS, with `rope_kv` in place of `qk_rope_kv` for a
+    model without q/k norms."""
+    return LAYER_CALLS if c.qk_norm else tuple(
+        "rope_kv" if name == "qk_rope_kv" else name for name in LAYER_CALLS)
 
 
 # ---- JSON pieces ---------------------------------------------------------------------------
@@ -125,6 +154,49 @@ def attn_decode_op(c: QwenConfig) -> dict:
     return {"params": params, "impl": {"launches": [split, combine]}}
 
 
+def rope_kv_op(c: QwenConfig) -> dict:
+    """Rope on the q and k heads in place, then the KV-cache write (no q/k norms): the
+    kernels rope_neox_bf16 and kv_write_bf16, 4 and 8 elements per thread (head_dim % 16 == 0)."""
+    nq, nk, hd = c.heads, c.kv_heads, c.head_dim
+    params = [INOUT_BF16, IN_I32, IN_F32, IN_I32, INOUT_STATE, "i32"]
+    heads = [i32(nq), i32(nk), i32(hd)]
+    rope = kernel_launch("rope_neox_bf16", [INOUT_BF16, IN_I32, IN_F32] + ["i32"] * 4,
+                         [param(0), param(1), param(2), param(5)] + heads,
+                         [ceil_div(mul("tokens", (nq + nk) * hd // 8), 256)], 256)
+    write = kernel_launch("kv_write_bf16", [IN_BF16, IN_I32, INOUT_STATE] + ["i32"] * 4,
+                          [param(0), param(3), param(4), param(5)] + heads,
+                          [ceil_div(mul("tokens", nk * hd // 4), 256)], 256)
+    return {"params": params, "impl": {"launches": [rope, write]}}
+
+
+def rope_table_op(c: QwenConfig) -> dict:
+    """The once program's rope cos/sin table: plain, or with Llama 3 frequency scaling."""
+    geometry = [ceil(c.max_context * c.head_dim // 2, 256)]
+    sizes = [i32(c.max_context), i32(c.head_dim), f32(c.rope_theta)]
+    if c.rope_scaling is None:
+        return kernel_op([OUT_F32], "rope_table_f32", ["i32", "i32", "f32"], sizes, geometry,
+                         256)
+    factor, low, high, original = c.rope_scaling
+    return kernel_op([OUT_F32], "rope_table_llama3_f32", ["i32", "i32"] + ["f32"] * 4 + ["i32"],
+                     sizes + [f32(factor), f32(low), f32(high), i32(original)], geometry, 256)
+
+
+def cast_op_name(c: QwenConfig, dtype: str, n: int) -> str:
+    """`cast_bf16` (f32) or `cast_f16_bf16` of `hidden` elements; other sizes suffixed _n."""
+    name = CASTS[dtype][0]
+    return name if n == c.hidden else f"{name}_{n}"
+
+
+def cast_ops(c: QwenConfig, casts: list[tuple[str, str, int]]) -> dict[str, dict]:
+    """One op per (dtype, element count) the derive program casts to bf16."""
+    out = {}
+    for _, dtype, n in casts:
+        out[cast_op_name(c, dtype, n)] = kernel_op([f"in buffer<{dtype}>", OUT_BF16],
+                                                   CASTS[dtype][1], ["i32"], [i32(n)],
+                                                   [ceil(n, 256)], 256)
+    return out
+
+
 def attn_prefill_smem(hd: int) -> int:
     """attn_prefill_bf16's dynamic shared memory: 576 rows of hd bf16 + 16 bytes (attention.cu)."""
     return 576 * (2 * hd + 16)
@@ -172,9 +244,11 @@ def ops(c: QwenConfig) -> dict[str, dict]:
                                  [rows], norm_block(c.hidden)),
         # q/k head norms, rope and the KV-cache write of a layer in one launch
         # (kernels/qk_rope_kv.cu): a warp per (row, head) over all nq + 2*nk heads
-        "qk_rope_kv": kernel_op([INOUT_BF16, IN_BF16, IN_I32, IN_F32, IN_I32, INOUT_STATE,
-                                 "i32"], "qk_norm_rope_kv_bf16", ["i32"] * 3 + ["f32"],
-                                heads + [eps], [ceil_div(mul(rows, nq + 2 * nk), 4)], 128),
+        **({"qk_rope_kv": kernel_op([INOUT_BF16, IN_BF16, IN_I32, IN_F32, IN_I32,
+                                     INOUT_STATE, "i32"], "qk_norm_rope_kv_bf16",
+                                    ["i32"] * 3 + ["f32"], heads + [eps],
+                                    [ceil_div(mul(rows, nq + 2 * nk), 4)], 128)}
+           if c.qk_norm else {"rope_kv": rope_kv_op(c)}),
         "attn_prefill": kernel_op([IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, "i32"],
                                   "attn_prefill_bf16", ["i32"] * 4 + ["f32"], attn,
                                   [ceil_div(rows, 64 // c.group), nk], 256,
@@ -191,11 +265,7 @@ def ops(c: QwenConfig) -> dict[str, dict]:
                                 norm_block(c.hidden)),
         "argmax": kernel_op([IN_F32, OUT_I32, "i32"], "argmax_f32", ["i32"], [i32(c.vocab)],
                             ["seqs"], 256),
-        "rope_table": kernel_op([OUT_F32], "rope_table_f32", ["i32", "i32", "f32"],
-                                [i32(c.max_context), i32(hd), f32(c.rope_theta)],
-                                [ceil(c.max_context * hd // 2, 256)], 256),
-        "cast_bf16": kernel_op([IN_F32, OUT_BF16], "cast_f32_bf16", ["i32"], [i32(c.hidden)],
-                               [ceil(c.hidden, 256)], 256),
+        "rope_table": rope_table_op(c),
         "qkv_proj": gemm_op(OUT_BF16, "cublaslt_bf16_tn", c.qkv_dim, c.hidden),
         "o_proj": gemm_op(OUT_BF16, "cublaslt_bf16_tn", c.hidden, nq * hd),
         "gate_up_proj": gemm_op(OUT_BF16, "cublaslt_bf16_tn", 2 * c.intermediate, c.hidden),
@@ -207,30 +277,65 @@ def ops(c: QwenConfig) -> dict[str, dict]:
 # ---- buffers and states --------------------------------------------------------------------
 
 
-def layer_weights(c: QwenConfig, i: int) -> dict[str, dict]:
+def bind_tensors(bind: list[dict]) -> list[str]:
+    """The checkpoint tensors a bind names, in order."""
+    names = []
+    for seg in bind:
+        names.append(seg["tensor"])
+        if "interleave" in seg:
+            names.append(seg["interleave"]["with"])
+    return names
+
+
+def bound(b: Binding, base: str, shape: list[int], bind: list[dict]) -> dict[str, dict]:
+    """The bf16 buffer `<base>.w` bound to `bind`: a weight when the checkpoint holds bf16,
+    else a source `<base>.src` of the file's dtype and a carry the derive program fills."""
+    dtypes = {b.dtypes.get(name, "bf16") for name in bind_tensors(bind)}
+    if len(dtypes) != 1:
+        raise ValueError(f"the tensors of `{base}` ({', '.join(bind_tensors(bind))}) differ "
+                         f"in dtype: {', '.join(sorted(dtypes))}")
+    dtype = dtypes.pop()
+    if dtype == "bf16":
+        return {f"{base}.w": weight("bf16", shape, bind)}
+    if dtype not in CASTS:
+        raise ValueError(f"the tensors of `{base}` are {dtype}, not bf16, f16 or f32")
+    return {f"{base}.src": weight(dtype, shape, bind, kind="source"),
+            f"{base}.w": {"dtype": "bf16", "shape": shape, "kind": "carry"}}
+
+
+def kv_bind(c: QwenConfig, b: Binding, tensor: str) -> list[dict]:
+    """k_proj or v_proj whole, or with each checkpoint kv head repeated `kv_repeat` times."""
+    if b.kv_repeat == 1:
+        return [{"tensor": tensor}]
+    hd, r = c.head_dim, b.kv_repeat
+    return [{"tensor": tensor, "rows": [(j // r) * hd, (j // r + 1) * hd]}
+            for j in range(c.kv_heads)]
+
+
+def layer_weights(c: QwenConfig, b: Binding, i: int) -> dict[str, dict]:
     h, qkv = c.hidden, c.qkv_dim
-    return {
-        f"l{i}.input_norm.w": weight("bf16", [h], [{"tensor": hf(i, "input_layernorm")}]),
-        f"l{i}.qkv_proj.w": weight("bf16", [qkv, h], [
+    out = {
+        **bound(b, f"l{i}.input_norm", [h], [{"tensor": hf(i, "input_layernorm")}]),
+        **bound(b, f"l{i}.qkv_proj", [qkv, h], [
             {"tensor": hf(i, "self_attn.q_proj")},
-            {"tensor": hf(i, "self_attn.k_proj")},
-            {"tensor": hf(i, "self_attn.v_proj")},
+            *kv_bind(c, b, hf(i, "self_attn.k_proj")),
+            *kv_bind(c, b, hf(i, "self_attn.v_proj")),
         ]),
-        f"l{i}.qk_norm.w": weight("bf16", [2, c.head_dim], [
-            {"tensor": hf(i, "self_attn.q_norm")},
-            {"tensor": hf(i, "self_attn.k_norm")},
-        ]),
-        f"l{i}.o_proj.w": weight("bf16", [h, c.heads * c.head_dim],
-                                 [{"tensor": hf(i, "self_attn.o_proj")}]),
-        f"l{i}.post_norm.w": weight("bf16", [h],
-                                    [{"tensor": hf(i, "post_attention_layernorm")}]),
-        f"l{i}.gate_up_proj.w": weight("bf16", [2 * c.intermediate, h], [{
+        **bound(b, f"l{i}.o_proj", [h, c.heads * c.head_dim],
+                [{"tensor": hf(i, "self_attn.o_proj")}]),
+        **bound(b, f"l{i}.post_norm", [h], [{"tensor": hf(i, "post_attention_layernorm")}]),
+        **bound(b, f"l{i}.gate_up_proj", [2 * c.intermediate, h], [{
             "tensor": hf(i, "mlp.gate_proj"),
             "interleave": {"with": hf(i, "mlp.up_proj"), "rows": c.gate_up_block},
         }]),
-        f"l{i}.down_proj.w": weight("bf16", [h, c.intermediate],
-                                    [{"tensor": hf(i, "mlp.down_proj")}]),
+        **bound(b, f"l{i}.down_proj", [h, c.intermediate], [{"tensor": hf(i, "mlp.down_proj")}]),
     }
+    if c.qk_norm:
+        out.update(bound(b, f"l{i}.qk_norm", [2, c.head_dim], [
+            {"tensor": hf(i, "self_attn.q_norm")},
+            {"tensor": hf(i, "self_attn.k_norm")},
+        ]))
+    return out
 
 
 def io_buffers(c: QwenConfig) -> dict[str, dict]:
@@ -251,18 +356,27 @@ def io_buffers(c: QwenConfig) -> dict[str, dict]:
     }
 
 
-def model_buffers(c: QwenConfig) -> dict[str, dict]:
-    h = c.hidden
+def model_buffers(c: QwenConfig, b: Binding) -> dict[str, dict]:
+    h, embed = c.hidden, "model.embed_tokens.weight"
+    head = [{"tensor": embed}] if b.tied else [{"tensor": "lm_head.weight", "rows": [0, c.vocab]}]
     out = {
-        "embed.w": weight("bf16", [c.vocab, h], [{"tensor": "model.embed_tokens.weight"}]),
-        "lm_head.w": weight("bf16", [c.vocab, h],
-                            [{"tensor": "lm_head.weight", "rows": [0, c.vocab]}]),
-        "final_norm.src": weight("f32", [h], [{"tensor": "model.norm.weight"}], kind="source"),
-        "final_norm.w": {"dtype": "bf16", "shape": [h], "kind": "carry"},
+        **bound(b, "embed", [c.vocab, h], [{"tensor": embed}]),
+        **bound(b, "lm_head", [c.vocab, h], head),
+        **bound(b, "final_norm", [h], [{"tensor": "model.norm.weight"}]),
         "rope": {"dtype": "f32", "shape": [c.max_context, c.head_dim], "kind": "carry"},
     }
     for i in range(c.layers):
-        out.update(layer_weights(c, i))
+        out.update(layer_weights(c, b, i))
+    return out
+
+
+def casts_of(buffers: dict[str, dict]) -> list[tuple[str, str, int]]:
+    """(base name, source dtype, elements) of every source the derive program casts."""
+    out = []
+    for name in sorted(buffers, key=str.encode):
+        buf_ = buffers[name]
+        if buf_["kind"] == "source":
+            out.append((name.removesuffix(".src"), buf_["dtype"], math.prod(buf_["shape"])))
     return out
 
 
@@ -289,7 +403,7 @@ def call(label: str, op: str, *args: dict) -> dict:
     return {"label": label, "op": op, "args": list(args)}
 
 
-def layer_calls(i: int, prefill: bool) -> list[dict]:
+def layer_calls(c: QwenConfig, i: int, prefill: bool) -> list[dict]:
     """Layer i's calls; prefill and decode differ only in the attention op."""
     rows, pre = var("tokens"), f"l{i}."
 
@@ -303,11 +417,17 @@ def layer_calls(i: int, prefill: bool) -> list[dict]:
         attention = call(pre + "attention", "attn_decode", buf("qkv"), {"state": f"kv.{i}"},
                          buf("block_table"), buf("seq_lens"), buf("attn_out"),
                          buf("attn_partials"), var("seqs"))
+    if c.qk_norm:
+        rope = call(pre + "qk_rope_kv", "qk_rope_kv", buf("qkv"), w("qk_norm"),
+                    buf("positions"), buf("rope"), buf("slot_mapping"), {"state": f"kv.{i}"},
+                    rows)
+    else:
+        rope = call(pre + "rope_kv", "rope_kv", buf("qkv"), buf("positions"), buf("rope"),
+                    buf("slot_mapping"), {"state": f"kv.{i}"}, rows)
     calls = [
         call(pre + "input_norm", "rmsnorm", buf("residual"), w("input_norm"), buf("normed"), rows),
         call(pre + "qkv_proj", "qkv_proj", buf("normed"), w("qkv_proj"), buf("qkv"), rows),
-        call(pre + "qk_rope_kv", "qk_rope_kv", buf("qkv"), w("qk_norm"), buf("positions"),
-             buf("rope"), buf("slot_mapping"), {"state": f"kv.{i}"}, rows),
+        rope,
         attention,
         call(pre + "o_proj", "o_proj", buf("attn_out"), w("o_proj"), buf("o_out"), rows),
         call(pre + "post_norm", "add_rmsnorm", buf("residual"), buf("o_out"), w("post_norm"),
@@ -317,7 +437,7 @@ def layer_calls(i: int, prefill: bool) -> list[dict]:
         call(pre + "act", "silu_mul", buf("gate_up"), buf("act"), rows),
         call(pre + "down_proj", "down_proj", buf("act"), w("down_proj"), buf("residual"), rows),
     ]
-    assert [x["label"] for x in calls] == [pre + name for name in LAYER_CALLS]
+    assert [x["label"] for x in calls] == [pre + name for name in layer_call_names(c)]
     return calls
 
 
@@ -325,7 +445,7 @@ def forward_calls(c: QwenConfig, prefill: bool) -> list[dict]:
     rows, seqs = var("tokens"), var("seqs")
     calls = [call("embed", "embed", buf("token_ids"), buf("embed.w"), buf("residual"), rows)]
     for i in range(c.layers):
-        calls += layer_calls(i, prefill)
+        calls += layer_calls(c, i, prefill)
     # The last row of each sequence feeds the head: row `tokens`-1 of a prefill chunk, every
     # row of a decode call.
     rows_per_seq = rows if prefill else i32(1)
@@ -338,18 +458,20 @@ def forward_calls(c: QwenConfig, prefill: bool) -> list[dict]:
     return calls
 
 
-def programs(c: QwenConfig) -> dict[str, dict]:
-    return {
+def programs(c: QwenConfig, casts: list[tuple[str, str, int]]) -> dict[str, dict]:
+    out = {
         "prefill": {"batch": {"groups": 1, "rows": "tokens"}, "calls": forward_calls(c, True)},
         "decode": {"batch": {"groups": 1, "rows": 1}, "graph": True,
                    "calls": forward_calls(c, False)},
         "decode_batch": {"batch": {"groups": c.max_seqs, "rows": 1}, "graph": True,
                          "calls": forward_calls(c, False)},
         "load": {"once": True, "calls": [call("rope_table", "rope_table", buf("rope"))]},
-        "convert": {"derive": True, "calls": [
-            call("final_norm.cast", "cast_bf16", buf("final_norm.src"), buf("final_norm.w")),
-        ]},
     }
+    if casts:
+        out["convert"] = {"derive": True, "calls": [
+            call(f"{base}.cast", cast_op_name(c, dtype, n), buf(f"{base}.src"), buf(f"{base}.w"))
+            for base, dtype, n in casts]}
+    return out
 
 
 def modules(op_map: dict[str, dict]) -> dict[str, dict]:
@@ -359,8 +481,13 @@ def modules(op_map: dict[str, dict]) -> dict[str, dict]:
             for name in used}
 
 
-def manifest(c: QwenConfig, model: str) -> dict[str, Any]:
-    op_map = ops(c)
+def manifest(c: QwenConfig, model: str, binding: Binding | None = None) -> dict[str, Any]:
+    """The manifest of model `c` over a checkpoint as `binding` describes it (default: the
+    example's own checkpoint: bf16 with an f32 final norm, untied)."""
+    b = binding or example_binding(c)
+    model_bufs = model_buffers(c, b)
+    casts = casts_of(model_bufs)
+    op_map = {**ops(c), **cast_ops(c, casts)}
     return {
         "schema_version": 5,
         "model": model,
@@ -370,11 +497,16 @@ def manifest(c: QwenConfig, model: str) -> dict[str, Any]:
         },
         "states": sorted_map({f"kv.{i}": {"bytes_per_token": c.kv_bytes_per_token}
                               for i in range(c.layers)}),
-        "buffers": sorted_map({**io_buffers(c), **model_buffers(c), **workspaces(c)}),
+        "buffers": sorted_map({**io_buffers(c), **model_bufs, **workspaces(c)}),
         "modules": sorted_map(modules(op_map)),
         "ops": sorted_map(op_map),
-        "programs": sorted_map(programs(c)),
+        "programs": sorted_map(programs(c, casts)),
     }
+
+
+def example_binding(c: QwenConfig) -> Binding:
+    """The example checkpoint's binding: bf16 except the f32 `model.norm.weight`."""
+    return Binding({"model.norm.weight": "f32"})
 
 
 # ---- entry point ---------------------------------------------------------------------------
@@ -382,13 +514,19 @@ def manifest(c: QwenConfig, model: str) -> dict[str, Any]:
 
 def generate(out_dir: str | Path, size: str = "tiny", **overrides: float
              ) -> tuple[Path, Path]:
-    """Write model.json, model.safetensors and config.json; return (manifest, weights) paths."""
+    """Write model.json, model.safetensors, config.json and the text files (TEXT_FILES);
+    return (manifest, weights) paths."""
+    from kerncc.example.text import tokenizer_files
+
     c = make_config(size, **overrides)
+    texts = tokenizer_files(c)  # before writing anything: a vocabulary too small fails here
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path, weights_path = out / "model.json", out / "model.safetensors"
     text = json.dumps(manifest(c, f"kerncc-qwen3-{size}"), indent=2, ensure_ascii=False)
     manifest_path.write_text(text + "\n")
     (out / "config.json").write_text(json.dumps(c.to_hf(), indent=2) + "\n")
+    for name, body in texts.items():
+        (out / name).write_text(body)
     save_file(checkpoint(c), weights_path, metadata={"format": "pt"})
     return manifest_path, weights_path

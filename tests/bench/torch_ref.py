@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kerncc.example.config import QwenConfig
-from kerncc.safetensors import SafeTensors
+from kerncc.checkpoint.safetensors import SafeTensors
 
 BF16 = torch.bfloat16
 F32 = torch.float32

@@ -1,0 +1,192 @@
+"""The command line of Hugging Face models: `kerncc import`, and text for `kerncc run`.
+
+`register(sub)` adds `import` and gives the existing `run` its text flags (`--text`,
+`--chat`, `--ignore-eos`, `--format json`, `--tokenizer DIR`; `--prompt` becomes one of the
+three prompt forms). `TextRun.of(args, bundle)` is what `run` calls around generation: the
+prompt ids (given, or encoded from text / a chat message), a `stop` that ends at an eos id
+and streams decoded text to stdout as it comes, `end_stream()` that ends the streamed line, and
+`finish(tokens)` that prints the last line (ids, or one JSON object with ids and text).
+
+The tokenizer of a bundle is the model folder of the manifest it was lowered from (bundle.json
+`input.path`, kept relative to the bundle): emit copies nothing, so a bundle never carries
+files that run code; `--tokenizer DIR` names another folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from kerncc.diagnostics import KernccError
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# kerncc import
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from kerncc.hf.importer import import_model
+
+    done = import_model(args.directory, args.output, args.max_tokens, args.max_seqs,
+                        args.max_context)
+    c = done.config
+    _say(f"imported {done.hf.architecture} ({c.layers} layers, hidden {c.hidden}, vocab "
+         f"{c.vocab}{', tied head' if done.hf.tied else ''}) over {done.checkpoint.name}: "
+         f"tokens <= {c.max_tokens}, seqs <= {c.max_seqs}, context <= {c.max_context}")
+    if done.hf.kv_repeat > 1:
+        _say(f"kv heads repeated {done.hf.kv_repeat}x in the manifest ({done.hf.kv_heads} -> "
+             f"{c.kv_heads}): the attention kernels take 1, 2, 4 or 8 q heads per kv head")
+    if not done.beside:
+        _say(f"note: the checkpoint is not beside {done.path}; run it with --weights "
+             f"{done.checkpoint}")
+    print(done.path)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# kerncc run: text
+
+
+def model_dir(target: str, bundle: Any) -> Path | None:
+    """The model folder a run target came from: a manifest's directory, or the directory of
+    the manifest a bundle records as its input."""
+    path = Path(target)
+    if not path.is_dir():
+        return path.parent
+    recorded = (bundle.index.get("input") or {}).get("path")
+    return (path / recorded).resolve().parent if isinstance(recorded, str) else None
+
+
+@attrs.define
+class TextRun:
+    """One run's prompt, stop rule and output (see the module docstring)."""
+
+    prompt: list[int]
+    eos: tuple[int, ...]
+    codec: Any  # TextCodec | None
+    stream: Any  # TextStream while text streams to stdout, else None
+    json: bool
+    stopped: bool = False
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, bundle: Any) -> TextRun:
+        from kerncc.hf.tokenizer import TextCodec, model_eos_ids
+
+        folder = Path(args.tokenizer) if getattr(args, "tokenizer", None) else \
+            model_dir(args.target, bundle)
+        text, chat = getattr(args, "text", None), getattr(args, "chat", None)
+        as_json = getattr(args, "format", "text") == "json"
+        wants_text = text is not None or chat is not None
+        codec = None
+        # ids in, JSON out: text is a bonus there, so no tokenizers library means text null
+        bonus = as_json and not wants_text and importlib.util.find_spec("tokenizers") is None
+        if folder is not None and (wants_text or as_json) and not bonus:
+            codec = TextCodec.from_dir(folder)
+        if wants_text and codec is None:
+            raise KernccError.single(f"--text and --chat need a tokenizer.json in the model "
+                                     f"folder ({folder or 'unknown: give --tokenizer DIR'})")
+        prompt = args.prompt
+        if text is not None:
+            prompt = codec.encode(text)
+        elif chat is not None:
+            prompt = codec.encode(codec.apply_chat_template(
+                [{"role": "user", "content": chat}], add_generation_prompt=True),
+                add_special_tokens=False)  # the template writes its own
+        if not prompt:
+            raise KernccError.single("the prompt encodes to no tokens")
+        eos: tuple[int, ...] = ()
+        if not getattr(args, "ignore_eos", False):
+            eos = codec.eos_token_ids if codec is not None else model_eos_ids(folder)
+        stream = codec.stream() if wants_text and not as_json else None
+        return cls(list(prompt), tuple(eos), codec, stream, as_json)
+
+    def stop(self, token: int) -> bool:
+        """True at an eos id (not printed); otherwise streams the token's text."""
+        if token in self.eos:
+            self.stopped = True
+            return True
+        if self.stream is not None:
+            sys.stdout.write(self.stream.push(token))
+            sys.stdout.flush()
+        return False
+
+    def end_stream(self) -> None:
+        """Streamed text ends its line as generation ends (before the progress lines)."""
+        if self.stream is not None:
+            print(self.stream.flush(), flush=True)
+
+    def finish(self, tokens: list[int]) -> None:
+        """The last line on stdout: the ids or the JSON object (streamed text has ended)."""
+        if self.json:
+            text = None if self.codec is None else self.codec.decode(
+                tokens[:-1] if self.stopped else tokens)
+            print(json.dumps({"prompt_ids": self.prompt, "ids": tokens, "text": text,
+                              "stop": "eos" if self.stopped else "length"},
+                             ensure_ascii=False), flush=True)
+        elif self.stream is None:
+            print(" ".join(str(t) for t in tokens), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# registration
+
+
+def _run_flags(run: argparse.ArgumentParser) -> None:
+    for action in run._actions:  # --prompt becomes one of three prompt forms
+        if action.dest == "prompt":
+            action.required = False
+            action.default = None
+    run.add_argument("--text", metavar="TEXT", help="a prompt as text (needs tokenizer.json)")
+    run.add_argument("--chat", metavar="MESSAGE",
+                     help="a user message, through the tokenizer's chat template")
+    run.add_argument("--ignore-eos", action="store_true",
+                     help="generate --max-new tokens even past an eos token")
+    run.add_argument("--format", choices=("text", "json"), default="text",
+                     help="json: one object with prompt ids, ids and text")
+    run.add_argument("--tokenizer", metavar="DIR",
+                     help="the folder of tokenizer.json (default: the model's folder)")
+
+
+def check_run_args(args: argparse.Namespace) -> None:
+    """Exactly one of --prompt, --text, --chat."""
+    given = [f for f, v in (("--prompt", args.prompt), ("--text", getattr(args, "text", None)),
+                            ("--chat", getattr(args, "chat", None))) if v is not None]
+    if len(given) != 1:
+        raise KernccError.single("give exactly one of --prompt, --text and --chat"
+                                 + (f" (got {', '.join(given)})" if given else ""))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `import`, and the text flags of `run` (registered before this by cli_runtime)."""
+    p = sub.add_parser("import", help="a manifest over a Hugging Face checkpoint folder")
+    p.add_argument("directory", metavar="DIR",
+                   help="folder with config.json and model.safetensors (or a shard index)")
+    p.add_argument("-o", "--output", metavar="OUT.json", help="default: DIR/model.json")
+    sizes = (("--max-tokens", "rows of one call"), ("--max-seqs", "sequences of one call"),
+             ("--max-context", "longest sequence (a multiple of 16)"))
+    for flag, what in sizes:
+        p.add_argument(flag, type=_positive, metavar="N", help=what)
+    p.set_defaults(handler=cmd_import, format="text")
+    run = sub.choices.get("run")
+    if run is not None:
+        _run_flags(run)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value

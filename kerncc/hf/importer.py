@@ -1,0 +1,160 @@
+"""`kerncc import DIR`: a kern v5 manifest over a Hugging Face checkpoint, from its headers only.
+
+`import_model(dir, output, ...)` reads DIR/config.json (kerncc.hf.config) and the checkpoint's
+tensor table (kerncc.hf.checkpoint: `model.safetensors`, or the shards of
+`model.safetensors.index.json`), checks that every tensor the architecture needs is there
+with the right shape and a dtype the manifest can bind (bf16 as is; f16 and f32 through
+`source` buffers that the derive program casts at load), and builds the manifest with the
+example's builder (kerncc.example.qwen.manifest): the weights bind the Hugging Face tensor
+names, so the checkpoint is never rewritten or copied. The manifest is verified before it is
+written (atomically: a temporary file renamed into place), so a refused import writes
+nothing.
+
+The checkpoint is found beside the manifest (kerncc.checkpoint.shards.checkpoint_beside): the default
+output DIR/model.json is what `kerncc run` and `kerncc lower ... emit` find without
+`--weights`; a manifest written elsewhere needs `--weights DIR/<checkpoint>`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import attrs
+
+from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
+from kerncc.example.checkpoint import hf as layer_tensor
+from kerncc.example.config import QwenConfig
+from kerncc.example.qwen import Binding, manifest
+from kerncc.hf.checkpoint import KERN_DTYPES, Table, read_table
+from kerncc.hf.config import HFConfig, read_config
+
+MAX_CAST = 2**31 - 1  # the cast kernels count elements in an i32
+
+
+@attrs.frozen
+class Imported:
+    """What an import wrote, and what it was built from."""
+
+    path: Path
+    manifest: dict
+    hf: HFConfig
+    config: QwenConfig
+    checkpoint: Path  # model.safetensors or the shard index
+    beside: bool  # the checkpoint is beside the manifest (found without --weights)
+
+
+def expected_shapes(hf: HFConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the manifest binds, with its shape in the checkpoint."""
+    h, hd, kv = hf.hidden, hf.head_dim, hf.kv_heads
+    shapes = {"model.embed_tokens.weight": (hf.vocab, h), "model.norm.weight": (h,)}
+    if not hf.tied:
+        shapes["lm_head.weight"] = (hf.vocab, h)
+    for i in range(hf.layers):
+        layer = {
+            "input_layernorm": (h,), "post_attention_layernorm": (h,),
+            "self_attn.q_proj": (hf.heads * hd, h), "self_attn.k_proj": (kv * hd, h),
+            "self_attn.v_proj": (kv * hd, h), "self_attn.o_proj": (h, hf.heads * hd),
+            "mlp.gate_proj": (hf.intermediate, h), "mlp.up_proj": (hf.intermediate, h),
+            "mlp.down_proj": (h, hf.intermediate),
+        }
+        if hf.qk_norm:
+            layer.update({"self_attn.q_norm": (hd,), "self_attn.k_norm": (hd,)})
+        shapes.update({layer_tensor(i, name): shape for name, shape in layer.items()})
+    return shapes
+
+
+def check_tensors(hf: HFConfig, table: Table) -> None:
+    """Every expected tensor present, of its shape and a bindable dtype; all problems at once."""
+    problems = []
+    for name, shape in expected_shapes(hf).items():
+        found = table.tensors.get(name)
+        where = table.reference if found is None else table.reference.parent / found.file
+        if found is None:
+            problems.append(Diagnostic(f"tensor `{name}` is missing (config.json needs it)",
+                                       Location(pointer(name), file=str(where))))
+            continue
+        rows_ok = name == "lm_head.weight" and found.shape[1:] == shape[1:] \
+            and len(found.shape) == 2 and found.shape[0] >= shape[0]  # padded heads bind rows
+        if found.shape != shape and not rows_ok:
+            problems.append(Diagnostic(f"tensor `{name}` has shape {list(found.shape)}, but "
+                                       f"config.json implies {list(shape)}",
+                                       Location(pointer(name), file=str(where))))
+        if found.dtype not in KERN_DTYPES:
+            problems.append(Diagnostic(f"tensor `{name}` is {found.dtype}, not BF16, F16 or F32",
+                                       Location(pointer(name), file=str(where))))
+        elif found.dtype != "BF16" and math.prod(found.shape) > MAX_CAST:
+            problems.append(Diagnostic(f"tensor `{name}` is {found.dtype} and too large to cast "
+                                       f"at load ({math.prod(found.shape)} elements)",
+                                       Location(pointer(name), file=str(where))))
+    if problems:
+        raise KernccError(f"{table.reference}: the checkpoint does not fit config.json",
+                          problems)
+
+
+def binding(hf: HFConfig, table: Table) -> Binding:
+    dtypes = {name: table.kern_dtype(name) for name in expected_shapes(hf)}
+    return Binding(dtypes, tied=hf.tied, kv_repeat=hf.kv_repeat)
+
+
+def _verified(raw: dict) -> None:
+    """The built manifest passes kern's rules (a builder bug must not reach a file)."""
+    from kerncc.manifest import reader
+    from kerncc.verify import verify
+
+    verify(reader.from_raw(raw))
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build(directory: str | Path, max_tokens: int | None = None, max_seqs: int | None = None,
+          max_context: int | None = None) -> tuple[dict, HFConfig, QwenConfig, Table]:
+    """(manifest, HF config, builder config, tensor table) of the checkpoint in `directory`;
+    nothing is written."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise KernccError.single(f"`{directory}` is not a directory (expected a Hugging Face "
+                                 "model folder with config.json and safetensors)")
+    hf = read_config(directory)
+    table = read_table(directory)
+    check_tensors(hf, table)
+    c = hf.model(max_tokens, max_seqs, max_context)
+    problems = c.problems()
+    if problems:
+        raise KernccError(f"{hf.path}: the kernels cannot serve this model",
+                          [Diagnostic(p, Location("", file=hf.path)) for p in problems])
+    label = directory.resolve().name or "model"
+    raw = manifest(c, label, binding(hf, table))
+    _verified(raw)
+    return raw, hf, c, table
+
+
+def import_model(directory: str | Path, output: str | Path | None = None,
+                 max_tokens: int | None = None, max_seqs: int | None = None,
+                 max_context: int | None = None) -> Imported:
+    """Build the manifest of the checkpoint in `directory` and write it to `output`
+    (default DIR/model.json)."""
+    raw, hf, c, table = build(directory, max_tokens, max_seqs, max_context)
+    path = Path(output) if output is not None else Path(directory) / "model.json"
+    if path.is_dir():
+        raise KernccError.single(f"-o `{path}` is a directory; give the manifest's file name")
+    text = json.dumps(raw, indent=2, ensure_ascii=False) + "\n"
+    try:
+        _write_atomically(path, text)
+    except OSError as err:
+        raise KernccError.single(f"cannot write `{path}`: {err.strerror or err}") from None
+    beside = path.resolve().parent == table.reference.resolve().parent
+    return Imported(path, raw, hf, c, table.reference, beside)
