@@ -324,3 +324,7 @@ EXTERNS: dict[str, Callable[..., None]] = {
     fn.__name__: _int_scalars(fn)
     for fn in (cublaslt_bf16_tn, cublaslt_bf16_tn_acc, cublas_bf16_tn_f32)
 }
+
+# Numba-CUDA twins (kernels/*_nb.py): the same ABI and bits as their CUDA C entries.
+KERNELS["silu_mul_bf16_nb"] = KERNELS["silu_mul_bf16"]
+KERNELS["embedding_gather_bf16_nb"] = KERNELS["embedding_gather_bf16"]
