@@ -40,6 +40,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from kerncc.kernels.sampling_ref import sample_f32
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -328,3 +330,4 @@ EXTERNS: dict[str, Callable[..., None]] = {
 # Numba-CUDA twins (kernels/*_nb.py): the same ABI and bits as their CUDA C entries.
 KERNELS["silu_mul_bf16_nb"] = KERNELS["silu_mul_bf16"]
 KERNELS["embedding_gather_bf16_nb"] = KERNELS["embedding_gather_bf16"]
+KERNELS["sample_f32"] = _int_scalars(sample_f32)
