@@ -181,6 +181,45 @@ def store16(typingctx, ptr, index, w0, w1, w2, w3):
     return types.void(ptr, index, w0, w1, w2, w3), codegen
 
 
+@intrinsic
+def load16_nc(typingctx, ptr, index):
+    """`load16` through the read-only (non-coherent) path, `ld.global.nc.v4.u32`, as nvcc
+    emits for a `const T* __restrict__` parameter: only for memory no thread writes while
+    the kernel runs."""
+    if not isinstance(ptr, types.CPointer) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptr_v, index_v = args
+        index_v = context.cast(builder, index_v, sig.args[1], types.int64)
+        at = builder.ptrtoint(builder.gep(ptr_v, [index_v]), ir.IntType(64))
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
+        asm = ("{ .reg .u64 g; cvta.to.global.u64 g, $4; "
+               "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [g]; }")
+        out = builder.asm(fnty, asm, "=r,=r,=r,=r,l", [at], side_effect=False)
+        words = [builder.extract_value(out, k) for k in range(4)]
+        return context.make_tuple(builder, sig.return_type, words)
+
+    return _U4(ptr, index), codegen
+
+
+# ---- 32-bit integer arithmetic (numba computes every integer op in 64 bits) ----------------
+
+
+@intrinsic
+def udiv32(typingctx, a, b):
+    """floor(a / b) of the low 32 bits of two non-negative integers, as a 32-bit division
+    (numba's `//` is a 64-bit signed one with a floor correction)."""
+    if not isinstance(a, types.Integer) or not isinstance(b, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.udiv(_low32(builder, args[0]), _low32(builder, args[1]))
+
+    return types.uint32(a, b), codegen
+
+
 # ---- compiling -----------------------------------------------------------------------------
 
 

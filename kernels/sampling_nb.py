@@ -4,9 +4,10 @@
 sampled from logits row params[b*12] (`stride` floats apart, `vocab` of them) with that row's
 parameters; the algorithm and the 12-word parameter layout are kernels/sampling_ref.py's (the
 numpy reference, run by the cpu backend). One block per row: grid (n), block (1024; any
-power of two up to 1024 is correct). Every reduction is over integers (keys, counts and the
-uint64 weights), so the result does not depend on the order threads finish in: the same
-inputs give the same token every time. Compiled ahead of time by kernels/build.py; never
+power of two up to 1024 is correct). The top-k and top-p thresholds are radix selects (8
+passes of 4-bit digits over the row's keys); every reduction is over integers (keys, counts
+and the uint64 weights), so the result does not depend on the order threads finish in: the
+same inputs give the same token every time. Compiled ahead of time by kernels/build.py; never
 imported at run time.
 """
 
@@ -35,6 +36,8 @@ M0, M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
 W0, W1 = np.uint64(0x9E3779B9), np.uint64(0xBB67AE85)
 ZERO_F = np.float32(0.0)
 ONE_F = np.float32(1.0)
+FULL = np.uint32(0xFFFFFFFF)
+DIGIT = np.uint32(15)
 
 
 @register_jitable
@@ -84,41 +87,84 @@ def mulhi64(a, b):
 
 
 @register_jitable
-def block_sum(acc, local):
-    """The sum of every thread's uint64 `local` (integer atomics: order-free, exact)."""
-    cuda.syncthreads()  # everyone has read the previous sum
-    if cuda.threadIdx.x == 0:
-        acc[0] = U0
-    cuda.syncthreads()
-    cuda.atomic.add(acc, 0, local)
-    cuda.syncthreads()
-    return acc[0]
+def warp_sum(v):
+    """The sum of a uint64 over the warp, in every lane (butterfly; integers: exact)."""
+    for o in (16, 8, 4, 2, 1):
+        v += np.uint64(cuda.shfl_xor_sync(FULL, np.int64(v), np.int32(o)))
+    return v
 
 
 @register_jitable
-def mass(logits, base, vocab, m, t, tau, counting, acc):
-    """Sum over the row's tokens with key >= tau of 1 (counting) or of their weights."""
-    local = U0
-    i = cuda.threadIdx.x
-    while i < vocab:
-        x = logits[base + i]
-        if key_of(x) >= tau:
-            local += U1 if counting else weight(x, m, t)
-        i += cuda.blockDim.x
-    return block_sum(acc, local)
+def tally(bins, x, floor, mask, prefix, shift, counting, m, t):
+    """Add x's count or weight to its digit's bin when its key is >= floor and its higher
+    digits are the prefix found so far."""
+    k = key_of(x)
+    if k >= floor and u32(k & mask) == prefix:
+        d = u32(k >> shift) & DIGIT
+        bins[d] += U1 if counting else weight(x, m, t)
 
 
 @register_jitable
-def search(logits, base, vocab, m, t, floor, counting, target, acc):
-    """The largest key t >= floor with mass(key >= t, key >= floor) >= target, bit by bit
-    from the top (the mass only falls as t grows)."""
-    found = np.uint32(0)
-    for bit in range(31, -1, -1):
-        cand = u32(found | u32(np.uint32(1) << np.uint32(bit)))
-        lowest = cand if cand > floor else floor
-        if mass(logits, base, vocab, m, t, lowest, counting, acc) >= target:
-            found = cand
-    return found if found > floor else floor
+def search(logits, base, vocab, m, t, floor, counting, target, top_p, hist, shared, bins):
+    """The largest key t >= floor such that the tokens with key >= t (and >= floor) weigh
+    (counting: number) at least target, found a digit of 4 bits at a time from the top:
+    8 passes, each a per-thread histogram of 16 bins, summed exactly over the block.
+
+    With top_p > 0 the target is computed from the first pass's total instead (the mass of
+    every token >= floor): floor(total * P / 2**24), P = uint32(top_p * 2**24), at least 1.
+    """
+    tid = cuda.threadIdx.x
+    threads = cuda.blockDim.x
+    prefix = np.uint32(0)
+    for level in range(8):
+        shift = np.uint32(28 - 4 * level)
+        mask = u32(~((np.uint64(1) << np.uint64(32 - 4 * level)) - U1))  # the digits above
+        for b in range(16):
+            bins[b] = U0
+        i = tid
+        while i + 3 * threads < vocab:  # four loads in flight: the passes are latency-bound
+            x0 = logits[base + i]
+            x1 = logits[base + i + threads]
+            x2 = logits[base + i + 2 * threads]
+            x3 = logits[base + i + 3 * threads]
+            tally(bins, x0, floor, mask, prefix, shift, counting, m, t)
+            tally(bins, x1, floor, mask, prefix, shift, counting, m, t)
+            tally(bins, x2, floor, mask, prefix, shift, counting, m, t)
+            tally(bins, x3, floor, mask, prefix, shift, counting, m, t)
+            i += 4 * threads
+        while i < vocab:
+            tally(bins, logits[base + i], floor, mask, prefix, shift, counting, m, t)
+            i += threads
+        cuda.syncthreads()  # everyone has read the previous level's results
+        if tid < 16:
+            hist[tid] = U0
+        cuda.syncthreads()
+        for b in range(16):
+            v = warp_sum(bins[b])
+            if tid % 32 == 0 and v != U0:
+                cuda.atomic.add(hist, b, v)
+        cuda.syncthreads()
+        if tid == 0:
+            if level == 0 and top_p > ZERO_F:
+                total = U0
+                for b in range(16):
+                    total += hist[b]
+                p = np.uint64(top_p * P_SCALE)
+                target = (total >> P_SHIFT) * p + (((total & P_MASK) * p) >> P_SHIFT)
+                target = target if target > U0 else U1
+                shared[1] = target
+            else:
+                target = shared[1] if top_p > ZERO_F else target
+            above = shared[0] if level > 0 else U0
+            d = 15
+            while d > 0 and above + hist[d] < target:
+                above += hist[d]
+                d -= 1
+            shared[0] = above
+            shared[2] = np.uint64(prefix | u32(np.uint32(d) << shift))
+        cuda.syncthreads()
+        prefix = u32(shared[2])
+    return prefix if prefix > floor else floor
 
 
 @register_jitable
@@ -155,8 +201,10 @@ def sample_f32(logits, params, tokens, n, stride, vocab):
     b = cuda.blockIdx.x
     if b >= n:
         return
-    acc = cuda.shared.array(1, types.uint64)
+    hist = cuda.shared.array(16, types.uint64)
+    shared = cuda.shared.array(3, types.uint64)  # running mass above, top-p target, prefix
     top = cuda.shared.array(1, types.uint32)
+    bins = cuda.local.array(16, types.uint64)
     sums = cuda.shared.array(THREADS, types.uint64)
     best_v = cuda.shared.array(THREADS, types.float32)
     best_i = cuda.shared.array(THREADS, types.int32)
@@ -176,9 +224,13 @@ def sample_f32(logits, params, tokens, n, stride, vocab):
 
     local = np.uint32(0)
     i = tid
+    while i + 3 * threads < vocab:
+        k0 = max(key_of(logits[base + i]), key_of(logits[base + i + threads]))
+        k1 = max(key_of(logits[base + i + 2 * threads]), key_of(logits[base + i + 3 * threads]))
+        local = max(local, max(k0, k1))
+        i += 4 * threads
     while i < vocab:
-        k = key_of(logits[base + i])
-        local = k if k > local else local
+        local = max(local, key_of(logits[base + i]))
         i += threads
     if tid == 0:
         top[0] = np.uint32(0)
@@ -189,13 +241,10 @@ def sample_f32(logits, params, tokens, n, stride, vocab):
 
     tau = np.uint32(0)
     if top_k > np.uint32(0) and np.int64(top_k) < np.int64(vocab):
-        tau = search(logits, base, vocab, m, t, tau, True, np.uint64(top_k), acc)
+        tau = search(logits, base, vocab, m, t, tau, True, np.uint64(top_k), ZERO_F, hist,
+                     shared, bins)
     if top_p < ONE_F:
-        total = mass(logits, base, vocab, m, t, tau, False, acc)
-        p = np.uint64(top_p * P_SCALE)
-        target = (total >> P_SHIFT) * p + (((total & P_MASK) * p) >> P_SHIFT)
-        target = target if target > U0 else U1
-        tau = search(logits, base, vocab, m, t, tau, False, target, acc)
+        tau = search(logits, base, vocab, m, t, tau, False, U1, top_p, hist, shared, bins)
 
     # The chosen token: each thread owns a contiguous chunk; an inclusive scan of the chunks'
     # weights says whose chunk holds the draw, and that thread walks it.

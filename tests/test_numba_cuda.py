@@ -96,7 +96,8 @@ def reference(logits: np.ndarray, words: np.ndarray) -> np.ndarray:
 CASES = [SamplingParams(1.0, seed=1), SamplingParams(0.7, top_k=50, seed=2),
          SamplingParams(1.3, top_p=0.9, seed=3), SamplingParams(0.9, top_k=40, top_p=0.8, seed=4),
          SamplingParams(0.0), SamplingParams(2.0, top_k=1, seed=5),
-         SamplingParams(0.5, top_p=0.05, seed=2**64 - 1)]
+         SamplingParams(0.5, top_p=0.05, seed=2**64 - 1),
+         SamplingParams(1.0, top_k=5000, top_p=0.99, seed=8), SamplingParams(3.0, top_k=2, seed=9)]
 
 
 @pytest.mark.parametrize("vocab", [1000, 32000, 151936])

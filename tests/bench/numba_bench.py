@@ -4,8 +4,9 @@
 
 For each pair (silu_mul_bf16 / silu_mul_bf16_nb, embedding_gather_bf16 /
 embedding_gather_bf16_nb) at the small example's shapes (decode: 1 row, prefill: 512 rows),
-the two launches alternate in rounds, each round timed with CUDA events over `iters`
-back-to-back launches; the medians and the ratio numba / CUDA C are printed (goal: <= 1.10).
+the two alternate in rounds, each round a CUDA graph of `iters` back-to-back launches timed
+with CUDA events (kernel time, not Python's launch rate); the medians and the ratio
+numba / CUDA C are printed (goal: <= 1.10).
 Then sample_f32 at vocab 32000 and 151936 for greedy, temperature, top-k, top-p (one row and
 eight rows per launch), for scale against a decode step.
 """
@@ -31,18 +32,38 @@ def i32(v: int) -> ctypes.c_int32:
     return ctypes.c_int32(v)
 
 
+def _launch(gpu: Gpu, stream, module: str, entry: str, grid: int, block: int, args: list,
+            keep: list) -> None:
+    slots = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_uint64(a) for a in args]
+    table = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
+    keep += [slots, table]  # the driver reads the parameters at capture time; keep them anyway
+    gpu.check(gpu.cu.cuLaunchKernel(gpu.function(module, entry), grid, 1, 1, block, 1, 1, 0,
+                                    stream, ctypes.addressof(table), 0))
+
+
 def timed(gpu: Gpu, module: str, entry: str, grid: int, block: int, args: list, iters: int
           ) -> float:
-    """Microseconds per launch over `iters` launches, by CUDA events."""
+    """Microseconds per launch: a CUDA graph of `iters` back-to-back launches, replayed and
+    timed with CUDA events (so the kernels' time, not Python's launch rate, is measured)."""
     cu = gpu.cu
-    start, end = (gpu.check(cu.cuEventCreate(0)) for _ in range(2))
-    gpu.launch(module, entry, grid, block, args)  # warm (module load)
-    gpu.check(cu.cuEventRecord(start, 0))
+    stream = gpu.check(cu.cuStreamCreate(1))  # non-blocking: capturable
+    keep: list = []
+    _launch(gpu, stream, module, entry, grid, block, args, keep)  # warm (module load)
+    gpu.check(cu.cuStreamBeginCapture(stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
     for _ in range(iters):
-        gpu.launch(module, entry, grid, block, args)
-    gpu.check(cu.cuEventRecord(end, 0))
+        _launch(gpu, stream, module, entry, grid, block, args, keep)
+    graph = gpu.check(cu.cuStreamEndCapture(stream))
+    exe = gpu.check(cu.cuGraphInstantiate(graph, 0))
+    gpu.check(cu.cuGraphLaunch(exe, stream))  # warm
+    start, end = (gpu.check(cu.cuEventCreate(0)) for _ in range(2))
+    gpu.check(cu.cuEventRecord(start, stream))
+    gpu.check(cu.cuGraphLaunch(exe, stream))
+    gpu.check(cu.cuEventRecord(end, stream))
     gpu.check(cu.cuEventSynchronize(end))
     ms = gpu.check(cu.cuEventElapsedTime(start, end))
+    gpu.check(cu.cuGraphExecDestroy(exe))
+    gpu.check(cu.cuGraphDestroy(graph))
+    gpu.check(cu.cuStreamDestroy(stream))
     return ms * 1e3 / iters
 
 
@@ -63,7 +84,7 @@ def main() -> int:
     gpu = Gpu()
     rng = np.random.default_rng(0)
     inter, block, hidden, vocab = 6144, 128, 2048, 32000
-    for rows in (1, 512):
+    for rows in (1, 512, 2048):
         gate_up = gpu.upload(bf16_bits(rng.standard_normal((rows, 2 * inter)).astype(np.float32)))
         act = gpu.upload(np.zeros(rows * inter, np.uint16))
         grid = -(-rows * inter // 8 // 256)
@@ -71,7 +92,7 @@ def main() -> int:
              ("activation_nb", "silu_mul_bf16_nb"), grid, 256,
              [gate_up, act, i32(rows), i32(inter), i32(block)], iters)
     table = gpu.upload(bf16_bits(rng.standard_normal((vocab, hidden)).astype(np.float32)))
-    for rows in (1, 512):
+    for rows in (1, 512, 2048):
         ids = gpu.upload(rng.integers(0, vocab, rows).astype(np.int32))
         out = gpu.upload(np.zeros(rows * hidden, np.uint16))
         pair(gpu, f"embedding rows={rows} hidden={hidden}", ("embed", "embedding_gather_bf16"),
