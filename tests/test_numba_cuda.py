@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 from test_elementwise_cuda import Gpu, bf16_bits, close_bf16, u8
 
-from kerncc.kernels import sampling_ref as ref
 from kerncc.kernels.reference import KERNELS
 from kerncc.runtime.sampling import SamplingParams, pack
 

@@ -155,6 +155,25 @@ def test_session_sample_refuses_bad_requests(tmp_path):
         session.sample("next_tokens", [0], [p], [(0, 0)])
 
 
+def test_chain_sample_is_the_last_stage_s(tmp_path):
+    from kerncc.example import generate
+    from kerncc.runtime import Bundle, Chain
+
+    manifest, _ = generate(tmp_path / "q", "tiny")
+    chain = Chain(Bundle.from_manifest(manifest, "cut,slice-derive,emit"), backend="cpu")
+    assert len(chain.sessions) == 2
+    inputs = {"token_ids": np.array([1, 2, 3], np.int32), "positions": np.arange(3, dtype=np.int32),
+              "slot_mapping": np.arange(3, dtype=np.int32), "seq_lens": np.array([3], np.int32),
+              "block_table": np.zeros((1, 16), np.int32)}
+    chain.run("prefill", inputs, {"tokens": 3, "seqs": 1})
+    p = [SamplingParams(1.0, seed=s) for s in range(16)]
+    counters = [(0, 0)] * 16
+    got = chain.sample("logits", [0] * 16, p, counters)
+    assert got.tolist() == chain.sessions[-1].sample("logits", [0] * 16, p, counters).tolist()
+    with pytest.raises(KernccError, match="no stage"):
+        chain.sample("nope", [0], p[:1], counters[:1])
+
+
 def test_kerncc_run_samples_by_seed(tmp_path, capsys):
     from kerncc.cli import main
     from kerncc.example import generate
