@@ -2,7 +2,8 @@
 
 `kerncc run BUNDLE_OR_MANIFEST --prompt 1,2,3` loads every stage (a manifest is lowered in
 process with `--pipeline`, default `emit`), prefills the prompt in chunks and decodes greedily
-(kerncc.runtime.generate). Progress goes to stderr; the last line, on stdout, is the generated
+(kerncc.runtime.generate), or samples with `--temperature/--top-k/--top-p/--seed`
+(kerncc.runtime.sampling; the seed defaults to 0, so a sampled run repeats). Progress goes to stderr; the last line, on stdout, is the generated
 token ids separated by spaces, so scripts can take `tail -1`. `kerncc example qwen` writes the
 example model (manifest, checkpoint, config) with kerncc.example.generate.
 """
@@ -175,7 +176,8 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `run` and `example` to the `kerncc` command line (called by kerncc.cli)."""
-    p = sub.add_parser("run", help="serve a prompt: chunked prefill, then greedy decode")
+    p = sub.add_parser("run", help="serve a prompt: chunked prefill, then decode (greedy, or "
+                       "sampled with --temperature)")
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend())

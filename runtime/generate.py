@@ -1,4 +1,5 @@
-"""Serving one sequence: chunked prefill, then greedy decode, over a paged KV cache.
+"""Serving one sequence: chunked prefill, then decode (greedy, or sampled: kerncc.runtime.
+sampling), over a paged KV cache.
 
 The driver knows no buffer, program or var by name: the serving protocol (kerncc.protocol,
 spec §4) says which program takes a prefill chunk (`chunk()`) and which one row
