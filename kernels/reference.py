@@ -40,6 +40,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from kerncc.kernels import sampling_ref
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -352,3 +354,22 @@ EXTERNS: dict[str, Callable[..., None]] = {
     fn.__name__: _int_scalars(fn)
     for fn in (cublaslt_bf16_tn, cublaslt_bf16_tn_acc, cublas_bf16_tn_f32)
 }
+
+# Numba-CUDA twins (kernels/*_nb.py): the same ABI and bits as their CUDA C entries.
+KERNELS["silu_mul_bf16_nb"] = KERNELS["silu_mul_bf16"]
+KERNELS["embedding_gather_bf16_nb"] = KERNELS["embedding_gather_bf16"]
+
+
+def sample_f32(launch: Any, logits, params, tokens, n, stride, vocab) -> None:
+    """tokens[b] = the sampled token of params row b (the kernel's ABI; pointers are uint8
+    views; the algorithm is kernels/sampling_ref.py)."""
+    words = sampling_ref.PARAM_WORDS
+    rows = view(params, np.uint32, n * words).reshape(n, words)
+    out = view(tokens, I32, n)
+    for b in range(n):
+        row, temperature, top_k, top_p, seed, sequence, step = sampling_ref.unpack(rows[b])
+        x = view(logits[row * stride * 4:], F32, vocab)
+        out[b] = sampling_ref.sample_row(x, temperature, top_k, top_p, seed, sequence, step)
+
+
+KERNELS["sample_f32"] = _int_scalars(sample_f32)

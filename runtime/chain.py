@@ -120,6 +120,14 @@ class Chain:
                                 f"{edge['buffer']} #{item}", issued, start,
                                 source.backend.mark(), {"item": item, "buffer": edge["buffer"]})
 
+    def sample(self, buffer: str, rows: Sequence[int], params: Sequence[Any],
+               counters: Sequence[tuple[int, int]]) -> np.ndarray:
+        """`Session.sample` on the last stage that has buffer `buffer` (the logits)."""
+        for session in reversed(self.sessions):
+            if buffer in session.manifest.buffers:
+                return session.sample(buffer, rows, params, counters)
+        raise KernccError.single(f"no stage of the chain has a buffer `{buffer}` to sample")
+
     def sync(self) -> None:
         for backend in dict.fromkeys(self.backends):
             backend.activate()

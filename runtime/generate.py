@@ -1,4 +1,5 @@
-"""Serving one sequence: chunked prefill, then greedy decode, over a paged KV cache.
+"""Serving one sequence: chunked prefill, then decode (greedy, or sampled: kerncc.runtime.
+sampling), over a paged KV cache.
 
 The driver knows no buffer, program or var by name: the serving protocol (kerncc.protocol,
 spec §4) says which program takes a prefill chunk (`chunk()`) and which one row
@@ -27,6 +28,7 @@ from kerncc.analysis.access import call_access
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.memory import numpy_dtype
+from kerncc.runtime.sampling import SamplingParams
 from kerncc.runtime.session import Session
 from kerncc.verify import verify
 
@@ -175,10 +177,13 @@ class Generator:
     # ------------------------------------------------------------------------ serving
 
     def generate(self, prompt: Sequence[int], max_new: int, chunk: int | None = None,
-                 stop: Callable[[int], bool] | None = None) -> Generation:
-        """Prefill `prompt` in chunks of `chunk` rows, then decode `max_new` tokens greedily;
-        `stop(token)` sees each new token as it comes and ends generation by returning True
-        (an eos token: it stays the last of the tokens)."""
+                 stop: Callable[[int], bool] | None = None,
+                 sampling: SamplingParams | None = None) -> Generation:
+        """Prefill `prompt` in chunks of `chunk` rows, then decode `max_new` tokens: greedily
+        (the programs' own token), or sampled from the logits by `sampling` (Session.sample,
+        counter (sequence 0, step = tokens generated so far)). `stop(token)` sees each new
+        token as it comes and ends generation by returning True (an eos token: it stays the
+        last of the tokens)."""
         if not prompt:
             raise KernccError.single("the prompt is empty")
         chunk = chunk or self.max_chunk
@@ -188,12 +193,15 @@ class Generator:
         self._check_tokens(prompt)
         seq = Served([int(t) for t in prompt])
         record = _Record()
+        self._sampling = None if sampling is None or sampling.greedy else sampling.resolved()
+        self._generated = 0
         try:
             token = self._prefill(seq, chunk, record)
             generated: list[int] = []
             while len(generated) < max_new:
                 generated.append(token)
                 seq.tokens.append(token)
+                self._generated = len(generated)
                 if stop is not None and stop(token):
                     break
                 if len(generated) < max_new:
@@ -215,10 +223,22 @@ class Generator:
     def _one_row(self, seq: Served, record: _Record) -> int:
         forward = self.step_program or self.chunk_program
         token = self._feed(seq, 1, forward, record)
+        if getattr(self, "_sampling", None) is not None:
+            return self._sample()
         if token is None:
             raise KernccError.single(f"program `{forward.name}` hands back no token "
                                      "(no `tokens` output): nothing to decode with")
         return token
+
+    def _sample(self) -> int:
+        """The next token drawn from the last forward's logits (row 0: one sequence)."""
+        holder = next((s for s in reversed(self.sessions) if LOGITS in s.manifest.buffers
+                       and s.manifest.buffers[LOGITS].kind == "output"), None)
+        if holder is None:
+            raise KernccError.single("sampling reads the `logits` output, which no stage "
+                                     "writes; decode greedily (temperature 0)")
+        counter = (0, self._generated)
+        return int(holder.sample(LOGITS, [0], [self._sampling], [counter])[0])
 
     def _check_tokens(self, prompt: Sequence[int]) -> None:
         """Every prompt id fits the buffers that carry tokens (the domain checks then name

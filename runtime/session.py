@@ -374,6 +374,16 @@ class Session:
         raw = self.backend.download(self.memory.buffer(name), 0, buf.nbytes(env))
         return raw.view(numpy_dtype(buf.dtype)).reshape(dims)
 
+    def sample(self, buffer: str, rows: Sequence[int], params: Sequence[Any],
+               counters: Sequence[tuple[int, int]]) -> np.ndarray:
+        """One token (int32) per listed row of f32 logits buffer `buffer` [rows, vocab] at the
+        last run's vars: rows[i] sampled with params[i] (`kerncc.runtime.sampling.
+        SamplingParams`) and the Philox counter counters[i] = (sequence, step). On cuda the
+        tokens are picked on the device and only they come back."""
+        from kerncc.runtime import sampling
+
+        return sampling.sample(self, buffer, rows, params, counters)
+
     def _read_async(self, name: str, env: dict[str, int]) -> _Output:
         buf = self.manifest.buffers[name]
         raw = self.backend.download_async(self.memory.buffer(name), 0, buf.nbytes(env))

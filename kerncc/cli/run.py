@@ -2,7 +2,8 @@
 
 `kerncc run BUNDLE_OR_MANIFEST --prompt 1,2,3` loads every stage (a manifest is lowered in
 process with `--pipeline`, default `emit`), prefills the prompt in chunks and decodes greedily
-(kerncc.runtime.generate). Progress goes to stderr; the last line, on stdout, is the generated
+(kerncc.runtime.generate), or samples with `--temperature/--top-k/--top-p/--seed`
+(kerncc.runtime.sampling; the seed defaults to 0, so a sampled run repeats). Progress goes to stderr; the last line, on stdout, is the generated
 token ids separated by spaces, so scripts can take `tail -1`. `kerncc example qwen` writes the
 example model (manifest, checkpoint, config) with kerncc.example.generate.
 """
@@ -82,11 +83,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     timeline = Timeline() if args.trace else None
     chain = Chain(bundle, backend=args.backend, checkpoint=weights, interpret=args.interpret,
                   devices=args.devices, graphs=args.graphs, trace=timeline)
+    sampling = _sampling(args)
     generator = Generator(chain)
     loaded = time.perf_counter()
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
          f"(weights: {weights or 'none'})")
-    result = generator.generate(text.prompt, args.max_new, args.chunk, stop=text.stop)
+    result = generator.generate(text.prompt, args.max_new, args.chunk, stop=text.stop,
+                                sampling=sampling)
     text.end_stream()
     _say(f"ran {len(result.steps)} steps in {time.perf_counter() - loaded:.2f} s: "
          + ", ".join(f"{p}×{rows}" for p, rows in result.steps))
@@ -98,6 +101,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         _save_logits(args.logits, result.logits)
     text.finish(result.tokens)
     return 0
+
+
+def _sampling(args: argparse.Namespace):
+    """The run's SamplingParams from --temperature/--top-k/--top-p/--seed (greedy default)."""
+    from kerncc.runtime.sampling import SamplingParams
+
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if not params.greedy:
+        _say(f"sampling: temperature {params.temperature}, top-k {params.top_k or 'off'}, "
+             f"top-p {params.top_p}, seed {params.seed}")
+    return params
+
+
+def _number(kind: type):
+    def parse(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got `{text}`") from None
+    return parse
 
 
 def _write(path: str, flag: str, write) -> None:
@@ -160,7 +183,8 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `run` and `example` to the `kerncc` command line (called by kerncc.cli.main)."""
-    p = sub.add_parser("run", help="serve a prompt: chunked prefill, then greedy decode")
+    p = sub.add_parser("run", help="serve a prompt: chunked prefill, then decode (greedy, or "
+                       "sampled with --temperature)")
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend())
@@ -179,6 +203,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "default), for `graph` programs only (marked), or none (off)")
     p.add_argument("--trace", metavar="FILE.json",
                    help="write a Chrome/Perfetto trace of every stage's items and transfers")
+    p.add_argument("--temperature", type=_number(float), default=0.0,
+                   help="sample at this temperature (default 0: greedy, the model's argmax)")
+    p.add_argument("--top-k", type=_number(int), default=0,
+                   help="sample among the k most likely tokens (default 0: off)")
+    p.add_argument("--top-p", type=_number(float), default=1.0,
+                   help="sample among the fewest tokens holding this probability (default 1: off)")
+    p.add_argument("--seed", type=_number(int), default=0,
+                   help="the sampling seed, 0..2**64-1 (default 0: a run repeats)")
     p.add_argument("--interpret", action="store_true",
                    help="interpret plan.json's launch records instead of running stage.py")
     p.set_defaults(handler=cmd_run, format="text")

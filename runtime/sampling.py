@@ -1,0 +1,201 @@
+"""Sampling: picking tokens from a forward's logits by temperature, top-k, top-p and a seed.
+
+The runtime samples after the forward, on the logits buffer the manifest already writes (a
+manifest written by kern stays unchanged; its `argmax` op keeps giving the greedy token). What
+this module owns:
+* `SamplingParams`: one request's parameters, checked when made (a clear error names the
+  parameter);
+* `sample(session, buffer, rows, params, counters)`, which `Session.sample` calls: the token of
+  each listed row of the buffer. On the cpu backend the numpy reference runs
+  (kerncc.kernels.sampling_ref); on cuda the library's Numba-CUDA cubin `sample_f32` (module
+  `sampling_nb`, built ahead of time; numba is never imported here) runs on the device logits
+  and only the chosen ids come back (4 bytes a row).
+The random draw of a row is Philox4x32-10 keyed by the seed with the counter (step, sequence),
+so a seed reproduces a whole sampled sequence, however rows are batched. Greedy rows
+(temperature 0) give the first argmax, as the manifest's `argmax` op does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kerncc.diagnostics import KernccError
+from kerncc.kernels.sampling_ref import PARAM_WORDS, sample_row
+
+U64_MAX = 2**64 - 1
+MODULE, ENTRY = "sampling_nb", "sample_f32"
+THREADS = 1024  # the kernel's block (a power of two up to 1024)
+
+
+def _refuse(name: str, value: Any, rule: str) -> KernccError:
+    return KernccError.single(f"sampling parameter `{name}` = {value!r}: {rule}",
+                              f"/sampling/{name}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+@attrs.frozen
+class SamplingParams:
+    """How one sequence picks its tokens. The defaults are greedy decoding.
+
+    temperature: 0 = greedy (argmax), else logits are divided by it before the softmax.
+    top_k: keep the k most likely tokens (ties at the boundary kept); 0 = off.
+    top_p: keep the fewest most likely tokens holding this much probability; 1 = off.
+    seed: the Philox key, 0..2**64-1; None = fresh OS randomness (see `resolved`).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a KernccError naming the first parameter out of range."""
+        t = self.temperature
+        if _is_int(t) or isinstance(t, (float, np.floating)):
+            if not math.isfinite(t) or t < 0:
+                raise _refuse("temperature", t, "must be a finite number >= 0 (0 is greedy)")
+        else:
+            raise _refuse("temperature", t, "must be a number")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise _refuse("top_k", self.top_k, "must be a whole number >= 0 (0 is off)")
+        p = self.top_p
+        if not isinstance(p, (int, float, np.integer, np.floating)) or isinstance(p, bool) \
+                or not 0 < p <= 1:
+            raise _refuse("top_p", p, "must be in (0, 1] (1 is off)")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= U64_MAX):
+            raise _refuse("seed", self.seed, "must be a whole number in 0..2**64-1 or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def resolved(self) -> SamplingParams:
+        """These parameters with a concrete seed (a fresh random one when seed is None):
+        resolve once per sequence, so that its steps share one key."""
+        return self if self.seed is not None else attrs.evolve(self, seed=secrets.randbits(64))
+
+
+def pack(rows: Sequence[int], params: Sequence[SamplingParams],
+         counters: Sequence[tuple[int, int]], vocab: int) -> np.ndarray:
+    """The kernel's parameter words, [len(rows), 12] uint32 (kernels/sampling_ref.py's
+    layout); seeds still None draw fresh randomness here."""
+    words = np.zeros((len(rows), PARAM_WORDS), dtype=np.uint32)
+    for b, (row, p, (sequence, step)) in enumerate(zip(rows, params, counters)):
+        seed = p.resolved().seed
+        top_k = p.top_k if p.top_k < vocab else 0
+        floats = np.asarray([p.temperature, p.top_p], dtype=np.float32).view(np.uint32)
+        words[b, :10] = [row, floats[0], top_k, floats[1], seed & 0xFFFFFFFF, seed >> 32,
+                         sequence & 0xFFFFFFFF, sequence >> 32, step & 0xFFFFFFFF, step >> 32]
+    return words
+
+
+def check_request(rows: Sequence[int], params: Sequence[SamplingParams],
+                  counters: Sequence[tuple[int, int]], available: int, buffer: str) -> None:
+    """Rows inside the buffer, one params and one (sequence, step) counter per row."""
+    if not (len(rows) == len(params) == len(counters)):
+        raise KernccError.single(f"sample: {len(rows)} rows, {len(params)} params and "
+                                 f"{len(counters)} counters; give one of each per row")
+    for row in rows:
+        if not _is_int(row) or not 0 <= row < available:
+            raise KernccError.single(f"sample: row {row!r} is outside buffer `{buffer}`'s "
+                                     f"{available} rows (at the last run's vars)")
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise KernccError.single(f"sample: expected SamplingParams, got {type(p).__name__}")
+    for counter in counters:
+        ok = isinstance(counter, tuple) and len(counter) == 2 and all(
+            _is_int(c) and 0 <= c <= U64_MAX for c in counter)
+        if not ok:
+            raise KernccError.single(f"sample: counter {counter!r} is not a (sequence, step) "
+                                     "pair of whole numbers in 0..2**64-1")
+
+
+def sample_logits(logits: np.ndarray, rows: Sequence[int], params: Sequence[SamplingParams],
+                  counters: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The tokens (int32) the reference picks from host logits [rows, vocab] (cpu path)."""
+    words = pack(rows, params, counters, logits.shape[-1])
+    out = np.empty(len(rows), dtype=np.int32)
+    for b, w in enumerate(words):
+        p = params[b]
+        seed = int(w[4]) | int(w[5]) << 32
+        out[b] = sample_row(logits[rows[b]], p.temperature, int(w[2]), p.top_p, seed,
+                            counters[b][0], counters[b][1])
+    return out
+
+
+def sample(session: Any, buffer: str, rows: Sequence[int], params: Sequence[SamplingParams],
+           counters: Sequence[tuple[int, int]]) -> np.ndarray:
+    """`Session.sample`: one token (int32) per listed row of f32 buffer `buffer` [rows, vocab],
+    shaped at the last run's vars."""
+    buf = session._buffer(buffer)
+    dims = buf.dims_at(session.last_vars)
+    if buf.dtype != "f32" or len(dims) != 2:
+        raise KernccError.single(f"sample: buffer `{buffer}` is {buf.dtype} of {len(dims)} "
+                                 "dims; sampling reads f32 logits [rows, vocab]")
+    rows = [r for r in rows]
+    check_request(rows, params, counters, dims[0], buffer)
+    if not rows:
+        return np.zeros(0, dtype=np.int32)
+    if session.backend.name != "cuda":
+        return sample_logits(session.read(buffer), rows, params, counters)
+    sampler = getattr(session, "_sampler", None)
+    if sampler is None:
+        sampler = session._sampler = CudaSampler(session.backend)
+    return sampler.run(session.memory.buffer(buffer), dims, pack(rows, params, counters,
+                                                                 dims[1]))
+
+
+class CudaSampler:
+    """The library's `sample_f32` cubin on one CUDA backend, with its parameter and token
+    buffers (grown as batches grow)."""
+
+    def __init__(self, backend: Any) -> None:
+        from cuda.bindings import driver as cu
+
+        from kerncc.kernels import library
+        from kerncc.runtime.backends.cuda import check
+
+        self.cu, self.check, self.backend = cu, check, backend
+        backend.activate()
+        path = library.cubin_path(MODULE)
+        self._image = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        self.module = check(cu.cuModuleLoadData(self._image.ctypes.data),
+                            f"cuModuleLoadData({path.name})")
+        self.fn = check(cu.cuModuleGetFunction(self.module, ENTRY.encode()),
+                        f"cuModuleGetFunction({ENTRY})")
+        self.capacity = 0
+        self.words = self.tokens = None
+
+    def _ensure(self, n: int) -> None:
+        if n <= self.capacity:
+            return
+        self.capacity = max(n, 2 * self.capacity, 8)
+        self.words = self.backend.allocate(self.capacity * PARAM_WORDS * 4)
+        self.tokens = self.backend.allocate(self.capacity * 4)
+
+    def run(self, logits: Any, dims: Sequence[int], words: np.ndarray) -> np.ndarray:
+        n = words.shape[0]
+        self.backend.activate()
+        self._ensure(n)
+        self.backend.upload(self.words, 0, words.reshape(-1).view(np.uint8))
+        slots = [ctypes.c_uint64(logits.ptr), ctypes.c_uint64(self.words.ptr),
+                 ctypes.c_uint64(self.tokens.ptr), ctypes.c_int32(n),
+                 ctypes.c_int32(dims[1]), ctypes.c_int32(dims[1])]
+        table = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
+        self.check(self.cu.cuLaunchKernel(self.fn, n, 1, 1, THREADS, 1, 1, 0,
+                                          self.backend.stream_handle, ctypes.addressof(table),
+                                          0), "cuLaunchKernel(sample_f32)")
+        return self.backend.download(self.tokens, 0, 4 * n).view(np.int32)
