@@ -44,7 +44,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 PAGE = 16
-DECODE_SPLIT = 256  # keys per split of attn_decode_split_bf16 (attention.cu DC_SPLIT)
+DECODE_SPLIT = 128  # keys per split of attn_decode_split_bf16 (attention.cu DC_SPLIT)
 LOG2E = np.float32(1.4426950408889634)
 
 
@@ -289,6 +289,17 @@ def cublas_bf16_tn_f32(launch: Any, a, w, c, m, n, k) -> None:
     view(c, F32, m * n).reshape(m, n)[...] = _matmul_tn(a, w, m, n, k)
 
 
+GEMV_MODES = (cublaslt_bf16_tn, cublaslt_bf16_tn_acc, cublas_bf16_tn_f32)  # gemv.cu's `mode`
+
+
+def gemv_bf16_tn(launch: Any, a, w, c, m, n, k, mode) -> None:
+    """kernels/gemv.cu's gemv_bf16_tn_mb{1..4} (m <= 8, 16, 24, 32): the GEMM extern `mode`
+    names (0 bf16, 1 bf16 accumulating, 2 f32), the same function summed in a fixed order."""
+    if not 0 <= mode < len(GEMV_MODES):
+        raise ValueError(f"gemv mode {mode} is not 0, 1 or 2")
+    GEMV_MODES[mode](launch, a, w, c, m, n, k)
+
+
 def _int_scalars(fn: Callable[..., None]) -> Callable[..., None]:
     """Integer scalar args as Python ints, so size arithmetic cannot wrap at 32 bits."""
 
@@ -319,6 +330,7 @@ KERNELS: dict[str, Callable[..., None]] = {
         cast_f32_bf16,
     )
 }
+KERNELS.update({f"gemv_bf16_tn_mb{b}": _int_scalars(gemv_bf16_tn) for b in (1, 2, 3, 4)})
 
 EXTERNS: dict[str, Callable[..., None]] = {
     fn.__name__: _int_scalars(fn)

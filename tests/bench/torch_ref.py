@@ -205,6 +205,13 @@ class TorchQwen:
             raise ValueError(f"the sequence needs {start + n} tokens, the cache holds "
                              f"{c.max_context}")
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        return self.forward_ids(ids)
+
+    def forward_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """`_forward` of token ids already on the device: no host copy, so a CUDA graph can
+        capture it (at a fixed cache length: the length is read when it is captured)."""
+        c = self.config
+        start, n = self.length, ids.shape[0]
         x = F.embedding(ids, self.embed)
         cos, sin = self.cos[start:start + n, None], self.sin[start:start + n, None]
         for i, layer in enumerate(self.layers):
