@@ -62,7 +62,7 @@ def reference(name: str, a: np.ndarray, w: np.ndarray, c0: np.ndarray, m: int, n
 
 
 def as_values(name: str, raw: np.ndarray, count: int) -> np.ndarray:
-    dtype = np.float32 if name.endswith("f32") else BF16
+    dtype = np.dtype(np.float32) if name.endswith("f32") else BF16
     return raw[:count * dtype.itemsize].view(dtype).astype(np.float64)
 
 
@@ -121,7 +121,8 @@ def blas_launcher(backend, name: str):
     return launch
 
 
-def close(name: str, got: np.ndarray, want: np.ndarray, m: int, n: int) -> None:
+def close(name: str, got: np.ndarray, want: np.ndarray, m: int, n: int,
+          cublas: bool = False) -> None:
     g, r = as_values(name, got, m * n), as_values(name, want, m * n)
     assert np.isfinite(g).all(), "an output was not written (NaN poison left)"
     scale = np.abs(r).max()
@@ -129,6 +130,10 @@ def close(name: str, got: np.ndarray, want: np.ndarray, m: int, n: int) -> None:
     # two f32 sums of the same products in other orders, then one bf16 rounding each: at most
     # one bf16 step apart (2^-8 relative), plus the f32 order error near zero
     tol = np.abs(r) * 2.0 ** -7 + scale * 1e-5
+    if cublas and name.endswith("_acc"):
+        # cuBLAS with beta = 1 and a bf16 C does not round once: where C and A.W^T cancel it
+        # is several bf16 steps of the product's size off (seen on an H200, cuBLAS 13)
+        tol = tol + scale * 2.0 ** -7
     bad = np.abs(g - r) > tol
     assert not bad.any(), (f"{bad.sum()} of {m * n} differ; worst {np.abs(g - r).max():.3e} "
                            f"at scale {scale:.3e}")
@@ -148,7 +153,7 @@ def test_gemv_matches_the_reference_and_cublas(backend, name, shape):
         close(name, got, case.expected(), m, n)
         again = case.run(gemv_launcher(backend, name))
         assert got.tobytes() == again.tobytes(), "two launches gave different bits"
-        close(name, got, case.run(blas_launcher(backend, name)), m, n)
+        close(name, got, case.run(blas_launcher(backend, name)), m, n, cublas=True)
     finally:
         case.free()
 
@@ -192,6 +197,6 @@ def test_the_extern_site_takes_the_right_path_and_stays_right(backend, name, sha
             gemv.GemvSite.__call__ = original
         assert bool(calls) == gemv.usable(m, n, k, a, w, c) == (m <= 32 and k % 8 == 0
                                                                  and shift == 0)
-        close(name, got, case.expected(), m, n)
+        close(name, got, case.expected(), m, n, cublas=not calls)
     finally:
         case.free()

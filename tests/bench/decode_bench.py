@@ -10,10 +10,13 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
   copy     the HBM ceiling: a large device-to-device copy (bytes read + written).
   profile  the batch-1 decode step after a 512-token prompt, each launch between events behind
            a busy stream, summed per op, for cuBLAS only and with the GEMV kernels.
-  decode   ms/token at batch 1 (Generator, 32 steps, 512-token prompt): cuBLAS only, GEMV, GEMV
-           without programmatic dependent launch, 2 stages on the same GPU; and the batched
+  decode   ms/token at batch 1 (Generator, 32 steps, 512-token prompt, host included) and the
+           decode graph's replay (GPU only): cuBLAS only, GEMV at m <= 8 (the default), GEMV at
+           m <= 32, 2 stages on the same GPU (Generator only); and the batched
            step at 8 and 32 sequences (graph replays of `decode_batch`, 512 tokens each), all
            against the roofline of the bytes they must read (weights once + every sequence's KV).
+  torch    the PyTorch reference's decode step (tests/bench/torch_ref.py), eager and eager
+           captured in one CUDA graph, against the same roofline.
   bitwise  whole vs 2 stages on one GPU (prompts x chunks, 9 tokens): identical bits.
   prefill  TTFT of 4096 tokens at chunks 2048 / 512, and the per-op GPU time of one 2048-row
            chunk at context 2048, against the bf16 tensor-core roofline.
@@ -302,51 +305,19 @@ def torch_graph(model: dict, cfg: dict, hbm: float) -> None:
     """The PyTorch reference's decode step (tests/bench/torch_ref.py) at context 512, eager
     and captured in one CUDA graph (warmed up on a side stream, then replayed)."""
     import torch
-    from torch_ref import TorchQwen
+    from torch_ref import TorchQwen, decode_step_ms
 
     roof_ms = (weight_bytes(cfg) + kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
     ref = TorchQwen(model["dir"], "cuda")
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT - 1)]
-    ref.reset()
-    ref.prefill(prompt)
-    start = ref.length
-    ids = torch.tensor([17], dtype=torch.int64, device="cuda")
-
-    def step():
-        ref.length = start
-        return ref.forward_ids(ids)
-
-    def timed(fn, reps=50):
-        with torch.inference_mode():
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                fn()
-            b.record()
-            b.synchronize()
-        return a.elapsed_time(b) / reps
-
-    eager = timed(step)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.inference_mode():
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.inference_mode(), torch.cuda.graph(graph):
-        step()
-    replay = timed(graph.replay, 100)
+    eager, replay = decode_step_ms(ref, prompt)
     row("torch", "PyTorch decode step at context 512, eager (host-bound), ms, x roofline",
         f"{eager:.3f}, {eager / roof_ms:.2f}x")
     row("torch", "PyTorch decode step at context 512, eager captured in one CUDA graph, ms, "
         "x roofline", f"{replay:.3f}, {replay / roof_ms:.2f}x")
     RESULTS["torch_graph_ms"] = replay
     RESULTS["torch_eager_ms"] = eager
-    del graph, ref
+    del ref
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -446,7 +417,11 @@ def prefill_rows(model: dict, cfg: dict) -> None:
         row("prefill", f"prefill TTFT {tokens}, chunk {chunk}: ms, x roofline",
             f"{ms:.1f}, {ms / roof:.2f}x")
         RESULTS.setdefault("ttft_ms", {})[chunk] = ms
-    prefill_profile(chain, 2048, 2048)
+    del chain
+    gc.collect()
+    gemv.MAX_M = 8
+    prefill_profile(Chain(model["whole"], backend="cuda", token_capacity=CAPACITY,
+                          graphs="off"), 2048, 2048)
 
 
 # ---------------------------------------------------------------------------------- main
