@@ -22,12 +22,12 @@
 // without the attribute, the wait returns at once.
 //
 // Needs k % 8 == 0 and A, W, C 16-byte aligned (the backend checks and falls back to cuBLAS).
-// Grid: ceil(n / 16) blocks of 32 * GEMV_WARPS threads.
+// Grid: ceil(n / 16) blocks of 32 * WARPS threads.
 #include "common.cuh"
 
-#define GEMV_WARPS 8
-#define GEMV_UNROLL 4
-#define GEMV_THREADS (32 * GEMV_WARPS)
+// WARPS (8 or 16) and UNROLL (4 or 8) are template parameters: more warps or deeper unrolling
+// put more bytes in flight per multiprocessor, which the few-tile shapes (n = 2048: 128
+// blocks) need; the entries' names say which (no suffix: 8 warps, 4 chunks).
 
 // Output modes (param `mode`).
 #define GEMV_BF16 0      // C bf16 = bf16(acc)
@@ -69,9 +69,10 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[MB][4], const uint4& lo, 
   }
 }
 
-template <int MB>
+template <int MB, int GEMV_WARPS, int GEMV_UNROLL>
 __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16* __restrict__ w,
                                           void* __restrict__ c, int m, int n, int k, int mode) {
+  constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
   __shared__ float partial[GEMV_WARPS][MB * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -155,24 +156,34 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
   }
 }
 
-// gemv_bf16_tn_mb<MB>: m <= 8 * MB rows of A.
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-    gemv_bf16_tn_mb1(const bf16* __restrict__ a, const bf16* __restrict__ w,
-                     void* __restrict__ c, int m, int n, int k, int mode) {
-  gemv_tile<1>(a, w, c, m, n, k, mode);
+// gemv_bf16_tn_mb<MB>[_w<WARPS>][_u<UNROLL>]: m <= 8 * MB rows of A; 32 * WARPS threads.
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb1(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  gemv_tile<1, 8, 4>(a, w, c, m, n, k, mode);
 }
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-    gemv_bf16_tn_mb2(const bf16* __restrict__ a, const bf16* __restrict__ w,
-                     void* __restrict__ c, int m, int n, int k, int mode) {
-  gemv_tile<2>(a, w, c, m, n, k, mode);
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  gemv_tile<2, 8, 4>(a, w, c, m, n, k, mode);
 }
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-    gemv_bf16_tn_mb3(const bf16* __restrict__ a, const bf16* __restrict__ w,
-                     void* __restrict__ c, int m, int n, int k, int mode) {
-  gemv_tile<3>(a, w, c, m, n, k, mode);
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb3(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  gemv_tile<3, 8, 4>(a, w, c, m, n, k, mode);
 }
-extern "C" __global__ void __launch_bounds__(GEMV_THREADS)
-    gemv_bf16_tn_mb4(const bf16* __restrict__ a, const bf16* __restrict__ w,
-                     void* __restrict__ c, int m, int n, int k, int mode) {
-  gemv_tile<4>(a, w, c, m, n, k, mode);
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  gemv_tile<4, 8, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512)
+    gemv_bf16_tn_mb1_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  gemv_tile<1, 16, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb1_u8(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  gemv_tile<1, 8, 8>(a, w, c, m, n, k, mode);
 }

@@ -31,18 +31,34 @@ from cuda.bindings import driver as cu
 from kerncc.kernels import library
 
 MAX_M = int(os.environ.get("KERNCC_GEMV_MAX_M", "8"))
+# Per shape, chosen at launch from (m, n) alone: launches with n >= CUBLAS_MIN_N go to cuBLAS;
+# m <= 8 takes WIDE_ENTRY (more bytes in flight) when W has at most WIDE_MAX_TILES 16-row tiles,
+# else NARROW_ENTRY.
+CUBLAS_MIN_N = 1 << 30
+WIDE_MAX_TILES = 0
+WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
+NARROW_ENTRY = "gemv_bf16_tn_mb1"
+ENTRIES = {"gemv_bf16_tn_mb1": 256, "gemv_bf16_tn_mb2": 256, "gemv_bf16_tn_mb3": 256,
+           "gemv_bf16_tn_mb4": 256, "gemv_bf16_tn_mb1_w16": 512, "gemv_bf16_tn_mb1_u8": 256}
 PDL = os.environ.get("KERNCC_GEMV_PDL", "0") == "1"
 MODULE = "gemv"
 ROWS_PER_BLOCK = 16
-THREADS = 256
 MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
 _SLOTS = (0, 8, 16, 24, 32, 40, 48)  # a, w, c, m, n, k, mode: a 8-byte slot each
 
 
 def usable(m: int, n: int, k: int, a: int, w: int, c: int) -> bool:
     """Whether the GEMV kernels take this launch (else cuBLAS does)."""
-    return (0 < m <= min(MAX_M, 32) and n > 0 and k > 0 and k % 8 == 0
+    return (0 < m <= min(MAX_M, 32) and 0 < n < CUBLAS_MIN_N and k > 0 and k % 8 == 0
             and not (a | w | c) & 15)
+
+
+def entry_for(m: int, n: int) -> str:
+    """The kernel a launch of m rows over n outputs takes (it must be `usable`)."""
+    if m > 8:
+        return f"gemv_bf16_tn_mb{(m + 7) // 8}"
+    tiles = -(-n // ROWS_PER_BLOCK)
+    return WIDE_ENTRY if tiles <= WIDE_MAX_TILES else NARROW_ENTRY
 
 
 class Gemv:
@@ -52,8 +68,8 @@ class Gemv:
         self._check = check
         image = np.frombuffer(library.cubin_path(MODULE).read_bytes(), dtype=np.uint8)
         self.module = check(cu.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData(gemv)")
-        self.functions = [check(cu.cuModuleGetFunction(self.module, f"gemv_bf16_tn_mb{b}".encode()),
-                                f"cuModuleGetFunction(gemv_bf16_tn_mb{b})") for b in (1, 2, 3, 4)]
+        self.functions = {name: check(cu.cuModuleGetFunction(self.module, name.encode()),
+                                      f"cuModuleGetFunction({name})") for name in ENTRIES}
 
     def site(self, extern: str) -> GemvSite:
         return GemvSite(self, MODES[extern])
@@ -68,7 +84,7 @@ class GemvSite:
         base = ctypes.addressof(self.storage)
         self.table = (ctypes.c_void_p * 7)(*[base + at for at in _SLOTS])
         self.config = cu.CUlaunchConfig()
-        self.config.blockDimX, self.config.blockDimY, self.config.blockDimZ = THREADS, 1, 1
+        self.config.blockDimY = self.config.blockDimZ = 1
         self.config.gridDimY = self.config.gridDimZ = 1
         self.config.sharedMemBytes = 0
         if PDL:
@@ -84,8 +100,10 @@ class GemvSite:
         base = self.storage
         for at, fmt, value in zip(_SLOTS, "QQQiiii", (a, w, c, m, n, k, self.mode)):
             struct.pack_into("<" + fmt, base, at, value)
+        entry = entry_for(m, n)
         self.config.gridDimX = -(-n // ROWS_PER_BLOCK)
+        self.config.blockDimX = ENTRIES[entry]
         self.config.hStream = stream
-        fn = self.gemv.functions[(m - 1) // 8]
+        fn = self.gemv.functions[entry]
         self.gemv._check(cu.cuLaunchKernelEx(self.config, fn, ctypes.addressof(self.table), 0),
                          "cuLaunchKernelEx(gemv)")

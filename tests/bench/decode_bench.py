@@ -127,12 +127,15 @@ def gemm_bench(cfg: dict) -> None:
         site = backend._gemv_site(extern)
         for m in (1, 8, 32):
             results = {}
-            for path in ("cublas", "gemv"):
+            paths = ["cublas", "gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", "gemv_bf16_tn_mb1_u8"]
+            for path in paths if m <= 8 else paths[:2]:
                 def launch(wa, m=m, path=path):
-                    if path == "gemv":
-                        site(a.ptr, wa.ptr, c.ptr, m, n, k, backend.stream_handle)
-                    else:
+                    if path == "cublas":
                         backend.blas.gemm(extern, a.ptr, wa.ptr, c.ptr, m, n, k)
+                    else:
+                        site(a.ptr, wa.ptr, c.ptr, m, n, k, backend.stream_handle)
+                gemv.NARROW_ENTRY, gemv.WIDE_MAX_TILES = (
+                    path if m <= 8 and path != "cublas" else "gemv_bf16_tn_mb1"), 0
                 for wa in ws:
                     launch(wa)
                 reps = 4 * copies
@@ -141,12 +144,12 @@ def gemm_bench(cfg: dict) -> None:
                     for i in range(reps):
                         launch(ws[i % copies])
                     end = backend.mark()
-                us = backend.elapsed_ms(start, end) * 1e3 / reps
-                results[path] = us
-            row("gemm", f"{op} n={n} k={k} m={m}: cuBLAS / GEMV us (weights GB/s)",
-                f"{results['cublas']:.1f} ({wbytes / results['cublas'] / 1e3:.0f}) / "
-                f"{results['gemv']:.1f} ({wbytes / results['gemv'] / 1e3:.0f})")
+                results[path] = backend.elapsed_ms(start, end) * 1e3 / reps
+            row("gemm", f"{op} n={n} k={k} m={m}: us (weights TB/s) of " + " / ".join(
+                p.replace("gemv_bf16_tn_", "") for p in results),
+                " / ".join(f"{us:.1f} ({wbytes / us / 1e6:.2f})" for us in results.values()))
             out[f"{op} m={m}"] = results
+        gemv.NARROW_ENTRY = "gemv_bf16_tn_mb1"
         for wa in ws:
             backend.free(wa)
         backend.free(a), backend.free(c)
@@ -255,9 +258,8 @@ def decode_rows(model: dict, cfg: dict, hbm: float) -> None:
         f"{CONTEXT} tokens at {hbm:.2f} TB/s), ms", f"{roof_ms:.3f}")
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     out = {}
-    for label, bundle, max_m in (("cuBLAS only", "whole", 0), ("GEMV m<=8", "whole", 8),
-                                 ("GEMV m<=32", "whole", 32),
-                                 ("2 stages on 1 GPU, GEMV m<=8", "two", 8)):
+    for label, bundle, max_m, policy in POLICIES:
+        gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = policy
         chain = chain_of(model[bundle], max_m, False)
         generator = Generator(chain)
         step = decode_step_s(lambda p, n: generator.generate(p, n, 512).tokens, prompt)
@@ -265,12 +267,14 @@ def decode_rows(model: dict, cfg: dict, hbm: float) -> None:
         row("decode", f"decode batch 1, {label}: ms/token (Generator, host included), x roofline",
             f"{ms:.3f}, {ms / roof_ms:.2f}x")
         out[label] = ms
+        if label.startswith("host profile"):
+            host_profile(generator, prompt)
         if bundle == "whole":
             gms = graph_step_ms(chain)
             row("decode", f"decode batch 1, {label}: graph replay per step (GPU only), ms, x "
                 "roofline", f"{gms:.3f}, {gms / roof_ms:.2f}x")
             out[f"{label}, graph"] = gms
-            for seqs in (8, 32):
+            for seqs in (8, 32) if "GEMV" not in label or "m<=32" in label or "mb1," in label else ():
                 limit = chain.sessions[0].manifest.vars["seqs"].max
                 if seqs > limit:
                     row("decode", f"decode {seqs} sequences, {label}", f"skipped (seqs max {limit})")
@@ -282,8 +286,45 @@ def decode_rows(model: dict, cfg: dict, hbm: float) -> None:
                 out[f"{label}, {seqs} sequences"] = [bms, roof]
         del chain, generator
         gc.collect()
+    gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = DEFAULT_POLICY
     RESULTS["decode_ms"] = out
     RESULTS["decode_roofline_ms"] = roof_ms
+
+
+DEFAULT_POLICY = (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N)
+BIG = 1 << 30
+POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n)
+    ("cuBLAS only", "whole", 0, DEFAULT_POLICY),
+    ("GEMV m<=8 mb1, the default", "whole", 8, DEFAULT_POLICY),
+    ("GEMV m<=8 w16", "whole", 8, ("gemv_bf16_tn_mb1_w16", "", 0, BIG)),
+    ("GEMV m<=8 u8", "whole", 8, ("gemv_bf16_tn_mb1_u8", "", 0, BIG)),
+    ("GEMV m<=8 w16 to 256 tiles, u8 above", "whole", 8,
+     ("gemv_bf16_tn_mb1_u8", "gemv_bf16_tn_mb1_w16", 256, BIG)),
+    ("GEMV m<=8 w16 to 256 tiles, cuBLAS from n 12288", "whole", 8,
+     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 256, 12288)),
+    ("GEMV m<=32 mb1,", "whole", 32, DEFAULT_POLICY),
+    ("2 stages on 1 GPU, GEMV default", "two", 8, DEFAULT_POLICY),
+    ("host profile: whole, GEMV default", "whole", 8, DEFAULT_POLICY),
+]
+
+
+def host_profile(generator: Generator, prompt: list[int]) -> None:
+    """cProfile of 32 greedy decode steps through the Generator (host time per step)."""
+    import cProfile
+    import io
+    import pstats
+
+    generator.generate(prompt, 33, 512)
+    profile = cProfile.Profile()
+    t0 = time.perf_counter()
+    profile.enable()
+    generator.generate(prompt, 33, 512)
+    profile.disable()
+    total = time.perf_counter() - t0
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
+    say(f"  host profile: generate(512-token prompt, 33 new) {total * 1e3:.1f} ms under cProfile")
+    say(text.getvalue())
 
 
 def graph_step_ms(chain: Chain) -> float:
