@@ -25,9 +25,11 @@
 // Grid: ceil(n / 16) blocks of 32 * WARPS threads.
 #include "common.cuh"
 
-// WARPS (8 or 16) and UNROLL (4 or 8) are template parameters: more warps or deeper unrolling
-// put more bytes in flight per multiprocessor, which the few-tile shapes (n = 2048: 128
-// blocks) need; the entries' names say which (no suffix: 8 warps, 4 chunks).
+// WARPS and UNROLL are template parameters: 16 warps (`_w16`) put twice the bytes in flight
+// per multiprocessor, which the few-tile shapes (n = 2048: 128 blocks) need. Measured on an
+// H200 (docs/benchmarks.md): _w16 beats 8 warps and cuBLAS at n = 2048 and loses at n >= 4096;
+// 8 chunks in flight instead of 4 (186 registers, one block per multiprocessor) lost
+// everywhere and was dropped.
 
 // Output modes (param `mode`).
 #define GEMV_BF16 0      // C bf16 = bf16(acc)
@@ -181,9 +183,4 @@ extern "C" __global__ void __launch_bounds__(512)
     gemv_bf16_tn_mb1_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   gemv_tile<1, 16, 4>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb1_u8(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  gemv_tile<1, 8, 8>(a, w, c, m, n, k, mode);
 }

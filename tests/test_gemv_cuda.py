@@ -158,14 +158,13 @@ def test_gemv_matches_the_reference_and_cublas(backend, name, shape):
         case.free()
 
 
-@pytest.mark.parametrize("entry", ["gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16",
-                                   "gemv_bf16_tn_mb1_u8"])
+@pytest.mark.parametrize("entry", ["gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16"])
 @pytest.mark.parametrize("name", EXTERN_NAMES)
 @pytest.mark.parametrize("shape", [(1, 2048, 6144), (8, 100, 72), (5, 4096, 2048), (2, 40, 8)],
                          ids=lambda s: "m{}n{}k{}".format(*s))
 def test_each_variant_for_m_up_to_8_matches_the_reference(backend, entry, name, shape):
-    """The m <= 8 kernels that differ in warps and unrolling (chosen per shape) compute the
-    same function: each against the reference, and bit for bit like the plain one."""
+    """The m <= 8 kernels that differ in warps (chosen per shape) compute the same function:
+    each against the reference (the 16-warp one sums in another order)."""
     from kerncc.runtime.backends import gemv
 
     m, n, k = shape
@@ -178,10 +177,7 @@ def test_each_variant_for_m_up_to_8_matches_the_reference(backend, entry, name, 
         got = case.run(gemv_launcher(backend, name))
         assert (got[case.c_bytes:] == 0xFF).all(), "wrote past C"
         close(name, got, case.expected(), m, n)
-        gemv.NARROW_ENTRY = "gemv_bf16_tn_mb1"
-        plain = case.run(gemv_launcher(backend, name))
-        if entry != "gemv_bf16_tn_mb1_w16":  # the same warps: the same sums in the same order
-            assert got.tobytes() == plain.tobytes()
+        assert got.tobytes() == case.run(gemv_launcher(backend, name)).tobytes()
     finally:
         gemv.NARROW_ENTRY, gemv.WIDE_MAX_TILES = saved
         case.free()

@@ -39,7 +39,7 @@ WIDE_MAX_TILES = 0
 WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
 NARROW_ENTRY = "gemv_bf16_tn_mb1"
 ENTRIES = {"gemv_bf16_tn_mb1": 256, "gemv_bf16_tn_mb2": 256, "gemv_bf16_tn_mb3": 256,
-           "gemv_bf16_tn_mb4": 256, "gemv_bf16_tn_mb1_w16": 512, "gemv_bf16_tn_mb1_u8": 256}
+           "gemv_bf16_tn_mb4": 256, "gemv_bf16_tn_mb1_w16": 512}  # entry: threads
 PDL = os.environ.get("KERNCC_GEMV_PDL", "0") == "1"
 MODULE = "gemv"
 ROWS_PER_BLOCK = 16

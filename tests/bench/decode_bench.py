@@ -267,14 +267,12 @@ def decode_rows(model: dict, cfg: dict, hbm: float) -> None:
         row("decode", f"decode batch 1, {label}: ms/token (Generator, host included), x roofline",
             f"{ms:.3f}, {ms / roof_ms:.2f}x")
         out[label] = ms
-        if label.startswith("host profile"):
-            host_profile(generator, prompt)
         if bundle == "whole":
             gms = graph_step_ms(chain)
             row("decode", f"decode batch 1, {label}: graph replay per step (GPU only), ms, x "
                 "roofline", f"{gms:.3f}, {gms / roof_ms:.2f}x")
             out[f"{label}, graph"] = gms
-            for seqs in (8, 32) if "GEMV" not in label or "m<=32" in label or "mb1," in label else ():
+            for seqs in (8, 32):
                 limit = chain.sessions[0].manifest.vars["seqs"].max
                 if seqs > limit:
                     row("decode", f"decode {seqs} sequences, {label}", f"skipped (seqs max {limit})")
@@ -295,36 +293,14 @@ DEFAULT_POLICY = (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.
 BIG = 1 << 30
 POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n)
     ("cuBLAS only", "whole", 0, DEFAULT_POLICY),
-    ("GEMV m<=8 mb1, the default", "whole", 8, DEFAULT_POLICY),
-    ("GEMV m<=8 w16", "whole", 8, ("gemv_bf16_tn_mb1_w16", "", 0, BIG)),
-    ("GEMV m<=8 u8", "whole", 8, ("gemv_bf16_tn_mb1_u8", "", 0, BIG)),
-    ("GEMV m<=8 w16 to 256 tiles, u8 above", "whole", 8,
-     ("gemv_bf16_tn_mb1_u8", "gemv_bf16_tn_mb1_w16", 256, BIG)),
-    ("GEMV m<=8 w16 to 256 tiles, cuBLAS from n 12288", "whole", 8,
-     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 256, 12288)),
-    ("GEMV m<=32 mb1,", "whole", 32, DEFAULT_POLICY),
-    ("2 stages on 1 GPU, GEMV default", "two", 8, DEFAULT_POLICY),
-    ("host profile: whole, GEMV default", "whole", 8, DEFAULT_POLICY),
+    ("GEMV m<=8, the default", "whole", 8, DEFAULT_POLICY),
+    ("GEMV m<=8, w16 at n<=2048", "whole", 8, ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 128, BIG)),
+    ("GEMV m<=8, w16 at n<=2048, lm_head cuBLAS", "whole", 8,
+     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 128, 32000)),
+    ("2 stages on 1 GPU, GEMV m<=8, the default", "two", 8, DEFAULT_POLICY),
+    ("2 stages on 1 GPU, GEMV m<=8, w16 at n<=2048", "two", 8,
+     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 128, BIG)),
 ]
-
-
-def host_profile(generator: Generator, prompt: list[int]) -> None:
-    """cProfile of 32 greedy decode steps through the Generator (host time per step)."""
-    import cProfile
-    import io
-    import pstats
-
-    generator.generate(prompt, 33, 512)
-    profile = cProfile.Profile()
-    t0 = time.perf_counter()
-    profile.enable()
-    generator.generate(prompt, 33, 512)
-    profile.disable()
-    total = time.perf_counter() - t0
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(22)
-    say(f"  host profile: generate(512-token prompt, 33 new) {total * 1e3:.1f} ms under cProfile")
-    say(text.getvalue())
 
 
 def graph_step_ms(chain: Chain) -> float:
