@@ -37,10 +37,10 @@ def backend():
     from kerncc.runtime.backends import gemv
     from kerncc.runtime.backends.cuda import CudaBackend
 
-    saved = gemv.MAX_M
-    gemv.MAX_M = 32  # every size the kernels can take, whatever the default
+    saved = gemv.MAX_M, gemv.CUBLAS_MIN_N
+    gemv.MAX_M, gemv.CUBLAS_MIN_N = 32, 1 << 30  # every size the kernels can take
     yield CudaBackend(0)
-    gemv.MAX_M = saved
+    gemv.MAX_M, gemv.CUBLAS_MIN_N = saved
 
 
 def random_bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np.ndarray:
@@ -191,6 +191,12 @@ def test_shapes_the_kernels_refuse_go_to_cublas(backend):
     assert not gemv.usable(4, 64, 60, 0, 0, 0)  # k % 8 != 0
     assert not gemv.usable(4, 64, 64, 2, 0, 0)  # A not 16-byte aligned
     assert not gemv.usable(4, 64, 64, 0, 0, 8)
+    saved = gemv.CUBLAS_MIN_N
+    try:
+        gemv.CUBLAS_MIN_N = 16384  # the default: a tall W (an lm_head) streams best in cuBLAS
+        assert gemv.usable(4, 16383, 64, 0, 0, 0) and not gemv.usable(4, 16384, 64, 0, 0, 0)
+    finally:
+        gemv.CUBLAS_MIN_N = saved
 
 
 @pytest.mark.parametrize("name", EXTERN_NAMES)

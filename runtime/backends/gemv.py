@@ -1,15 +1,17 @@
 """Decode-shaped GEMM externs on the GPU: kerncc's own GEMV kernels (kernels/gemv.cu) for m <= 32.
 
-cuBLAS streams bf16 weights poorly when A has a handful of rows (the decode step's GEMMs), so
-the cuda backend hands such launches of the three GEMM externs to `gemv_bf16_tn_mb{1..4}`
-instead: the same function (kernels/reference.py's `cublaslt_bf16_tn`, `..._acc`,
+When A has a handful of rows (the decode step's GEMMs) a GEMM is a stream over W, and at the
+example model's smaller shapes (n = 2048: 128 tiles for 132 multiprocessors) cuBLAS's kernels
+reach 1.1-2.1 TB/s of the H200's 4.2 (docs/benchmarks.md). The cuda backend hands such
+launches of the three GEMM externs to `gemv_bf16_tn_mb{1..4}[_w16]` instead: the same function (kernels/reference.py's `cublaslt_bf16_tn`, `..._acc`,
 `cublas_bf16_tn_f32`: f32 accumulation, one rounding), summed in a fixed order, so results are
 reproducible bit for bit and whole = stages holds as it does with cuBLAS. Which path a launch
 takes depends only on its shape (m, n, k) and its pointers' alignment, never on timing.
 
 `MAX_M` (`KERNCC_GEMV_MAX_M`, default 8; 0 turns the kernels off, 32 is the most they take)
-is the largest m they are given: measured on an H200 (docs/benchmarks.md), at m <= 8 they tie
-or beat cuBLAS inside the decode graph, at m = 32 cuBLAS's tiles are twice as fast.
+is the largest m they are given: measured on an H200 (docs/benchmarks.md), at m <= 8 they
+beat cuBLAS inside the decode graph (1.45 against 1.57 ms a step), at m = 32 cuBLAS is twice
+as fast.
 `PDL` (`KERNCC_GEMV_PDL=1`, default off) launches them with programmatic stream serialization,
 so a GEMV's blocks start, and fetch their first weights, while the kernel before it finishes
 (the kernel waits with `griddepcontrol.wait` before it reads A or C). Off by default: it made
@@ -31,11 +33,13 @@ from cuda.bindings import driver as cu
 from kerncc.kernels import library
 
 MAX_M = int(os.environ.get("KERNCC_GEMV_MAX_M", "8"))
-# Per shape, chosen at launch from (m, n) alone: launches with n >= CUBLAS_MIN_N go to cuBLAS;
-# m <= 8 takes WIDE_ENTRY (more bytes in flight) when W has at most WIDE_MAX_TILES 16-row tiles,
-# else NARROW_ENTRY.
-CUBLAS_MIN_N = 1 << 30
-WIDE_MAX_TILES = 0
+# Per shape, chosen at launch from (m, n) alone (measured on an H200 inside the decode graph,
+# docs/benchmarks.md): launches with n >= CUBLAS_MIN_N go to cuBLAS (a 32000-row lm_head: cuBLAS
+# streams it at 3.7 TB/s, these kernels at 3.2); m <= 8 takes WIDE_ENTRY (16 warps: twice the
+# bytes in flight) when W has at most WIDE_MAX_TILES 16-row tiles (n <= 2048: 128 blocks, fewer
+# than the multiprocessors), else NARROW_ENTRY (8 warps).
+CUBLAS_MIN_N = 16384
+WIDE_MAX_TILES = 128
 WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
 NARROW_ENTRY = "gemv_bf16_tn_mb1"
 ENTRIES = {"gemv_bf16_tn_mb1": 256, "gemv_bf16_tn_mb2": 256, "gemv_bf16_tn_mb3": 256,

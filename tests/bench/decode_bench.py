@@ -293,13 +293,11 @@ DEFAULT_POLICY = (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.
 BIG = 1 << 30
 POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n)
     ("cuBLAS only", "whole", 0, DEFAULT_POLICY),
-    ("GEMV m<=8, the default", "whole", 8, DEFAULT_POLICY),
-    ("GEMV m<=8, w16 at n<=2048", "whole", 8, ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 128, BIG)),
-    ("GEMV m<=8, w16 at n<=2048, lm_head cuBLAS", "whole", 8,
-     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 128, 32000)),
-    ("2 stages on 1 GPU, GEMV m<=8, the default", "two", 8, DEFAULT_POLICY),
-    ("2 stages on 1 GPU, GEMV m<=8, w16 at n<=2048", "two", 8,
-     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 128, BIG)),
+    ("GEMV m<=8 (the default: 16 warps at n<=2048, cuBLAS at n>=16384)", "whole", 8,
+     DEFAULT_POLICY),
+    ("GEMV m<=8, 8 warps at every n < 16384", "whole", 8,
+     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 0, 16384)),
+    ("2 stages on 1 GPU, GEMV m<=8 (the default)", "two", 8, DEFAULT_POLICY),
 ]
 
 
