@@ -11,8 +11,8 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
   profile  the batch-1 decode step after a 512-token prompt, each launch between events behind
            a busy stream, summed per op, for cuBLAS only and with the GEMV kernels.
   decode   ms/token at batch 1 (Generator, 32 steps, 512-token prompt, host included) and the
-           decode graph's replay (GPU only): cuBLAS only, GEMV at m <= 8 (the default), GEMV at
-           m <= 32, 2 stages on the same GPU (Generator only); and the batched
+           decode graph's replay (GPU only) for each entry of POLICIES (cuBLAS only, the
+           default GEMV choice, an alternative, 2 stages on the same GPU); and the batched
            step at 8 and 32 sequences (graph replays of `decode_batch`, 512 tokens each), all
            against the roofline of the bytes they must read (weights once + every sequence's KV).
   torch    the PyTorch reference's decode step (tests/bench/torch_ref.py), eager and eager
