@@ -365,7 +365,7 @@ attn_prefill_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
 //    row = bf16(O / L) with O = sum_s o_s 2^(m_s - M), L = sum_s l_s 2^(m_s - M), M = max m_s;
 //    an empty sequence (len <= 0) writes zeros.
 // max_splits * DC_SPLIT must cover the longest sequence (keys past it are not attended).
-#define DC_SPLIT 256  // keys per split (kernels/reference.py DECODE_SPLIT mirrors it)
+#define DC_SPLIT 128  // keys per split (kernels/reference.py DECODE_SPLIT mirrors it)
 #define DC_WARPS 8
 #define DC_MAX_G 8
 #define DC_MAX_HD 128

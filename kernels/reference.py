@@ -46,7 +46,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 PAGE = 16
-DECODE_SPLIT = 256  # keys per split of attn_decode_split_bf16 (attention.cu DC_SPLIT)
+DECODE_SPLIT = 128  # keys per split of attn_decode_split_bf16 (attention.cu DC_SPLIT)
 LOG2E = np.float32(1.4426950408889634)
 
 
@@ -317,6 +317,17 @@ def cublas_bf16_tn_f32(launch: Any, a, w, c, m, n, k) -> None:
     view(c, F32, m * n).reshape(m, n)[...] = _matmul_tn(a, w, m, n, k)
 
 
+GEMV_MODES = (cublaslt_bf16_tn, cublaslt_bf16_tn_acc, cublas_bf16_tn_f32)  # gemv.cu's `mode`
+
+
+def gemv_bf16_tn(launch: Any, a, w, c, m, n, k, mode) -> None:
+    """kernels/gemv.cu's gemv_bf16_tn_mb{1..4}[_w16] (m <= 8, 16, 24, 32): the extern `mode`
+    names (0 bf16, 1 bf16 accumulating, 2 f32), the same function summed in a fixed order."""
+    if not 0 <= mode < len(GEMV_MODES):
+        raise ValueError(f"gemv mode {mode} is not 0, 1 or 2")
+    GEMV_MODES[mode](launch, a, w, c, m, n, k)
+
+
 def _int_scalars(fn: Callable[..., None]) -> Callable[..., None]:
     """Integer scalar args as Python ints, so size arithmetic cannot wrap at 32 bits."""
 
@@ -349,6 +360,9 @@ KERNELS: dict[str, Callable[..., None]] = {
         rope_table_llama3_f32,
     )
 }
+GEMV_ENTRIES = ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb2", "gemv_bf16_tn_mb3", "gemv_bf16_tn_mb4",
+                "gemv_bf16_tn_mb1_w16")  # gemv.cu: one function
+KERNELS.update({name: _int_scalars(gemv_bf16_tn) for name in GEMV_ENTRIES})
 
 EXTERNS: dict[str, Callable[..., None]] = {
     fn.__name__: _int_scalars(fn)

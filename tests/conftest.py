@@ -23,7 +23,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not any("gpu" in item.keywords for item in items):
+    if not any(item.get_closest_marker("gpu") for item in items):
         return
     from kerncc.runtime.backends.probe import cuda_devices
 
@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason=why)
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):
             item.add_marker(skip)
 
 

@@ -8,7 +8,8 @@ What lives where (gpu/NOTES.md has the measurements behind each choice):
   `cuLaunchKernel` with a parameter table built once per launch site (`prepare`): pointers
   are fixed at load (arena base + offset), literal scalars and `bytes<n>` packs are written
   once, and only the var-dependent slots are rewritten before each launch.
-* cuBLAS through ctypes (`kerncc.runtime.backends.cublas`) for the GEMM externs.
+* cuBLAS through ctypes (`kerncc.runtime.backends.cublas`) for the GEMM externs, and
+  kerncc's own GEMV kernels (`kerncc.runtime.backends.gemv`) for their decode shapes (m <= 32).
 
 Every driver call is checked (cuda.bindings returns its CUresult; it does not raise) and a
 failure is a `BackendError` naming the call; the Session adds program, call, op and launch.
@@ -37,6 +38,7 @@ try:  # the optional `cuda` extra
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"{_err} (install kerncc[cuda])") from None
 
+from kerncc.runtime.backends import gemv
 from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
 from kerncc.runtime.backends.probe import cuda_devices
 from kerncc.runtime.launch import Pack, Site, VarScalar
@@ -136,6 +138,7 @@ class CudaBackend(Backend):
         self._allocations: list[Allocation] = []
         self._workspace = self.allocate(32 << 20)
         self.blas: Blas | None = None
+        self._gemv: gemv.Gemv | bool | None = None  # loaded at the first GEMM site
         self._blas_error: str | None = None
         try:
             self.blas = Blas(int(self.stream_handle), self._workspace.ptr)
@@ -367,14 +370,31 @@ class CudaBackend(Backend):
                                f"plan.json gives {len(site.args)}")
         fixed = [a if isinstance(a, VarScalar) else int(a) for a in site.args]
         blas = self.blas
+        small = self._gemv_site(name)  # decode-shaped launches (m <= gemv.MAX_M)
 
         def launch(grid: tuple[int, int, int], shared: int, scalars: Sequence[int]) -> None:
             values = iter(scalars)
             a, w, c, m, n, k = (next(values) if isinstance(v, VarScalar) else v for v in fixed)
-            blas.gemm(name, a, w, c, int(m), int(n), int(k))  # type: ignore[union-attr]
+            m, n, k = int(m), int(n), int(k)
+            if small is not None and gemv.usable(m, n, k, a, w, c):
+                small(a, w, c, m, n, k, self._launch_stream)
+            else:
+                blas.gemm(name, a, w, c, m, n, k)  # type: ignore[union-attr]
             self.launches += 1
 
         return launch
+
+    def _gemv_site(self, name: str) -> gemv.GemvSite | None:
+        """The GEMV kernels' launcher for extern `name`, or None when they are off or their
+        cubin is missing (cuBLAS then takes every shape)."""
+        if gemv.MAX_M <= 0 or name not in gemv.MODES:
+            return None
+        if self._gemv is None:
+            try:
+                self._gemv = gemv.Gemv(check)
+            except (BackendError, OSError, KeyError):
+                self._gemv = False
+        return self._gemv.site(name) if self._gemv else None
 
     def launch_kernel(self, geometry: Geometry, args: Sequence[Any]) -> None:
         raise BackendError("the cuda backend launches prepared sites only (Backend.prepare)")

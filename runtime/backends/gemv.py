@@ -1,0 +1,113 @@
+"""Decode-shaped GEMM externs on the GPU: kerncc's own GEMV kernels (kernels/gemv.cu) for m <= 32.
+
+When A has a handful of rows (the decode step's GEMMs) a GEMM is a stream over W, and at the
+example model's smaller shapes (n = 2048: 128 tiles for 132 multiprocessors) cuBLAS's kernels
+reach 1.1-2.1 TB/s of the H200's 4.2 (docs/benchmarks.md). The cuda backend hands such
+launches of the three GEMM externs to `gemv_bf16_tn_mb{1..4}[_w16]` instead: the same function (kernels/reference.py's `cublaslt_bf16_tn`, `..._acc`,
+`cublas_bf16_tn_f32`: f32 accumulation, one rounding), summed in a fixed order, so results are
+reproducible bit for bit and whole = stages holds as it does with cuBLAS. Which path a launch
+takes depends only on its shape (m, n, k) and its pointers' alignment, never on timing.
+
+`MAX_M` (`KERNCC_GEMV_MAX_M`, default 8; 0 turns the kernels off, 32 is the most they take)
+is the largest m they are given: measured on an H200 (docs/benchmarks.md), at m <= 8 they
+beat cuBLAS inside the decode graph (1.45 against 1.57 ms a step), at m = 32 cuBLAS is twice
+as fast.
+`PDL` (`KERNCC_GEMV_PDL=1`, default off) launches them with programmatic stream serialization,
+so a GEMV's blocks start, and fetch their first weights, while the kernel before it finishes
+(the kernel waits with `griddepcontrol.wait` before it reads A or C). Off by default: it made
+the decode step slower (1.91 against 1.76 ms), and the wait covers only a preceding kernel,
+not a preceding copy, so a GEMV right after an upload could read stale bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from cuda.bindings import driver as cu
+
+from kerncc.kernels import library
+
+MAX_M = int(os.environ.get("KERNCC_GEMV_MAX_M", "8"))
+# Per shape, chosen at launch from (m, n) alone (measured on an H200 inside the decode graph,
+# docs/benchmarks.md): launches with n >= CUBLAS_MIN_N go to cuBLAS (a 32000-row lm_head: cuBLAS
+# streams it at 3.7 TB/s, these kernels at 3.2); m <= 8 takes WIDE_ENTRY (16 warps: twice the
+# bytes in flight) when W has at most WIDE_MAX_TILES 16-row tiles (n <= 2048: 128 blocks, fewer
+# than the multiprocessors), else NARROW_ENTRY (8 warps).
+CUBLAS_MIN_N = 16384
+WIDE_MAX_TILES = 128
+WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
+NARROW_ENTRY = "gemv_bf16_tn_mb1"
+ENTRIES = {"gemv_bf16_tn_mb1": 256, "gemv_bf16_tn_mb2": 256, "gemv_bf16_tn_mb3": 256,
+           "gemv_bf16_tn_mb4": 256, "gemv_bf16_tn_mb1_w16": 512}  # entry: threads
+PDL = os.environ.get("KERNCC_GEMV_PDL", "0") == "1"
+MODULE = "gemv"
+ROWS_PER_BLOCK = 16
+MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
+_SLOTS = (0, 8, 16, 24, 32, 40, 48)  # a, w, c, m, n, k, mode: a 8-byte slot each
+
+
+def usable(m: int, n: int, k: int, a: int, w: int, c: int) -> bool:
+    """Whether the GEMV kernels take this launch (else cuBLAS does)."""
+    return (0 < m <= min(MAX_M, 32) and 0 < n < CUBLAS_MIN_N and k > 0 and k % 8 == 0
+            and not (a | w | c) & 15)
+
+
+def entry_for(m: int, n: int) -> str:
+    """The kernel a launch of m rows over n outputs takes (it must be `usable`)."""
+    if m > 8:
+        return f"gemv_bf16_tn_mb{(m + 7) // 8}"
+    tiles = -(-n // ROWS_PER_BLOCK)
+    return WIDE_ENTRY if tiles <= WIDE_MAX_TILES else NARROW_ENTRY
+
+
+class Gemv:
+    """The GEMV module of one device: its functions, loaded once."""
+
+    def __init__(self, check: Any) -> None:
+        self._check = check
+        image = np.frombuffer(library.cubin_path(MODULE).read_bytes(), dtype=np.uint8)
+        self.module = check(cu.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData(gemv)")
+        self.functions = {name: check(cu.cuModuleGetFunction(self.module, name.encode()),
+                                      f"cuModuleGetFunction({name})") for name in ENTRIES}
+
+    def site(self, extern: str) -> GemvSite:
+        return GemvSite(self, MODES[extern])
+
+
+class GemvSite:
+    """One extern launch site's parameter block, rewritten per launch (m may change)."""
+
+    def __init__(self, gemv: Gemv, mode: int) -> None:
+        self.gemv, self.mode = gemv, mode
+        self.storage = ctypes.create_string_buffer(56)
+        base = ctypes.addressof(self.storage)
+        self.table = (ctypes.c_void_p * 7)(*[base + at for at in _SLOTS])
+        self.config = cu.CUlaunchConfig()
+        self.config.blockDimY = self.config.blockDimZ = 1
+        self.config.gridDimY = self.config.gridDimZ = 1
+        self.config.sharedMemBytes = 0
+        if PDL:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            self.config.attrs = [attr]
+            self.config.numAttrs = 1
+        else:
+            self.config.numAttrs = 0
+
+    def __call__(self, a: int, w: int, c: int, m: int, n: int, k: int, stream: Any) -> None:
+        base = self.storage
+        for at, fmt, value in zip(_SLOTS, "QQQiiii", (a, w, c, m, n, k, self.mode)):
+            struct.pack_into("<" + fmt, base, at, value)
+        entry = entry_for(m, n)
+        self.config.gridDimX = -(-n // ROWS_PER_BLOCK)
+        self.config.blockDimX = ENTRIES[entry]
+        self.config.hStream = stream
+        fn = self.gemv.functions[entry]
+        self.gemv._check(cu.cuLaunchKernelEx(self.config, fn, ctypes.addressof(self.table), 0),
+                         "cuLaunchKernelEx(gemv)")

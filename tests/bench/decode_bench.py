@@ -1,0 +1,502 @@
+"""Decode and prefill against the H200's limits (issue 20), side by side in one run.
+
+    python tests/bench/decode_bench.py [--out DIR] [--layers 24] [--skip gemm,profile,...]
+
+Builds the `small` example (24 layers, hidden 2048; `--layers` for a quicker look) whole and
+cut at the middle layer, then measures, each section guarded so a failure leaves the rest:
+  gemm     each decode GEMM shape of the model at m = 1, 8, 32: cuBLAS against kerncc's GEMV
+           kernels (kernels/gemv.cu), events around back-to-back launches over rotating
+           weight copies (more bytes than the L2 holds), as achieved weight bandwidth.
+  copy     the HBM ceiling: a large device-to-device copy (bytes read + written).
+  profile  the batch-1 decode step after a 512-token prompt, each launch between events behind
+           a busy stream, summed per op, for cuBLAS only and with the GEMV kernels.
+  decode   ms/token at batch 1 (Generator, 32 steps, 512-token prompt, host included) and the
+           decode graph's replay (GPU only) for each entry of POLICIES (cuBLAS only, the
+           default GEMV choice, an alternative, 2 stages on the same GPU); and the batched
+           step at 8 and 32 sequences (graph replays of `decode_batch`, 512 tokens each), all
+           against the roofline of the bytes they must read (weights once + every sequence's KV).
+  torch    the PyTorch reference's decode step (tests/bench/torch_ref.py), eager and eager
+           captured in one CUDA graph, against the same roofline.
+  bitwise  whole vs 2 stages on one GPU (prompts x chunks, 9 tokens): identical bits.
+  prefill  TTFT of 4096 tokens at chunks 2048 / 512, and the per-op GPU time of one 2048-row
+           chunk at context 2048, against the bf16 tensor-core roofline.
+The table is printed last and written with everything else to --out (results.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_bench import (RESULTS, TABLE, Busy, build, decode_step_s, row, say,  # noqa: E402
+                       section, ttft)
+
+from kerncc.runtime import Chain  # noqa: E402
+from kerncc.runtime.backends import gemv  # noqa: E402
+from kerncc.runtime.generate import Generator, Served, _Record  # noqa: E402
+
+HBM_TBS = 4.0  # the ceiling measured in `copy` replaces this when that section runs
+TC_TFLOPS = 800.0  # bf16 dense, measured on these machines (KINDS.md: 769-798)
+CAPACITY = 32 * 1024  # tokens of KV per chain: 32 sequences of 1024, or one 8k prompt
+CONTEXT = 512
+
+
+def chain_of(bundle: Path, max_m: int, pdl: bool = False) -> Chain:
+    gemv.MAX_M, gemv.PDL = max_m, pdl
+    return Chain(bundle, backend="cuda", token_capacity=CAPACITY)
+
+
+def config(model: dict) -> dict:
+    return json.loads((model["dir"] / "config.json").read_text())
+
+
+def weight_bytes(cfg: dict) -> int:
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nq, nk = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    per_layer = ((nq + 2 * nk) * hd * h + h * nq * hd + 2 * inter * h + h * inter) * 2
+    return cfg["num_hidden_layers"] * per_layer + v * h * 2
+
+
+def kv_bytes(cfg: dict, tokens: int) -> int:
+    return cfg["num_hidden_layers"] * tokens * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+
+
+# ---------------------------------------------------------------------------------- sections
+
+
+def copy_ceiling(backend) -> float:
+    from cuda.bindings import driver as cu
+
+    from kerncc.runtime.backends.cuda import check
+
+    n = 4 << 30
+    a, b = backend.allocate(n), backend.allocate(n)
+    times = []
+    for _ in range(6):
+        start = backend.mark()
+        check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(b.ptr), cu.CUdeviceptr(a.ptr), n,
+                                   backend.stream_handle), "copy")
+        times.append(backend.elapsed_ms(start, backend.mark()))
+    backend.free(a), backend.free(b)
+    best = statistics.median(times[1:])
+    tbs = 2 * n / (best * 1e-3) / 1e12
+    row("copy", "device-to-device copy of 4 GiB (read + write), TB/s", f"{tbs:.2f}")
+    RESULTS["copy_tbs"] = tbs
+    return tbs
+
+
+def gemm_shapes(cfg: dict) -> list[tuple[str, int, int, str]]:
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nq, nk = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return [("qkv_proj", (nq + 2 * nk) * hd, h, "cublaslt_bf16_tn"),
+            ("o_proj", h, nq * hd, "cublaslt_bf16_tn"),
+            ("gate_up_proj", 2 * inter, h, "cublaslt_bf16_tn"),
+            ("down_proj", h, inter, "cublaslt_bf16_tn_acc"),
+            ("lm_head", v, h, "cublas_bf16_tn_f32")]
+
+
+def gemm_bench(cfg: dict) -> None:
+    from kerncc.runtime.backends.cuda import CudaBackend
+
+    gemv.MAX_M, gemv.PDL = 32, False  # every size, to compare
+    backend = CudaBackend(0)
+    rng = np.random.default_rng(0)
+    busy = Busy(backend)
+    out = {}
+    for op, n, k, extern in gemm_shapes(cfg):
+        wbytes = n * k * 2
+        copies = max(2, -(-(256 << 20) // wbytes))
+        ws = [backend.allocate(wbytes) for _ in range(copies)]
+        bits = rng.integers(0x3C00, 0x3D00, size=n * k, dtype=np.uint16)  # bf16 in [2^-7, 2^-6)
+        for wa in ws:
+            backend.upload(wa, 0, bits.view(np.uint8))
+        a = backend.allocate(32 * k * 2)
+        backend.upload(a, 0, rng.integers(0x3F00, 0x3F80, size=32 * k, dtype=np.uint16)
+                       .view(np.uint8))
+        c = backend.allocate(32 * n * 4)
+        site = backend._gemv_site(extern)
+        for m in (1, 8, 32):
+            results = {}
+            paths = ["cublas", "gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", "gemv_bf16_tn_mb1_u8"]
+            for path in paths if m <= 8 else paths[:2]:
+                def launch(wa, m=m, path=path):
+                    if path == "cublas":
+                        backend.blas.gemm(extern, a.ptr, wa.ptr, c.ptr, m, n, k)
+                    else:
+                        site(a.ptr, wa.ptr, c.ptr, m, n, k, backend.stream_handle)
+                gemv.NARROW_ENTRY, gemv.WIDE_MAX_TILES = (
+                    path if m <= 8 and path != "cublas" else "gemv_bf16_tn_mb1"), 0
+                for wa in ws:
+                    launch(wa)
+                reps = 4 * copies
+                with busy:
+                    start = backend.mark()
+                    for i in range(reps):
+                        launch(ws[i % copies])
+                    end = backend.mark()
+                results[path] = backend.elapsed_ms(start, end) * 1e3 / reps
+            row("gemm", f"{op} n={n} k={k} m={m}: us (weights TB/s) of " + " / ".join(
+                p.replace("gemv_bf16_tn_", "") for p in results),
+                " / ".join(f"{us:.1f} ({wbytes / us / 1e6:.2f})" for us in results.values()))
+            out[f"{op} m={m}"] = results
+        gemv.NARROW_ENTRY = "gemv_bf16_tn_mb1"
+        for wa in ws:
+            backend.free(wa)
+        backend.free(a), backend.free(c)
+    RESULTS["gemm_us"] = out
+
+
+def decode_profile(chain: Chain, label: str) -> None:
+    session, backend = chain.sessions[0], chain.sessions[0].backend
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
+    Generator(chain).generate(prompt, 2, 512)
+    env = dict(session.last_vars)
+    program = "decode"
+    backend.sync()
+    busy = Busy(backend)
+    originals = dict(session._launchers)
+    totals: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    try:
+        marks: list[tuple] = []
+
+        def timed(number, launcher):
+            site = session._by_number[number]
+            name = f"{site.op} {site.entry.removeprefix('extern:')}"
+
+            def launch(grid, shared, scalars):
+                start = backend.mark()
+                launcher(grid, shared, scalars)
+                marks.append((name, start, backend.mark()))
+            return launch
+
+        session._launchers = {n: timed(n, fn) for n, fn in originals.items()}
+        for _ in range(5):
+            marks.clear()
+            with busy:
+                session._issue_program(program, env)
+            backend.sync()
+            run: dict[str, float] = {}
+            for name, a, b in marks:
+                run[name] = run.get(name, 0.0) + backend.elapsed_ms(a, b)
+            for name, ms in run.items():
+                totals.setdefault(name, []).append(ms)
+        counts = {name: sum(1 for n, _, _ in marks if n == name) for name in totals}
+    finally:
+        session._launchers = originals
+    graph = backend.capture(lambda: session._issue_program(program, env))
+    backend.replay(graph)
+    backend.sync()
+    replays = 200
+    with busy:
+        start = backend.mark()
+        for _ in range(replays):
+            backend.replay(graph)
+        end = backend.mark()
+    graph_ms = backend.elapsed_ms(start, end) / replays
+    best = {name: statistics.median(v) for name, v in totals.items()}
+    whole = sum(best.values())
+    row(f"profile/{label}", "decode step: launches, event sum ms, graph replay ms",
+        f"{sum(counts.values())}, {whole:.3f}, {graph_ms:.3f}")
+    lines = []
+    for name in sorted(best, key=best.get, reverse=True):
+        lines.append(f"{name[:58]:58s} {counts[name]:5d} {best[name]:8.3f} {best[name] / whole:6.1%}"
+                     f" {best[name] / counts[name] * 1e3:7.1f} us each")
+    say(f"  per op ({label}): op entry, count, ms, share, each")
+    for line in lines:
+        say("    " + line)
+    RESULTS.setdefault("profile", {})[label] = {"graph_ms": graph_ms, "event_sum_ms": whole,
+                                                "ops": {n: [counts[n], best[n]] for n in best}}
+
+
+def batch_step_ms(chain: Chain, seqs: int, context: int) -> float:
+    """One `decode_batch` step of `seqs` sequences at `context` tokens each: graph replays."""
+    session, backend = chain.sessions[0], chain.sessions[0].backend
+    pages = -(-context // 16)
+    table_width = chain.sessions[0].manifest.buffers["block_table"].shape[1]
+    block_table = np.zeros((seqs, table_width), np.int32)
+    for s in range(seqs):
+        block_table[s, :pages] = s * pages + np.arange(pages)
+    rng = np.random.default_rng(seqs)
+    inputs = {
+        "token_ids": rng.integers(1, 32000, seqs).astype(np.int32),
+        "positions": np.full(seqs, context - 1, np.int32),
+        "slot_mapping": np.array([s * pages * 16 + context - 1 for s in range(seqs)], np.int32),
+        "seq_lens": np.full(seqs, context, np.int32),
+        "block_table": block_table,
+    }
+    vars = {"seqs": seqs, "tokens": seqs}
+    chain.run("decode_batch", inputs, vars)  # captures the graph
+    chain.run("decode_batch", inputs, vars)
+    backend.sync()
+    busy = Busy(backend)
+    env = session._vars(vars)
+    graph = session._graphs[("decode_batch",
+                             *(env[v] for v in session._graph_vars["decode_batch"]))]
+    replays = 50
+    with busy:
+        start = backend.mark()
+        for _ in range(replays):
+            backend.replay(graph)
+        end = backend.mark()
+    return backend.elapsed_ms(start, end) / replays
+
+
+def decode_rows(model: dict, cfg: dict, hbm: float) -> None:
+    roof_ms = (weight_bytes(cfg) + kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
+    row("decode", f"roofline batch 1 (weights {weight_bytes(cfg) / 1e9:.2f} GB + KV of "
+        f"{CONTEXT} tokens at {hbm:.2f} TB/s), ms", f"{roof_ms:.3f}")
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
+    out = {}
+    for label, bundle, max_m, policy in POLICIES:
+        gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = policy
+        chain = chain_of(model[bundle], max_m, False)
+        generator = Generator(chain)
+        step = decode_step_s(lambda p, n: generator.generate(p, n, 512).tokens, prompt)
+        ms = step * 1e3
+        row("decode", f"decode batch 1, {label}: ms/token (Generator, host included), x roofline",
+            f"{ms:.3f}, {ms / roof_ms:.2f}x")
+        out[label] = ms
+        if bundle == "whole":
+            gms = graph_step_ms(chain)
+            row("decode", f"decode batch 1, {label}: graph replay per step (GPU only), ms, x "
+                "roofline", f"{gms:.3f}, {gms / roof_ms:.2f}x")
+            out[f"{label}, graph"] = gms
+            for seqs in (8, 32):
+                limit = chain.sessions[0].manifest.vars["seqs"].max
+                if seqs > limit:
+                    row("decode", f"decode {seqs} sequences, {label}", f"skipped (seqs max {limit})")
+                    continue
+                roof = (weight_bytes(cfg) + seqs * kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
+                bms = batch_step_ms(chain, seqs, CONTEXT)
+                row("decode", f"decode {seqs} sequences x {CONTEXT} tokens, {label}: step ms, "
+                    f"roofline ms, x roofline", f"{bms:.3f}, {roof:.3f}, {bms / roof:.2f}x")
+                out[f"{label}, {seqs} sequences"] = [bms, roof]
+        del chain, generator
+        gc.collect()
+    gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = DEFAULT_POLICY
+    RESULTS["decode_ms"] = out
+    RESULTS["decode_roofline_ms"] = roof_ms
+
+
+DEFAULT_POLICY = (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N)
+BIG = 1 << 30
+POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n)
+    ("cuBLAS only", "whole", 0, DEFAULT_POLICY),
+    ("GEMV m<=8 (the default: 16 warps at n<=2048, cuBLAS at n>=16384)", "whole", 8,
+     DEFAULT_POLICY),
+    ("GEMV m<=8, 8 warps at every n < 16384", "whole", 8,
+     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 0, 16384)),
+    ("2 stages on 1 GPU, GEMV m<=8 (the default)", "two", 8, DEFAULT_POLICY),
+]
+
+
+def graph_step_ms(chain: Chain) -> float:
+    """The batch-1 `decode` graph (captured by the Generator), replayed back to back."""
+    session, backend = chain.sessions[0], chain.sessions[0].backend
+    key = next(k for k in session._graphs if k[0] == "decode")
+    graph = session._graphs[key]
+    busy = Busy(backend)
+    replays = 100
+    with busy:
+        start = backend.mark()
+        for _ in range(replays):
+            backend.replay(graph)
+        end = backend.mark()
+    return backend.elapsed_ms(start, end) / replays
+
+
+def torch_graph(model: dict, cfg: dict, hbm: float) -> None:
+    """The PyTorch reference's decode step (tests/bench/torch_ref.py) at context 512, eager
+    and captured in one CUDA graph (warmed up on a side stream, then replayed)."""
+    import torch
+    from torch_ref import TorchQwen, decode_step_ms
+
+    roof_ms = (weight_bytes(cfg) + kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
+    ref = TorchQwen(model["dir"], "cuda")
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT - 1)]
+    eager, replay = decode_step_ms(ref, prompt)
+    row("torch", "PyTorch decode step at context 512, eager (host-bound), ms, x roofline",
+        f"{eager:.3f}, {eager / roof_ms:.2f}x")
+    row("torch", "PyTorch decode step at context 512, eager captured in one CUDA graph, ms, "
+        "x roofline", f"{replay:.3f}, {replay / roof_ms:.2f}x")
+    RESULTS["torch_graph_ms"] = replay
+    RESULTS["torch_eager_ms"] = eager
+    del ref
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bitwise(model: dict) -> None:
+    whole, two = chain_of(model["whole"], 8), chain_of(model["two"], 8)
+    rng = np.random.default_rng(7)
+    same = total = 0
+    for n in (1, 7, 33, 65, 513):
+        prompt = [int(t) for t in rng.integers(1, 32000, n)]
+        for chunk in (512, 16):
+            if n > 100 and chunk == 16:
+                continue
+            t1, l1 = (lambda r: (r.tokens, r.logits))(Generator(whole).generate(prompt, 9, chunk))
+            t2, l2 = (lambda r: (r.tokens, r.logits))(Generator(two).generate(prompt, 9, chunk))
+            t3, l3 = (lambda r: (r.tokens, r.logits))(Generator(whole).generate(prompt, 9, chunk))
+            assert np.abs(l1).max() > 0
+            total += 1
+            ok = t1 == t2 == t3 and l1.tobytes() == l2.tobytes() == l3.tobytes()
+            same += ok
+            if not ok:
+                say(f"    differs: prompt {n} chunk {chunk}: max |diff| "
+                    f"{np.abs(l1 - l2).max():.3e} / rerun {np.abs(l1 - l3).max():.3e}")
+    row("bitwise", "GEMV m<=8: whole vs 2 stages on 1 GPU vs whole again (prompts x chunks, "
+        "9 tokens)", f"{same}/{total} identical")
+    RESULTS["bitwise"] = [same, total]
+
+
+def prefill_profile(chain: Chain, context: int, chunk: int) -> None:
+    session, backend = chain.sessions[0], chain.sessions[0].backend
+    generator = Generator(chain)
+    program = generator.chunk_program
+    prompt = [int(t) for t in np.random.default_rng(5).integers(1, 32000, context + chunk)]
+    seq, record = Served(prompt), _Record()
+    while seq.cached < context:
+        generator._feed(seq, min(chunk, context - seq.cached), program, record, wait=False)
+    generator._reserve(seq, context + chunk)
+    inputs = generator._inputs(seq, context, context + chunk)
+    vars = generator.protocol.vars(1, chunk, chunk, context + chunk)
+    backend.sync()
+    originals = dict(session._launchers)
+    marks: list[tuple] = []
+
+    def timed(number, launcher):
+        site = session._by_number[number]
+        name = f"{site.op} {site.entry.removeprefix('extern:')}"
+
+        def launch(grid, shared, scalars):
+            start = backend.mark()
+            launcher(grid, shared, scalars)
+            marks.append((name, start, backend.mark()))
+        return launch
+
+    totals: dict[str, list[float]] = {}
+    busy = Busy(backend)
+    try:
+        session._launchers = {n: timed(n, fn) for n, fn in originals.items()}
+        for _ in range(3):
+            marks.clear()
+            with busy:
+                session.submit(program.name, inputs, vars, outputs=False)
+            backend.sync()
+            run: dict[str, float] = {}
+            for name, a, b in marks:
+                run[name] = run.get(name, 0.0) + backend.elapsed_ms(a, b)
+            for name, ms in run.items():
+                totals.setdefault(name, []).append(ms)
+        counts = {name: sum(1 for n, _, _ in marks if n == name) for name in totals}
+    finally:
+        session._launchers = originals
+    best = {name: min(v) for name, v in totals.items()}
+    whole = sum(best.values())
+    row("prefill", f"one {chunk}-row chunk at context {context}: event sum ms", f"{whole:.3f}")
+    say(f"  per op (prefill chunk {chunk} at {context}): op entry, count, ms, share")
+    for name in sorted(best, key=best.get, reverse=True):
+        say(f"    {name[:58]:58s} {counts[name]:5d} {best[name]:8.3f} {best[name] / whole:6.1%}")
+    RESULTS.setdefault("prefill_profile", {})[f"{chunk}@{context}"] = best
+
+
+def prefill_flops(cfg: dict, tokens: int) -> float:
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nq, nk = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    per_token = 2 * ((nq + 2 * nk) * hd * h + h * nq * hd + 2 * inter * h + h * inter)
+    causal = 2 * 2 * nq * hd * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
+    return cfg["num_hidden_layers"] * (per_token * tokens + causal) + 2 * v * h
+
+
+def prefill_rows(model: dict, cfg: dict) -> None:
+    tokens = 4096
+    roof = prefill_flops(cfg, tokens) / (TC_TFLOPS * 1e12) * 1e3
+    row("prefill", f"prefill roofline, TTFT {tokens} ({prefill_flops(cfg, tokens) / 1e12:.1f} "
+        f"TFLOP at {TC_TFLOPS:.0f} TFLOP/s), ms", f"{roof:.1f}")
+    chain = chain_of(model["whole"], 8)
+    prompt = [int(t) for t in np.random.default_rng(4).integers(1, 32000, tokens)]
+    for chunk in (2048, 1024, 512):
+        ms = ttft(chain, prompt, chunk) * 1e3
+        row("prefill", f"prefill TTFT {tokens}, chunk {chunk}: ms, x roofline",
+            f"{ms:.1f}, {ms / roof:.2f}x")
+        RESULTS.setdefault("ttft_ms", {})[chunk] = ms
+    del chain
+    gc.collect()
+    gemv.MAX_M = 8
+    prefill_profile(Chain(model["whole"], backend="cuda", token_capacity=CAPACITY,
+                          graphs="off"), 2048, 2048)
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "decode-bench")
+    parser.add_argument("--layers", type=int, default=0, help="override the layer count")
+    parser.add_argument("--skip", default="")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    skip = set(args.skip.split(","))
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "kerncc-decode-bench"
+    t0 = time.perf_counter()
+    try:
+        with section("build small"):
+            import gpu_bench
+
+            if args.layers:
+                original = gpu_bench.generate
+                gpu_bench.generate = lambda d, s, **o: original(d, s, layers=args.layers, **o)
+            model = build(work, "small")
+        say(f"  built in {time.perf_counter() - t0:.1f} s")
+        cfg = config(model)
+        hbm = HBM_TBS
+        if "copy" not in skip:
+            with section("copy"):
+                from kerncc.runtime.backends.cuda import CudaBackend
+                hbm = copy_ceiling(CudaBackend(0))
+        if "gemm" not in skip:
+            with section("gemm"):
+                gemm_bench(cfg)
+        if "profile" not in skip:
+            for label, max_m in (("cuBLAS", 0), ("GEMV m<=8", 8)):
+                with section(f"profile {label}"):
+                    decode_profile(chain_of(model["whole"], max_m), label)
+                gc.collect()
+        if "decode" not in skip:
+            with section("decode", limit=400):
+                decode_rows(model, cfg, hbm)
+        if "torch" not in skip:
+            with section("torch"):
+                torch_graph(model, cfg, hbm)
+        if "bitwise" not in skip:
+            with section("bitwise"):
+                bitwise(model)
+        gc.collect()
+        if "prefill" not in skip:
+            with section("prefill"):
+                prefill_rows(model, cfg)
+    finally:
+        (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
+        say(f"\ntotal {time.perf_counter() - t0:.1f} s")
+        say("\n| section | measure | value |\n| --- | --- | --- |")
+        for sec, what, value in TABLE:
+            say(f"| {sec} | {what} | {value} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
