@@ -77,11 +77,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     timeline = Timeline() if args.trace else None
     chain = Chain(bundle, backend=args.backend, checkpoint=weights, interpret=args.interpret,
                   devices=args.devices, graphs=args.graphs, trace=timeline)
-    generator = Generator(chain)
     loaded = time.perf_counter()
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
          f"(weights: {weights or 'none'})")
-    result = generator.generate(args.prompt, args.max_new, args.chunk)
+    if len(args.prompt) > 1:  # several prompts are served together (kerncc.serve)
+        from kerncc.serve.run import run_prompts
+
+        return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.logits)
+    result = Generator(chain).generate(args.prompt[0], args.max_new, args.chunk)
     _say(f"ran {len(result.steps)} steps in {time.perf_counter() - loaded:.2f} s: "
          + ", ".join(f"{p}×{rows}" for p, rows in result.steps))
     if timeline is not None:
@@ -158,7 +161,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend())
-    p.add_argument("--prompt", type=_token_ids, required=True, help="token ids, e.g. 1,2,3")
+    p.add_argument("--prompt", type=_token_ids, required=True, action="append",
+                   help="token ids, e.g. 1,2,3; several --prompt are served together, one "
+                   "output line each")
     p.add_argument("--max-new", type=_positive, default=8, help="tokens to generate (default 8)")
     p.add_argument("--chunk", type=_positive, help="prefill chunk rows (default: the rows bound)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (file or "
