@@ -332,7 +332,7 @@ def _instrument_flags(p: argparse.ArgumentParser) -> None:
 
 def _extra_commands(sub) -> None:
     """Commands whose rooms land later register here (run, example)."""
-    for module in ("kerncc.cli_runtime",):
+    for module in ("kerncc.cli_runtime", "kerncc.serve.cli"):
         try:
             __import__(module, fromlist=["register"]).register(sub)
         except ModuleNotFoundError as err:

@@ -186,8 +186,9 @@ class Engine:
         with self._lock:
             if self.fault is not None or self._stopping:
                 raise Stopped(self.fault or "the engine is stopping")
-            if self._queued >= self.max_queue:
-                raise QueueFull(f"{self._queued} requests are waiting (--max-queue "
+            waiting = self._queued + len(self.state.waiting)
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are waiting (--max-queue "
                                 f"{self.max_queue})")
             self._queued += 1
             request.id = next(self._ids)
