@@ -49,6 +49,7 @@ def test_prompts_served_together_give_each_prompt_alone(whole, prompts, alone, c
     engine.pool.check()
     if running > 1:
         assert any(p == "decode_batch" for p, _ in engine.steps), "decodes went together"
+        assert engine.packed > 0, "prefill chunks packed several sequences"
 
 
 def test_a_cut_bundle_serves_the_same_batch_as_the_whole(model, whole, prompts, tmp_path):
@@ -132,3 +133,22 @@ def test_a_stage_fault_fails_its_requests_and_stops_admission(whole, prompts, mo
     assert engine.pool.free == engine.pool.pages
     with pytest.raises(Stopped):
         engine.submit(Request([1, 2], 2))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_stages_equal_the_whole_for_the_same_batch(model, prompts, tmp_path, capsys):
+    """Whole vs 2 stages bitwise for the same batch on cuda; how many prompts served together
+    agree with each prompt alone is printed, not asserted (batch-shaped GEMM tiling)."""
+    target = tmp_path / "two"
+    assert main(["lower", str(model), "-p", "cut{at=12},slice-derive,emit", "-o",
+                 str(target)]) == 0
+    whole = Chain(Bundle.from_manifest(model), backend="cuda")
+    staged = Chain(Bundle(target), backend="cuda")
+    a, engine = serve_prompts(whole, prompts, MAX_NEW, chunk=8, max_running=4)
+    b, _ = serve_prompts(staged, prompts, MAX_NEW, chunk=8, max_running=4)
+    assert [r.generated for r in a] == [r.generated for r in b]
+    assert engine.packed > 0
+    alone = [Generator(whole).generate(p, MAX_NEW).tokens for p in prompts]
+    agree = sum(r.generated == t for r, t in zip(a, alone))
+    with capsys.disabled():
+        print(f"\ncuda: {agree} of {len(prompts)} prompts served together equal them alone")

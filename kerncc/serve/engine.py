@@ -111,6 +111,7 @@ class Engine:
         self.inflight: deque[_Flight] = deque()
         self.fault: str | None = None
         self.preemptions = 0
+        self.packed = 0  # chunk calls that held several sequences
         self.steps: list[tuple[str, int]] = []  # (program, rows) of every call, in order
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._queued = 0
@@ -306,6 +307,7 @@ class Engine:
         except KernccError as err:
             raise _item_error(err, forward, requests) from None
         self.steps.append((forward.name, rows))
+        self.packed += item.kind == "chunk" and groups > 1
         return _Flight(item, forward, pending, requests)
 
     def _forward(self, kind: str, groups: int) -> proto.Forward:
