@@ -252,6 +252,9 @@ class Engine:
         except KernccError as err:
             self._fail(str(err), getattr(err, "requests", []))
             return True
+        except Exception as err:  # noqa: BLE001 - a failure must end requests, never hang them
+            self._fail(f"internal error: {type(err).__name__}: {err}", [])
+            return True
         return False
 
     def _apply_commands(self) -> None:
@@ -263,7 +266,10 @@ class Engine:
             if kind == "add":
                 with self._lock:
                     self._queued -= 1
-                if self.fault is not None or self._stopping:
+                if self.fault is not None:
+                    self._end(request, "error", f"the engine stopped: {self.fault}")
+                    continue
+                if self._stopping:
                     self._end(request, "cancelled")
                     continue
                 self.requests[request.id] = request
@@ -304,7 +310,7 @@ class Engine:
                                              outputs=wanted)
             else:
                 pending = self.runner.submit(forward.name, inputs, vars, outputs=wanted)
-        except KernccError as err:
+        except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, forward, requests) from None
         self.steps.append((forward.name, rows))
         self.packed += item.kind == "chunk" and groups > 1
@@ -363,7 +369,7 @@ class Engine:
     def _collect(self, flight: _Flight) -> None:
         try:
             outputs = flight.pending.result()
-        except KernccError as err:
+        except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, flight.forward, flight.requests) from None
         live = [(r, part) for r, part in zip(flight.requests, flight.item.parts)
                 if self.requests.get(r.id) is r]
@@ -409,10 +415,10 @@ class Engine:
         self.inflight.clear()
 
 
-def _item_error(err: KernccError, forward: proto.Forward, requests: list[Request]
+def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
                 ) -> KernccError:
     """A runtime error, said of the program it ran (the stage is in the runtime's text)."""
-    text = str(err)
+    text = str(err) if isinstance(err, KernccError) else f"{type(err).__name__}: {err}"
     if f"`{forward.name}`" not in text:
         text = f"program `{forward.name}`: {text}"
     failure = KernccError.single(text)

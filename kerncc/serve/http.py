@@ -114,6 +114,9 @@ class Server:
         n = _field(body, "n", int, 1)
         if n != 1:
             raise ApiError(400, "only n = 1 is served", "n")
+        for unserved in ("echo", "logprobs", "best_of", "suffix"):
+            if body.get(unserved) not in (None, False, 1 if unserved == "best_of" else None):
+                raise ApiError(400, f"`{unserved}` is not served", unserved)
         prompt = self._chat_prompt(body) if chat else self._prompt(body.get("prompt"))
         max_new = _field(body, "max_completion_tokens" if chat and "max_tokens" not in body
                          else "max_tokens", int, DEFAULT_MAX_TOKENS)
