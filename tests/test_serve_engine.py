@@ -12,6 +12,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.runtime import Bundle, Chain
 from kerncc.runtime.generate import Generator
+from kerncc.serve import sampling_hook
 from kerncc.serve.engine import Config, Engine, Request, Stopped, serve_prompts
 
 LENGTHS = (1, 2, 5, 9, 17, 30, 3, 12)
@@ -152,3 +153,20 @@ def test_on_a_gpu_stages_equal_the_whole_for_the_same_batch(model, prompts, tmp_
     agree = sum(r.generated == t for r, t in zip(a, alone))
     with capsys.disabled():
         print(f"\ncuda: {agree} of {len(prompts)} prompts served together equal them alone")
+
+
+@pytest.mark.skipif(not sampling_hook.available(), reason="kerncc.runtime.sampling not merged")
+def test_a_seeded_request_draws_the_same_tokens_whatever_it_is_batched_with(whole, prompts):
+    params = sampling_hook.Params(temperature=0.8, top_p=0.9, seed=7)
+
+    def serve(batch: list[list[int]]) -> list[int]:
+        engine = Engine(whole, Config(max_running=4))
+        requests = [engine.submit(Request(p, 8, params if i == 0 else sampling_hook.Params()))
+                    for i, p in enumerate(batch)]
+        engine.run_until_idle()
+        return requests[0].generated
+
+    alone = serve([prompts[3]])
+    assert serve([prompts[3], *prompts[4:7]]) == alone
+    greedy = Generator(whole).generate(prompts[3], 8).tokens
+    assert alone != greedy, "a temperature of 0.8 changes something in 8 tokens"

@@ -59,6 +59,7 @@ class Request:
     generated: list[int] = attrs.field(factory=list)
     finish: str | None = None  # stop | length | cancelled | error
     error: str | None = None
+    sampler: Any = None  # the params sampling_hook.prepare made (None: greedy)
     arrived: float = attrs.field(factory=time.perf_counter)
     token_times: list[float] = attrs.field(factory=list)
 
@@ -179,7 +180,7 @@ class Engine:
                 f"the prompt ({len(request.prompt)} tokens) plus max_tokens "
                 f"({request.max_new}) needs {needed + 1} tokens of context, past the "
                 f"{self.capacity} a sequence holds", "/max_tokens")
-        sampling_hook.check(request.params)
+        request.sampler = sampling_hook.prepare(request.params)
 
     def submit(self, request: Request) -> Request:
         """Queue `request` (checked first); raises KernccError, QueueFull or Stopped."""
@@ -302,7 +303,7 @@ class Engine:
         longest = max(start + n for _, start, n in item.parts)
         vars = self.protocol.vars(groups, rows, rows, longest)
         wanted = {forward.emits} if forward.emits else set()
-        if item.kind == "decode" and not all(r.params.greedy for r in requests):
+        if item.kind == "decode" and any(r.sampler is not None for r in requests):
             wanted.add(LOGITS)
         try:
             if isinstance(self.runner, Chain):
@@ -378,7 +379,7 @@ class Engine:
                 self.state = sch.landed(self.state, request.id, token=False)
             return
         drawn = sampling_hook.tokens(outputs, flight.forward.emits, LOGITS,
-                                     [r.params for r in flight.requests],
+                                     [r.sampler for r in flight.requests],
                                      [len(r.generated) for r in flight.requests])
         now = time.perf_counter()
         for i, request in enumerate(flight.requests):

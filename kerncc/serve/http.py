@@ -183,8 +183,9 @@ class Server:
                 from None
         except KernccError as err:
             pointer = err.diagnostics[0].location.pointer if err.diagnostics else ""
-            raise ApiError(400, err.headline, pointer.strip("/").split("/")[0] or None) \
-                from None
+            parts = pointer.strip("/").split("/")
+            param = parts[-1] if parts[0] == "sampling" else parts[0]  # /sampling/seed: seed
+            raise ApiError(400, err.headline, param or None) from None
 
 
 def _is_int(value: Any) -> bool:
