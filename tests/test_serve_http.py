@@ -40,6 +40,8 @@ class Letters:
     has_chat_template = True
 
     def encode(self, text: str) -> list[int]:
+        if any(c not in LETTERS for c in text):  # as TextCodec refuses what it cannot encode
+            raise KernccError.single(f"tokenizer.json: cannot encode {text!r}")
         return [LETTERS.index(c) for c in text]
 
     def decode(self, ids) -> str:
@@ -178,6 +180,8 @@ def test_a_stop_string_ends_the_text_before_it(base):
     ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
     ({"prompt": [1, 2], "stop": 5}, 400, "stop"),
     ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "héllo", "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [1, 2], "echo": True}, 400, "echo"),
 ])
 def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(base, body, status,
                                                                          param):

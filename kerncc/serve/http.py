@@ -117,7 +117,10 @@ class Server:
         for unserved in ("echo", "logprobs", "best_of", "suffix"):
             if body.get(unserved) not in (None, False, 1 if unserved == "best_of" else None):
                 raise ApiError(400, f"`{unserved}` is not served", unserved)
-        prompt = self._chat_prompt(body) if chat else self._prompt(body.get("prompt"))
+        try:
+            prompt = self._chat_prompt(body) if chat else self._prompt(body.get("prompt"))
+        except KernccError as err:  # the tokenizer or chat template refused the text
+            raise ApiError(400, err.headline, "messages" if chat else "prompt") from None
         max_new = _field(body, "max_completion_tokens" if chat and "max_tokens" not in body
                          else "max_tokens", int, DEFAULT_MAX_TOKENS)
         params = sampling_hook.Params(
