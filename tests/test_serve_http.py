@@ -90,7 +90,7 @@ def serving(chain, text=None, runner=None, **config):
 
 @pytest.fixture(scope="module")
 def base(chain):
-    with serving(chain, text=Letters()) as (url, server):
+    with serving(chain, text=Letters()) as (url, _):
         yield url
 
 
@@ -105,7 +105,7 @@ def complete(base: str, **body) -> httpx.Response:
 
 def metric(base: str, name: str) -> float:
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+    return float(re.search(rf"^{name} (\S+)$", text, re.MULTILINE).group(1))
 
 
 def test_24_requests_at_once_each_get_their_prompt_alone(base, chain):
@@ -213,30 +213,45 @@ def test_text_needs_a_tokenizer(chain):
         assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
 
 
-def test_a_full_queue_answers_429_at_once(chain):
-    with serving(chain, max_running=1, max_queue=2) as (url, server):
-        def stream_long():
-            with contextlib.suppress(httpx.HTTPError):
-                complete(url, prompt=[1, 2, 3], max_tokens=150)
+class Gated:
+    """A runner whose calls wait until the test opens the gate (the engine stays busy)."""
 
-        threads = [threading.Thread(target=stream_long, daemon=True)]
+    def __init__(self, chain: Chain) -> None:
+        self.chain, self.gate, self.entered = chain, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.chain, name)
+
+    def submit(self, *args, **kwargs):
+        self.entered.set()
+        self.gate.wait(30)
+        return self.chain.submit(*args, **kwargs)
+
+
+def test_a_full_queue_answers_429_at_once(chain):
+    gated = Gated(chain)
+    with serving(chain, runner=gated, max_running=1, max_queue=2) as (url, server):
+        def ask():
+            with contextlib.suppress(httpx.HTTPError):
+                complete(url, prompt=[1, 2, 3], max_tokens=2)
+
+        threads = [threading.Thread(target=ask, daemon=True) for _ in range(3)]
         threads[0].start()
-        for _ in range(500):
-            if server.engine.running == 1:
-                break
-            time.sleep(0.01)
-        for _ in range(2):
-            threads.append(threading.Thread(target=stream_long, daemon=True))
-            threads[-1].start()
-        for _ in range(500):
+        assert gated.entered.wait(30), "the first request reached the model"
+        for thread in threads[1:]:
+            thread.start()
+        for _ in range(1000):  # bounded: the two others queue up behind the busy engine
             if server.engine.waiting == 2:
                 break
             time.sleep(0.01)
-        started = time.perf_counter()
-        answer = complete(url, prompt=[4, 5], max_tokens=2)
-        assert answer.status_code == 429 and time.perf_counter() - started < 2
+        assert server.engine.waiting == 2
+        answer = complete(url, prompt=[4, 5], max_tokens=2)  # answered while the engine is busy
+        assert answer.status_code == 429
         assert answer.json()["error"]["code"] == "queue_full"
-        server.engine.stop()  # the long ones are cancelled
+        gated.gate.set()
+        for thread in threads:
+            thread.join(30)
+        assert complete(url, prompt=[4, 5], max_tokens=2).status_code == 200
 
 
 def test_a_client_that_goes_away_frees_its_pages(base):
@@ -249,7 +264,7 @@ def test_a_client_that_goes_away_frees_its_pages(base):
             next(lines)
         assert metric(base, "kerncc_kv_pages_free") < total
         assert metric(base, "kerncc_requests_running") == 1
-    for _ in range(200):
+    for _ in range(500):  # bounded: the cancel lands at the engine's next step
         if metric(base, "kerncc_kv_pages_free") == total:
             break
         time.sleep(0.02)
@@ -312,14 +327,12 @@ def test_sigterm_cancels_what_is_in_flight_and_exits(model, tmp_path):
             lines = answer.iter_lines()
             next(lines)
             proc.send_signal(signal.SIGTERM)
-            started = time.perf_counter()
             rest = list(lines)
             try:  # no new work once the signal is in: refused, or no longer listening
                 assert complete(url, prompt=[1, 2], max_tokens=2).status_code == 503
             except httpx.HTTPError:
                 pass
-        assert proc.wait(10) == 0
-        assert time.perf_counter() - started < 8
+        assert proc.wait(15) == 0  # a few seconds: streams get 3 s (GRACE), then cancelled
         assert [line for line in rest if line][-1] == "data: [DONE]"  # finished or cancelled
         assert "stopped" in proc.stderr.read()
     finally:

@@ -199,11 +199,14 @@ def _field(body: dict, name: str, kind: type, default: Any) -> Any:
     value = body.get(name, default)
     if value is None:
         return default
-    ok = _is_int(value) if kind is int else isinstance(value, bool) if kind is bool else \
-        isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        ok, what = _is_int(value), "an integer"
+    elif kind is bool:
+        ok, what = isinstance(value, bool), "true or false"
+    else:
+        ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
     if not ok:
-        raise ApiError(400, f"`{name}` must be {'an integer' if kind is int else 'a ' + kind.__name__}",
-                       name)
+        raise ApiError(400, f"`{name}` must be {what}", name)
     return value
 
 
@@ -289,7 +292,7 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: bool
             try:
                 item = await asyncio.wait_for(bridge.queue.get(), POLL) if watch \
                     else await bridge.queue.get()
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 if await http.is_disconnected():
                     return
                 continue

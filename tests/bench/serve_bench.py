@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import socket
 import threading
@@ -54,7 +55,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
             times += [time.perf_counter()] * len(event["choices"][0].get("token_ids", []))
     if not times:
         raise RuntimeError("a request returned no token")
-    return times[0] - started, [b - a for a, b in zip(times, times[1:])], len(times)
+    return times[0] - started, [b - a for a, b in itertools.pairwise(times)], len(times)
 
 
 async def level(url: str, model: str, concurrency: int, prompts: list[list[int]],
