@@ -83,7 +83,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if len(args.prompt) > 1:  # several prompts are served together (kerncc.serve)
         from kerncc.serve.run import run_prompts
 
-        return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.logits)
+        return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.logits,
+                           args.trace)
     result = Generator(chain).generate(args.prompt[0], args.max_new, args.chunk)
     _say(f"ran {len(result.steps)} steps in {time.perf_counter() - loaded:.2f} s: "
          + ", ".join(f"{p}×{rows}" for p, rows in result.steps))

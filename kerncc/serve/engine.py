@@ -166,7 +166,7 @@ class Engine:
         if not request.prompt:
             raise KernccError.single("the prompt is empty", "/prompt")
         if request.max_new < 1:
-            raise KernccError.single(f"max_tokens {request.max_new} must be at least 1",
+            raise KernccError.single(f"{request.max_new} new tokens: at least 1 is needed",
                                      "/max_tokens")
         bad = next((i for i, t in enumerate(request.prompt)
                     if self.vocab is not None and not 0 <= t < self.vocab), None)
@@ -176,10 +176,11 @@ class Engine:
         self._check_tokens(request.prompt)
         needed = len(request.prompt) + request.max_new - 1  # the last token is never fed
         if needed > self.capacity:
+            total = len(request.prompt) + request.max_new
             raise KernccError.single(
-                f"the prompt ({len(request.prompt)} tokens) plus max_tokens "
-                f"({request.max_new}) needs {needed + 1} tokens of context, past the "
-                f"{self.capacity} a sequence holds", "/max_tokens")
+                f"the prompt ({len(request.prompt)} tokens) and {request.max_new} new tokens "
+                f"make {total}, past the context: a sequence holds at most "
+                f"{self.capacity + 1} (its last token is never fed back)", "/max_tokens")
         request.sampler = sampling_hook.prepare(request.params)
 
     def submit(self, request: Request) -> Request:
@@ -436,8 +437,12 @@ def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
                                    max_queue=max(1, len(prompts))))
     requests = [Request([int(t) for t in p], max_new) for p in prompts]
-    for request in requests:
-        engine.check(request)
+    for number, request in enumerate(requests, 1):
+        try:
+            engine.check(request)
+        except KernccError as err:  # said in the command line's words
+            raise KernccError.single(f"--prompt {number} (of {len(prompts)}), --max-new "
+                                     f"{max_new}: {err.headline}") from None
     for request in requests:
         engine.submit(request)
     engine.run_until_idle()

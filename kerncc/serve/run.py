@@ -11,6 +11,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
@@ -18,11 +19,15 @@ from kerncc.serve.engine import serve_prompts
 
 
 def run_prompts(chain: Chain, prompts: Sequence[Sequence[int]], max_new: int,
-                chunk: int | None, logits: str | None) -> int:
+                chunk: int | None, logits: str | None, trace: str | None = None) -> int:
     if logits:
         raise KernccError.single("--logits saves one prompt's logits; give one --prompt")
     started = time.perf_counter()
     requests, engine = serve_prompts(chain, prompts, max_new, chunk)
+    if trace is not None and chain.trace is not None:
+        Path(trace).parent.mkdir(parents=True, exist_ok=True)
+        chain.trace.write(trace)
+        print(f"wrote a trace of {len(chain.trace.spans)} spans to {trace}", file=sys.stderr)
     calls = Counter(program for program, _ in engine.steps)
     rows = Counter()
     for program, n in engine.steps:
