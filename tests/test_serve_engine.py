@@ -49,7 +49,7 @@ def test_prompts_served_together_give_each_prompt_alone(whole, prompts, alone, c
     assert engine.pool.free == engine.pool.pages
     engine.pool.check()
     if running > 1:
-        assert any(p == "decode_batch" for p, _ in engine.steps), "decodes went together"
+        assert engine.calls["decode_batch"] > 0, "decodes went together"
         assert engine.packed > 0, "prefill chunks packed several sequences"
 
 

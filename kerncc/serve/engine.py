@@ -22,7 +22,7 @@ import itertools
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -113,7 +113,8 @@ class Engine:
         self.fault: str | None = None
         self.preemptions = 0
         self.packed = 0  # chunk calls that held several sequences
-        self.steps: list[tuple[str, int]] = []  # (program, rows) of every call, in order
+        self.calls: Counter[str] = Counter()  # calls per program (counts: a server runs long)
+        self.rows: Counter[str] = Counter()  # rows fed per program
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._queued = 0
         self._lock = threading.Lock()
@@ -314,7 +315,8 @@ class Engine:
                 pending = self.runner.submit(forward.name, inputs, vars, outputs=wanted)
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, forward, requests) from None
-        self.steps.append((forward.name, rows))
+        self.calls[forward.name] += 1
+        self.rows[forward.name] += rows
         self.packed += item.kind == "chunk" and groups > 1
         return _Flight(item, forward, pending, requests)
 
@@ -432,7 +434,7 @@ def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max
                   chunk: int | None = None, max_running: int | None = None
                   ) -> tuple[list[Request], Engine]:
     """Serve every prompt together through an Engine; the finished requests, in prompt order
-    (each one's `generated`), and the engine (its `steps`). Every prompt is checked before
+    (each one's `generated`), and the engine (its `calls` and `rows`). Every prompt is checked before
     any is served."""
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
                                    max_queue=max(1, len(prompts))))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,10 +27,7 @@ def run_prompts(chain: Chain, prompts: Sequence[Sequence[int]], max_new: int,
         Path(trace).parent.mkdir(parents=True, exist_ok=True)
         chain.trace.write(trace)
         print(f"wrote a trace of {len(chain.trace.spans)} spans to {trace}", file=sys.stderr)
-    calls = Counter(program for program, _ in engine.steps)
-    rows = Counter()
-    for program, n in engine.steps:
-        rows[program] += n
+    calls, rows = engine.calls, engine.rows
     summary = ", ".join(f"{p} {calls[p]} calls ({rows[p]} rows)" for p in sorted(calls))
     print(f"served {len(prompts)} prompts together in {time.perf_counter() - started:.2f} s: "
           f"{summary}", file=sys.stderr, flush=True)
