@@ -135,7 +135,10 @@ def test_packed_prefill_takes_several_sequences_in_one_call():
     state = sch.State(tuple(sch.Seq(i, 4) for i in range(4)), (), 16)
     plan = sch.schedule(state, limits)
     assert plan.admitted == (0, 1, 2, 3)
-    assert [item.parts for item in plan.items] == [((0, 0, 3), (1, 0, 3), (2, 0, 2))]
+    assert [(i.kind, i.parts) for i in plan.items] == [
+        ("chunk", ((0, 0, 3), (1, 0, 3), (2, 0, 2))),
+        ("decode", ((0, 3, 1), (1, 3, 1)))]  # their prefill ends in this step's chunk
     one = attrs_evolve(limits, chunk=Bounds(8, 1, 64))
     plan = sch.schedule(state, one)
-    assert [item.parts for item in plan.items] == [((0, 0, 3),), ((1, 0, 3),), ((2, 0, 2),)]
+    assert [i.parts for i in plan.items if i.kind == "chunk"] == [
+        ((0, 0, 3),), ((1, 0, 3),), ((2, 0, 2),)]

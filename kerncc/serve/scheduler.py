@@ -8,11 +8,13 @@ written or being written), `pages` held, `inflight` items not yet collected.
 
 kern-serve's order (spec §6.1): all but the last known token go through the chunk program,
 the last one through a one-row step, whose token is the next. So a step holds
-* decode items: every running sequence with only its last token to feed and nothing in flight,
-  oldest first, `decode_groups` per call (the protocol's multi-sequence forward);
 * chunk items: the running sequences with prefill rows to go, packed by `pack()` (spec §6.2)
   when the chunk program takes several sequences (a `cu_seqlens` fill), else one sequence per
-  call; either way at most `chunk.rows` rows per step, so decodes are never starved.
+  call; either way at most `chunk.rows` rows per step, so decodes are never starved;
+* decode items, after them: every running sequence with only its last token to feed and no
+  one-row call in flight (a chunk in flight is fine: calls run in issue order), oldest first,
+  `decode_groups` per call (the protocol's multi-sequence forward). A sequence whose prefill
+  ends in this step's chunk decodes in this step.
 
 Pages (`stride` tokens each) are granted oldest first as items need them. When the pool runs
 dry the newest running sequence with nothing in flight is preempted (its pages freed, its
@@ -46,6 +48,7 @@ class Seq:
     cached: int = 0
     pages: int = 0
     inflight: int = 0
+    decoding: bool = False  # a one-row call is in flight: its token is not known yet
 
     @property
     def prefill_left(self) -> int:
@@ -53,7 +56,8 @@ class Seq:
 
     @property
     def decodable(self) -> bool:
-        return self.cached == self.tokens - 1 and self.inflight == 0
+        # A chunk still in flight is fine: calls run in issue order on every stage.
+        return self.cached == self.tokens - 1 and not self.decoding
 
 
 @attrs.frozen
@@ -139,7 +143,9 @@ def schedule(state: State, limits: Limits) -> Plan:
     """One step's plan (see the module docstring for the rules)."""
     draft = _Draft(state, limits.stride)
     _admit(draft, limits)
-    items = _decode_items(draft, limits) + _chunk_items(draft, limits)
+    # Chunks first: a sequence whose prefill ends in this step's chunk decodes in this step.
+    items = _chunk_items(draft, limits)
+    items += _decode_items(draft, limits)
     return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
                 tuple(items))
 
@@ -214,7 +220,8 @@ def apply(state: State, plan: Plan) -> State:
     for item in plan.items:
         for seq_id, start, rows in item.parts:
             seq = seqs[seq_id]
-            seqs[seq_id] = attrs.evolve(seq, cached=start + rows, inflight=seq.inflight + 1)
+            seqs[seq_id] = attrs.evolve(seq, cached=start + rows, inflight=seq.inflight + 1,
+                                        decoding=seq.decoding or item.kind == "decode")
     return State(tuple(waiting), tuple(seqs[s.id] for s in running),
                  state.free + freed - taken)
 
@@ -225,7 +232,8 @@ def landed(state: State, seq_id: int, token: bool) -> State:
     for seq in state.running:
         if seq.id == seq_id:
             seq = attrs.evolve(seq, inflight=seq.inflight - 1,
-                               tokens=seq.tokens + (1 if token else 0))
+                               tokens=seq.tokens + (1 if token else 0),
+                               decoding=seq.decoding and not token)
         running.append(seq)
     return attrs.evolve(state, running=tuple(running))
 
