@@ -163,7 +163,8 @@ class Engine:
     # ------------------------------------------------------------------------ commands
 
     def check(self, request: Request) -> None:
-        """Refuse a request the engine could never serve (a KernccError naming the field)."""
+        """Refuse a request the engine could never serve (a KernccError naming the field),
+        and fix its sampler (its seed, for the whole sequence)."""
         if not request.prompt:
             raise KernccError.single("the prompt is empty", "/prompt")
         if request.max_new < 1:
@@ -214,7 +215,8 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return len(self.state.waiting) + self._commands.qsize()
+        """Requests not yet admitted (queued commands and the scheduler's queue)."""
+        return len(self.state.waiting) + self._queued
 
     @property
     def running(self) -> int:
@@ -225,9 +227,9 @@ class Engine:
     def run_forever(self, idle: float = 0.05) -> None:
         """Serve until `stop` (or a fault, after which every request has been failed)."""
         while not self._stopping or self.requests:
+            self._wake.clear()  # before the tick: a command queued during it wakes the wait
             if not self.tick():
                 self._wake.wait(idle)
-                self._wake.clear()
             if self._stopping and self.fault is None and self.requests:
                 self._cancel_all()
 
