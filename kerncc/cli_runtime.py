@@ -158,7 +158,7 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `run` and `example` to the `kerncc` command line (called by kerncc.cli)."""
-    p = sub.add_parser("run", help="serve a prompt: chunked prefill, then greedy decode")
+    p = sub.add_parser("run", help="serve prompts: chunked prefill, then greedy decode")
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend())

@@ -122,19 +122,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where the stages run (default: KERNCC_BACKEND, else cpu)")
     p.add_argument("--devices", type=_devices, metavar="0,1",
                    help="GPUs to spread the stages over, in order (cuda backend)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
-                   "127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free)")
-    p.add_argument("--max-queue", type=_count, default=256,
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
+                   help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, metavar="N",
+                   help="port (default 8000; 0: any free)")
+    p.add_argument("--max-queue", type=_count, default=256, metavar="N",
                    help="requests waiting for admission before new ones get 429 (default 256)")
-    p.add_argument("--max-seqs", type=_count, default=8,
+    p.add_argument("--max-seqs", type=_count, default=8, metavar="N",
                    help="sequences served at once (default 8)")
-    p.add_argument("--chunk", type=_count, help="prefill rows per step (default: the rows "
+    p.add_argument("--chunk", type=_count, metavar="N", help="prefill rows per step (default: "
+                   "the rows "
                    "bound)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (default: the "
                    "bundle's)")
     p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
                    "(default: the bundle's, the checkpoint's, the manifest's)")
-    p.add_argument("--pipeline", default="emit", help="passes lowering a manifest target "
+    p.add_argument("--pipeline", default="emit", metavar="SPEC", help="passes lowering a manifest target "
                    "(default: emit)")
     p.set_defaults(handler=cmd_serve, format="text")
