@@ -58,10 +58,22 @@ def test_a_cut_bundle_serves_the_same_batch_as_the_whole(model, whole, prompts, 
     assert main(["lower", str(model), "-p", "cut{at=12},slice-derive,emit", "-o",
                  str(target)]) == 0
     staged = Chain(Bundle(target))
-    a, _ = serve_prompts(whole, prompts, MAX_NEW, chunk=8, max_running=4)
-    b, engine = serve_prompts(staged, prompts, MAX_NEW, chunk=8, max_running=4)
+    a, _ = serve_prompts(whole, prompts, MAX_NEW, chunk=8, max_running=4, logits=True)
+    b, engine = serve_prompts(staged, prompts, MAX_NEW, chunk=8, max_running=4, logits=True)
     assert [r.generated for r in a] == [r.generated for r in b]
+    for x, y in zip(a, b):  # every token's logits, bit for bit
+        assert len(x.logits) == MAX_NEW
+        assert np.array_equal(np.stack(x.logits).view(np.uint32),
+                              np.stack(y.logits).view(np.uint32))
     assert engine.depth == 2
+
+
+def test_batched_logits_equal_each_prompt_alone_bit_for_bit(whole, prompts):
+    requests, _ = serve_prompts(whole, prompts, MAX_NEW, chunk=5, max_running=8, logits=True)
+    for request, prompt in zip(requests, prompts):
+        alone = Generator(whole).generate(prompt, MAX_NEW).logits  # the chunk's row, then steps
+        assert np.array_equal(np.stack(request.logits).view(np.uint32),
+                              alone[-MAX_NEW:].view(np.uint32))
 
 
 def test_the_command_line_serves_every_prompt(model, capsys):
@@ -145,9 +157,12 @@ def test_on_a_gpu_stages_equal_the_whole_for_the_same_batch(model, prompts, tmp_
                  str(target)]) == 0
     whole = Chain(Bundle.from_manifest(model), backend="cuda")
     staged = Chain(Bundle(target), backend="cuda")
-    a, engine = serve_prompts(whole, prompts, MAX_NEW, chunk=8, max_running=4)
-    b, _ = serve_prompts(staged, prompts, MAX_NEW, chunk=8, max_running=4)
+    a, engine = serve_prompts(whole, prompts, MAX_NEW, chunk=8, max_running=4, logits=True)
+    b, _ = serve_prompts(staged, prompts, MAX_NEW, chunk=8, max_running=4, logits=True)
     assert [r.generated for r in a] == [r.generated for r in b]
+    for x, y in zip(a, b):  # every token's logits, bit for bit
+        assert np.array_equal(np.stack(x.logits).view(np.uint32),
+                              np.stack(y.logits).view(np.uint32))
     assert engine.packed > 0
     alone = [Generator(whole).generate(p, MAX_NEW).tokens for p in prompts]
     agree = sum(r.generated == t for r, t in zip(a, alone))

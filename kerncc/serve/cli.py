@@ -137,6 +137,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "bundle's)")
     p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
                    "(default: the bundle's, the checkpoint's, the manifest's)")
-    p.add_argument("--pipeline", default="emit", metavar="SPEC", help="passes lowering a manifest target "
-                   "(default: emit)")
+    p.add_argument("--pipeline", default="emit", metavar="SPEC",
+                   help="passes lowering a manifest target (default: emit)")
     p.set_defaults(handler=cmd_serve, format="text")

@@ -60,6 +60,7 @@ class Request:
     finish: str | None = None  # stop | length | cancelled | error
     error: str | None = None
     sampler: Any = None  # the params sampling_hook.prepare made (None: greedy)
+    logits: list[np.ndarray] = attrs.field(factory=list)  # with Config(logits=True)
     arrived: float = attrs.field(factory=time.perf_counter)
     token_times: list[float] = attrs.field(factory=list)
 
@@ -82,6 +83,7 @@ class Config:
     max_queue: int = 256  # requests waiting for admission before new ones are refused
     chunk: int | None = None  # prefill rows per step; default: the rows bound
     depth: int | None = None  # items in flight; default: one per stage
+    logits: bool = False  # keep every token's logits row on its request (tests, debugging)
 
 
 @attrs.define
@@ -107,6 +109,7 @@ class Engine:
         self.limits = self._limits(config)
         self.depth = config.depth or len(self.sessions)
         self.max_queue = config.max_queue
+        self.keep_logits = config.logits
         self.state = sch.State((), (), self.pool.pages)
         self.requests: dict[int, Request] = {}
         self.inflight: deque[_Flight] = deque()
@@ -307,7 +310,8 @@ class Engine:
         longest = max(start + n for _, start, n in item.parts)
         vars = self.protocol.vars(groups, rows, rows, longest)
         wanted = {forward.emits} if forward.emits else set()
-        if item.kind == "decode" and any(r.sampler is not None for r in requests):
+        if item.kind == "decode" and (self.keep_logits or
+                                      any(r.sampler is not None for r in requests)):
             wanted.add(LOGITS)
         try:
             if isinstance(self.runner, Chain):
@@ -387,9 +391,13 @@ class Engine:
                                      [r.sampler for r in flight.requests],
                                      [len(r.generated) for r in flight.requests])
         now = time.perf_counter()
+        rows = np.asarray(outputs[LOGITS]).reshape(len(drawn), -1) \
+            if self.keep_logits and LOGITS in outputs else None
         for i, request in enumerate(flight.requests):
             if self.requests.get(request.id) is not request:
                 continue  # cancelled while in flight
+            if rows is not None:
+                request.logits.append(rows[i].copy())
             self._add_token(request, drawn[i], now)
 
     def _add_token(self, request: Request, token: int, now: float) -> None:
@@ -433,13 +441,13 @@ def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
 
 
 def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max_new: int,
-                  chunk: int | None = None, max_running: int | None = None
-                  ) -> tuple[list[Request], Engine]:
+                  chunk: int | None = None, max_running: int | None = None,
+                  logits: bool = False) -> tuple[list[Request], Engine]:
     """Serve every prompt together through an Engine; the finished requests, in prompt order
-    (each one's `generated`), and the engine (its `calls` and `rows`). Every prompt is checked before
-    any is served."""
+    (each one's `generated`, and its `logits` rows with `logits`), and the engine (its `calls`
+    and `rows`). Every prompt is checked before any is served."""
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
-                                   max_queue=max(1, len(prompts))))
+                                   max_queue=max(1, len(prompts)), logits=logits))
     requests = [Request([int(t) for t in p], max_new) for p in prompts]
     for number, request in enumerate(requests, 1):
         try:
