@@ -197,6 +197,21 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(base, b
     assert complete(base, prompt=[1, 2], max_tokens=2).status_code == 200
 
 
+def test_an_eos_token_ends_the_answer_and_leaves_no_text(chain):
+    class WithEos(Letters):
+        eos_token_ids = ()
+
+    with serving(chain, text=Letters()) as (url, _):
+        free = complete(url, prompt="abc", max_tokens=6).json()["choices"][0]
+    WithEos.eos_token_ids = (free["token_ids"][2],)
+    with serving(chain, text=WithEos()) as (url, _):
+        got = complete(url, prompt="abc", max_tokens=6).json()["choices"][0]
+    first = free["token_ids"].index(WithEos.eos_token_ids[0])  # 2, or earlier if repeated
+    assert got["finish_reason"] == "stop"
+    assert got["token_ids"] == free["token_ids"][:first + 1]
+    assert got["text"] == free["text"][:first]
+
+
 def test_unknown_routes_and_health(base):
     assert httpx.get(f"{base}/nowhere", timeout=10).status_code == 404
     assert httpx.get(f"{base}/nowhere", timeout=10).json()["error"]["type"] == "not_found_error"

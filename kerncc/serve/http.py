@@ -298,7 +298,7 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: bool
                 continue
             if item is None:
                 break
-            text = detok.add(item)
+            text = "" if item in request.stop_ids else detok.add(item)  # eos: no text
             if detok.stopped:
                 yield _Piece(text, [item], "stop")
                 return
