@@ -103,9 +103,12 @@ def complete(base: str, **body) -> httpx.Response:
     return httpx.post(f"{base}/v1/completions", json={"model": MODEL, **body}, timeout=60)
 
 
-def metric(base: str, name: str) -> float:
+def metric(base: str, name: str, missing: float | None = None) -> float:
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    return float(re.search(rf"^{name} (\S+)$", text, re.MULTILINE).group(1))
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    if found is None and missing is not None:
+        return missing
+    return float(found.group(1))
 
 
 def test_24_requests_at_once_each_get_their_prompt_alone(base, chain):
@@ -271,18 +274,22 @@ def test_a_full_queue_answers_429_at_once(chain):
 
 def test_a_client_that_goes_away_frees_its_pages(base):
     total = metric(base, "kerncc_kv_pages_total")
+    cancelled = 'kerncc_requests_finished_total{reason="cancelled"}'
+    before = metric(base, cancelled, 0.0)
     with httpx.stream("POST", f"{base}/v1/completions", json={
-            "model": MODEL, "prompt": list(range(40)), "max_tokens": 200, "stream": True},
+            "model": MODEL, "prompt": list(range(40)), "max_tokens": 210, "stream": True},
             timeout=60) as answer:
         lines = answer.iter_lines()
         for _ in range(3):
             next(lines)
-        assert metric(base, "kerncc_kv_pages_free") < total
+        held = metric(base, "kerncc_kv_pages_free")
+        assert held < total, f"{held} of {total} pages free while streaming"
         assert metric(base, "kerncc_requests_running") == 1
-    for _ in range(500):  # bounded: the cancel lands at the engine's next step
-        if metric(base, "kerncc_kv_pages_free") == total:
+    for _ in range(1500):  # bounded (30 s): the cancel lands at the engine's next step
+        if metric(base, cancelled, 0.0) > before:
             break
         time.sleep(0.02)
+    assert metric(base, cancelled, 0.0) == before + 1, "the request was cancelled"
     assert metric(base, "kerncc_kv_pages_free") == total
     assert metric(base, "kerncc_requests_running") == 0
 
