@@ -351,6 +351,42 @@ attn_prefill_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
   }
 }
 
+// Packed prefill: one call = chunks of `seqs` sequences laid end to end, sequence s's rows
+// [cu_seqlens[s], cu_seqlens[s+1]) with its page-table row s (block_table + s*width). Block z
+// serves sequence z exactly as attn_prefill_bf16 serves a one-sequence chunk (same blocks over
+// the same rows, so a sequence's bits do not depend on what it is packed with); blocks past a
+// sequence's rows return at once.
+// grid (ceil(rows / (64/G)), nk, seqs), block (256), dynamic shared memory as attn_prefill_bf16.
+extern "C" __global__ void __launch_bounds__(PF_WARPS * 32, 1)
+attn_prefill_varlen_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
+                         const int* __restrict__ block_table, const int* __restrict__ positions,
+                         const int* __restrict__ cu_seqlens, bf16* __restrict__ out, int rows,
+                         int seqs, int nq, int nk, int hd, int width, float scale) {
+  extern __shared__ __align__(16) uint8_t pf_smem[];
+  __shared__ int s_kend;
+  if (dynamic_smem_bytes() < (uint32_t)(PF_SMEM_ROWS * (2 * hd + 16))) __trap();
+  const int seq = blockIdx.z;
+  if (seq >= seqs) return;
+  const int start = cu_seqlens[seq], len = min(cu_seqlens[seq + 1], rows) - start;
+  if ((int)blockIdx.x * (PF_BM / (nq / nk)) >= len) return;  // the whole block: no barrier hit
+  const long long row_elems = (long long)(nq + 2 * nk) * hd;
+  const bf16* q = qkv + start * row_elems;
+  const int* table = block_table + (long long)seq * width;
+  bf16* o = out + (long long)start * nq * hd;
+  switch (hd) {
+#define PFV_CASE(HD)                                                                        \
+  case HD:                                                                                  \
+    attn_prefill_tc<HD>(q, kv, table, positions + start, o, len, nq, nk, scale, pf_smem,   \
+                        &s_kend);                                                           \
+    break;
+    PFV_CASE(16) PFV_CASE(32) PFV_CASE(48) PFV_CASE(64) PFV_CASE(80) PFV_CASE(96) PFV_CASE(112)
+    PFV_CASE(128)
+#undef PFV_CASE
+    default:
+      __trap();  // hd must be a multiple of 16 up to 128
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode: one row per sequence; row b is sequence b (block_table row b) and attends to keys
 // 0..seq_lens[b]-1 (its own key included). Flash-decoding in two launches that share the f32

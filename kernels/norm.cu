@@ -109,6 +109,24 @@ extern "C" __global__ void head_rmsnorm_bf16(bf16* __restrict__ qkv, const bf16*
            width(hd, bits(qkv, w, w) | (uintptr_t)(hd * 2)));
 }
 
+// y[s] = rmsnorm(x[cu_seqlens[s+1] - 1]) * w: the last row of each sequence of a packed
+// chunk (rows of sequence s are [cu_seqlens[s], cu_seqlens[s+1])). grid (seqs), block as above.
+extern "C" __global__ void rmsnorm_last_varlen_bf16(const bf16* __restrict__ x,
+                                                    const bf16* __restrict__ w,
+                                                    bf16* __restrict__ y,
+                                                    const int* __restrict__ cu_seqlens,
+                                                    int seqs, int cols, float eps) {
+  __shared__ float scratch[32];
+  const int v = block_width(cols, bits(x, w, y) | (uintptr_t)(cols * 2));
+  for (int seq = blockIdx.x; seq < seqs; seq += gridDim.x) {
+    const bf16* src = x + ((long long)cu_seqlens[seq + 1] - 1) * cols;
+    bf16* dst = y + (long long)seq * cols;
+    if (v == 8) block_norm<8>(src, w, dst, cols, eps, scratch);
+    else if (v == 4) block_norm<4>(src, w, dst, cols, eps, scratch);
+    else block_norm<2>(src, w, dst, cols, eps, scratch);
+  }
+}
+
 // y[s] = rmsnorm(x[(s+1)*rows_per_seq - 1]) * w: the last row of each sequence's rows.
 // grid (seqs), block (cols/8 rounded up to a warp, at most 256).
 extern "C" __global__ void rmsnorm_last_bf16(const bf16* __restrict__ x,

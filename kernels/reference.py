@@ -110,6 +110,12 @@ def rmsnorm_last_bf16(launch: Any, x, w, y, seqs, rows_per_seq, cols, eps) -> No
     view(y, BF16, seqs * cols).reshape(seqs, cols)[...] = _norm(last, view(w, BF16, cols), eps)
 
 
+def rmsnorm_last_varlen_bf16(launch: Any, x, w, y, cu_seqlens, seqs, cols, eps) -> None:
+    ends = view(cu_seqlens, I32, seqs + 1)[1:].astype(np.int64)
+    last = view(x, BF16, int(ends.max()) * cols).reshape(-1, cols)[ends - 1]
+    view(y, BF16, seqs * cols).reshape(seqs, cols)[...] = _norm(last, view(w, BF16, cols), eps)
+
+
 # ---- rope ----------------------------------------------------------------------------------
 
 
@@ -203,17 +209,45 @@ def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray,
     return np.einsum("hrk,khd->rhd", p, v).astype(F32)
 
 
+def _attend_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, pos: np.ndarray,
+                 scale: float) -> np.ndarray:
+    """Causal attention row by row: row r sees exactly keys 0..pos[r] (k, v hold at least
+    those). Each row's sums run over its own keys only, in the same shapes whatever else is in
+    the call, so a row's bits do not depend on the chunk it is fed in (batch invariance)."""
+    out = np.empty(q.shape, F32)
+    for r in range(q.shape[0]):
+        n = int(pos[r]) + 1
+        out[r] = _attend(q[r:r + 1], k[:n], v[:n], np.ones((1, n), bool), scale)[0]
+    return out
+
+
 def attn_prefill_bf16(launch: Any, qkv, kv, block_table, positions, out, rows, nq, nk, hd,
                       width, scale) -> None:
     """f32 softmax; the CUDA kernel (tensor cores) rounds P to bf16 for its P.V product, so the
     two agree within bf16 tolerance rather than by rounding point."""
     q = f32(view(qkv, BF16, rows * (nq + 2 * nk) * hd).reshape(rows, -1, hd)[:, :nq])
     pos = view(positions, I32, rows).astype(np.int64)
-    n = int(pos.max()) + 1
-    k, v = _gather_keys(kv_slots(kv, nk, hd), view(block_table, I32, width), n)
-    visible = np.arange(n)[None, :] <= pos[:, None]
-    o = _attend(q, k, v, visible, scale)
+    k, v = _gather_keys(kv_slots(kv, nk, hd), view(block_table, I32, width), int(pos.max()) + 1)
+    o = _attend_rows(q, k, v, pos, scale)
     view(out, BF16, rows * nq * hd).reshape(rows, nq, hd)[...] = bf16(o)
+
+
+def attn_prefill_varlen_bf16(launch: Any, qkv, kv, block_table, positions, cu_seqlens, out,
+                             rows, seqs, nq, nk, hd, width, scale) -> None:
+    """attn_prefill_bf16 per sequence of a packed chunk: sequence s's rows are
+    [cu_seqlens[s], cu_seqlens[s+1]), its pages row s of block_table."""
+    q = f32(view(qkv, BF16, rows * (nq + 2 * nk) * hd).reshape(rows, -1, hd)[:, :nq])
+    pos = view(positions, I32, rows).astype(np.int64)
+    cu = view(cu_seqlens, I32, seqs + 1).astype(np.int64)
+    tables = view(block_table, I32, seqs * width).reshape(seqs, width)
+    cache = kv_slots(kv, nk, hd)
+    o = view(out, BF16, rows * nq * hd).reshape(rows, nq, hd)
+    for s in range(int(seqs)):
+        start, end = int(cu[s]), min(int(cu[s + 1]), int(rows))
+        if end <= start:
+            continue
+        k, v = _gather_keys(cache, tables[s], int(pos[start:end].max()) + 1)
+        o[start:end] = bf16(_attend_rows(q[start:end], k, v, pos[start:end], scale))
 
 
 def attn_decode_split_bf16(launch: Any, qkv, kv, block_table, seq_lens, part, seqs, nq, nk, hd,
@@ -299,9 +333,16 @@ def cast_f16_bf16(launch: Any, x, y, n) -> None:
 
 
 def _matmul_tn(a, w, m, n, k) -> np.ndarray:
+    """f32(A) @ f32(W)^T one row at a time: BLAS sums a row in an order that depends on how
+    many rows the call has (small m takes other kernels), so a batched product would give a
+    sequence other bits when it is served with others. Row by row, each row's bits are the
+    same whatever the batch (and the same as a one-row call's)."""
     A = f32(view(a, BF16, m * k).reshape(m, k))
-    W = f32(view(w, BF16, n * k).reshape(n, k))
-    return A @ W.T
+    WT = f32(view(w, BF16, n * k).reshape(n, k)).T
+    out = np.empty((m, n), F32)
+    for i in range(m):
+        out[i:i + 1] = A[i:i + 1] @ WT
+    return out
 
 
 def cublaslt_bf16_tn(launch: Any, a, w, c, m, n, k) -> None:
@@ -346,11 +387,13 @@ KERNELS: dict[str, Callable[..., None]] = {
         add_rmsnorm_bf16,
         head_rmsnorm_bf16,
         rmsnorm_last_bf16,
+        rmsnorm_last_varlen_bf16,
         rope_table_f32,
         rope_neox_bf16,
         kv_write_bf16,
         qk_norm_rope_kv_bf16,
         attn_prefill_bf16,
+        attn_prefill_varlen_bf16,
         attn_decode_split_bf16,
         attn_decode_combine_bf16,
         silu_mul_bf16,

@@ -94,13 +94,14 @@ def test_layers_sit_at_the_same_call_index_in_every_driven_program(tiny):
 def test_programs_and_serving_io(tiny):
     m, _ = tiny
     p = m["programs"]
-    assert p["prefill"]["batch"] == {"groups": 1, "rows": "tokens"}
+    # packed prefill: several sequences per chunk, split by cu_seqlens (issue 19)
+    assert p["prefill"]["batch"] == {"groups": m["vars"]["seqs"]["max"], "rows": "tokens"}
     assert p["decode"]["batch"] == {"groups": 1, "rows": 1}
     assert p["decode_batch"]["batch"] == {"groups": m["vars"]["seqs"]["max"], "rows": 1}
     assert p["load"]["once"] and p["convert"]["derive"]
     fills = {b["fill"]: n for n, b in m["buffers"].items() if "fill" in b}
     assert fills == {"token": "token_ids", "position": "positions", "slot": "slot_mapping",
-                     "seq_len": "seq_lens", "tokens": "next_tokens"}
+                     "seq_len": "seq_lens", "tokens": "next_tokens", "cu_seqlens": "cu_seqlens"}
     assert m["buffers"]["block_table"]["domain"] == {"index_into": "kv.0", "stride": 16}
     kinds = {b["kind"] for b in m["buffers"].values()}
     assert kinds == {"input", "output", "weight", "source", "carry", "workspace"}
@@ -253,6 +254,7 @@ def prefill(ex: Executor, seq: Sequence, rows: int) -> None:
         "token_ids": seq.tokens[seq.cached:seq.cached + rows],
         "positions": list(positions), "slot_mapping": seq.slots(positions),
         "seq_lens": [positions.stop], "block_table": seq.table,
+        "cu_seqlens": [0] + [rows] * 4,  # one sequence of a packed chunk (seqs <= 4)
     })
     seq.cached = positions.stop
 

@@ -59,7 +59,8 @@ def damaged(bundle_dir, tmp_path) -> Path:
 def prefill_inputs(n: int, start: int = 0) -> tuple[dict, dict]:
     inputs = {"token_ids": np.arange(n) + 5, "positions": np.arange(start, start + n),
               "slot_mapping": np.arange(start, start + n), "seq_lens": [start + n],
-              "block_table": np.zeros((1, 16), np.int32)}
+              "block_table": np.zeros((1, 16), np.int32),
+              "cu_seqlens": [0] + [n] * 4}  # one sequence of a packed chunk (seqs <= 4)
     return inputs, {"tokens": n, "seqs": 1}
 
 

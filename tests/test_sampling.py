@@ -166,7 +166,7 @@ def test_chain_sample_is_the_last_stage_s(tmp_path):
     assert len(chain.sessions) == 2
     inputs = {"token_ids": np.array([1, 2, 3], np.int32), "positions": np.arange(3, dtype=np.int32),
               "slot_mapping": np.arange(3, dtype=np.int32), "seq_lens": np.array([3], np.int32),
-              "block_table": np.zeros((1, 16), np.int32)}
+              "block_table": np.zeros((1, 16), np.int32), "cu_seqlens": np.array([0, 3, 3, 3, 3], np.int32)}
     chain.run("prefill", inputs, {"tokens": 3, "seqs": 1})
     p = [SamplingParams(1.0, seed=s) for s in range(16)]
     counters = [(0, 0)] * 16

@@ -95,7 +95,7 @@ class TextRun:
         if wants_text and codec is None:
             raise KernccError.single(f"--text and --chat need a tokenizer.json in the model "
                                      f"folder ({folder or 'unknown: give --tokenizer DIR'})")
-        prompt = args.prompt
+        prompt = args.prompt[0] if args.prompt else None  # several: kerncc.serve.run
         if text is not None:
             prompt = codec.encode(text)
         elif chat is not None:

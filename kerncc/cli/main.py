@@ -333,7 +333,7 @@ def _instrument_flags(p: argparse.ArgumentParser) -> None:
 
 def _extra_commands(sub) -> None:
     """Commands whose rooms land later register here (run, example)."""
-    for module in ("kerncc.cli.run", "kerncc.cli.hf"):
+    for module in ("kerncc.cli.run", "kerncc.cli.hf", "kerncc.cli.serve"):
         try:
             __import__(module, fromlist=["register"]).register(sub)
         except ModuleNotFoundError as err:

@@ -71,7 +71,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_run_args(args)
     started = time.perf_counter()
     bundle = open_target(args.target, args.pipeline)
-    text = TextRun.of(args, bundle)  # the prompt's ids, eos ids, streamed text
+    several = args.prompt is not None and len(args.prompt) > 1
+    if several and getattr(args, "format", "text") == "json":
+        raise KernccError.single("--format json prints one prompt's run; give one --prompt")
+    text = None if several else TextRun.of(args, bundle)  # ids, eos ids, streamed text
     weights = args.weights or bundle.checkpoint
     if weights is not None and not Path(weights).exists():
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
@@ -84,10 +87,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     chain = Chain(bundle, backend=args.backend, checkpoint=weights, interpret=args.interpret,
                   devices=args.devices, graphs=args.graphs, trace=timeline)
     sampling = _sampling(args)
-    generator = Generator(chain)
     loaded = time.perf_counter()
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
          f"(weights: {weights or 'none'})")
+    if several:  # several prompts are served together (kerncc.serve)
+        from kerncc.serve.run import run_prompts
+
+        return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.logits,
+                           args.trace)
+    generator = Generator(chain)
     result = generator.generate(text.prompt, args.max_new, args.chunk, stop=text.stop,
                                 sampling=sampling)
     text.end_stream()
@@ -183,12 +191,14 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `run` and `example` to the `kerncc` command line (called by kerncc.cli.main)."""
-    p = sub.add_parser("run", help="serve a prompt: chunked prefill, then decode (greedy, or "
+    p = sub.add_parser("run", help="serve prompts: chunked prefill, then decode (greedy, or "
                        "sampled with --temperature)")
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend())
-    p.add_argument("--prompt", type=_token_ids, required=True, help="token ids, e.g. 1,2,3")
+    p.add_argument("--prompt", type=_token_ids, required=True, action="append",
+                   help="token ids, e.g. 1,2,3; several --prompt are served together, one "
+                   "output line each")
     p.add_argument("--max-new", type=_positive, default=8, help="tokens to generate (default 8)")
     p.add_argument("--chunk", type=_positive, help="prefill chunk rows (default: the rows bound)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (file or "

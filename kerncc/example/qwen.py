@@ -10,10 +10,11 @@ program, so `l{i}.qkv_proj` is call 2 + 9*i everywhere):
   down_proj
 (`qk_rope_kv`: q/k head norms, rope and the KV-cache write in one launch)
 framed by `embed` (call 0) and `final_norm`, `lm_head`, `argmax` (the last three).
-Programs: `prefill` (one sequence, `tokens` rows, over a paged KV cache that may already hold
-earlier chunks), `decode` (one row), `decode_batch` (one row for each of up to `seqs`
-sequences), `load` (once: rope cos/sin table) and `convert` (derive: f32 `model.norm.weight`
-source cast to a bf16 carry). Binds show each segment form: q/k/v laid end to end, gate/up
+Programs: `prefill` (a chunk of `tokens` rows packing up to `seqs` sequences end to end,
+split by `cu_seqlens`, over a paged KV cache that may already hold earlier chunks),
+`decode` (one row), `decode_batch` (one row for each of up to `seqs` sequences), `load`
+(once: rope cos/sin table) and `convert` (derive: f32 `model.norm.weight` source cast to a
+bf16 carry). Binds show each segment form: q/k/v laid end to end, gate/up
 interleaved, lm_head rows [0, vocab) of the checkpoint tensor.
 
 `manifest(config, model, binding)` is the one manifest builder: the example and the Hugging
@@ -252,9 +253,10 @@ def ops(c: QwenConfig) -> dict[str, dict]:
                                     ["i32"] * 3 + ["f32"], heads + [eps],
                                     [ceil_div(mul(rows, nq + 2 * nk), 4)], 128)}
            if c.qk_norm else {"rope_kv": rope_kv_op(c)}),
-        "attn_prefill": kernel_op([IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, "i32"],
-                                  "attn_prefill_bf16", ["i32"] * 4 + ["f32"], attn,
-                                  [ceil_div(rows, 64 // c.group), nk], 256,
+        # a packed chunk: sequence s's rows are [cu_seqlens[s], cu_seqlens[s+1]), grid z = s
+        "attn_prefill": kernel_op([IN_BF16, IN_STATE, IN_I32, IN_I32, IN_I32, OUT_BF16, "i32",
+                                   "i32"], "attn_prefill_varlen_bf16", ["i32"] * 4 + ["f32"],
+                                  attn, [ceil_div(rows, 64 // c.group), nk, "seqs"], 256,
                                   attn_prefill_smem(hd)),
         "attn_decode": attn_decode_op(c),
         # silu_mul steps over its outputs 8 at a time when the sizes allow (kernels/
@@ -266,6 +268,9 @@ def ops(c: QwenConfig) -> dict[str, dict]:
         "final_norm": kernel_op([IN_BF16, IN_BF16, OUT_BF16, "i32", "i32"], "rmsnorm_last_bf16",
                                 ["i32", "f32"], [i32(c.hidden), eps], ["seqs"],
                                 norm_block(c.hidden)),
+        "final_norm_packed": kernel_op([IN_BF16, IN_BF16, OUT_BF16, IN_I32, "i32"],
+                                       "rmsnorm_last_varlen_bf16", ["i32", "f32"],
+                                       [i32(c.hidden), eps], ["seqs"], norm_block(c.hidden)),
         "argmax": kernel_op([IN_F32, OUT_I32, "i32"], "argmax_f32", ["i32"], [i32(c.vocab)],
                             ["seqs"], 256),
         "rope_table": rope_table_op(c),
@@ -352,6 +357,8 @@ def io_buffers(c: QwenConfig) -> dict[str, dict]:
                          "domain": {"index_into": "kv.0"}},
         "seq_lens": {"dtype": "i32", "shape": seqs, "kind": "input", "fill": "seq_len",
                      "domain": {"min": 1, "max": c.max_context}},
+        "cu_seqlens": {"dtype": "i32", "shape": [c.max_seqs + 1], "kind": "input",
+                       "fill": "cu_seqlens", "domain": {"min": 0, "max": c.max_tokens}},
         "block_table": {"dtype": "i32", "shape": ["seqs", c.pages_per_seq], "kind": "input",
                         "domain": {"index_into": "kv.0", "stride": PAGE}},
         "next_tokens": {"dtype": "i32", "shape": seqs, "kind": "output", "fill": "tokens"},
@@ -415,7 +422,8 @@ def layer_calls(c: QwenConfig, i: int, prefill: bool) -> list[dict]:
 
     if prefill:
         attention = call(pre + "attention", "attn_prefill", buf("qkv"), {"state": f"kv.{i}"},
-                         buf("block_table"), buf("positions"), buf("attn_out"), rows)
+                         buf("block_table"), buf("positions"), buf("cu_seqlens"),
+                         buf("attn_out"), rows, var("seqs"))
     else:
         attention = call(pre + "attention", "attn_decode", buf("qkv"), {"state": f"kv.{i}"},
                          buf("block_table"), buf("seq_lens"), buf("attn_out"),
@@ -449,12 +457,16 @@ def forward_calls(c: QwenConfig, prefill: bool) -> list[dict]:
     calls = [call("embed", "embed", buf("token_ids"), buf("embed.w"), buf("residual"), rows)]
     for i in range(c.layers):
         calls += layer_calls(c, i, prefill)
-    # The last row of each sequence feeds the head: row `tokens`-1 of a prefill chunk, every
-    # row of a decode call.
-    rows_per_seq = rows if prefill else i32(1)
+    # The last row of each sequence feeds the head: row cu_seqlens[s+1]-1 of a packed prefill
+    # chunk, every row of a decode call.
+    if prefill:
+        final_norm = call("final_norm", "final_norm_packed", buf("residual"),
+                          buf("final_norm.w"), buf("final_normed"), buf("cu_seqlens"), seqs)
+    else:
+        final_norm = call("final_norm", "final_norm", buf("residual"), buf("final_norm.w"),
+                          buf("final_normed"), seqs, i32(1))
     calls += [
-        call("final_norm", "final_norm", buf("residual"), buf("final_norm.w"),
-             buf("final_normed"), seqs, rows_per_seq),
+        final_norm,
         call("lm_head", "lm_head", buf("final_normed"), buf("lm_head.w"), buf("logits"), seqs),
         call("argmax", "argmax", buf("logits"), buf("next_tokens"), seqs),
     ]
@@ -463,7 +475,9 @@ def forward_calls(c: QwenConfig, prefill: bool) -> list[dict]:
 
 def programs(c: QwenConfig, casts: list[tuple[str, str, int]]) -> dict[str, dict]:
     out = {
-        "prefill": {"batch": {"groups": 1, "rows": "tokens"}, "calls": forward_calls(c, True)},
+        # packed: up to `seqs` sequences per chunk, split by `cu_seqlens` (spec §4.4, §6.2)
+        "prefill": {"batch": {"groups": c.max_seqs, "rows": "tokens"},
+                    "calls": forward_calls(c, True)},
         "decode": {"batch": {"groups": 1, "rows": 1}, "graph": True,
                    "calls": forward_calls(c, False)},
         "decode_batch": {"batch": {"groups": c.max_seqs, "rows": 1}, "graph": True,

@@ -1,0 +1,143 @@
+"""`kerncc serve BUNDLE_OR_MANIFEST`: load the stages, start the engine, serve HTTP on uvicorn.
+
+Registered beside `run` (kerncc.cli.main registers it). SIGTERM or Ctrl-C: admission stops
+(/health says 503), requests still streaming get `GRACE` seconds to finish, then every sequence
+left is cancelled and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from kerncc import config
+from kerncc.diagnostics import KernccError
+
+GRACE = 3.0  # seconds streams may go on after SIGTERM
+
+
+def _devices(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`")
+    return ids
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got `{text}`") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 0..65535")
+    return value
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        raise KernccError.single("`kerncc serve` needs the serve extra: "
+                                 "pip install 'kerncc[serve]'") from None
+    from kerncc.lower import open_target
+    from kerncc.runtime import Chain
+    from kerncc.serve import text
+    from kerncc.serve.engine import Config, Engine
+    from kerncc.serve.http import Server, create_app
+
+    if args.devices and args.backend != "cuda":
+        raise KernccError.single("--devices needs --backend cuda")
+    bundle = open_target(args.target, args.pipeline)
+    weights = args.weights or bundle.checkpoint
+    if weights is not None and not Path(weights).exists():
+        raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
+    chain = Chain(bundle, backend=args.backend, checkpoint=weights, devices=args.devices)
+    engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
+                                  chunk=args.chunk))
+    model = bundle.stages[0].manifest.model
+    folders = [Path(args.tokenizer)] if args.tokenizer else \
+        [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
+    server = Server(engine, model, text.load(folders))
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
+          f"{engine.stride} tokens; tokenizer: {'yes' if server.text else 'none'}; "
+          f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
+    uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
+                        timeout_graceful_shutdown=GRACE)
+    _Uvicorn(uv, server).run(sockets=[sock])
+    print("kerncc serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise KernccError.single(f"cannot listen on {host}:{port}: "
+                                 f"{err.strerror or err}") from None
+    return sock
+
+
+class _Uvicorn:
+    """uvicorn's server, told to stop admitting the moment a signal arrives."""
+
+    def __new__(cls, uv, server):  # a subclass made lazily: uvicorn is an optional import
+        import uvicorn
+
+        class Draining(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                server.draining = True
+                super().handle_exit(sig, frame)
+                # A shutdown asked for is a clean exit (uvicorn would re-raise the signal).
+                self._captured_signals.clear()
+
+        return Draining(uv)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `serve` to the `kerncc` command line (called by kerncc.cli.main)."""
+    p = sub.add_parser("serve", help="serve a bundle over HTTP (OpenAI-compatible)")
+    p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
+                   help="a bundle directory or a manifest file (lowered with --pipeline)")
+    p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
+                   help="where the stages run (default: KERNCC_BACKEND, else cpu)")
+    p.add_argument("--devices", type=_devices, metavar="0,1",
+                   help="GPUs to spread the stages over, in order (cuda backend)")
+    p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
+                   help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, metavar="N",
+                   help="port (default 8000; 0: any free)")
+    p.add_argument("--max-queue", type=_count, default=256, metavar="N",
+                   help="requests waiting for admission before new ones get 429 (default 256)")
+    p.add_argument("--max-seqs", type=_count, default=8, metavar="N",
+                   help="sequences served at once (default 8)")
+    p.add_argument("--chunk", type=_count, metavar="N", help="prefill rows per step (default: "
+                   "the rows "
+                   "bound)")
+    p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (default: the "
+                   "bundle's)")
+    p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
+                   "(default: the bundle's, the checkpoint's, the manifest's)")
+    p.add_argument("--pipeline", default="emit", metavar="SPEC",
+                   help="passes lowering a manifest target (default: emit)")
+    p.set_defaults(handler=cmd_serve, format="text")

@@ -1,0 +1,461 @@
+"""The engine: many sequences served together over a Session or Chain (ARCHITECTURE §9).
+
+One loop, one thread: take new requests and cancellations, ask the scheduler for a step
+(kerncc.serve.scheduler: decode for every running sequence at once through the protocol's
+multi-sequence forward, prefill chunks packed across sequences when the chunk program takes
+several), grant pages from the one pool (kerncc.serve.pool), issue the step's items, collect
+the oldest item's outputs, turn them into tokens (kerncc.serve.sampling_hook), finish and free.
+It keeps up to `depth` items in flight (by default one per stage: a cut pipeline stays full,
+since `Chain.submit` returns once issued) and waits only for the oldest.
+
+`submit`, `cancel` and `stop` may be called from any thread: they only queue a command; the
+loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
+before its next step. A request's `listener` hears each token and the end, on the engine's
+thread. A runtime error in a stage fails the requests its item touched with a message that
+names the stage and the program, every other request with it, and stops the engine (`fault`
+says why; no more admissions).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+
+from kerncc import protocol as proto
+from kerncc.diagnostics import KernccError
+from kerncc.runtime.chain import Chain
+from kerncc.runtime.generate import INPUT_FILLS, LOGITS, Generator
+from kerncc.runtime.memory import numpy_dtype
+from kerncc.runtime.session import Session
+from kerncc.serve import sampling_hook
+from kerncc.serve import scheduler as sch
+from kerncc.serve.pack import Bounds
+from kerncc.serve.pool import KVPool
+
+
+class Listener(Protocol):
+    def token(self, request: Request, token: int) -> None: ...
+    def done(self, request: Request) -> None: ...
+
+
+@attrs.define(eq=False)
+class Request:
+    """One sequence to serve: its prompt, how many tokens to generate, where they go."""
+
+    prompt: list[int]
+    max_new: int
+    params: sampling_hook.Params = attrs.field(factory=sampling_hook.Params)
+    stop_ids: frozenset[int] = frozenset()
+    listener: Listener | None = None
+    id: int = -1
+    generated: list[int] = attrs.field(factory=list)
+    finish: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
+    sampler: Any = None  # the params sampling_hook.prepare made (None: greedy)
+    logits: list[np.ndarray] = attrs.field(factory=list)  # with Config(logits=True)
+    arrived: float = attrs.field(factory=time.perf_counter)
+    token_times: list[float] = attrs.field(factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+class QueueFull(Exception):
+    """The admission queue is at its bound: the request is refused at once."""
+
+
+class Stopped(Exception):
+    """The engine is stopping or stopped after a fault: no new requests."""
+
+
+@attrs.frozen
+class Config:
+    max_running: int = 8  # sequences decoded together (bounded by the decode forward too)
+    max_queue: int = 256  # requests waiting for admission before new ones are refused
+    chunk: int | None = None  # prefill rows per step; default: the rows bound
+    depth: int | None = None  # items in flight; default: one per stage
+    logits: bool = False  # keep every token's logits row on its request (tests, debugging)
+
+
+@attrs.define
+class _Flight:
+    item: sch.Item
+    forward: proto.Forward
+    pending: Any
+    requests: list[Request]
+
+
+class Engine:
+    """Continuous batching over the protocol's forwards (see the module docstring)."""
+
+    def __init__(self, runner: Session | Chain, config: Config = Config()) -> None:
+        self.runner = runner
+        driver = Generator(runner)  # the protocol of the chain, its checks and page geometry
+        self.protocol, self.sessions = driver.protocol, driver.sessions
+        self._check_tokens = driver._check_tokens
+        self.stride, self.width = driver.stride, driver.width
+        self.chunk_program = driver.chunk_program
+        self.step_program = driver.step_program
+        self.pool = KVPool(max(1, self.sessions[0].token_capacity // self.stride))
+        self.limits = self._limits(config)
+        self.depth = config.depth or len(self.sessions)
+        self.max_queue = config.max_queue
+        self.keep_logits = config.logits
+        self.state = sch.State((), (), self.pool.pages)
+        self.requests: dict[int, Request] = {}
+        self.inflight: deque[_Flight] = deque()
+        self.fault: str | None = None
+        self.preemptions = 0
+        self.packed = 0  # chunk calls that held several sequences
+        self.calls: Counter[str] = Counter()  # calls per program (counts: a server runs long)
+        self.rows: Counter[str] = Counter()  # rows fed per program
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._queued = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._ids = itertools.count()
+        self._stopping = False
+        self.vocab = self._vocab()
+
+    # ------------------------------------------------------------------------ limits
+
+    def _limits(self, config: Config) -> sch.Limits:
+        rows = self.protocol.rows.max
+        chunk_rows = min(config.chunk or rows, rows)
+        if chunk_rows < 1:
+            raise KernccError.single(f"chunk {config.chunk} must be at least 1")
+        chunk = self.chunk_program
+        packs = chunk is not None and chunk.groups > 1 and self.protocol.any("cu_seqlens")
+        seqs = chunk.groups if packs else 1
+        if chunk is None:  # prefill one row at a time through the one-row program
+            chunk_rows = 1
+        # Without a context var nothing bounds a call's summed context but the sequences'.
+        context = self.protocol.context.max if self.protocol.context else self.capacity * seqs
+        decode_groups = max(1, self.protocol.max_groups(1)) if self.step_program else 1
+        return sch.Limits(stride=self.stride, pages_per_seq=self.width or self.pool.pages,
+                          decode_groups=decode_groups,
+                          chunk=Bounds(chunk_rows, seqs, context),
+                          max_running=max(1, config.max_running))
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens one sequence may hold (page-table width, and the pool)."""
+        pages = min(self.width, self.pool.pages) if self.width else self.pool.pages
+        return pages * self.stride
+
+    def _vocab(self) -> int | None:
+        """Rows of the table the token ids index (the embedding), when the manifest says."""
+        fill = self.protocol.token_rows()
+        for s in self.sessions:
+            buf = s.manifest.buffers.get(fill.name) if fill else None
+            target = buf.domain.index_into if buf is not None and buf.domain else None
+            table = s.manifest.buffers.get(target) if target else None
+            if table is not None:
+                return table.dims_at(s.manifest.vars_max())[0]
+        return None
+
+    # ------------------------------------------------------------------------ commands
+
+    def check(self, request: Request) -> None:
+        """Refuse a request the engine could never serve (a KernccError naming the field),
+        and fix its sampler (its seed, for the whole sequence)."""
+        if not request.prompt:
+            raise KernccError.single("the prompt is empty", "/prompt")
+        if request.max_new < 1:
+            raise KernccError.single(f"{request.max_new} new tokens: at least 1 is needed",
+                                     "/max_tokens")
+        bad = next((i for i, t in enumerate(request.prompt)
+                    if self.vocab is not None and not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise KernccError.single(f"prompt token {bad} is {request.prompt[bad]}, past the "
+                                     f"vocabulary (ids 0..{self.vocab - 1})", f"/prompt/{bad}")
+        self._check_tokens(request.prompt)
+        needed = len(request.prompt) + request.max_new - 1  # the last token is never fed
+        if needed > self.capacity:
+            total = len(request.prompt) + request.max_new
+            raise KernccError.single(
+                f"the prompt ({len(request.prompt)} tokens) and {request.max_new} new tokens "
+                f"make {total}, past the context: a sequence holds at most "
+                f"{self.capacity + 1} (its last token is never fed back)", "/max_tokens")
+        request.sampler = sampling_hook.prepare(request.params)
+
+    def submit(self, request: Request) -> Request:
+        """Queue `request` (checked first); raises KernccError, QueueFull or Stopped."""
+        self.check(request)
+        with self._lock:
+            if self.fault is not None or self._stopping:
+                raise Stopped(self.fault or "the engine is stopping")
+            waiting = self._queued + len(self.state.waiting)
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{waiting} requests are waiting (--max-queue "
+                                f"{self.max_queue})")
+            self._queued += 1
+            request.id = next(self._ids)
+        self._commands.put(("add", request))
+        self._wake.set()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stop serving `request` and free its pages (before the engine's next step)."""
+        self._commands.put(("cancel", request))
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Cancel everything and leave `run_forever`."""
+        with self._lock:
+            self._stopping = True
+        self._commands.put(("stop", None))
+        self._wake.set()
+
+    @property
+    def waiting(self) -> int:
+        """Requests not yet admitted (queued commands and the scheduler's queue)."""
+        return len(self.state.waiting) + self._queued
+
+    @property
+    def running(self) -> int:
+        return len(self.state.running)
+
+    # ------------------------------------------------------------------------ the loop
+
+    def run_forever(self, idle: float = 0.05) -> None:
+        """Serve until `stop` (or a fault, after which every request has been failed)."""
+        while not self._stopping or self.requests:
+            self._wake.clear()  # before the tick: a command queued during it wakes the wait
+            if not self.tick():
+                self._wake.wait(idle)
+            if self._stopping and self.fault is None and self.requests:
+                self._cancel_all()
+
+    def run_until_idle(self) -> None:
+        """Serve what was submitted until nothing is left (the command line's loop)."""
+        while self.tick():
+            pass
+        if self.fault is not None:
+            raise KernccError.single(self.fault)
+
+    def tick(self) -> bool:
+        """One turn of the loop; False when there was nothing to do."""
+        self._apply_commands()
+        if self.fault is not None:
+            return False
+        try:
+            if len(self.inflight) < self.depth:
+                plan = sch.schedule(self.state, self.limits)
+                if not plan.empty:
+                    self._issue(plan)
+                    return True
+            if self.inflight:
+                self._collect(self.inflight.popleft())
+                return True
+        except KernccError as err:
+            self._fail(str(err), getattr(err, "requests", []))
+            return True
+        except Exception as err:  # noqa: BLE001 - a failure must end requests, never hang them
+            self._fail(f"internal error: {type(err).__name__}: {err}", [])
+            return True
+        return False
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, request = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                with self._lock:
+                    self._queued -= 1
+                if self.fault is not None:
+                    self._end(request, "error", f"the engine stopped: {self.fault}")
+                    continue
+                if self._stopping:
+                    self._end(request, "cancelled")
+                    continue
+                self.requests[request.id] = request
+                self.state = sch.add(self.state, request.id, len(request.prompt))
+            elif kind == "cancel" and request.id in self.requests:
+                self._end(request, "cancelled")
+
+    def _cancel_all(self) -> None:
+        for request in list(self.requests.values()):
+            self._end(request, "cancelled")
+
+    # ------------------------------------------------------------------------ issuing
+
+    def _issue(self, plan: sch.Plan) -> None:
+        for victim in plan.preempted:  # recomputed later from its known tokens
+            self.pool.release(victim)
+            self.preemptions += 1
+        for seq_id, more in plan.grants:
+            if self.pool.take(seq_id, more) is None:
+                raise AssertionError("the scheduler granted pages the pool does not have")
+        self.state = sch.apply(self.state, plan)
+        for item in plan.items:
+            self.inflight.append(self._submit(item))
+
+    def _submit(self, item: sch.Item) -> _Flight:
+        requests = [self.requests[seq_id] for seq_id, _, _ in item.parts]
+        groups, rows = len(item.parts), sum(n for _, _, n in item.parts)
+        forward = self._forward(item.kind, groups)
+        inputs = self._inputs(item, requests)
+        longest = max(start + n for _, start, n in item.parts)
+        vars = self.protocol.vars(groups, rows, rows, longest)
+        wanted = {forward.emits} if forward.emits else set()
+        if item.kind == "decode" and (self.keep_logits or
+                                      any(r.sampler is not None for r in requests)):
+            wanted.add(LOGITS)
+        try:
+            if isinstance(self.runner, Chain):
+                pending = self.runner.submit(forward.name, inputs, vars, rows=rows,
+                                             outputs=wanted)
+            else:
+                pending = self.runner.submit(forward.name, inputs, vars, outputs=wanted)
+        except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
+            raise _item_error(err, forward, requests) from None
+        self.calls[forward.name] += 1
+        self.rows[forward.name] += rows
+        self.packed += item.kind == "chunk" and groups > 1
+        return _Flight(item, forward, pending, requests)
+
+    def _forward(self, kind: str, groups: int) -> proto.Forward:
+        if kind == "decode":
+            found = self.protocol.forward(groups, 1) or self.chunk_program
+        else:
+            found = self.protocol.forward(groups, proto.VAR_ROWS) or self.step_program
+        if found is None:
+            raise KernccError.single(f"no program takes {groups} sequences of a {kind} call")
+        return found
+
+    def _inputs(self, item: sch.Item, requests: list[Request]) -> dict[str, np.ndarray]:
+        inputs: dict[str, np.ndarray] = {}
+        for f in self.protocol.fills:
+            if f.fill in INPUT_FILLS:
+                values = self._fill_values(f, item, requests)
+                inputs[f.name] = np.asarray(values, dtype=numpy_dtype(f.dtype))
+        for t in self.protocol.page_tables:
+            table = []
+            for seq_id, _, _ in item.parts:
+                pages = self.pool.held(seq_id)
+                table.append(pages + [0] * (t.width - len(pages)))
+            inputs[t.name] = np.asarray(table, dtype=np.int32)
+        return inputs
+
+    def _fill_values(self, f: proto.Filled, item: sch.Item, requests: list[Request]
+                     ) -> list[int]:
+        parts = [(r.tokens, start, n) for r, (_, start, n) in zip(requests, item.parts)]
+        if f.fill == "token":
+            if f.axis == "groups":
+                return [tokens[start] for tokens, start, _ in parts]
+            return [t for tokens, start, n in parts for t in tokens[start:start + n]]
+        if f.fill == "position":
+            return [p for _, start, n in parts for p in range(start, start + n)]
+        if f.fill == "valid":
+            return [1] * sum(n for _, _, n in parts)
+        if f.fill == "slot":
+            return [self._slot(r.id, p) for r, (_, start, n) in zip(requests, item.parts)
+                    for p in range(start, start + n)]
+        if f.fill == "seq_len":
+            return [start + n for _, start, n in parts]
+        if f.fill == "cu_seqlens":
+            ends = list(itertools.accumulate(n for _, _, n in parts))
+            return [0] + ends + [ends[-1]] * (f.axis.n - 1 - len(ends))  # type: ignore[union-attr]
+        return [0]  # span_at: no run in a plain call
+
+    def _slot(self, seq_id: int, position: int) -> int:
+        pages = self.pool.held(seq_id)
+        return pages[position // self.stride] * self.stride + position % self.stride
+
+    # ------------------------------------------------------------------------ collecting
+
+    def _collect(self, flight: _Flight) -> None:
+        try:
+            outputs = flight.pending.result()
+        except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
+            raise _item_error(err, flight.forward, flight.requests) from None
+        live = [(r, part) for r, part in zip(flight.requests, flight.item.parts)
+                if self.requests.get(r.id) is r]
+        if flight.item.kind == "chunk":
+            for request, _ in live:
+                self.state = sch.landed(self.state, request.id, token=False)
+            return
+        drawn = sampling_hook.tokens(outputs, flight.forward.emits, LOGITS,
+                                     [r.sampler for r in flight.requests],
+                                     [len(r.generated) for r in flight.requests])
+        now = time.perf_counter()
+        rows = np.asarray(outputs[LOGITS]).reshape(len(drawn), -1) \
+            if self.keep_logits and LOGITS in outputs else None
+        for i, request in enumerate(flight.requests):
+            if self.requests.get(request.id) is not request:
+                continue  # cancelled while in flight
+            if rows is not None:
+                request.logits.append(rows[i].copy())
+            self._add_token(request, drawn[i], now)
+
+    def _add_token(self, request: Request, token: int, now: float) -> None:
+        self.state = sch.landed(self.state, request.id, token=True)
+        request.generated.append(token)
+        request.token_times.append(now)
+        if request.listener is not None:
+            request.listener.token(request, token)
+        if token in request.stop_ids:
+            self._end(request, "stop")
+        elif len(request.generated) >= request.max_new:
+            self._end(request, "length")
+
+    def _end(self, request: Request, reason: str, error: str | None = None) -> None:
+        """Finish `request`: off the scheduler, pages back, its listener told."""
+        self.requests.pop(request.id, None)
+        self.state = sch.remove(self.state, request.id)
+        self.pool.release(request.id)
+        request.finish, request.error = reason, error
+        if request.listener is not None:
+            request.listener.done(request)
+
+    def _fail(self, message: str, touched: Sequence[Request]) -> None:
+        """A stage failed: its requests fail with `message`, every other one after them."""
+        self.fault = message
+        for request in list(self.requests.values()):
+            why = message if request in touched else f"the engine stopped: {message}"
+            self._end(request, "error", why)
+        self.inflight.clear()
+
+
+def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
+                ) -> KernccError:
+    """A runtime error, said of the program it ran (the stage is in the runtime's text)."""
+    text = str(err) if isinstance(err, KernccError) else f"{type(err).__name__}: {err}"
+    if f"`{forward.name}`" not in text:
+        text = f"program `{forward.name}`: {text}"
+    failure = KernccError.single(text)
+    failure.requests = requests  # type: ignore[attr-defined]
+    return failure
+
+
+def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max_new: int,
+                  chunk: int | None = None, max_running: int | None = None,
+                  logits: bool = False) -> tuple[list[Request], Engine]:
+    """Serve every prompt together through an Engine; the finished requests, in prompt order
+    (each one's `generated`, and its `logits` rows with `logits`), and the engine (its `calls`
+    and `rows`). Every prompt is checked before any is served."""
+    engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
+                                   max_queue=max(1, len(prompts)), logits=logits))
+    requests = [Request([int(t) for t in p], max_new) for p in prompts]
+    for number, request in enumerate(requests, 1):
+        try:
+            engine.check(request)
+        except KernccError as err:  # said in the command line's words
+            raise KernccError.single(f"--prompt {number} (of {len(prompts)}), --max-new "
+                                     f"{max_new}: {err.headline}") from None
+    for request in requests:
+        engine.submit(request)
+    engine.run_until_idle()
+    return requests, engine

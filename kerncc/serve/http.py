@@ -1,0 +1,459 @@
+"""`kerncc serve`: an OpenAI-compatible HTTP server in front of the engine (ARCHITECTURE §9).
+
+Starlette routes on uvicorn; no HTTP of our own and no model logic here. The engine runs on its
+own thread (kerncc.serve.engine); a request is checked, queued with `Engine.submit` (which never
+blocks), and its tokens come back through a per-request asyncio queue fed from the engine's
+thread, so the event loop never waits on the engine.
+
+Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids;
+max_tokens, temperature, top_p, top_k, seed, stop, stream, n = 1), POST /v1/chat/completions
+(when the tokenizer has a chat template), GET /v1/models, GET /health (200, or 503 after a
+fault or while stopping), GET /metrics (Prometheus text). Errors are OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`: 400 for a bad request, 404 for an unknown
+model or route, 413 for a body past 4 MiB, 429 at once when the queue is full, 500 when a stage
+failed (the message names the stage and program), 503 when the engine does not admit. A client
+that goes away cancels its sequence, whose pages are free before the engine's next step.
+Defaults where OpenAI's differ: temperature 0 (greedy) and max_tokens 16.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kerncc.diagnostics import KernccError
+from kerncc.serve import sampling_hook
+from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
+from kerncc.serve.metrics import Metrics
+from kerncc.serve.text import Text
+
+MAX_BODY = 4 << 20
+MAX_STOPS = 4
+DEFAULT_MAX_TOKENS = 16
+POLL = 0.25  # seconds between checks that a non-streaming client is still there
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error",
+                             413: "invalid_request_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+@attrs.frozen
+class Ask:
+    """A parsed request: what to feed and how to generate."""
+
+    prompt: list[int]
+    max_new: int
+    params: sampling_hook.Params
+    stops: tuple[str, ...]
+    stream: bool
+    usage_in_stream: bool
+
+
+class Server:
+    """The engine on its thread, the model's name and tokenizer, the metrics."""
+
+    def __init__(self, engine: Engine, model: str, text: Text | None = None) -> None:
+        self.engine, self.model, self.text = engine, model, text
+        self.metrics = Metrics(engine)
+        self.draining = False
+        self.thread = threading.Thread(target=engine.run_forever, name="kerncc-engine",
+                                       daemon=True)
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.fault is None and not self.draining and self.thread.is_alive()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what is in flight and wait for the engine's thread to end."""
+        self.draining = True
+        self.engine.stop()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # ------------------------------------------------------------------------ requests
+
+    def parse(self, body: Any, chat: bool) -> Ask:
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        model = body.get("model", self.model)
+        if not isinstance(model, str):
+            raise ApiError(400, "`model` must be a string", "model")
+        if model != self.model:
+            raise ApiError(404, f"the model `{model}` does not exist (this server serves "
+                           f"`{self.model}`)", "model", "model_not_found")
+        n = _field(body, "n", int, 1)
+        if n != 1:
+            raise ApiError(400, "only n = 1 is served", "n")
+        for unserved in ("echo", "logprobs", "best_of", "suffix"):
+            if body.get(unserved) not in (None, False, 1 if unserved == "best_of" else None):
+                raise ApiError(400, f"`{unserved}` is not served", unserved)
+        try:
+            prompt = self._chat_prompt(body) if chat else self._prompt(body.get("prompt"))
+        except KernccError as err:  # the tokenizer or chat template refused the text
+            raise ApiError(400, err.headline, "messages" if chat else "prompt") from None
+        max_new = _field(body, "max_completion_tokens" if chat and "max_tokens" not in body
+                         else "max_tokens", int, DEFAULT_MAX_TOKENS)
+        params = sampling_hook.Params(
+            temperature=float(_field(body, "temperature", float, 0.0)),
+            top_k=_field(body, "top_k", int, 0), top_p=float(_field(body, "top_p", float, 1.0)),
+            seed=_field(body, "seed", int, None))
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
+            raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= 0",
+                           "temperature")
+        options = body.get("stream_options") or {}
+        return Ask(prompt, max_new, params, self._stops(body.get("stop")),
+                   bool(_field(body, "stream", bool, False)),
+                   isinstance(options, dict) and bool(options.get("include_usage")))
+
+    def _prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if self.text is None:
+                raise ApiError(400, "model has no tokenizer: give the prompt as token ids",
+                               "prompt", "no_tokenizer")
+            return self.text.encode(prompt)
+        if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+            return [int(t) for t in prompt]
+        raise ApiError(400, "`prompt` must be a string or a list of token ids", "prompt")
+
+    def _chat_prompt(self, body: dict) -> list[int]:
+        if self.text is None or not self.text.chat:
+            raise ApiError(400, "model has no chat template: use /v1/completions", "messages",
+                           "no_chat_template")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in messages):
+            raise ApiError(400, "`messages` must be a non-empty list of {role, content} "
+                           "strings", "messages")
+        return self.text.chat_prompt([{"role": m["role"], "content": m["content"]}
+                                      for m in messages])
+
+    def _stops(self, stop: Any) -> tuple[str, ...]:
+        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) \
+                or len(stops) > MAX_STOPS:
+            raise ApiError(400, f"`stop` must be a string or up to {MAX_STOPS} strings",
+                           "stop")
+        if stops and self.text is None:
+            raise ApiError(400, "model has no tokenizer: `stop` strings cannot be matched",
+                           "stop", "no_tokenizer")
+        return tuple(stops)
+
+    def submit(self, ask: Ask, listener: _Bridge) -> Request:
+        if not self.healthy:
+            raise ApiError(503, self.engine.fault and f"the engine stopped: {self.engine.fault}"
+                           or "the server is shutting down", code="unavailable")
+        eos = self.text.eos if self.text is not None else frozenset()
+        request = Request(ask.prompt, ask.max_new, ask.params, eos, listener)
+        try:
+            return self.engine.submit(request)
+        except QueueFull as err:
+            raise ApiError(429, f"the queue is full: {err}", code="queue_full") from None
+        except Stopped as err:
+            raise ApiError(503, f"the engine does not admit: {err}", code="unavailable") \
+                from None
+        except KernccError as err:
+            pointer = err.diagnostics[0].location.pointer if err.diagnostics else ""
+            parts = pointer.strip("/").split("/")
+            param = parts[-1] if parts[0] == "sampling" else parts[0]  # /sampling/seed: seed
+            raise ApiError(400, err.headline, param or None) from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field(body: dict, name: str, kind: type, default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if kind is int:
+        ok, what = _is_int(value), "an integer"
+    elif kind is bool:
+        ok, what = isinstance(value, bool), "true or false"
+    else:
+        ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    if not ok:
+        raise ApiError(400, f"`{name}` must be {what}", name)
+    return value
+
+
+class _Bridge:
+    """A request's listener: tokens from the engine's thread onto the event loop's queue."""
+
+    def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
+        self.server, self.loop = server, loop
+        self.queue: asyncio.Queue[int | None] = asyncio.Queue()
+
+    def _put(self, item: int | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def token(self, request: Request, token: int) -> None:
+        self.server.metrics.token(request.arrived, request.token_times)
+        self._put(token)
+
+    def done(self, request: Request) -> None:
+        self.server.metrics.finished(request.finish or "unknown")
+        self._put(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation: tokens to text, stop strings
+
+
+@attrs.define
+class _Piece:
+    text: str
+    token_ids: list[int]
+    finish: str | None = None
+
+
+class _Detok:
+    """Text of the tokens so far, handed out in pieces; finds stop strings."""
+
+    def __init__(self, text: Text | None, stops: tuple[str, ...]) -> None:
+        self.text, self.stops = text, stops
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        if self.text is None:
+            return ""
+        full = self.text.decode(self.ids)
+        cut = min((i for i in (full.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            full = full[:cut]
+        elif full.endswith("\ufffd"):  # an incomplete character: wait for its next byte
+            return ""
+        else:  # hold back what may be the start of a stop string
+            full = full[:len(full) - self._held(full)]
+        piece, self.sent = full[len(self.sent):], max(full, self.sent, key=len)
+        return piece
+
+    def rest(self) -> str:
+        """Text held back at the end (the generation ended without completing a stop)."""
+        if self.text is None:
+            return ""
+        full = self.text.decode(self.ids)
+        piece, self.sent = full[len(self.sent):], full
+        return piece
+
+    def _held(self, full: str) -> int:
+        return max((n for s in self.stops for n in range(1, len(s))
+                    if full.endswith(s[:n])), default=0)
+
+
+async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: bool
+                  ) -> AsyncIterator[_Piece]:
+    """The pieces of one generation; cancels the sequence when the caller goes away."""
+    bridge = _Bridge(server, asyncio.get_running_loop())
+    request = server.submit(ask, bridge)
+    detok = _Detok(server.text, ask.stops)
+    try:
+        while True:
+            try:
+                item = await asyncio.wait_for(bridge.queue.get(), POLL) if watch \
+                    else await bridge.queue.get()
+            except TimeoutError:
+                if await http.is_disconnected():
+                    return
+                continue
+            if item is None:
+                break
+            text = "" if item in request.stop_ids else detok.add(item)  # eos: no text
+            if detok.stopped:
+                yield _Piece(text, [item], "stop")
+                return
+            yield _Piece(text, [item])
+        if request.finish == "error":
+            raise ApiError(500, request.error or "the engine failed", code="engine_fault")
+        if request.finish == "cancelled":
+            raise ApiError(503, "the request was cancelled: the server is shutting down",
+                           code="cancelled")
+        yield _Piece(detok.rest(), [], request.finish)
+    finally:
+        if request.finish is None:
+            server.engine.cancel(request)
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes
+
+
+def create_app(server: Server, manage: bool = True) -> Starlette:
+    """The ASGI app; with `manage` its lifespan starts and stops the engine's thread."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if manage:
+            server.start()
+        try:
+            yield
+        finally:
+            if manage:
+                await asyncio.to_thread(server.stop)
+
+    async def completions(http: HttpRequest) -> Response:
+        return await _generate(server, http, chat=False)
+
+    async def chat(http: HttpRequest) -> Response:
+        return await _generate(server, http, chat=True)
+
+    async def models(http: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.model, "object": "model", "created": 0, "owned_by": "kerncc"}]})
+
+    async def health(http: HttpRequest) -> Response:
+        if server.healthy:
+            return JSONResponse({"status": "ok"})
+        why = server.engine.fault or "shutting down"
+        return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+
+    async def metrics(http: HttpRequest) -> Response:
+        return Response(server.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def not_found(http: HttpRequest, exc: Exception) -> Response:
+        return ApiError(404, f"no route {http.method} {http.url.path}").response()
+
+    routes = [Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat, methods=["POST"]),
+              Route("/v1/models", models, methods=["GET"]),
+              Route("/health", health, methods=["GET"]),
+              Route("/metrics", metrics, methods=["GET"])]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+
+
+async def _body(http: HttpRequest) -> Any:
+    raw = b""
+    async for chunk in http.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ApiError(400, f"the request body is not JSON: {err}") from None
+
+
+async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
+    try:
+        ask = server.parse(await _body(http), chat)
+        if ask.stream:
+            first = _pieces(server, ask, http, watch=False)
+            opened = await _first(first)  # errors before the first token are plain answers
+            return StreamingResponse(_sse(server, ask, chat, opened, first),
+                                     media_type="text/event-stream")
+        pieces = [p async for p in _pieces(server, ask, http, watch=True)]
+    except ApiError as err:
+        return err.response()
+    ids = [t for p in pieces for t in p.token_ids]
+    text = "".join(p.text for p in pieces)
+    finish = next((p.finish for p in pieces if p.finish), "length")
+    head = _head(server, chat, stream=False)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": ids}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice.update(text=text, logprobs=None)
+    return JSONResponse({**head, "choices": [choice], "usage": _usage(len(ask.prompt), len(ids))})
+
+
+async def _first(pieces: AsyncIterator[_Piece]) -> _Piece | None:
+    try:
+        return await pieces.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _head(server: Server, chat: bool, stream: bool) -> dict[str, Any]:
+    kind = ("chat.completion.chunk" if stream else "chat.completion") if chat \
+        else "text_completion"
+    prefix = "chatcmpl" if chat else "cmpl"
+    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": server.model}
+
+
+async def _sse(server: Server, ask: Ask, chat: bool, first: _Piece | None,
+               rest: AsyncIterator[_Piece]) -> AsyncIterator[bytes]:
+    head = _head(server, chat, stream=True)
+    count = 0
+
+    def event(data: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(data)}\n\n".encode()
+
+    def chunk(piece: _Piece) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": piece.finish,
+                                  "token_ids": piece.token_ids}
+        if chat:
+            choice["delta"] = {"content": piece.text} if piece.text or piece.token_ids else {}
+        else:
+            choice.update(text=piece.text, logprobs=None)
+        return event({**head, "choices": [choice]})
+
+    try:
+        if chat:
+            yield event({**head, "choices": [{"index": 0, "delta": {"role": "assistant"},
+                                              "finish_reason": None}]})
+        pieces = [first] if first is not None else []
+        async for piece in _chain(pieces, rest):
+            count += len(piece.token_ids)
+            yield chunk(piece)
+        if ask.usage_in_stream:
+            yield event({**head, "choices": [], "usage": _usage(len(ask.prompt), count)})
+    except ApiError as err:
+        yield event(err.body())
+    yield b"data: [DONE]\n\n"
+
+
+async def _chain(first: list[_Piece], rest: AsyncIterator[_Piece]) -> AsyncIterator[_Piece]:
+    for piece in first:
+        yield piece
+    try:
+        async for piece in rest:
+            yield piece
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,51 @@
+"""The server's Prometheus metrics (prometheus_client), one registry per server.
+
+Gauges are read off the engine at scrape time (running and waiting requests, free and total KV
+pages); the token counter and the latency histograms are fed as tokens arrive, on the engine's
+thread (prometheus_client is thread-safe).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0)
+
+
+class Metrics:
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        gauges = (
+            ("kerncc_requests_running", "sequences being served", lambda: engine.running),
+            ("kerncc_requests_waiting", "requests waiting for admission", lambda: engine.waiting),
+            ("kerncc_kv_pages_free", "free pages of the KV pool", lambda: engine.pool.free),
+            ("kerncc_kv_pages_total", "pages of the KV pool", lambda: engine.pool.pages),
+        )
+        for name, doc, read in gauges:
+            Gauge(name, doc, registry=self.registry).set_function(read)
+        self.tokens = Counter("kerncc_tokens_generated", "tokens generated",
+                              registry=self.registry)
+        self.requests = Counter("kerncc_requests_finished", "requests finished, by reason",
+                                ["reason"], registry=self.registry)
+        self.ttft = Histogram("kerncc_time_to_first_token_seconds",
+                              "arrival to first generated token", buckets=LATENCY_BUCKETS,
+                              registry=self.registry)
+        self.itl = Histogram("kerncc_inter_token_latency_seconds",
+                             "time between two generated tokens of a request",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def token(self, arrived: float, times: list[float]) -> None:
+        self.tokens.inc()
+        if len(times) == 1:
+            self.ttft.observe(times[0] - arrived)
+        elif len(times) > 1:
+            self.itl.observe(times[-1] - times[-2])
+
+    def finished(self, reason: str) -> None:
+        self.requests.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

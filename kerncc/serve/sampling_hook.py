@@ -1,0 +1,85 @@
+"""How the engine turns a call's outputs into tokens: greedy, or per-request sampling.
+
+The one place that knows about `kerncc.runtime.sampling` (the sampling branch:
+`SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=None)`, Philox draws keyed by the
+seed with a (sequence, step) counter, and `sample_logits`, the numpy reference over host logits
+rows). Greedy rows take the manifest's argmax output (the forward's `emits`, e.g.
+`next_tokens`), which is what the argmax of the logits gives. A call that holds a sampling
+request brings its logits back and samples them on the host: the engine keeps several calls in
+flight, and the logits buffer on the device already holds a later call's by the time the oldest
+is collected. The counter of a request's token t is (0, t), so a seeded request draws the same
+tokens whatever it is batched with and whichever request it is.
+
+Until kerncc.runtime.sampling exists every request is greedy and temperature > 0 is refused
+with a clear message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kerncc.diagnostics import KernccError
+
+try:  # the sampling branch
+    from kerncc.runtime import sampling as _sampling  # type: ignore[attr-defined]
+except ImportError:
+    _sampling = None
+
+
+@attrs.frozen
+class Params:
+    """A request's sampling parameters (OpenAI's names); greedy when temperature is 0."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def available() -> bool:
+    """Whether requests may sample (temperature > 0)."""
+    return _sampling is not None and hasattr(_sampling, "sample_logits")
+
+
+def prepare(params: Params) -> Any:
+    """The sampler's own params for one request, checked, its seed fixed for the whole
+    sequence (a fresh random one when none is given); None for a greedy request."""
+    if params.greedy:
+        return None
+    if not available():
+        raise KernccError.single("temperature > 0 needs kerncc.runtime.sampling, which this "
+                                 "kerncc does not have yet: only greedy decoding (temperature "
+                                 "0) is served", "/temperature")
+    native = _sampling.SamplingParams(temperature=params.temperature, top_k=params.top_k,
+                                      top_p=params.top_p, seed=params.seed)
+    return native.resolved()
+
+
+def tokens(outputs: dict[str, Any], emits: str | None, logits: str, natives: Sequence[Any],
+           steps: Sequence[int]) -> list[int]:
+    """The token of each of a call's sequences: `natives[i]` is sequence i's `prepare`d
+    params (None: greedy), `steps[i]` the index of the token it draws."""
+    greedy = [int(t) for t in np.asarray(outputs[emits]).reshape(-1)[:len(natives)]] \
+        if emits is not None and emits in outputs else None
+    if all(n is None for n in natives):
+        if greedy is None:
+            raise KernccError.single(f"the call hands back no `tokens` output ({emits}): "
+                                     "nothing to decode with")
+        return greedy
+    rows = np.asarray(outputs[logits], dtype=np.float32).reshape(len(natives), -1)
+    drawn = [i for i, n in enumerate(natives) if n is not None or greedy is None]
+    greedy_params = _sampling.SamplingParams()
+    picked = _sampling.sample_logits(rows, drawn, [natives[i] or greedy_params for i in drawn],
+                                     [(0, int(steps[i])) for i in drawn])
+    out = list(greedy) if greedy is not None else [0] * len(natives)
+    for i, token in zip(drawn, picked):
+        out[i] = int(token)
+    return out

@@ -1,0 +1,251 @@
+"""The scheduler step: the sequences waiting and running -> one step's items (vLLM v1 style).
+
+A pure function over counts, no model and no device: `schedule(state, limits)` returns a
+`Plan` (who is admitted, who is preempted, which pages each sequence is granted, the items to
+issue) and `apply(state, plan)` the state after it; the engine keeps the token ids and page
+ids beside it. Per sequence: `tokens` known (prompt plus generated), `cached` of them fed (KV
+written or being written), `pages` held, `inflight` items not yet collected.
+
+kern-serve's order (spec §6.1): all but the last known token go through the chunk program,
+the last one through a one-row step, whose token is the next. So a step holds
+* chunk items: the running sequences with prefill rows to go, packed by `pack()` (spec §6.2)
+  when the chunk program takes several sequences (a `cu_seqlens` fill), else one sequence per
+  call; either way at most `chunk.rows` rows per step, so decodes are never starved;
+* decode items, after them: every running sequence with only its last token to feed and no
+  one-row call in flight (a chunk in flight is fine: calls run in issue order), oldest first,
+  `decode_groups` per call (the protocol's multi-sequence forward). A sequence whose prefill
+  ends in this step's chunk decodes in this step.
+
+Pages (`stride` tokens each) are granted oldest first as items need them. When the pool runs
+dry the newest running sequence with nothing in flight is preempted (its pages freed, its
+tokens kept; it goes back to the front of the queue and is recomputed: prefilled again from
+its known tokens). A sequence that can get no page waits for one: the oldest always gets its
+pages (every sequence fits the pool alone, which the engine checks on admission), so nothing
+deadlocks. Waiting sequences are admitted oldest first while fewer than `max_running` run and
+the free pages cover the prompt plus one page of headroom per running sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import attrs
+
+from kerncc.serve.pack import Bounds, Waiting, pack
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@attrs.frozen
+class Seq:
+    """The scheduler's view of one sequence."""
+
+    id: int
+    tokens: int
+    cached: int = 0
+    pages: int = 0
+    inflight: int = 0
+    decoding: bool = False  # a one-row call is in flight: its token is not known yet
+
+    @property
+    def prefill_left(self) -> int:
+        return max(0, self.tokens - 1 - self.cached)
+
+    @property
+    def decodable(self) -> bool:
+        # A chunk still in flight is fine: calls run in issue order on every stage.
+        return self.cached == self.tokens - 1 and not self.decoding
+
+
+@attrs.frozen
+class Limits:
+    """What bounds a step: page geometry, the forwards' shapes, the engine's concurrency."""
+
+    stride: int  # tokens per page
+    pages_per_seq: int  # page-table width
+    decode_groups: int  # most sequences of one decode call
+    chunk: Bounds  # one chunk call: rows, sequences (1: one-sequence chunks), context
+    max_running: int
+
+
+@attrs.frozen
+class Item:
+    """One call: `decode` (one row each) or `chunk`; parts are (seq id, first row, rows)."""
+
+    kind: Literal["decode", "chunk"]
+    parts: tuple[tuple[int, int, int], ...]
+
+
+@attrs.frozen
+class Plan:
+    admitted: tuple[int, ...] = ()
+    preempted: tuple[int, ...] = ()
+    grants: tuple[tuple[int, int], ...] = ()  # (seq id, pages more), in grant order
+    items: tuple[Item, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.admitted or self.preempted or self.items)
+
+
+@attrs.frozen
+class State:
+    waiting: tuple[Seq, ...]  # oldest first (preempted ones go back to the front)
+    running: tuple[Seq, ...]  # in admission order
+    free: int  # free pages
+
+
+class _Draft:
+    """The step being built: running sequences by id, free pages, what happened so far."""
+
+    def __init__(self, state: State, stride: int) -> None:
+        self.stride = stride
+        self.order = [s.id for s in state.running]
+        self.seqs = {s.id: s for s in state.running}
+        self.waiting = list(state.waiting)
+        self.free = state.free
+        self.admitted: list[int] = []
+        self.preempted: list[int] = []
+        self.grants: list[tuple[int, int]] = []
+        self.busy: set[int] = set()  # in this step's items: not preemptable now
+
+    def grant(self, seq_id: int, end: int) -> bool:
+        """Pages for `seq_id` to hold tokens [0, end), preempting newer sequences if needed."""
+        seq = self.seqs[seq_id]
+        more = cdiv(end, self.stride) - seq.pages
+        while more > self.free:
+            if not self._preempt_newer_than(seq_id):
+                return False
+        if more > 0:
+            self.free -= more
+            self.seqs[seq_id] = attrs.evolve(seq, pages=seq.pages + more)
+            self.grants.append((seq_id, more))
+        return True
+
+    def _preempt_newer_than(self, seq_id: int) -> bool:
+        mine = self.order.index(seq_id)
+        for victim in reversed(self.order[mine + 1:]):
+            seq = self.seqs[victim]
+            if seq.inflight == 0 and victim not in self.busy:
+                self.order.remove(victim)
+                del self.seqs[victim]
+                self.free += seq.pages
+                self.preempted.append(victim)
+                self.waiting.insert(0, Seq(victim, seq.tokens))
+                return True
+        return False
+
+
+def schedule(state: State, limits: Limits) -> Plan:
+    """One step's plan (see the module docstring for the rules)."""
+    draft = _Draft(state, limits.stride)
+    _admit(draft, limits)
+    # Chunks first: a sequence whose prefill ends in this step's chunk decodes in this step.
+    items = _chunk_items(draft, limits)
+    items += _decode_items(draft, limits)
+    return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
+                tuple(items))
+
+
+def _admit(draft: _Draft, limits: Limits) -> None:
+    while draft.waiting and len(draft.order) < limits.max_running:
+        seq = draft.waiting[0]
+        if draft.free < cdiv(seq.tokens, limits.stride) + len(draft.order):
+            return
+        draft.waiting.pop(0)
+        draft.order.append(seq.id)
+        draft.seqs[seq.id] = seq
+        draft.admitted.append(seq.id)
+
+
+def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
+    ready: list[tuple[int, int, int]] = []
+    for seq_id in list(draft.order):
+        seq = draft.seqs.get(seq_id)
+        if seq is None or not seq.decodable:
+            continue  # preempted by an older one this step, or not ready
+        if not draft.grant(seq_id, seq.tokens):
+            continue
+        draft.busy.add(seq_id)
+        ready.append((seq_id, seq.cached, 1))
+    groups = limits.decode_groups
+    return [Item("decode", tuple(ready[i:i + groups])) for i in range(0, len(ready), groups)]
+
+
+def _chunk_items(draft: _Draft, limits: Limits) -> list[Item]:
+    budget = limits.chunk.rows
+    items: list[Item] = []
+    while budget > 0:
+        candidates = [draft.seqs[i] for i in draft.order if draft.seqs[i].prefill_left > 0]
+        bounds = attrs.evolve(limits.chunk, rows=budget)
+        plan = pack([Waiting(s.cached, s.prefill_left) for s in candidates], bounds)
+        parts = _granted(draft, [(candidates[i], n) for i, n in plan])
+        if not parts:
+            break
+        items.append(Item("chunk", tuple(parts)))
+        budget -= sum(n for _, _, n in parts)
+    return items
+
+
+def _granted(draft: _Draft, planned: Iterable[tuple[Seq, int]]) -> list[tuple[int, int, int]]:
+    """The planned parts whose pages could be granted, up to the first that could not; each
+    granted part advances its sequence's `cached` in the draft."""
+    parts = []
+    for seq, n in planned:
+        if seq.id not in draft.seqs or not draft.grant(seq.id, seq.cached + n):
+            break
+        current = draft.seqs[seq.id]
+        draft.seqs[seq.id] = attrs.evolve(current, cached=current.cached + n)
+        draft.busy.add(seq.id)
+        parts.append((seq.id, seq.cached, n))
+    return parts
+
+
+def apply(state: State, plan: Plan) -> State:
+    """The state once `plan` is issued: admissions, preemptions, grants, fed rows, in flight."""
+    running = [s for s in state.running if s.id not in plan.preempted]
+    waiting = [s for s in state.waiting if s.id not in plan.admitted]
+    by_id = {s.id: s for s in (*state.running, *state.waiting)}
+    back = [Seq(i, by_id[i].tokens) for i in plan.preempted]
+    waiting = list(reversed(back)) + waiting
+    running += [by_id[i] for i in plan.admitted if i not in plan.preempted]
+    seqs = {s.id: s for s in running}
+    freed = sum(by_id[i].pages for i in plan.preempted)
+    taken = sum(n for _, n in plan.grants)
+    for seq_id, more in plan.grants:
+        seqs[seq_id] = attrs.evolve(seqs[seq_id], pages=seqs[seq_id].pages + more)
+    for item in plan.items:
+        for seq_id, start, rows in item.parts:
+            seq = seqs[seq_id]
+            seqs[seq_id] = attrs.evolve(seq, cached=start + rows, inflight=seq.inflight + 1,
+                                        decoding=seq.decoding or item.kind == "decode")
+    return State(tuple(waiting), tuple(seqs[s.id] for s in running),
+                 state.free + freed - taken)
+
+
+def landed(state: State, seq_id: int, token: bool) -> State:
+    """An item of `seq_id` was collected; `token`: it handed the sequence a new token."""
+    running = []
+    for seq in state.running:
+        if seq.id == seq_id:
+            seq = attrs.evolve(seq, inflight=seq.inflight - 1,
+                               tokens=seq.tokens + (1 if token else 0),
+                               decoding=seq.decoding and not token)
+        running.append(seq)
+    return attrs.evolve(state, running=tuple(running))
+
+
+def remove(state: State, seq_id: int) -> State:
+    """`seq_id` finished, was cancelled or failed: gone, its pages free."""
+    gone = [s for s in (*state.running, *state.waiting) if s.id == seq_id]
+    return State(tuple(s for s in state.waiting if s.id != seq_id),
+                 tuple(s for s in state.running if s.id != seq_id),
+                 state.free + sum(s.pages for s in gone))
+
+
+def add(state: State, seq_id: int, tokens: int) -> State:
+    """A new request joins the back of the queue."""
+    return attrs.evolve(state, waiting=(*state.waiting, Seq(seq_id, tokens)))

@@ -1,0 +1,57 @@
+"""The tokenizer behind the server, through `kerncc.hf.tokenizer.TextCodec` when it exists.
+
+`TextCodec` (being added on another branch) reads a model folder's tokenizer files:
+`from_dir(path) -> TextCodec | None`, `encode`, `decode`, `eos_token_ids`, `has_chat_template`,
+`apply_chat_template(messages, add_generation_prompt=True)`. This module is the one place that
+knows it: `load(folders)` gives a codec or None (token-id prompts only; a text prompt is then
+refused with "model has no tokenizer").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+try:  # the Hugging Face branch; absent until it merges
+    from kerncc.hf.tokenizer import TextCodec  # type: ignore[import-not-found]
+except ImportError:
+    TextCodec = None
+
+
+class Text:
+    """A codec's text side as the server needs it."""
+
+    def __init__(self, codec: Any) -> None:
+        self.codec = codec
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return frozenset(int(t) for t in (getattr(self.codec, "eos_token_ids", None) or ()))
+
+    @property
+    def chat(self) -> bool:
+        return bool(getattr(self.codec, "has_chat_template", False))
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.codec.encode(text)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.codec.decode(list(ids)))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        made = self.codec.apply_chat_template(messages, add_generation_prompt=True)
+        return self.encode(made) if isinstance(made, str) else [int(t) for t in made]
+
+
+def load(folders: Iterable[Path | None]) -> Text | None:
+    """The first folder's tokenizer that TextCodec can read, or None."""
+    if TextCodec is None:
+        return None
+    for folder in folders:
+        if folder is None or not Path(folder).is_dir():
+            continue
+        codec = TextCodec.from_dir(folder)
+        if codec is not None:
+            return Text(codec)
+    return None

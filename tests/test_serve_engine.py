@@ -1,0 +1,188 @@
+"""kerncc.serve.engine on the tiny example (cpu backend): several prompts served together give
+each prompt's tokens alone; a cut bundle gives the whole's; pages come back; faults end cleanly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kerncc.cli.main import main
+from kerncc.diagnostics import KernccError
+from kerncc.example import generate
+from kerncc.lower import lower_to_bundle
+from kerncc.runtime import Bundle, Chain
+from kerncc.runtime.generate import Generator
+from kerncc.serve import sampling_hook
+from kerncc.serve.engine import Config, Engine, Request, Stopped, serve_prompts
+
+LENGTHS = (1, 2, 5, 9, 17, 30, 3, 12)
+MAX_NEW = 5
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    manifest, _ = generate(tmp_path_factory.mktemp("tiny"), "tiny")
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def whole(model) -> Chain:
+    return Chain(lower_to_bundle(model))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(0, 256, n).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def alone(whole, prompts) -> list[list[int]]:
+    return [Generator(whole).generate(p, MAX_NEW).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("chunk, running", [(8, 3), (5, 8), (64, 1)])
+def test_prompts_served_together_give_each_prompt_alone(whole, prompts, alone, chunk, running):
+    requests, engine = serve_prompts(whole, prompts, MAX_NEW, chunk=chunk, max_running=running)
+    assert [r.generated for r in requests] == alone
+    assert all(r.finish == "length" for r in requests)
+    assert engine.pool.free == engine.pool.pages
+    engine.pool.check()
+    if running > 1:
+        assert engine.calls["decode_batch"] > 0, "decodes went together"
+        assert engine.packed > 0, "prefill chunks packed several sequences"
+
+
+def test_a_cut_bundle_serves_the_same_batch_as_the_whole(model, whole, prompts, tmp_path):
+    target = tmp_path / "two"
+    assert main(["lower", str(model), "-p", "cut{at=12},slice-derive,emit", "-o",
+                 str(target)]) == 0
+    staged = Chain(Bundle(target))
+    a, _ = serve_prompts(whole, prompts, MAX_NEW, chunk=8, max_running=4, logits=True)
+    b, engine = serve_prompts(staged, prompts, MAX_NEW, chunk=8, max_running=4, logits=True)
+    assert [r.generated for r in a] == [r.generated for r in b]
+    for x, y in zip(a, b):  # every token's logits, bit for bit
+        assert len(x.logits) == MAX_NEW
+        assert np.array_equal(np.stack(x.logits).view(np.uint32),
+                              np.stack(y.logits).view(np.uint32))
+    assert engine.depth == 2
+
+
+def test_batched_logits_equal_each_prompt_alone_bit_for_bit(whole, prompts):
+    requests, _ = serve_prompts(whole, prompts, MAX_NEW, chunk=5, max_running=8, logits=True)
+    for request, prompt in zip(requests, prompts):
+        alone = Generator(whole).generate(prompt, MAX_NEW).logits  # the chunk's row, then steps
+        assert np.array_equal(np.stack(request.logits).view(np.uint32),
+                              alone[-MAX_NEW:].view(np.uint32))
+
+
+def test_the_command_line_serves_every_prompt(model, capsys):
+    args = ["run", str(model), "--backend", "cpu", "--max-new", "4"]
+    assert main(args + ["--prompt", "1,2,3"]) == 0
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main(args + ["--prompt", "4,5,6,7,8"]) == 0
+    second = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main(args + ["--prompt", "1,2,3", "--prompt", "4,5,6,7,8"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-2:] == [first, second]
+
+
+def test_a_small_pool_preempts_and_still_finishes_everything(model, prompts):
+    # 6 pages of 16 tokens: the longer prompts cannot all be cached at once
+    chain = Chain(lower_to_bundle(model), token_capacity=96)
+    requests, engine = serve_prompts(chain, prompts, 20, chunk=8, max_running=8)
+    assert all(r.finish == "length" and len(r.generated) == 20 for r in requests)
+    assert engine.pool.free == engine.pool.pages == 6
+    assert engine.preemptions > 0
+
+
+def test_bad_requests_are_refused_before_any_work(whole):
+    engine = Engine(whole)
+    with pytest.raises(KernccError, match="empty"):
+        engine.submit(Request([], 3))
+    with pytest.raises(KernccError, match=r"prompt token 1 is 256, past the vocabulary"):
+        engine.submit(Request([1, 256], 3))
+    with pytest.raises(KernccError, match="context"):
+        engine.submit(Request([1] * 200, 100))
+    assert not engine.requests and engine.waiting == 0
+
+
+def test_cancelling_frees_the_pages_at_once(whole, prompts):
+    engine = Engine(whole, Config(max_running=4))
+    requests = [engine.submit(Request(p, 50)) for p in prompts[:4]]
+    for _ in range(6):
+        engine.tick()
+    assert engine.pool.free < engine.pool.pages
+    for request in requests:
+        engine.cancel(request)
+    engine.tick()
+    assert engine.pool.free == engine.pool.pages
+    assert all(r.finish == "cancelled" for r in requests)
+    engine.run_until_idle()  # items still in flight are dropped
+    engine.pool.check()
+
+
+class Broken:
+    """A runner whose decode_batch fails as a launch would."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+
+    def __getattr__(self, name):
+        return getattr(self.chain, name)
+
+    def submit(self, program, *args, **kwargs):
+        if program == "decode_batch":
+            raise KernccError.single("stage 0, program `decode_batch` call 3: the launch failed")
+        return self.chain.submit(program, *args, **kwargs)
+
+
+def test_a_stage_fault_fails_its_requests_and_stops_admission(whole, prompts, monkeypatch):
+    engine = Engine(whole, Config(max_running=4))
+    monkeypatch.setattr(engine, "runner", Broken(whole))
+    requests = [engine.submit(Request(p, 4)) for p in prompts[:3]]
+    with pytest.raises(KernccError, match="decode_batch"):
+        engine.run_until_idle()
+    assert all(r.finish == "error" and "decode_batch" in r.error for r in requests)
+    assert engine.pool.free == engine.pool.pages
+    with pytest.raises(Stopped):
+        engine.submit(Request([1, 2], 2))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_stages_equal_the_whole_for_the_same_batch(model, prompts, tmp_path, capsys):
+    """Whole vs 2 stages bitwise for the same batch on cuda; how many prompts served together
+    agree with each prompt alone is printed, not asserted (batch-shaped GEMM tiling)."""
+    target = tmp_path / "two"
+    assert main(["lower", str(model), "-p", "cut{at=12},slice-derive,emit", "-o",
+                 str(target)]) == 0
+    whole = Chain(lower_to_bundle(model), backend="cuda")
+    staged = Chain(Bundle(target), backend="cuda")
+    a, engine = serve_prompts(whole, prompts, MAX_NEW, chunk=8, max_running=4, logits=True)
+    b, _ = serve_prompts(staged, prompts, MAX_NEW, chunk=8, max_running=4, logits=True)
+    assert [r.generated for r in a] == [r.generated for r in b]
+    for x, y in zip(a, b):  # every token's logits, bit for bit
+        assert np.array_equal(np.stack(x.logits).view(np.uint32),
+                              np.stack(y.logits).view(np.uint32))
+    assert engine.packed > 0
+    alone = [Generator(whole).generate(p, MAX_NEW).tokens for p in prompts]
+    agree = sum(r.generated == t for r, t in zip(a, alone))
+    with capsys.disabled():
+        print(f"\ncuda: {agree} of {len(prompts)} prompts served together equal them alone")
+
+
+@pytest.mark.skipif(not sampling_hook.available(), reason="kerncc.runtime.sampling not merged")
+def test_a_seeded_request_draws_the_same_tokens_whatever_it_is_batched_with(whole, prompts):
+    params = sampling_hook.Params(temperature=0.8, top_p=0.9, seed=7)
+
+    def serve(batch: list[list[int]]) -> list[int]:
+        engine = Engine(whole, Config(max_running=4))
+        requests = [engine.submit(Request(p, 8, params if i == 0 else sampling_hook.Params()))
+                    for i, p in enumerate(batch)]
+        engine.run_until_idle()
+        return requests[0].generated
+
+    alone = serve([prompts[3]])
+    assert serve([prompts[3], *prompts[4:7]]) == alone
+    greedy = Generator(whole).generate(prompts[3], 8).tokens
+    assert alone != greedy, "a temperature of 0.8 changes something in 8 tokens"

@@ -1,0 +1,364 @@
+"""`kerncc serve` over real HTTP on 127.0.0.1 (uvicorn in a thread, the tiny example on cpu):
+the official openai client, concurrency, streaming, bad requests, cancellation, faults, SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from kerncc.diagnostics import KernccError
+from kerncc.example import generate
+from kerncc.lower import lower_to_bundle
+from kerncc.runtime import Bundle, Chain
+from kerncc.runtime.generate import Generator
+from kerncc.serve import sampling_hook
+from kerncc.serve.engine import Config, Engine
+from kerncc.serve.http import Server, create_app
+
+MODEL = "kerncc-qwen3-tiny"
+LETTERS = "abcdefghijklmnopqrstuvwxyz .,!?"
+
+
+class Letters:
+    """A toy tokenizer: token id i is LETTERS[i % len(LETTERS)] (encode takes the first ids)."""
+
+    eos_token_ids = ()
+    has_chat_template = True
+
+    def encode(self, text: str) -> list[int]:
+        if any(c not in LETTERS for c in text):  # as TextCodec refuses what it cannot encode
+            raise KernccError.single(f"tokenizer.json: cannot encode {text!r}")
+        return [LETTERS.index(c) for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(LETTERS[i % len(LETTERS)] for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True) -> str:
+        return "".join(f"{m['role'][0]} {m['content']}." for m in messages) + "a "
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    manifest, _ = generate(tmp_path_factory.mktemp("tiny"), "tiny")
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def chain(model) -> Chain:
+    return Chain(lower_to_bundle(model))
+
+
+@contextlib.contextmanager
+def serving(chain, text=None, runner=None, **config):
+    """A server on a free port of 127.0.0.1; yields its base URL and the Server."""
+    from kerncc.serve.text import Text
+
+    engine = Engine(chain, Config(**{"max_running": 4, **config}))
+    if runner is not None:
+        engine.runner = runner
+    server = Server(engine, MODEL, Text(text) if text else None)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if uv.started:
+            break
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def base(chain):
+    with serving(chain, text=Letters()) as (url, _):
+        yield url
+
+
+def prompts(count: int) -> list[list[int]]:
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, 256, int(rng.integers(1, 20))).tolist() for _ in range(count)]
+
+
+def complete(base: str, **body) -> httpx.Response:
+    return httpx.post(f"{base}/v1/completions", json={"model": MODEL, **body}, timeout=60)
+
+
+def metric(base: str, name: str, missing: float | None = None) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    if found is None and missing is not None:
+        return missing
+    return float(found.group(1))
+
+
+def test_24_requests_at_once_each_get_their_prompt_alone(base, chain):
+    asks = prompts(24)
+    alone = [Generator(chain).generate(p, 6).tokens for p in asks]
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(client.post(
+                f"{base}/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 6})
+                for p in asks))
+
+    answers = asyncio.run(all_at_once())
+    assert [a.status_code for a in answers] == [200] * 24
+    assert [a.json()["choices"][0]["token_ids"] for a in answers] == alone
+    usage = answers[0].json()["usage"]
+    assert usage == {"prompt_tokens": len(asks[0]), "completion_tokens": 6,
+                     "total_tokens": len(asks[0]) + 6}
+    assert metric(base, "kerncc_tokens_generated_total") >= 24 * 6
+    assert metric(base, "kerncc_kv_pages_free") == metric(base, "kerncc_kv_pages_total")
+
+
+def test_the_openai_client_streams_what_it_gets_whole(base):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    whole = client.completions.create(model=MODEL, prompt="hello world", max_tokens=7)
+    chunks = list(client.completions.create(model=MODEL, prompt="hello world", max_tokens=7,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+    assert streamed == whole.choices[0].model_extra["token_ids"]
+    assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "length"
+    assert len(whole.choices[0].text) == 7
+    chat = client.chat.completions.create(model=MODEL, max_tokens=5, messages=[
+        {"role": "user", "content": "hi there"}])
+    assert len(chat.choices[0].message.content) == 5
+
+
+def test_streaming_token_ids_equal_the_whole_answer(base):
+    ask = {"prompt": [7, 8, 9, 10], "max_tokens": 9}
+    whole = complete(base, **ask).json()["choices"][0]
+    with httpx.stream("POST", f"{base}/v1/completions", json={"model": MODEL, "stream": True,
+                                                              **ask}, timeout=60) as answer:
+        lines = [line for line in answer.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_string_ends_the_text_before_it(base):
+    free = complete(base, prompt="abc", max_tokens=12).json()["choices"][0]
+    stop = free["text"][4:6]
+    got = complete(base, prompt="abc", max_tokens=12, stop=[stop]).json()["choices"][0]
+    assert got["finish_reason"] == "stop"
+    assert got["text"] == free["text"][:free["text"].find(stop)]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [1, 2], "max_tokens": "3"}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": [], "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [1, "2"], "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [1, 256], "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": [1] * 200, "max_tokens": 100}, 400, "max_tokens"),
+    ({"prompt": [1, 2], "n": 2}, 400, "n"),
+    ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+    ({"prompt": [1, 2], "stop": 5}, 400, "stop"),
+    ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
+    ({"prompt": "héllo", "max_tokens": 3}, 400, "prompt"),
+    ({"prompt": [1, 2], "echo": True}, 400, "echo"),
+])
+def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(base, body, status,
+                                                                         param):
+    if isinstance(body, bytes):
+        answer = httpx.post(f"{base}/v1/completions", content=body, timeout=10)
+    else:
+        answer = complete(base, **body) if "model" not in body else httpx.post(
+            f"{base}/v1/completions", json=body, timeout=10)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert complete(base, prompt=[1, 2], max_tokens=2).status_code == 200
+
+
+def test_an_eos_token_ends_the_answer_and_leaves_no_text(chain):
+    class WithEos(Letters):
+        eos_token_ids = ()
+
+    with serving(chain, text=Letters()) as (url, _):
+        free = complete(url, prompt="abc", max_tokens=6).json()["choices"][0]
+    WithEos.eos_token_ids = (free["token_ids"][2],)
+    with serving(chain, text=WithEos()) as (url, _):
+        got = complete(url, prompt="abc", max_tokens=6).json()["choices"][0]
+    first = free["token_ids"].index(WithEos.eos_token_ids[0])  # 2, or earlier if repeated
+    assert got["finish_reason"] == "stop"
+    assert got["token_ids"] == free["token_ids"][:first + 1]
+    assert got["text"] == free["text"][:first]
+
+
+def test_unknown_routes_and_health(base):
+    assert httpx.get(f"{base}/nowhere", timeout=10).status_code == 404
+    assert httpx.get(f"{base}/nowhere", timeout=10).json()["error"]["type"] == "not_found_error"
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+
+
+def test_text_needs_a_tokenizer(chain):
+    with serving(chain) as (url, _):
+        answer = complete(url, prompt="hello", max_tokens=2)
+        assert answer.status_code == 400
+        assert "model has no tokenizer" in answer.json()["error"]["message"]
+        chat = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
+        assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+
+
+class Gated:
+    """A runner whose calls wait until the test opens the gate (the engine stays busy)."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain, self.gate, self.entered = chain, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.chain, name)
+
+    def submit(self, *args, **kwargs):
+        self.entered.set()
+        self.gate.wait(30)
+        return self.chain.submit(*args, **kwargs)
+
+
+def test_a_full_queue_answers_429_at_once(chain):
+    gated = Gated(chain)
+    with serving(chain, runner=gated, max_running=1, max_queue=2) as (url, server):
+        def ask():
+            with contextlib.suppress(httpx.HTTPError):
+                complete(url, prompt=[1, 2, 3], max_tokens=2)
+
+        threads = [threading.Thread(target=ask, daemon=True) for _ in range(3)]
+        threads[0].start()
+        assert gated.entered.wait(30), "the first request reached the model"
+        for thread in threads[1:]:
+            thread.start()
+        for _ in range(1000):  # bounded: the two others queue up behind the busy engine
+            if server.engine.waiting == 2:
+                break
+            time.sleep(0.01)
+        assert server.engine.waiting == 2
+        answer = complete(url, prompt=[4, 5], max_tokens=2)  # answered while the engine is busy
+        assert answer.status_code == 429
+        assert answer.json()["error"]["code"] == "queue_full"
+        gated.gate.set()
+        for thread in threads:
+            thread.join(30)
+        assert complete(url, prompt=[4, 5], max_tokens=2).status_code == 200
+
+
+def test_a_client_that_goes_away_frees_its_pages(base):
+    total = metric(base, "kerncc_kv_pages_total")
+    cancelled = 'kerncc_requests_finished_total{reason="cancelled"}'
+    before = metric(base, cancelled, 0.0)
+    with httpx.stream("POST", f"{base}/v1/completions", json={
+            "model": MODEL, "prompt": list(range(40)), "max_tokens": 210, "stream": True},
+            timeout=60) as answer:
+        lines = answer.iter_lines()
+        for _ in range(3):
+            next(lines)
+        held = metric(base, "kerncc_kv_pages_free")
+        assert held < total, f"{held} of {total} pages free while streaming"
+        assert metric(base, "kerncc_requests_running") == 1
+    for _ in range(1500):  # bounded (30 s): the cancel lands at the engine's next step
+        if metric(base, cancelled, 0.0) > before:
+            break
+        time.sleep(0.02)
+    assert metric(base, cancelled, 0.0) == before + 1, "the request was cancelled"
+    assert metric(base, "kerncc_kv_pages_free") == total
+    assert metric(base, "kerncc_requests_running") == 0
+
+
+class Broken:
+    """A runner whose decode fails as a launch would."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+
+    def __getattr__(self, name):
+        return getattr(self.chain, name)
+
+    def submit(self, program, *args, **kwargs):
+        if program.startswith("decode"):
+            raise KernccError.single(f"stage 0, program `{program}` call 3 (op `rmsnorm`): "
+                                     "the launch failed: out of bounds")
+        return self.chain.submit(program, *args, **kwargs)
+
+
+def test_a_stage_fault_answers_500_and_stops_admission(chain):
+    with serving(chain, runner=Broken(chain)) as (url, _):
+        answer = complete(url, prompt=[1, 2, 3], max_tokens=3)
+        assert answer.status_code == 500
+        assert "stage 0, program `decode" in answer.json()["error"]["message"]
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 503
+        assert complete(url, prompt=[1, 2], max_tokens=2).status_code == 503
+
+
+@pytest.mark.skipif(not sampling_hook.available(), reason="kerncc.runtime.sampling not merged")
+def test_seeded_sampling_is_reproducible(base):
+    ask = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 8, "temperature": 0.9, "top_p": 0.95,
+           "seed": 1234}
+    first = complete(base, **ask).json()["choices"][0]["token_ids"]
+    assert complete(base, **ask).json()["choices"][0]["token_ids"] == first
+    other = complete(base, **{**ask, "seed": 4321}).json()["choices"][0]["token_ids"]
+    assert other != first
+
+
+def test_sigterm_cancels_what_is_in_flight_and_exits(model, tmp_path):
+    command = [sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",
+               "--backend", "cpu"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = None
+        for _ in range(100):
+            line = proc.stderr.readline()
+            found = re.search(r"listening on (http://\S+)", line)
+            if found:
+                url = found.group(1)
+                break
+        assert url, "the server did not start"
+        with httpx.stream("POST", f"{url}/v1/completions", json={
+                "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 240, "stream": True},
+                timeout=30) as answer:
+            lines = answer.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(lines)
+            try:  # no new work once the signal is in: refused, or no longer listening
+                assert complete(url, prompt=[1, 2], max_tokens=2).status_code == 503
+            except httpx.HTTPError:
+                pass
+        assert proc.wait(15) == 0  # a few seconds: streams get 3 s (GRACE), then cancelled
+        assert [line for line in rest if line][-1] == "data: [DONE]"  # finished or cancelled
+        assert "stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

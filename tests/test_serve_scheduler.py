@@ -1,0 +1,144 @@
+"""kerncc.serve.scheduler and pool: a simulated engine over random loads, bounded.
+
+Properties: every item respects the forwards' bounds and the page tables' width; pages are
+never granted twice nor leaked (the pool balances at every step and is full again at the end);
+every sequence finishes (nothing starves or deadlocks), whatever the pool size, the depth of
+the pipeline and the arrival order; a preempted sequence is recomputed from its known tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kerncc.serve import scheduler as sch
+from kerncc.serve.pack import Bounds
+from kerncc.serve.pool import KVPool
+
+STRIDE = 4
+
+
+@st.composite
+def loads(draw):
+    packed = draw(st.booleans())
+    table = draw(st.integers(3, 6))
+    limits = sch.Limits(
+        stride=STRIDE, pages_per_seq=table,
+        decode_groups=draw(st.integers(1, 4)),
+        chunk=Bounds(rows=draw(st.integers(1, 8)), seqs=draw(st.integers(2, 4)) if packed else 1,
+                     context=draw(st.integers(table * STRIDE, 40))),
+        max_running=draw(st.integers(1, 5)))
+    width = limits.pages_per_seq * STRIDE
+    requests = draw(st.lists(st.tuples(st.integers(1, width - 1), st.integers(1, width - 1)),
+                             min_size=1, max_size=8))
+    requests = [(p, min(n, width - p)) for p, n in requests]  # prompt + max_new fits a table
+    need = max(sch.cdiv(p + n, STRIDE) for p, n in requests)
+    pages = draw(st.integers(need, need + 12))
+    arrivals = draw(st.lists(st.integers(0, 3), min_size=len(requests), max_size=len(requests)))
+    depth = draw(st.integers(1, 3))
+    return limits, requests, pages, arrivals, depth
+
+
+def check_item(item: sch.Item, limits: sch.Limits, state: sch.State) -> None:
+    rows = sum(n for _, _, n in item.parts)
+    ids = [i for i, _, _ in item.parts]
+    assert len(ids) == len(set(ids)), "a sequence appears once per call"
+    if item.kind == "decode":
+        assert all(n == 1 for _, _, n in item.parts)
+        assert 1 <= len(ids) <= limits.decode_groups
+        return
+    assert 1 <= len(ids) <= limits.chunk.seqs and 1 <= rows <= limits.chunk.rows
+    assert sum(start + n for _, start, n in item.parts) <= limits.chunk.context
+
+
+@settings(max_examples=100)
+@given(loads())
+def test_a_simulated_engine_finishes_everything_without_leaking_pages(load):
+    limits, requests, pages, arrivals, depth = load
+    pool = KVPool(pages)
+    state = sch.State((), (), pages)
+    targets, generated, fed = {}, {}, {}
+    inflight: deque[sch.Item] = deque()
+    pending = list(enumerate(requests))
+    for tick in range(5000):
+        while pending and arrivals[pending[0][0]] <= tick:
+            seq_id, (prompt, max_new) = pending.pop(0)
+            targets[seq_id] = prompt + max_new
+            generated[seq_id] = 0
+            state = sch.add(state, seq_id, prompt)
+        if len(inflight) < depth:
+            plan = sch.schedule(state, limits)
+            for victim in plan.preempted:
+                pool.release(victim)
+            for seq_id, more in plan.grants:
+                assert pool.take(seq_id, more) is not None
+            for item in plan.items:
+                check_item(item, limits, state)
+            state = sch.apply(state, plan)
+            inflight.extend(plan.items)
+            if not plan.empty:
+                continue
+        if not inflight:
+            if not pending and not state.running and not state.waiting:
+                break
+            continue
+        item = inflight.popleft()
+        for seq_id, start, rows in item.parts:
+            if not any(s.id == seq_id for s in state.running):
+                continue  # preempted after issue: its result is dropped
+            fed.setdefault(seq_id, []).append((start, rows))
+            token = item.kind == "decode"
+            state = sch.landed(state, seq_id, token)
+            seq = next(s for s in state.running if s.id == seq_id)
+            if token and seq.tokens == targets[seq_id]:
+                state = sch.remove(state, seq_id)
+                pool.release(seq_id)
+        pool.check()
+        held = sum(s.pages for s in state.running)
+        assert state.free + held == pages and state.free == pool.free
+        for s in state.running:
+            assert s.pages <= limits.pages_per_seq and s.pages * STRIDE >= s.cached
+            assert len(pool.held(s.id)) == s.pages
+    else:
+        raise AssertionError("the load did not drain: something starved or deadlocked")
+    assert pool.free == pages and not pool.owners()
+    assert sorted(fed) == list(range(len(requests)))
+
+
+def test_a_full_pool_preempts_the_newest_and_recomputes_it():
+    limits = sch.Limits(stride=4, pages_per_seq=4, decode_groups=4,
+                        chunk=Bounds(8, 4, 64), max_running=2)
+    # two sequences of 4 known tokens, each with 4 pages' worth of room, a pool of 5 pages
+    a = sch.Seq(0, tokens=8, cached=7, pages=2)
+    b = sch.Seq(1, tokens=12, cached=11, pages=3)
+    state = sch.State((), (a, b), free=0)
+    plan = sch.schedule(sch.State((), (attrs_evolve(a, tokens=9, cached=8), b), 0), limits)
+    assert plan.preempted == (1,)
+    assert plan.grants == ((0, 1),)
+    after = sch.apply(sch.State((), (attrs_evolve(a, tokens=9, cached=8), b), 0), plan)
+    assert after.waiting == (sch.Seq(1, 12),) and after.free == 2
+    assert [p for item in plan.items for p in item.parts] == [(0, 8, 1)]
+    assert state.free == 0
+
+
+def attrs_evolve(seq: sch.Seq, **changes) -> sch.Seq:
+    import attrs
+
+    return attrs.evolve(seq, **changes)
+
+
+def test_packed_prefill_takes_several_sequences_in_one_call():
+    limits = sch.Limits(stride=16, pages_per_seq=4, decode_groups=4,
+                        chunk=Bounds(8, 3, 64), max_running=4)
+    state = sch.State(tuple(sch.Seq(i, 4) for i in range(4)), (), 16)
+    plan = sch.schedule(state, limits)
+    assert plan.admitted == (0, 1, 2, 3)
+    assert [(i.kind, i.parts) for i in plan.items] == [
+        ("chunk", ((0, 0, 3), (1, 0, 3), (2, 0, 2))),
+        ("decode", ((0, 3, 1), (1, 3, 1)))]  # their prefill ends in this step's chunk
+    one = attrs_evolve(limits, chunk=Bounds(8, 1, 64))
+    plan = sch.schedule(state, one)
+    assert [i.parts for i in plan.items if i.kind == "chunk"] == [
+        ((0, 0, 3),), ((1, 0, 3),), ((2, 0, 2),)]
