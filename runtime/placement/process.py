@@ -302,11 +302,8 @@ class ProcessChain(Chain):
         self._raise_if_down()
         inputs, vars = dict(inputs or {}), dict(vars or {})
         self._check_names(inputs, vars)
-        self._check_vars(vars)
-        runs = [k for k, view in enumerate(self.sessions) if program in view.sites]
-        if not runs or not any(program in view.programs for view in self.sessions):
-            known = ", ".join(f"`{p}`" for p in self.programs)
-            raise KernccError.single(f"no stage has program `{program}` (they have {known})")
+        check_vars(self.sessions, vars)
+        runs = running_stages(self.sessions, program, self.programs)
         wanted = outputs if outputs is True or outputs is False else sorted(outputs)
         with self._lock:
             item, self.items = self.items, self.items + 1
@@ -317,17 +314,6 @@ class ProcessChain(Chain):
             self._outboxes[k].put((ITEM, item, program, vars, host,
                                    wanted if k == runs[-1] else None))
         return pending
-
-    def _check_vars(self, vars: dict[str, int]) -> None:
-        """Var bounds, checked here so that a bad var fails at `submit` as in a Chain."""
-        for view in self.sessions:
-            for name, value in vars.items():
-                var = view.manifest.vars.get(name)
-                if var is None:
-                    continue
-                if isinstance(value, bool) or int(value) != value or not 1 <= value <= var.max:
-                    raise KernccError.single(f"var `{name}` = {value} is outside "
-                                             f"[1, {var.max}]")
 
     def sync(self) -> None:
         """Wait until every item submitted so far is answered (or the chain is down)."""
@@ -480,6 +466,27 @@ class ProcessChain(Chain):
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+
+def check_vars(sessions: Sequence[StageView], vars: Mapping[str, int]) -> None:
+    """Var bounds, checked by the head so that a bad var fails at `submit` as in a Chain."""
+    for view in sessions:
+        for name, value in vars.items():
+            var = view.manifest.vars.get(name)
+            if var is None:
+                continue
+            if isinstance(value, bool) or int(value) != value or not 1 <= value <= var.max:
+                raise KernccError.single(f"var `{name}` = {value} is outside [1, {var.max}]")
+
+
+def running_stages(sessions: Sequence[StageView], program: str, programs: list[str]
+                   ) -> list[int]:
+    """The stages that run `program` (the last one hands back its outputs)."""
+    runs = [k for k, view in enumerate(sessions) if program in view.sites]
+    if not runs or program not in programs:
+        known = ", ".join(f"`{p}`" for p in programs)
+        raise KernccError.single(f"no stage has program `{program}` (they have {known})")
+    return runs
 
 
 def _stage_devices(backend: str, devices: Sequence[int] | None, stages: int

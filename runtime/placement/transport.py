@@ -49,11 +49,14 @@ def link_kind(transport: str, backend: str, sender_device: int | None,
         return "host"
     if transport == "auto":
         return "nccl" if distinct_gpus and nccl_missing() is None else "host"
+    if backend != "cuda":
+        raise KernccError.single(f"--transport nccl needs the cuda backend (the stages run on "
+                                 f"{backend}): use --transport host or auto")
     if not distinct_gpus:
-        where = "the cpu backend" if backend != "cuda" else f"one GPU ({sender_device})"
         raise KernccError.single(f"--transport nccl joins stages on distinct GPUs, but two "
-                                 f"stages are on {where}: give them their own --devices or "
-                                 "use --transport host")
+                                 f"neighbouring stages share GPU {sender_device} (NCCL takes "
+                                 "one rank per GPU): give them their own --devices or use "
+                                 "--transport host")
     missing = nccl_missing()
     if missing:
         raise KernccError.single(f"--transport nccl: {missing}")
