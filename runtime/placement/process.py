@@ -160,7 +160,8 @@ class ProcessChain(Chain):
         try:
             self.sessions = self._handshake(start_timeout)
         except BaseException:
-            self._kill_all()
+            self.fault = "it did not start"
+            self.close()
             raise
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True,
                                           name="process chain receiver")
@@ -433,6 +434,8 @@ class ProcessChain(Chain):
         self._kill_all()
 
     def _kill_all(self) -> None:
+        """Kill and reap every stage process (the channels stay open: only `close`, with the
+        receiver thread ended, closes them, so no thread ever reads a closed descriptor)."""
         for outbox in self._outboxes:
             outbox.put(None)
         for proc in self._procs:
@@ -440,9 +443,6 @@ class ProcessChain(Chain):
                 proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
         for proc in self._procs:
             proc.join(STOP_TIMEOUT)
-        for conn in self._conns:
-            conn.close()
-        _live.discard(self)
 
     def close(self) -> None:
         """Stop every stage (each answers what it owes first), then reap the processes."""
@@ -456,7 +456,13 @@ class ProcessChain(Chain):
             for proc in self._procs:
                 proc.join(max(0.0, deadline - time.monotonic()))
         self._closing = True
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None and receiver is not threading.current_thread():
+            receiver.join(STOP_TIMEOUT)
         self._kill_all()
+        for conn in self._conns:
+            conn.close()
+        _live.discard(self)
         with self._lock:
             flights = list(self._flights.values())
             self._flights.clear()

@@ -1,0 +1,304 @@
+"""Placements: stages in their own processes (and Ray actors) give what the in-process chain gives.
+
+On the cpu backend, 2- and 3-stage cuts of the tiny example (`cut{stages=N},slice-derive,emit`)
+run as ProcessChains: chunked prefill and greedy decode give bitwise equal tokens and logits to
+the in-process Chain, for the Generator unchanged. Faults: a stage killed with SIGKILL in the
+middle of a generation fails it at once with an error naming the stage; a stage frozen with
+SIGSTOP fails it after the (2 s) timeout; a stage that cannot load fails the start; in every
+case no stage process is left. GPU cases (two stage processes sharing one GPU over the host
+link, two GPUs over NCCL) are marked gpu; the Ray case runs when Ray is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kerncc.cli.main import main
+from kerncc.diagnostics import KernccError
+from kerncc.example import generate
+from kerncc.runtime import Bundle, Chain
+from kerncc.runtime.generate import Generator
+from kerncc.runtime.placement import make_runner
+from kerncc.runtime.placement.process import ProcessChain
+from kerncc.runtime.placement.transport import link_kind
+
+PROMPTS = ([5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(7, 27)))
+FAULT_TIMEOUT = 2.0
+BOUND = 15.0  # seconds any fault may take to surface, with room for a loaded CI machine
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> dict[int, Path]:
+    manifest, _ = generate(tmp_path_factory.mktemp("tiny"), "tiny")
+    out = {}
+    for stages in (2, 3):
+        target = manifest.parent / f"cut{stages}"
+        assert main(["lower", str(manifest), "-p", f"cut{{stages={stages}}},slice-derive,emit",
+                     "-o", str(target)]) == 0
+        out[stages] = target
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _no_stage_left(pids: list[int]) -> None:
+    deadline = time.monotonic() + BOUND
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in pids if _alive(p)] == []
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_process_chain_equals_the_in_process_chain_bit_for_bit(bundles, stages):
+    thread = Generator(Chain(Bundle(bundles[stages])))
+    with ProcessChain(bundles[stages]) as chain:
+        assert isinstance(chain, Chain) and len(chain.pids) == stages
+        process = Generator(chain)
+        assert process.protocol == thread.protocol
+        for prompt in PROMPTS:
+            for chunk in (3, 8):
+                want = thread.generate(prompt, 4, chunk)
+                got = process.generate(prompt, 4, chunk)
+                assert got.tokens == want.tokens and got.steps == want.steps
+                assert got.logits.dtype == want.logits.dtype
+                assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
+        assert len(set(want.tokens)) > 1  # not a degenerate model
+        pids = chain.pids
+    _no_stage_left(pids)
+
+
+def test_submit_pipelines_items_and_checks_like_a_chain(bundles):
+    thread = Chain(Bundle(bundles[2]))
+    with ProcessChain(bundles[2]) as chain:
+        assert chain.programs == thread.programs
+        assert chain.sessions[0].token_capacity == thread.sessions[0].token_capacity
+        gen = Generator(thread)
+        inputs = gen._inputs(_seq(gen, [4, 8, 15, 16, 23]), 0, 5)
+        vars = gen.protocol.vars(1, 5, 5, 5)
+        program = gen.chunk_program.name
+        want = thread.run(program, inputs, vars)
+        pendings = [chain.submit(program, inputs, vars) for _ in range(3)]  # none waited for
+        for pending in pendings:
+            got = pending.result()
+            assert sorted(got) == sorted(want)
+            assert all(np.array_equal(got[n], want[n]) for n in want)
+        with pytest.raises(KernccError, match="outside"):
+            chain.submit(program, inputs, {**vars, next(iter(vars)): 10**9})
+        with pytest.raises(KernccError, match="no stage has program `nope`"):
+            chain.submit("nope", inputs, vars)
+        with pytest.raises(KernccError, match="no stage of the bundle takes input"):
+            chain.submit(program, {"nope": np.zeros(1)}, vars)
+        chain.sync()
+
+
+def _seq(gen: Generator, tokens: list[int]):
+    from kerncc.runtime.generate import Served
+
+    seq = Served(tokens)
+    gen._reserve(seq, len(tokens))
+    return seq
+
+
+def test_an_item_a_stage_refuses_fails_alone(bundles):
+    """A token past the vocabulary fails its item with the stage's own error (as the
+    in-process chain words it, file and line included); the chain goes on serving."""
+    thread = Chain(Bundle(bundles[2]))
+    with ProcessChain(bundles[2]) as chain:
+        errors = []
+        for runner in (thread, chain):
+            gen = Generator(runner)
+            seq = _seq(gen, [1, 2, 3])
+            inputs = gen._inputs(seq, 0, 3)
+            token = next(f.name for f in gen.protocol.fills if f.fill == "token")
+            bad = {**inputs, token: np.full_like(inputs[token], 10**6)}
+            with pytest.raises(KernccError) as err:
+                runner.submit(gen.chunk_program.name, bad, gen.protocol.vars(1, 3, 3, 3)).result()
+            errors.append(str(err.value))
+        assert errors[0] == errors[1] and "1000000" in errors[1]
+        assert Generator(chain).generate([1, 2, 3], 2).tokens == \
+            Generator(thread).generate([1, 2, 3], 2).tokens  # still serving
+
+
+def test_a_killed_stage_fails_the_generation_at_once(bundles):
+    chain = ProcessChain(bundles[3])
+    pids = chain.pids
+    gen = Generator(chain)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            for _ in range(1000):  # bounded: the kill ends it long before
+                gen.generate(list(range(1, 40)), 8, 1)
+        except BaseException as err:  # noqa: BLE001 - the test looks at it
+            errors.append(err)
+
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + BOUND
+    while chain.items < 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    killed = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    worker.join(BOUND)
+    took = time.monotonic() - killed
+    assert not worker.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], KernccError)
+    assert f"stage 1 (pid {pids[1]}) was killed by SIGKILL" in str(errors[0])
+    assert took < FAULT_TIMEOUT  # at once, not after a timeout
+    with pytest.raises(KernccError, match="the process chain is down: stage 1"):
+        chain.submit(gen.step_program.name, {}, {})
+    _no_stage_left(pids)
+
+
+def test_a_frozen_stage_fails_its_items_after_the_timeout(bundles):
+    chain = ProcessChain(bundles[2], timeout=FAULT_TIMEOUT)
+    pids = chain.pids
+    gen = Generator(chain)
+    assert gen.generate([1, 2, 3], 2).tokens
+    os.kill(pids[1], signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        with pytest.raises(KernccError, match=rf"stage 1 \(pid {pids[1]}\) stopped answering"):
+            gen.generate([1, 2, 3, 4], 2)
+        took = time.monotonic() - frozen
+        assert FAULT_TIMEOUT * 0.9 <= took < BOUND
+    finally:
+        if _alive(pids[1]):
+            os.kill(pids[1], signal.SIGCONT)
+    _no_stage_left(pids)
+
+
+def test_a_stage_that_cannot_load_fails_the_start(bundles, tmp_path):
+    with pytest.raises(KernccError, match="does not exist"):
+        ProcessChain(bundles[2], checkpoint=tmp_path / "missing.safetensors")
+    assert [c for c in _children() if "kerncc" in c] == []
+
+
+def _children() -> list[str]:
+    me = str(os.getpid())
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[1] == me and fields[0] != "Z":
+                out.append((entry / "cmdline").read_text())
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+def test_make_runner_picks_by_name(bundles):
+    assert type(make_runner(Bundle(bundles[2]), "cpu", None, "thread")) is Chain
+    with pytest.raises(KernccError, match="unknown placement `moon`"):
+        make_runner(bundles[2], "cpu", None, "moon")
+    with pytest.raises(KernccError, match="not one of the thread placement's"):
+        make_runner(bundles[2], "cpu", None, "thread", timeout=3)
+    with pytest.raises(KernccError, match="--devices needs the cuda backend"):
+        make_runner(bundles[2], "cpu", [0, 1], "process")
+
+
+def test_link_kinds():
+    assert link_kind("auto", "cpu", None, None) == "host"
+    assert link_kind("host", "cuda", 0, 1) == "host"
+    assert link_kind("auto", "cuda", 0, 0) == "host"  # NCCL takes one rank per GPU
+    with pytest.raises(KernccError, match="needs the cuda backend"):
+        link_kind("nccl", "cpu", None, None)
+    with pytest.raises(KernccError, match="share GPU 0"):
+        link_kind("nccl", "cuda", 0, 0)
+    with pytest.raises(KernccError, match="unknown transport"):
+        link_kind("pigeon", "cpu", None, None)
+
+
+def test_kerncc_run_with_process_placement(bundles, capsys):
+    args = ["run", str(bundles[3]), "--prompt", "1,2,3,4,5", "--max-new", "3"]
+    assert main(args) == 0
+    want = capsys.readouterr().out.strip().splitlines()[-1]
+    assert main([*args, "--placement", "process", "--stage-timeout", "30"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip().splitlines()[-1] == want
+    assert "ProcessChain" in captured.err
+    assert main([*args, "--placement", "process", "--transport", "nccl"]) == 1
+    assert "needs the cuda backend" in capsys.readouterr().err
+
+
+def test_ray_placement_needs_ray_or_runs(bundles, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(KernccError, match=r"pip install 'kerncc\[ray\]'"):
+        make_runner(bundles[2], "cpu", None, "ray")
+
+
+@pytest.mark.slow
+def test_ray_chain_equals_the_in_process_chain(bundles):
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    try:
+        thread = Generator(Chain(Bundle(bundles[3])))
+        chain = make_runner(bundles[3], "cpu", None, "ray", timeout=60)
+        ray_gen = Generator(chain)
+        for prompt in PROMPTS:
+            want, got = thread.generate(prompt, 3, 3), ray_gen.generate(prompt, 3, 3)
+            assert got.tokens == want.tokens
+            assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
+        chain.close()
+    finally:
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (not run on the CPU machine; see docs/runtime.md "Placements")
+
+
+def _gpus() -> int:
+    from kerncc.runtime.backends.probe import cuda_devices
+
+    return cuda_devices()[0]
+
+
+@pytest.mark.gpu
+def test_two_stage_processes_share_one_gpu(bundles):
+    thread = Generator(Chain(Bundle(bundles[2]), backend="cuda"))
+    with ProcessChain(bundles[2], backend="cuda", devices=[0]) as chain:
+        assert set(chain.kinds.values()) == {"host"}
+        process = Generator(chain)
+        for prompt in PROMPTS:
+            want, got = thread.generate(prompt, 4, 8), process.generate(prompt, 4, 8)
+            assert got.tokens == want.tokens
+            assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_two_gpus_over_nccl_equal_the_peer_copy_chain(bundles):
+    if _gpus() < 2:
+        pytest.skip("needs two GPUs")
+    pytest.importorskip("nccl.core")
+    thread = Generator(Chain(Bundle(bundles[2]), backend="cuda", devices=[0, 1]))
+    with ProcessChain(bundles[2], backend="cuda", devices=[0, 1], transport="nccl") as chain:
+        assert set(chain.kinds.values()) == {"nccl"}
+        process = Generator(chain)
+        for prompt in PROMPTS:
+            want, got = thread.generate(prompt, 4, 8), process.generate(prompt, 4, 8)
+            assert got.tokens == want.tokens
+            assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
