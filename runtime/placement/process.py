@@ -44,7 +44,8 @@ from kerncc.runtime.bundle import Bundle, Stage
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.memory import default_token_capacity
 from kerncc.runtime.placement.transport import link_kind
-from kerncc.runtime.placement.worker import ITEM, STOP, TABLE, StageSpec, stage_main
+from kerncc.runtime.placement.worker import (ITEM, LINK_LOST, STOP, TABLE, StageSpec,
+                                             stage_main)
 from kerncc.runtime.session import open_bundle
 from kerncc.runtime.weights import CheckpointLike
 
@@ -191,7 +192,9 @@ class ProcessChain(Chain):
         beat = min(1.0, self.timeout / 4)
         for k in range(stages):
             spec = StageSpec(str(self.bundle.dir), k, backend, self.devices[k],
-                             _picklable(checkpoint), self.token_capacity, interpret, graphs,
+                             _picklable(self.bundle.checkpoint if checkpoint is None
+                                        else checkpoint),
+                             self.token_capacity, interpret, graphs,
                              beat,
                              tuple((j, self.kinds[(j, t)]) for j, t in sorted(self.kinds)
                                    if t == k),
@@ -256,11 +259,17 @@ class ProcessChain(Chain):
         for obj in ready:
             if isinstance(obj, Connection):
                 out += self._drain(by_conn[id(obj)], obj)
-        for obj in ready:
-            if not isinstance(obj, Connection):
-                out += self._drain(sentinels[obj], self._conns[sentinels[obj]])
-                raise KernccError.single(self._death(sentinels[obj]))
+        dead = sorted(sentinels[obj] for obj in ready if not isinstance(obj, Connection))
+        if dead:
+            raise KernccError.single(self._blame(dead))
         return out
+
+    def _blame(self, dead: list[int]) -> str:
+        """Why the chain is down: the first stage that died of its own accord, not one that
+        ended because a neighbour's link closed under it (LINK_LOST)."""
+        deaths = {k: self._death(k) for k in dead}
+        cause = [k for k in dead if self._procs[k].exitcode != LINK_LOST] or dead
+        return deaths[cause[0]]
 
     def _drain(self, k: int, conn: Connection) -> list[tuple[int, tuple]]:
         out = []
@@ -279,6 +288,8 @@ class ProcessChain(Chain):
         code = proc.exitcode
         if code is None:
             how = "closed its channel"
+        elif code == LINK_LOST:
+            how = "lost a link to a neighbouring stage"
         elif code < 0:
             how = f"was killed by {_signal_name(-code)}"
         else:
@@ -306,14 +317,15 @@ class ProcessChain(Chain):
         check_vars(self.sessions, vars)
         runs = running_stages(self.sessions, program, self.programs)
         wanted = outputs if outputs is True or outputs is False else sorted(outputs)
-        with self._lock:
+        hosts = [{n: np.asarray(v) for n, v in inputs.items() if n in view.stage.host_inputs}
+                 for view in self.sessions]
+        with self._lock:  # one order of items for every stage, whatever thread submits
             item, self.items = self.items, self.items + 1
             pending = RemotePending(self, item)
             self._flights[item] = _Flight(pending, runs[-1], len(self.sessions))
-        for k, view in enumerate(self.sessions):
-            host = {n: np.asarray(v) for n, v in inputs.items() if n in view.stage.host_inputs}
-            self._outboxes[k].put((ITEM, item, program, vars, host,
-                                   wanted if k == runs[-1] else None))
+            for k, host in enumerate(hosts):
+                self._outboxes[k].put((ITEM, item, program, vars, host,
+                                       wanted if k == runs[-1] else None))
         return pending
 
     def sync(self) -> None:

@@ -171,7 +171,8 @@ class RayChain(Chain):
             placed = PlacementGroupSchedulingStrategy(self._group, placement_group_bundle_index=k)
             self._actors.append(actor.options(num_cpus=1, num_gpus=gpus,
                                               scheduling_strategy=placed).remote(
-                os.fspath(self.bundle.dir), k, backend, _picklable(checkpoint),
+                os.fspath(self.bundle.dir), k, backend,
+                _picklable(self.bundle.checkpoint if checkpoint is None else checkpoint),
                 self.token_capacity, interpret, graphs))
         hellos = self._get_all([a.hello.remote() for a in self._actors], start_timeout)
         self.sessions = [StageView(self.bundle.stages[k], capacity, sites, programs, pid,

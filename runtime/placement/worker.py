@@ -35,6 +35,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.runtime.placement import transport
 
 STOP, ITEM, TABLE = "stop", "item", "table"
+LINK_LOST = 3  # exit status of a stage whose head or neighbour went away under it
 
 
 @attrs.frozen
@@ -96,7 +97,7 @@ def stage_main(spec: StageSpec, conn: Connection, data_in: Mapping[int, Connecti
     try:
         worker.serve()
     except (EOFError, OSError):
-        pass  # the head or a neighbour is gone: nothing is left to answer
+        os._exit(LINK_LOST)  # the head or a neighbour is gone: nothing is left to answer
     finally:
         stopped.set()
         worker.close()
