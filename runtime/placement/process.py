@@ -247,7 +247,8 @@ class ProcessChain(Chain):
                     raise KernccError(message[1], message[2])
                 if message[0] == kind:
                     got[k] = message[1:]
-            self._check_silence()
+        # Silence counts from here: a stage is still importing before its first heartbeat.
+        self._heard = [time.monotonic()] * len(self._conns)
         return got
 
     def _poll(self, timeout: float) -> list[tuple[int, tuple]]:
@@ -298,11 +299,11 @@ class ProcessChain(Chain):
 
     def _check_silence(self) -> None:
         now = time.monotonic()
-        for k, heard in enumerate(self._heard):
-            if now - heard >= self.timeout:
-                raise KernccError.single(
-                    f"stage {k} (pid {self._procs[k].pid}) stopped answering: no word for "
-                    f"{now - heard:.1f} s (timeout {self.timeout:g} s)")
+        silence, k = max((now - heard, k) for k, heard in enumerate(self._heard))
+        if silence >= self.timeout:  # the longest silent, should a busy machine delay others
+            raise KernccError.single(
+                f"stage {k} (pid {self._procs[k].pid}) stopped answering: no word for "
+                f"{silence:.1f} s (timeout {self.timeout:g} s)")
 
     # ------------------------------------------------------------------------ serving
 
