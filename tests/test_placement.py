@@ -302,3 +302,29 @@ def test_two_gpus_over_nccl_equal_the_peer_copy_chain(bundles):
             want, got = thread.generate(prompt, 4, 8), process.generate(prompt, 4, 8)
             assert got.tokens == want.tokens
             assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
+
+
+def test_no_stage_outlives_a_killed_head(bundles, tmp_path):
+    """The head itself killed with SIGKILL: every stage sees its channel close and ends."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "head.py"
+    script.write_text(
+        "import sys, time\n"
+        "from kerncc.runtime.placement.process import ProcessChain\n"
+        "if __name__ == '__main__':\n"
+        f"    chain = ProcessChain({str(bundles[2])!r})\n"
+        "    print(*chain.pids, flush=True)\n"
+        "    time.sleep(120)\n")
+    head = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        import select
+
+        assert select.select([head.stdout], [], [], 4 * BOUND)[0], "the head did not start"
+        pids = [int(p) for p in head.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        head.kill()
+        head.wait(BOUND)
+    _no_stage_left(pids)
