@@ -262,7 +262,12 @@ def test_ray_chain_equals_the_in_process_chain(bundles):
             want, got = thread.generate(prompt, 3, 3), ray_gen.generate(prompt, 3, 3)
             assert got.tokens == want.tokens
             assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
-        chain.close()
+        pid = chain.sessions[1].pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(KernccError, match=rf"the Ray chain is down: stage 1 \(pid {pid}\)"):
+            ray_gen.generate([1, 2, 3], 2)
+        with pytest.raises(KernccError, match="the Ray chain is down"):
+            chain.submit(ray_gen.step_program.name, {}, {})
     finally:
         ray.shutdown()
 

@@ -28,8 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the stages run: all in this process (thread, the default), each "
                    "in its own process on this host (process), or as Ray actors (ray)")
     p.add_argument("--transport", choices=("auto", "host", "nccl"), default="auto",
-                   help="how crossing buffers go between stage processes (auto: NCCL between "
-                   "distinct GPUs when nccl4py is installed, else through the host)")
+                   help="how crossing buffers go between stage processes or actors (auto: "
+                   "NCCL between distinct GPUs when nccl4py is installed, else the host)")
     p.add_argument("--stage-timeout", type=_seconds, default=60.0, metavar="SECONDS",
                    help="a stage process silent or stuck this long counts as dead (default 60)")
     p.add_argument("--ray-address", metavar="ADDRESS",
@@ -42,7 +42,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     if placement == "process":
         return {"transport": args.transport, "timeout": args.stage_timeout}
     if placement == "ray":
-        return {"address": args.ray_address, "timeout": args.stage_timeout}
+        return {"address": args.ray_address, "timeout": args.stage_timeout,
+                "transport": args.transport}
     return {}
 
 

@@ -27,7 +27,7 @@ def make_runner(bundle: Any, backend: str = "cpu", devices: Sequence[int] | None
 
     `options` are Chain's (checkpoint, token_capacity, interpret, graphs, trace) and, for
     `process`, `transport` (auto, host, nccl), `timeout` and `start_timeout` (seconds), for
-    `ray`, `address`, `timeout` and `strategy`.
+    `ray`, `address`, `timeout`, `strategy` (PACK, SPREAD, ...) and `transport`.
     """
     if placement not in PLACEMENTS:
         raise KernccError.single(f"unknown placement `{placement}` "

@@ -156,9 +156,9 @@ class ProcessChain(Chain):
         self._outboxes: list[queue.SimpleQueue] = []
         self._heard: list[float] = []
         self._progress: list[float] = []
-        self._spawn(backend, checkpoint, interpret, graphs)
         _live.add(self)
         try:
+            self._spawn(backend, checkpoint, interpret, graphs)
             self.sessions = self._handshake(start_timeout)
         except BaseException:
             self.fault = "it did not start"

@@ -10,11 +10,13 @@ kerncc must be installed on every host.
 
 Items go to every actor in issue order (Ray runs one caller's calls on an actor in the order
 they were made). A stage hands its crossing buffers to the stages after it as the value of its
-call, which Ray gives the receiving call as an argument: straight from actor to actor through
-the object store, never through the head. (This is the host transport; NCCL between Ray actors
-is not written yet.) A stage that fails an item raises; the calls that take its crossing
-buffers then fail before they run, so the stages after a failure never see the item, as in the
-in-process chain. A dead actor fails the items at once; an item with no answer within
+call, which Ray gives the receiving call as an argument: straight from actor to actor, never
+through the head. With `transport="host"` (and on the cpu backend) the value is the bytes,
+through Ray's object store; with `nccl` (on cuda, and `auto` when nccl4py imports) it is only
+the byte count: the bytes go by NCCL send/recv on the two actors' streams (a two-rank
+communicator per link, set up once all actors are placed), as in process placement. A stage
+that fails an item raises; the calls that take its crossing buffers then fail before they run,
+so the stages after a failure never see the item, as in the in-process chain. A dead actor fails the items at once; an item with no answer within
 `timeout` seconds fails naming the first stage that did not answer. After a fault the chain is
 down and its actors are killed.
 
@@ -35,6 +37,7 @@ from kerncc.runtime.chain import Chain
 from kerncc.runtime.memory import default_token_capacity
 from kerncc.runtime.placement.process import (DEFAULT_TIMEOUT, START_TIMEOUT, StageView,
                                               check_vars, running_stages)
+from kerncc.runtime.placement.transport import NcclPeer, link_kind
 from kerncc.runtime.placement.worker import crossing_bytes, error_message
 from kerncc.runtime.session import open_bundle
 from kerncc.runtime.weights import CheckpointLike
@@ -54,10 +57,13 @@ def import_ray() -> Any:
 
 
 class StageActor:
-    """One stage inside a Ray actor (wrapped by `ray.remote` when the chain starts)."""
+    """One stage inside a Ray actor (wrapped by `ray.remote` when the chain starts).
+
+    `links` gives the transport of every edge pair it is an end of: {(from, to): kind}."""
 
     def __init__(self, bundle_dir: str, stage: int, backend: str, checkpoint: Any,
-                 token_capacity: int, interpret: bool, graphs: bool | str) -> None:
+                 token_capacity: int, interpret: bool, graphs: bool | str,
+                 links: dict[tuple[int, int], str]) -> None:
         from kerncc.runtime.backends import make_backend
         from kerncc.runtime.session import Session
 
@@ -69,10 +75,18 @@ class StageActor:
                                token_capacity, interpret, graphs)
         self.edges_in = [e for e in self.bundle.edges if e["to"] == stage]
         self.edges_out = [e for e in self.bundle.edges if e["from"] == stage]
+        self.peers = {pair: NcclPeer(self.session, sender=pair[0] == stage)
+                      for pair, kind in sorted(links.items()) if kind == "nccl"}
 
     def hello(self) -> tuple:
         s = self.session
-        return (self.k, os.getpid(), s.token_capacity, sorted(s.sites), s.programs)
+        ids = {pair: peer.id for pair, peer in self.peers.items() if peer.sender}
+        return (self.k, os.getpid(), s.token_capacity, sorted(s.sites), s.programs, ids)
+
+    def open_links(self, ids: dict[tuple[int, int], bytes]) -> None:
+        """Join every NCCL link, in the chain's one (sender, receiver) order."""
+        for pair, peer in sorted(self.peers.items()):
+            peer.open(ids.get(pair))
 
     def item(self, item: int, program: str, vars: dict[str, int], inputs: dict[str, Any],
              outputs: bool | list[str] | None, *arrivals: dict) -> tuple[dict, dict]:
@@ -83,10 +97,7 @@ class StageActor:
         for crossing in arrivals:
             arrived.update(crossing)
         for edge in self.edges_in:
-            data = arrived[(self.k, edge["buffer"])]
-            if len(data):
-                s.backend.upload(s.memory.buffer(edge["buffer"]), 0,
-                                 np.frombuffer(data, dtype=np.uint8))
+            self._land(edge, arrived[(self.k, edge["buffer"])])
         pending = None
         if program in s.sites:
             try:
@@ -94,16 +105,33 @@ class StageActor:
                                    outputs=False if outputs is None else outputs)
             except Exception as err:  # noqa: BLE001 - raised again as the head's KernccError
                 raise KernccError(*error_message(err, self.k)) from None
-        crossing = {}
-        for edge in self.edges_out:
-            target = self.bundle.stages[edge["to"]].manifest
-            nbytes = crossing_bytes(target, edge["buffer"],
-                                    {n: v for n, v in vars.items() if n in target.vars})
-            raw = s.backend.download(s.memory.buffer(edge["buffer"]), 0, nbytes) if nbytes \
-                else np.zeros(0, np.uint8)
-            crossing[(edge["to"], edge["buffer"])] = raw.tobytes()
+        crossing = {(e["to"], e["buffer"]): self._cross(e, vars) for e in self.edges_out}
         found = pending.result() if pending is not None and outputs is not None else {}
         return crossing, {n: np.asarray(a) for n, a in found.items()}
+
+    def _land(self, edge: dict, data: bytes | int) -> None:
+        """An edge's bytes (host link) or byte count (NCCL: received on the stream now)."""
+        s, name = self.session, edge["buffer"]
+        peer = self.peers.get((edge["from"], self.k))
+        if peer is not None:
+            if data:
+                peer.recv(name, int(data))
+            return
+        if len(data):
+            s.backend.upload(s.memory.buffer(name), 0, np.frombuffer(data, dtype=np.uint8))
+
+    def _cross(self, edge: dict, vars: dict[str, int]) -> bytes | int:
+        s, name = self.session, edge["buffer"]
+        target = self.bundle.stages[edge["to"]].manifest
+        nbytes = crossing_bytes(target, name, {n: v for n, v in vars.items()
+                                               if n in target.vars})
+        peer = self.peers.get((self.k, edge["to"]))
+        if peer is not None:
+            if nbytes:
+                peer.send(name, nbytes)  # on the stream, after this item's launches
+            return nbytes
+        return s.backend.download(s.memory.buffer(name), 0, nbytes).tobytes() if nbytes \
+            else b""
 
 
 class RayPending:
@@ -127,7 +155,7 @@ class RayChain(Chain):
                  interpret: bool = False, devices: Sequence[int] | None = None,
                  graphs: bool | str = "auto", trace: Any = None, address: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT,
-                 strategy: str = "PACK") -> None:
+                 strategy: str = "PACK", transport: str = "auto") -> None:
         if trace is not None:
             raise KernccError.single("--trace is not recorded with --placement ray yet")
         if devices:
@@ -142,8 +170,15 @@ class RayChain(Chain):
         self.backend_name, self.fault = backend, None
         self.token_capacity = token_capacity or max(
             default_token_capacity(s.manifest) for s in self.bundle.stages)
+        # Every actor has a GPU of its own: NCCL whenever the links can have it.
+        self.kinds = {(e["from"], e["to"]): link_kind(transport, backend, e["from"], e["to"])
+                      for e in self.bundle.edges}
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as err:
+                raise KernccError.single(f"cannot join the Ray cluster at "
+                                         f"`{address or 'auto'}`: {err}") from None
         self._group, self._actors = None, []
         try:
             self._place(backend, checkpoint, interpret, graphs, strategy, start_timeout)
@@ -173,14 +208,20 @@ class RayChain(Chain):
                                               scheduling_strategy=placed).remote(
                 os.fspath(self.bundle.dir), k, backend,
                 _picklable(self.bundle.checkpoint if checkpoint is None else checkpoint),
-                self.token_capacity, interpret, graphs))
+                self.token_capacity, interpret, graphs,
+                {pair: kind for pair, kind in self.kinds.items() if k in pair}))
         hellos = self._get_all([a.hello.remote() for a in self._actors], start_timeout)
+        ids = {pair: uid for hello in hellos for pair, uid in hello[5].items()}
+        # The NCCL set-up is collective: every actor joins its links at the same time.
+        self._get_all([a.open_links.remote(ids) for a in self._actors], start_timeout)
         self.sessions = [StageView(self.bundle.stages[k], capacity, sites, programs, pid,
                                    backend, None)
-                         for k, pid, capacity, sites, programs in hellos]
+                         for k, pid, capacity, sites, programs, _ in hellos]
 
     def __repr__(self) -> str:
-        return f"RayChain({self.bundle!r}, {len(self._actors)} actors, {self.backend_name})"
+        links = sorted(set(self.kinds.values()))
+        return (f"RayChain({self.bundle!r}, {len(self._actors)} actors, {self.backend_name}"
+                + (f", {'/'.join(links)} links" if links else "") + ")")
 
     def __enter__(self) -> RayChain:
         return self
@@ -194,6 +235,9 @@ class RayChain(Chain):
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.RayTaskError as err:
             raise _cause(err) from None
+        except ray.exceptions.RayActorError as err:  # died loading: the cause is in the text
+            raise KernccError.single(f"a stage actor died while loading: "
+                                     f"{_first_lines(str(err))}") from None
         except ray.exceptions.GetTimeoutError:
             raise KernccError.single(f"a stage did not load within {timeout:g} s") from None
 
@@ -279,6 +323,10 @@ def _cause(err: Any) -> KernccError:
     if isinstance(cause, KernccError):
         return KernccError(cause.headline, cause.diagnostics)
     return KernccError.single(f"a Ray stage failed: {cause or err}")
+
+
+def _first_lines(text: str, count: int = 6) -> str:
+    return "\n".join(text.strip().splitlines()[:count])
 
 
 def _picklable(checkpoint: CheckpointLike) -> Any:

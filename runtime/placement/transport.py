@@ -147,27 +147,25 @@ class _DeviceBytes:
                                          "stream": None}
 
 
-class NcclLink(Link):
-    """Bytes by NCCL send/recv on the stages' streams; only the header crosses the pipe."""
+class NcclPeer:
+    """One end of a two-rank NCCL communicator between two stages: sends and receives a
+    buffer's first bytes on the stage's stream (process and Ray placements both use it)."""
 
     SENDER_RANK, RECEIVER_RANK = 0, 1
 
-    def __init__(self, session: Any, conn: Connection, sender: bool) -> None:
-        super().__init__(session, conn, sender)
-        from nccl import core as nccl  # checked by the head (link_kind) before it spawned us
+    def __init__(self, session: Any, sender: bool) -> None:
+        from nccl import core as nccl  # checked by the head (link_kind) before it got here
 
-        self._nccl = nccl
-        self._id = nccl.get_unique_id().as_bytes if sender else None
+        self._nccl, self.session, self.sender = nccl, session, sender
+        self.id = nccl.get_unique_id().as_bytes if sender else None
         self.comm: Any = None
 
-    def unique_id(self) -> bytes | None:
-        return self._id
-
     def open(self, unique_id: bytes | None) -> None:
-        raw = self._id if self.sender else unique_id
+        """Join the communicator (a collective: the other end joins at the same time)."""
+        raw = self.id if self.sender else unique_id
         if raw is None:
-            raise KernccError.single(f"stage {self.session.stage.index}: the head's table "
-                                     "gave no NCCL id for a link it receives on")
+            raise KernccError.single(f"stage {self.session.stage.index}: no NCCL id came for "
+                                     "a link it receives on")
         self.session.backend.activate()
         rank = self.SENDER_RANK if self.sender else self.RECEIVER_RANK
         uid = self._nccl.UniqueId.from_bytes(raw)
@@ -180,24 +178,43 @@ class NcclLink(Link):
                                      f"`{name}` cross, but it holds {allocation.nbytes}")
         return _DeviceBytes(allocation.ptr, nbytes)
 
-    def _send_bytes(self, name: str, nbytes: int) -> None:
+    def send(self, name: str, nbytes: int) -> None:
+        """Issue the send of `name`'s first bytes on the stream (after the item's launches)."""
         backend = self.session.backend
         backend.activate()
         self.comm.send(self._view(name, nbytes), self.RECEIVER_RANK,
                        stream=int(backend.stream_handle))
 
+    def recv(self, name: str, nbytes: int) -> None:
+        """Issue the receive into `name` on the stream (before the item's launches)."""
+        backend = self.session.backend
+        backend.activate()
+        self.comm.recv(self._view(name, nbytes), self.SENDER_RANK,
+                       stream=int(backend.stream_handle))
+
+
+class NcclLink(Link):
+    """Bytes by NCCL send/recv on the stages' streams; only the header crosses the pipe.
+
+    No ncclCommDestroy at close: it is a collective that hangs on a dead peer, and the stage
+    process is about to end, which frees the communicator anyway."""
+
+    def __init__(self, session: Any, conn: Connection, sender: bool) -> None:
+        super().__init__(session, conn, sender)
+        self.peer = NcclPeer(session, sender)
+
+    def unique_id(self) -> bytes | None:
+        return self.peer.id
+
+    def open(self, unique_id: bytes | None) -> None:
+        self.peer.open(unique_id)
+
+    def _send_bytes(self, name: str, nbytes: int) -> None:
+        self.peer.send(name, nbytes)
+
     def _recv_bytes(self, nbytes: int) -> Any:
         return nbytes  # the bytes come by NCCL in `land`, on the stream
 
     def land(self, name: str, data: Any, vars: dict[str, int]) -> None:
-        if isinstance(data, _Empty):
-            return
-        backend = self.session.backend
-        backend.activate()
-        self.comm.recv(self._view(name, int(data)), self.SENDER_RANK,
-                       stream=int(backend.stream_handle))
-
-    def close(self) -> None:
-        # No ncclCommDestroy: it is a collective that hangs on a dead peer, and the process
-        # is about to end, which frees the communicator anyway.
-        super().close()
+        if not isinstance(data, _Empty):
+            self.peer.recv(name, int(data))
