@@ -156,6 +156,7 @@ class ProcessChain(Chain):
         self._outboxes: list[queue.SimpleQueue] = []
         self._heard: list[float] = []
         self._progress: list[float] = []
+        self._ended: set[int] = set()  # stages whose channel has closed
         _live.add(self)
         try:
             self._spawn(backend, checkpoint, interpret, graphs)
@@ -252,18 +253,26 @@ class ProcessChain(Chain):
         return got
 
     def _poll(self, timeout: float) -> list[tuple[int, tuple]]:
-        """Messages that arrived within `timeout` (a dead stage raises a KernccError)."""
+        """Messages that arrived within `timeout`. A dead stage raises a KernccError: the
+        error it said before it ended (a failed load), else how it ended."""
         sentinels = {p.sentinel: k for k, p in enumerate(self._procs)}
+        open_conns = [c for k, c in enumerate(self._conns) if k not in self._ended]
         by_conn = {id(c): k for k, c in enumerate(self._conns)}
-        ready = wait([*self._conns, *sentinels], timeout)
+        ready = wait([*open_conns, *sentinels], timeout)
         out: list[tuple[int, tuple]] = []
         for obj in ready:
             if isinstance(obj, Connection):
                 out += self._drain(by_conn[id(obj)], obj)
         dead = sorted(sentinels[obj] for obj in ready if not isinstance(obj, Connection))
-        if dead:
-            raise KernccError.single(self._blame(dead))
-        return out
+        if not dead:
+            return out
+        for k in dead:  # what a dead stage said last is still in its channel
+            if k not in self._ended:
+                out += self._drain(k, self._conns[k])
+        fatal = next((m for _, m in out if m[0] == "fatal"), None)
+        if fatal is not None:
+            raise KernccError(fatal[1], fatal[2])
+        raise KernccError.single(self._blame(dead))
 
     def _blame(self, dead: list[int]) -> str:
         """Why the chain is down: the first stage that died of its own accord, not one that
@@ -273,12 +282,14 @@ class ProcessChain(Chain):
         return deaths[cause[0]]
 
     def _drain(self, k: int, conn: Connection) -> list[tuple[int, tuple]]:
+        """Every message waiting on stage k's channel; at its end the channel is left out of
+        later waits (the process's sentinel says how it ended)."""
         out = []
         try:
             while conn.poll(0):
                 out.append((k, conn.recv()))
         except (EOFError, OSError):
-            raise KernccError.single(self._death(k)) from None
+            self._ended.add(k)
         if out:
             self._heard[k] = time.monotonic()
         return out
