@@ -333,3 +333,28 @@ def test_no_stage_outlives_a_killed_head(bundles, tmp_path):
         head.kill()
         head.wait(BOUND)
     _no_stage_left(pids)
+
+
+def test_no_progress_blames_the_stage_that_holds_the_chain_up():
+    """The head's rule for a stage that beats but does not move (a hung device): the stage
+    whose item was ready longest ago is named, not one waiting on it."""
+    from kerncc.runtime.placement.process import RemotePending, _Flight
+
+    chain = ProcessChain.__new__(ProcessChain)
+    chain.timeout, chain._lock = 1.0, threading.Lock()
+    chain._procs = [type("P", (), {"pid": 100 + k})() for k in range(3)]
+    now = time.monotonic()
+    chain._progress = [now - 5.0] * 3
+    flight = _Flight(RemotePending(chain, 0), last=2, stages=3)
+    flight.sent = now - 5.0
+    flight.done_at = {0: now - 4.0}  # stage 0 issued it; stage 1 never did; 2 waits on 1
+    flight.waiting = {1, 2}
+    chain._flights = {0: flight}
+    with pytest.raises(KernccError, match=r"stage 1 \(pid 101\) made no progress on item 0"):
+        chain._check_progress()
+    chain._progress[1] = now  # stage 1 just moved: nobody is stuck yet
+    chain._check_progress()
+    flight.done_at[1], flight.waiting = now - 2.0, {2}  # now stage 2 holds it up
+    chain._progress[1] = now - 2.0
+    with pytest.raises(KernccError, match=r"stage 2 \(pid 102\) made no progress"):
+        chain._check_progress()
