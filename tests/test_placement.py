@@ -358,3 +358,70 @@ def test_no_progress_blames_the_stage_that_holds_the_chain_up():
     chain._progress[1] = now - 2.0
     with pytest.raises(KernccError, match=r"stage 2 \(pid 102\) made no progress"):
         chain._check_progress()
+
+
+def test_nccl_links_call_nccl4py_as_documented(monkeypatch):
+    """The NCCL link against a stand-in for nccl4py (no GPU here): both ends join one two-rank
+    communicator with the sender's id; a crossing is a send on the sender's stream and a recv
+    on the receiver's, of the buffer's first bytes; a poisoned item moves no bytes."""
+    import multiprocessing
+    import sys
+    import types
+
+    from kerncc.runtime.placement.transport import NcclLink
+
+    calls: list[tuple] = []
+
+    class Communicator:
+        @classmethod
+        def init(cls, *, nranks, rank, unique_id):
+            calls.append(("init", nranks, rank, unique_id.raw))
+            comm = cls()
+            comm.rank = rank
+            return comm
+
+        def send(self, buf, peer, *, stream):
+            cai = buf.__cuda_array_interface__
+            calls.append(("send", self.rank, cai["data"][0], cai["shape"], peer, stream))
+
+        def recv(self, buf, peer, *, stream):
+            cai = buf.__cuda_array_interface__
+            calls.append(("recv", self.rank, cai["data"][0], cai["shape"], peer, stream))
+
+    class UniqueId:
+        def __init__(self, raw: bytes) -> None:
+            self.raw, self.as_bytes = raw, raw
+
+        @staticmethod
+        def from_bytes(raw: bytes) -> UniqueId:
+            return UniqueId(bytes(raw))
+
+    core = types.SimpleNamespace(Communicator=Communicator, UniqueId=UniqueId,
+                                 get_unique_id=lambda: UniqueId(b"\x07" * 128))
+    monkeypatch.setitem(sys.modules, "nccl", types.SimpleNamespace(core=core))
+    monkeypatch.setitem(sys.modules, "nccl.core", core)
+
+    def session(index: int, ptr: int, stream: int):
+        allocation = types.SimpleNamespace(ptr=ptr, nbytes=4096)
+        return types.SimpleNamespace(
+            stage=types.SimpleNamespace(index=index),
+            memory=types.SimpleNamespace(buffer=lambda name: allocation),
+            backend=types.SimpleNamespace(activate=lambda: None, stream_handle=stream))
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    sender = NcclLink(session(0, 0x1000, 11), writer, sender=True)
+    receiver = NcclLink(session(1, 0x2000, 22), reader, sender=False)
+    sender.open(None)
+    receiver.open(sender.unique_id())
+    sender.put(0, "residual", 768)
+    receiver.land("residual", receiver.take(0, "residual"), {})
+    sender.put(1, "residual", None)
+    assert receiver.take(1, "residual") is None
+    with pytest.raises(KernccError, match="expected `residual` of item 2"):
+        sender.put(3, "residual", 8)
+        receiver.take(2, "residual")
+    assert calls == [("init", 2, 0, b"\x07" * 128), ("init", 2, 1, b"\x07" * 128),
+                     ("send", 0, 0x1000, (768,), 1, 11), ("recv", 1, 0x2000, (768,), 0, 22),
+                     ("send", 0, 0x1000, (8,), 1, 11)]  # item 1 (poisoned) moved nothing
+    with pytest.raises(KernccError, match="holds 4096"):
+        sender.put(4, "residual", 5000)
