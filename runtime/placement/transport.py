@@ -83,10 +83,13 @@ class Link:
         """Set the link up (both ends, in the chain's one global order)."""
 
     def put(self, item: int, name: str, nbytes: int | None) -> None:
-        """Send buffer `name`'s first `nbytes` bytes for `item`; None: the item failed."""
+        """Send buffer `name`'s first `nbytes` bytes for `item`; None: the item failed. What
+        can fail (a download, a size check) fails before the header goes, so that the caller
+        can still send a poisoned header instead."""
+        payload = self._prepare(name, nbytes) if nbytes else None
         self.conn.send((item, name, nbytes))
         if nbytes:
-            self._send_bytes(name, nbytes)
+            self._send_bytes(payload)
 
     def take(self, item: int, name: str) -> Any:
         """The next crossing of this link, which must be `name` of `item`; None: poisoned."""
@@ -104,7 +107,10 @@ class Link:
     def close(self) -> None:
         self.conn.close()
 
-    def _send_bytes(self, name: str, nbytes: int) -> None:
+    def _prepare(self, name: str, nbytes: int) -> Any:
+        raise NotImplementedError
+
+    def _send_bytes(self, payload: Any) -> None:
         raise NotImplementedError
 
     def _recv_bytes(self, nbytes: int) -> Any:
@@ -118,10 +124,13 @@ class _Empty:
 class HostLink(Link):
     """Bytes down the pipe: a download on the sender, an upload on the receiver."""
 
-    def _send_bytes(self, name: str, nbytes: int) -> None:
+    def _prepare(self, name: str, nbytes: int) -> Any:
         s = self.session
         s.backend.activate()
-        self.conn.send_bytes(s.backend.download(s.memory.buffer(name), 0, nbytes))
+        return s.backend.download(s.memory.buffer(name), 0, nbytes)
+
+    def _send_bytes(self, payload: Any) -> None:
+        self.conn.send_bytes(payload)
 
     def _recv_bytes(self, nbytes: int) -> Any:
         data = self.conn.recv_bytes()
@@ -178,11 +187,11 @@ class NcclPeer:
                                      f"`{name}` cross, but it holds {allocation.nbytes}")
         return _DeviceBytes(allocation.ptr, nbytes)
 
-    def send(self, name: str, nbytes: int) -> None:
+    def send(self, name: str, nbytes: int, view: _DeviceBytes | None = None) -> None:
         """Issue the send of `name`'s first bytes on the stream (after the item's launches)."""
         backend = self.session.backend
         backend.activate()
-        self.comm.send(self._view(name, nbytes), self.RECEIVER_RANK,
+        self.comm.send(view or self._view(name, nbytes), self.RECEIVER_RANK,
                        stream=int(backend.stream_handle))
 
     def recv(self, name: str, nbytes: int) -> None:
@@ -209,8 +218,11 @@ class NcclLink(Link):
     def open(self, unique_id: bytes | None) -> None:
         self.peer.open(unique_id)
 
-    def _send_bytes(self, name: str, nbytes: int) -> None:
-        self.peer.send(name, nbytes)
+    def _prepare(self, name: str, nbytes: int) -> Any:
+        return name, nbytes, self.peer._view(name, nbytes)
+
+    def _send_bytes(self, payload: Any) -> None:
+        self.peer.send(*payload)
 
     def _recv_bytes(self, nbytes: int) -> Any:
         return nbytes  # the bytes come by NCCL in `land`, on the stream

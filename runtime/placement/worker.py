@@ -209,12 +209,19 @@ class _Worker:
         return False
 
     def _send(self, item: int, vars: dict[str, int], failed: bool) -> None:
+        """Hand every crossing buffer on; once one cannot go (the item then fails here), the
+        rest go poisoned, so that every later stage skips the item."""
         for edge in self.edges_out:
             target = self.bundle.stages[edge["to"]].manifest
             target_vars = {n: v for n, v in vars.items() if n in target.vars}
             nbytes = crossing_bytes(target, edge["buffer"], target_vars)
             link = self.links_out[edge["to"]]
-            link.put(item, edge["buffer"], None if failed else nbytes)
+            try:
+                link.put(item, edge["buffer"], None if failed else nbytes)
+            except Exception as err:  # noqa: BLE001 - a failed crossing fails the item
+                failed = True
+                self.channel.say("error", item, *error_message(err, self.k))
+                link.put(item, edge["buffer"], None)
 
     def _hand_back(self, item: int, pending: Any) -> None:
         try:
