@@ -11,7 +11,6 @@ engine take any of them unchanged. docs/runtime.md ("Placements") says more.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,11 +46,6 @@ def make_runner(bundle: Any, backend: str = "cpu", devices: Sequence[int] | None
     from kerncc.runtime.placement.ray_chain import RayChain
 
     return RayChain(bundle, backend=backend, devices=devices, **options)
-
-
-def bundle_path(bundle: Any) -> str:
-    """The directory of a bundle (a Bundle or a path), which every stage process opens."""
-    return os.fspath(getattr(bundle, "dir", bundle))
 
 
 __all__ = ["PLACEMENTS", "make_runner"]
