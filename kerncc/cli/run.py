@@ -19,6 +19,7 @@ import attrs
 import numpy as np
 
 from kerncc import config
+from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 
 
@@ -62,7 +63,6 @@ def _say(message: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from kerncc.lower import open_target
-    from kerncc.runtime import Chain
     from kerncc.runtime.generate import Generator
     from kerncc.runtime.trace import Timeline
 
@@ -84,8 +84,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if path is not None and Path(path).is_dir():
             raise KernccError.single(f"{flag} `{path}` is a directory; give a file name")
     timeline = Timeline() if args.trace else None
-    chain = Chain(bundle, backend=args.backend, checkpoint=weights, interpret=args.interpret,
-                  devices=args.devices, graphs=args.graphs, trace=timeline)
+    chain = placement.make(args, bundle, checkpoint=weights, interpret=args.interpret,
+                           graphs=args.graphs, trace=timeline)
     sampling = _sampling(args)
     loaded = time.perf_counter()
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
@@ -223,6 +223,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the sampling seed, 0..2**64-1 (default 0: a run repeats)")
     p.add_argument("--interpret", action="store_true",
                    help="interpret plan.json's launch records instead of running stage.py")
+    placement.add_arguments(p)
     p.set_defaults(handler=cmd_run, format="text")
 
     p = sub.add_parser("example", help="write an example model (manifest and checkpoint)")

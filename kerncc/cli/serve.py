@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from kerncc import config
+from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 
 GRACE = 3.0  # seconds streams may go on after SIGTERM
@@ -55,7 +56,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KernccError.single("`kerncc serve` needs the serve extra: "
                                  "pip install 'kerncc[serve]'") from None
     from kerncc.lower import open_target
-    from kerncc.runtime import Chain
     from kerncc.serve import text
     from kerncc.serve.engine import Config, Engine
     from kerncc.serve.http import Server, create_app
@@ -66,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     weights = args.weights or bundle.checkpoint
     if weights is not None and not Path(weights).exists():
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
-    chain = Chain(bundle, backend=args.backend, checkpoint=weights, devices=args.devices)
+    chain = placement.make(args, bundle, checkpoint=weights)  # thread, process or ray
     engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
                                   chunk=args.chunk))
     model = bundle.stages[0].manifest.model
@@ -123,6 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where the stages run (default: KERNCC_BACKEND, else cpu)")
     p.add_argument("--devices", type=_devices, metavar="0,1",
                    help="GPUs to spread the stages over, in order (cuda backend)")
+    placement.add_arguments(p)
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                    help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, metavar="N",
@@ -131,9 +132,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests waiting for admission before new ones get 429 (default 256)")
     p.add_argument("--max-seqs", type=_count, default=8, metavar="N",
                    help="sequences served at once (default 8)")
-    p.add_argument("--chunk", type=_count, metavar="N", help="prefill rows per step (default: "
-                   "the rows "
-                   "bound)")
+    p.add_argument("--chunk", type=_count, metavar="N",
+                   help="prefill rows per step (default: the rows bound)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (default: the "
                    "bundle's)")
     p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
