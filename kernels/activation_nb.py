@@ -15,8 +15,8 @@ import numpy as np
 from numba import cuda
 from numba.cuda.extending import register_jitable
 
-from kerncc.kernels.nb import (I32, P_U16, Entries, bf16_to_f32, bits_f32,
-                               f32_to_bf16, kernel, load16, store16, address)
+from kerncc.kernels.nb import (I32, P_U16, Entries, address, bf16_to_f32, bits_f32,
+                               f32_to_bf16, kernel, load16_nc, store16, udiv32)
 
 ENTRIES: Entries = {}
 ONE = np.float32(1.0)
@@ -40,34 +40,34 @@ def silu_mul_word(gw, uw):
 
 @kernel(ENTRIES, "silu_mul_bf16_nb", P_U16, P_U16, I32, I32, I32)
 def silu_mul_bf16_nb(gate_up, act, rows, inter, block):
-    n = np.int64(rows) * np.int64(inter)
-    stride = np.int64(cuda.gridDim.x) * np.int64(cuda.blockDim.x)
-    first = np.int64(cuda.blockIdx.x) * np.int64(cuda.blockDim.x) + np.int64(cuda.threadIdx.x)
-    wide_inter = np.int64(inter)
-    piece = np.int64(block)
+    # Unsigned 64-bit indices and one 32-bit division for the piece (numba's `//` on ints
+    # is a signed 64-bit division with a floor correction: 1.3x the CUDA C's time).
+    n = np.uint64(rows) * np.uint64(inter)
+    stride = np.uint64(cuda.gridDim.x) * np.uint64(cuda.blockDim.x)
+    first = np.uint64(cuda.blockIdx.x) * np.uint64(cuda.blockDim.x) + np.uint64(cuda.threadIdx.x)
+    wide = np.uint64(inter)
+    piece = np.uint64(block)
     bases = address(gate_up) | address(act)
     if inter % 8 == 0 and block % 8 == 0 and bases % np.uint64(16) == np.uint64(0):
         v = first
-        while v < n // 8:
-            idx = v * 8
-            row = idx // wide_inter
-            i = idx % wide_inter  # 8 outputs inside one `block`-wide piece
-            src = row * 2 * wide_inter + (i // piece) * 2 * piece + i % piece
-            g0, g1, g2, g3 = load16(gate_up, src)
-            u0, u1, u2, u3 = load16(gate_up, src + piece)
+        while v < n // np.uint64(8):
+            idx = v * np.uint64(8)
+            row = idx // wide
+            i = idx - row * wide  # 8 outputs inside one `block`-wide piece
+            q = np.uint64(udiv32(i, block))
+            src = row * np.uint64(2) * wide + q * np.uint64(2) * piece + (i - q * piece)
+            g0, g1, g2, g3 = load16_nc(gate_up, src)
+            u0, u1, u2, u3 = load16_nc(gate_up, src + piece)
             store16(act, idx, silu_mul_word(g0, u0), silu_mul_word(g1, u1),
                     silu_mul_word(g2, u2), silu_mul_word(g3, u3))
             v += stride
         return
     idx = first
     while idx < n:
-        row = idx // wide_inter
-        i = idx % wide_inter
-        src = row * 2 * wide_inter + (i // piece) * 2 * piece + i % piece
+        row = idx // wide
+        i = idx - row * wide
+        q = np.uint64(udiv32(i, block))
+        src = row * np.uint64(2) * wide + q * np.uint64(2) * piece + (i - q * piece)
         act[idx] = f32_to_bf16(silu_mul(bf16_to_f32(gate_up[src]),
                                         bf16_to_f32(gate_up[src + piece])))
         idx += stride
-
-
-
-

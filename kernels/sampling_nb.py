@@ -20,7 +20,8 @@ from numba import cuda
 from numba.cuda import types
 from numba.cuda.extending import register_jitable
 
-from kerncc.kernels.nb import I32, P_F32, P_I32, P_U32, Entries, bits_f32, f32_bits, kernel, u32
+from kerncc.kernels.nb import (I32, P_F32, P_I32, P_U32, Entries, address, bits_f32, f32_bits,
+                               kernel, load16_nc, u32)
 
 ENTRIES: Entries = {}
 THREADS = 1024
@@ -95,6 +96,17 @@ def warp_sum(v):
 
 
 @register_jitable
+def unit(logits, base, u, wide):
+    """Unit u of the row: 4 floats by one 16-byte load when `wide`, else logits[base + u]
+    (in lane 0 only: the callers read `width` lanes)."""
+    if wide:
+        a, b, c, d = load16_nc(logits, base + np.int64(4) * u)
+        return bits_f32(a), bits_f32(b), bits_f32(c), bits_f32(d)
+    x = logits[base + u]
+    return x, x, x, x
+
+
+@register_jitable
 def tally(bins, x, floor, mask, prefix, shift, counting, m, t):
     """Add x's count or weight to its digit's bin when its key is >= floor and its higher
     digits are the prefix found so far."""
@@ -105,7 +117,19 @@ def tally(bins, x, floor, mask, prefix, shift, counting, m, t):
 
 
 @register_jitable
-def search(logits, base, vocab, m, t, floor, counting, target, top_p, hist, shared, bins):
+def tally_unit(bins, xs, width, floor, mask, prefix, shift, counting, m, t):
+    if width == 4:
+        tally(bins, xs[0], floor, mask, prefix, shift, counting, m, t)
+        tally(bins, xs[1], floor, mask, prefix, shift, counting, m, t)
+        tally(bins, xs[2], floor, mask, prefix, shift, counting, m, t)
+        tally(bins, xs[3], floor, mask, prefix, shift, counting, m, t)
+    else:
+        tally(bins, xs[0], floor, mask, prefix, shift, counting, m, t)
+
+
+@register_jitable
+def search(logits, base, units, wide, width, m, t, floor, counting, target, top_p, hist,
+           shared, bins):
     """The largest key t >= floor such that the tokens with key >= t (and >= floor) weigh
     (counting: number) at least target, found a digit of 4 bits at a time from the top:
     8 passes, each a per-thread histogram of 16 bins, summed exactly over the block.
@@ -114,27 +138,28 @@ def search(logits, base, vocab, m, t, floor, counting, target, top_p, hist, shar
     every token >= floor): floor(total * P / 2**24), P = uint32(top_p * 2**24), at least 1.
     """
     tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
+    threads = np.int64(cuda.blockDim.x)
     prefix = np.uint32(0)
     for level in range(8):
         shift = np.uint32(28 - 4 * level)
         mask = u32(~((np.uint64(1) << np.uint64(32 - 4 * level)) - U1))  # the digits above
         for b in range(16):
             bins[b] = U0
-        i = tid
-        while i + 3 * threads < vocab:  # four loads in flight: the passes are latency-bound
-            x0 = logits[base + i]
-            x1 = logits[base + i + threads]
-            x2 = logits[base + i + 2 * threads]
-            x3 = logits[base + i + 3 * threads]
-            tally(bins, x0, floor, mask, prefix, shift, counting, m, t)
-            tally(bins, x1, floor, mask, prefix, shift, counting, m, t)
-            tally(bins, x2, floor, mask, prefix, shift, counting, m, t)
-            tally(bins, x3, floor, mask, prefix, shift, counting, m, t)
-            i += 4 * threads
-        while i < vocab:
-            tally(bins, logits[base + i], floor, mask, prefix, shift, counting, m, t)
-            i += threads
+        u = np.int64(tid)
+        while u + 3 * threads < units:  # four 16-byte loads in flight: one SM reads the row
+            xa = unit(logits, base, u, wide)
+            xb = unit(logits, base, u + threads, wide)
+            xc = unit(logits, base, u + 2 * threads, wide)
+            xd = unit(logits, base, u + 3 * threads, wide)
+            tally_unit(bins, xa, width, floor, mask, prefix, shift, counting, m, t)
+            tally_unit(bins, xb, width, floor, mask, prefix, shift, counting, m, t)
+            tally_unit(bins, xc, width, floor, mask, prefix, shift, counting, m, t)
+            tally_unit(bins, xd, width, floor, mask, prefix, shift, counting, m, t)
+            u += 4 * threads
+        while u < units:
+            tally_unit(bins, unit(logits, base, u, wide), width, floor, mask, prefix, shift,
+                       counting, m, t)
+            u += threads
         cuda.syncthreads()  # everyone has read the previous level's results
         if tid < 16:
             hist[tid] = U0
@@ -168,32 +193,57 @@ def search(logits, base, vocab, m, t, floor, counting, target, top_p, hist, shar
 
 
 @register_jitable
-def argmax(logits, base, vocab, tokens, b, best_v, best_i):
+def better(v, idx, x, i):
+    """(value, index) of the larger; on a tie the smaller index (np.argmax's first maximum)."""
+    if x > v or (x == v and i < idx):
+        return x, i
+    return v, idx
+
+
+@register_jitable
+def argmax(logits, base, units, wide, width, tokens, b, best_v, best_i):
     """tokens[b] = the first index of the row's maximum (argmax_f32's rule)."""
     tid = cuda.threadIdx.x
     v = -np.float32(np.inf)
     idx = np.int32(0x7FFFFFFF)
-    i = tid
-    while i < vocab:
-        x = logits[base + i]
-        if x > v:  # ascending i: the first maximum of this thread's share wins ties
-            v = x
-            idx = np.int32(i)
-        i += cuda.blockDim.x
+    u = np.int64(tid)
+    while u < units:
+        xs = unit(logits, base, u, wide)
+        first = np.int32(u * width)
+        v, idx = better(v, idx, xs[0], first)
+        if width == 4:
+            v, idx = better(v, idx, xs[1], first + np.int32(1))
+            v, idx = better(v, idx, xs[2], first + np.int32(2))
+            v, idx = better(v, idx, xs[3], first + np.int32(3))
+        u += cuda.blockDim.x
     best_v[tid] = v
     best_i[tid] = idx
     cuda.syncthreads()
     half = cuda.blockDim.x // 2
     while half > 0:
         if tid < half:
-            ov, oi = best_v[tid + half], best_i[tid + half]
-            if ov > best_v[tid] or (ov == best_v[tid] and oi < best_i[tid]):
-                best_v[tid] = ov
-                best_i[tid] = oi
+            nv, ni = better(best_v[tid], best_i[tid], best_v[tid + half], best_i[tid + half])
+            best_v[tid] = nv
+            best_i[tid] = ni
         cuda.syncthreads()
         half //= 2
     if tid == 0:
         tokens[b] = best_i[0] if best_i[0] != np.int32(0x7FFFFFFF) else np.int32(0)
+
+
+@register_jitable
+def top_key(xs, width, local):
+    local = max(local, key_of(xs[0]))
+    if width == 4:
+        local = max(local, max(max(key_of(xs[1]), key_of(xs[2])), key_of(xs[3])))
+    return local
+
+
+@register_jitable
+def kept_weight(xs, c, tau, m, t):
+    """The weight of lane c of a unit when its key is >= tau, else 0."""
+    x = xs[c]
+    return weight(x, m, t) if key_of(x) >= tau else U0
 
 
 @kernel(ENTRIES, "sample_f32", P_F32, P_U32, P_I32, I32, I32, I32)
@@ -209,7 +259,7 @@ def sample_f32(logits, params, tokens, n, stride, vocab):
     best_v = cuda.shared.array(THREADS, types.float32)
     best_i = cuda.shared.array(THREADS, types.int32)
     tid = cuda.threadIdx.x
-    threads = cuda.blockDim.x
+    threads = np.int64(cuda.blockDim.x)
     w = np.int64(b) * WORDS
     base = np.int64(params[w]) * np.int64(stride)
     t = bits_f32(params[w + 1])
@@ -218,20 +268,27 @@ def sample_f32(logits, params, tokens, n, stride, vocab):
     seed = np.uint64(params[w + 4]) | (np.uint64(params[w + 5]) << S32)
     sequence = np.uint64(params[w + 6]) | (np.uint64(params[w + 7]) << S32)
     step = np.uint64(params[w + 8]) | (np.uint64(params[w + 9]) << S32)
+    # 16-byte units when every row starts 16-byte aligned and holds whole units, else floats
+    wide = vocab % 4 == 0 and stride % 4 == 0 and address(logits) % np.uint64(16) == U0
+    width = 4 if wide else 1
+    units = np.int64(vocab // width)
     if t == ZERO_F:
-        argmax(logits, base, vocab, tokens, b, best_v, best_i)
+        argmax(logits, base, units, wide, width, tokens, b, best_v, best_i)
         return
 
     local = np.uint32(0)
-    i = tid
-    while i + 3 * threads < vocab:
-        k0 = max(key_of(logits[base + i]), key_of(logits[base + i + threads]))
-        k1 = max(key_of(logits[base + i + 2 * threads]), key_of(logits[base + i + 3 * threads]))
-        local = max(local, max(k0, k1))
-        i += 4 * threads
-    while i < vocab:
-        local = max(local, key_of(logits[base + i]))
-        i += threads
+    u = np.int64(tid)
+    while u + 3 * threads < units:
+        xa = unit(logits, base, u, wide)
+        xb = unit(logits, base, u + threads, wide)
+        xc = unit(logits, base, u + 2 * threads, wide)
+        xd = unit(logits, base, u + 3 * threads, wide)
+        local = top_key(xb, width, top_key(xa, width, local))
+        local = top_key(xd, width, top_key(xc, width, local))
+        u += 4 * threads
+    while u < units:
+        local = top_key(unit(logits, base, u, wide), width, local)
+        u += threads
     if tid == 0:
         top[0] = np.uint32(0)
     cuda.syncthreads()
@@ -241,22 +298,25 @@ def sample_f32(logits, params, tokens, n, stride, vocab):
 
     tau = np.uint32(0)
     if top_k > np.uint32(0) and np.int64(top_k) < np.int64(vocab):
-        tau = search(logits, base, vocab, m, t, tau, True, np.uint64(top_k), ZERO_F, hist,
-                     shared, bins)
+        tau = search(logits, base, units, wide, width, m, t, tau, True, np.uint64(top_k),
+                     ZERO_F, hist, shared, bins)
     if top_p < ONE_F:
-        tau = search(logits, base, vocab, m, t, tau, False, U1, top_p, hist, shared, bins)
+        tau = search(logits, base, units, wide, width, m, t, tau, False, U1, top_p, hist,
+                     shared, bins)
 
-    # The chosen token: each thread owns a contiguous chunk; an inclusive scan of the chunks'
-    # weights says whose chunk holds the draw, and that thread walks it.
-    chunk = (np.int64(vocab) + threads - 1) // threads
+    # The chosen token: each thread owns a contiguous run of units; an inclusive scan of the
+    # runs' weights says whose run holds the draw, and that thread walks it.
+    chunk = (units + threads - 1) // threads
     lo = np.int64(tid) * chunk
-    hi = min(lo + chunk, np.int64(vocab))
+    hi = min(lo + chunk, units)
     own = U0
     j = lo
     while j < hi:
-        x = logits[base + j]
-        if key_of(x) >= tau:
-            own += weight(x, m, t)
+        xs = unit(logits, base, j, wide)
+        own += kept_weight(xs, 0, tau, m, t)
+        if width == 4:
+            own += kept_weight(xs, 1, tau, m, t) + kept_weight(xs, 2, tau, m, t) + \
+                kept_weight(xs, 3, tau, m, t)
         j += 1
     sums[tid] = own
     cuda.syncthreads()
@@ -277,10 +337,10 @@ def sample_f32(logits, params, tokens, n, stride, vocab):
     running = exclusive
     j = lo
     while j < hi:
-        x = logits[base + j]
-        if key_of(x) >= tau:
-            running += weight(x, m, t)
+        xs = unit(logits, base, j, wide)
+        for c in range(width):
+            running += kept_weight(xs, c, tau, m, t)
             if running > r:
-                tokens[b] = np.int32(j)
+                tokens[b] = np.int32(j * width + c)
                 return
         j += 1
