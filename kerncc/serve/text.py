@@ -1,9 +1,9 @@
 """The tokenizer behind the server, through `kerncc.hf.tokenizer.TextCodec` when it exists.
 
-`TextCodec` (being added on another branch) reads a model folder's tokenizer files:
-`from_dir(path) -> TextCodec | None`, `encode`, `decode`, `eos_token_ids`, `has_chat_template`,
-`apply_chat_template(messages, add_generation_prompt=True)`. This module is the one place that
-knows it: `load(folders)` gives a codec or None (token-id prompts only; a text prompt is then
+`TextCodec` (kerncc/hf/tokenizer.py, the Hugging Face `tokenizers` library) reads a model
+folder's tokenizer files: `from_dir(path) -> TextCodec | None`, `encode`, `decode`,
+`eos_token_ids`, `has_chat_template`, `apply_chat_template(messages, add_generation_prompt=True)`.
+This module is the one place of the server that knows it: `load(folders)` gives a codec or None (token-id prompts only; a text prompt is then
 refused with "model has no tokenizer").
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-try:  # the Hugging Face branch; absent until it merges
-    from kerncc.hf.tokenizer import TextCodec  # type: ignore[import-not-found]
+try:  # needs the `tokenizers` library (the hf extra)
+    from kerncc.hf.tokenizer import TextCodec
 except ImportError:
     TextCodec = None
 
@@ -41,7 +41,12 @@ class Text:
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         made = self.codec.apply_chat_template(messages, add_generation_prompt=True)
-        return self.encode(made) if isinstance(made, str) else [int(t) for t in made]
+        if not isinstance(made, str):
+            return [int(t) for t in made]
+        try:  # the template writes its own special tokens (as transformers encodes it)
+            return [int(t) for t in self.codec.encode(made, add_special_tokens=False)]
+        except TypeError:  # a codec without the flag
+            return self.encode(made)
 
 
 def load(folders: Iterable[Path | None]) -> Text | None:
