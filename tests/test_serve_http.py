@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,16 +18,14 @@ import time
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
 from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
-from kerncc.runtime import Bundle, Chain
+from kerncc.runtime import Chain
 from kerncc.runtime.generate import Generator
 from kerncc.serve import sampling_hook
-from kerncc.serve.engine import Config, Engine
-from kerncc.serve.http import Server, create_app
+from serving import serving as serve_on_loopback
 
 MODEL = "kerncc-qwen3-tiny"
 LETTERS = "abcdefghijklmnopqrstuvwxyz .,!?"
@@ -63,30 +60,9 @@ def chain(model) -> Chain:
     return Chain(lower_to_bundle(model))
 
 
-@contextlib.contextmanager
 def serving(chain, text=None, runner=None, **config):
-    """A server on a free port of 127.0.0.1; yields its base URL and the Server."""
-    from kerncc.serve.text import Text
-
-    engine = Engine(chain, Config(**{"max_running": 4, **config}))
-    if runner is not None:
-        engine.runner = runner
-    server = Server(engine, MODEL, Text(text) if text else None)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if uv.started:
-            break
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
-    finally:
-        uv.should_exit = True
-        thread.join(10)
-        sock.close()
+    """The loopback server of tests/serving.py, as this module's tests call it."""
+    return serve_on_loopback(chain, MODEL, text, runner, **config)
 
 
 @pytest.fixture(scope="module")

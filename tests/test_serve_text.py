@@ -8,23 +8,17 @@ pieces fit: a text prompt gives the tokens its ids give, a chat request gives th
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
 import pytest
 
 pytest.importorskip("tokenizers")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
 from kerncc.example import generate  # noqa: E402
 from kerncc.hf.tokenizer import TextCodec  # noqa: E402
 from kerncc.lower import lower_to_bundle  # noqa: E402
 from kerncc.runtime import Chain  # noqa: E402
-from kerncc.serve import text  # noqa: E402
-from kerncc.serve.engine import Config, Engine  # noqa: E402
-from kerncc.serve.http import Server, create_app  # noqa: E402
+from serving import serving  # noqa: E402
 
 MESSAGE = "hello there"
 
@@ -43,25 +37,9 @@ def codec(model) -> TextCodec:
 
 
 @pytest.fixture(scope="module")
-def base(model):
-    engine = Engine(Chain(lower_to_bundle(model)), Config(max_running=4))
-    server = Server(engine, "tiny", text.load([model.parent]))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(250):
-        if uv.started:
-            break
-        time.sleep(0.02)
-    assert uv.started, "the server did not start"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        uv.should_exit = True
-        thread.join(10)
-        sock.close()
+def base(model, codec):
+    with serving(Chain(lower_to_bundle(model)), "tiny", codec) as (url, _):
+        yield url
 
 
 def post(base: str, path: str, **body) -> dict:
