@@ -1,7 +1,7 @@
 """`kerncc dump --format dot`: the dataflow of one program for graphviz, with its cut.
 
-Calls are boxes (label, op), values are ellipses (`buffer@k`, `state+off@k`); reads and writes
-are edges. On a pipeline IR each call is coloured by the stage that runs it, cut points are
+Calls are boxes (label, op), values are ellipses (`buffer@k`, `state+off@k`); reads (dashed),
+writes (solid) and partial writes' reads of the previous version (dotted) are edges. On a pipeline IR each call is coloured by the stage that runs it, cut points are
 marked by a dashed cluster border, and the buffers that cross a cut carry their bytes.
 """
 
@@ -39,7 +39,7 @@ def _stage_of(ir: IR, program: str, index: int) -> int:
 
 def render_dot(ir: IR, program: str | None = None) -> str:
     name = _pick_program(ir.whole, program)
-    graph = dataflow_graph(ir.whole, [name])
+    graph = dataflow_graph(ir.whole, (name,))
     crossing = {e.buffer: e for e in ir.edges}
     lines = [f"digraph {_quote(name)} {{", "  rankdir=TB;", "  node [fontname=monospace];"]
     for stage in range(len(ir.stages)):
@@ -58,7 +58,7 @@ def render_dot(ir: IR, program: str | None = None) -> str:
         if data["kind"] == "value":
             lines.append(f"  {_node_id(node)} [{_value_attrs(node, crossing)}];")
     for src, dst, data in graph.edges(data=True):
-        style = "solid" if data["access"] == "write" else "dashed"
+        style = {"write": "solid", "read": "dashed", "partial": "dotted"}[data["access"]]
         lines.append(f"  {_node_id(src)} -> {_node_id(dst)} [style={style}, "
                      f"label={_quote(data['direction'])}];")
     lines.append("}")

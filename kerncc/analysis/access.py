@@ -13,6 +13,7 @@ from functools import lru_cache
 import attrs
 
 from kerncc import manifest as m
+from kerncc.analysis.cache import memo
 
 Region = tuple[str, int]
 
@@ -103,5 +104,12 @@ def _call_access(call: m.Call, params: tuple[m.ParamType, ...]) -> CallAccess:
     return CallAccess(tuple(found))
 
 
-def program_access(man: m.Manifest, program: m.Program) -> list[CallAccess]:
-    return [call_access(c, man.ops.get(c.op)) for c in program.calls]
+def program_access(man: m.Manifest, program: m.Program) -> tuple[CallAccess, ...]:
+    """The accesses of each call of `program` through `man`'s ops, cached per manifest object."""
+    # Keyed by the program object too (callers may pass an edited copy); the memo holds it.
+    held, found = memo(man, ("program_access", id(program)),
+                       lambda: (program, tuple(call_access(c, man.ops.get(c.op))
+                                               for c in program.calls)))
+    if held is program:
+        return found
+    return tuple(call_access(c, man.ops.get(c.op)) for c in program.calls)
