@@ -30,16 +30,17 @@ def _entry(man: Any) -> dict[Hashable, Any]:
     if found is not None and found[0]() is man:
         return found[1]
     key = id(man)
-    ref = weakref.ref(man, lambda _ref: _forget(key, _ref))
+    ref = weakref.ref(man, functools.partial(_forget, key))
     table: dict[Hashable, Any] = {}
     _MEMO[key] = (ref, table)
     return table
 
 
-def _forget(key: int, ref: weakref.ref) -> None:
-    found = _MEMO.get(key)
+def _forget(key: int, ref: weakref.ref, table: dict = _MEMO) -> None:
+    # `table` is bound now: at interpreter exit the module's globals may already be gone.
+    found = table.get(key)
     if found is not None and found[0] is ref:
-        del _MEMO[key]
+        del table[key]
 
 
 def memo(man: Any, key: Hashable, compute: Callable[[], T]) -> T:

@@ -108,7 +108,7 @@ def live_spans(man: m.Manifest, program: str) -> tuple[tuple[str, int, int], ...
 
     A use is a read by a later call of the same program, or a partial write whose new version
     is used in turn (the old bytes it keeps are then still needed). A value with no use has
-    last use = writer, so it crosses no cut.
+    last use -1, so it crosses no cut.
     """
     return memo(man, ("live_spans", program), lambda: _live_spans(man, program))
 
@@ -122,14 +122,14 @@ def _live_spans(man: m.Manifest, program: str) -> tuple[tuple[str, int, int], ..
         for value in graph.successors(node):
             if value[0] != "buf" or value in last_use:
                 continue
-            last_use[value] = _last_use(graph, program, value, index, last_use)
+            last_use[value] = _last_use(graph, program, value, last_use)
             spans.append((value[1], index, last_use[value]))
     return tuple(spans)
 
 
-def _last_use(graph: nx.MultiDiGraph, program: str, value: tuple, writer: int,
+def _last_use(graph: nx.MultiDiGraph, program: str, value: tuple,
               last_use: dict[tuple, int]) -> int:
-    best = writer
+    best = -1
     for _, user, data in graph.out_edges(value, data=True):
         if user[1] != program:
             continue
@@ -137,7 +137,7 @@ def _last_use(graph: nx.MultiDiGraph, program: str, value: tuple, writer: int,
             best = max(best, user[2])
             continue
         kept = value[:2] + (value[2] + 1,)  # the version the partial writer makes (later: done)
-        best = max(best, last_use.get(kept, writer))
+        best = max(best, last_use.get(kept, -1))
     return best
 
 
