@@ -43,7 +43,7 @@ def render_dot(ir: IR, program: str | None = None) -> str:
     crossing = {e.buffer: e for e in ir.edges}
     lines = [f"digraph {_quote(name)} {{", "  rankdir=TB;", "  node [fontname=monospace];"]
     for stage in range(len(ir.stages)):
-        members = [n for n, d in graph.nodes(data=True)
+        members = [n for n, d in graph.nodes.items()
                    if d["kind"] == "call" and _stage_of(ir, name, n[2]) == stage]
         lines.append(f"  subgraph cluster_stage{stage} {{")
         lines.append(f"    label={_quote(f'stage {stage}')}; style=dashed;")
@@ -54,10 +54,10 @@ def render_dot(ir: IR, program: str | None = None) -> str:
             lines.append(f"    {_node_id(node)} [shape=box, style=filled, "
                          f"fillcolor={_quote(colour)}, label={_quote(text)}];")
         lines.append("  }")
-    for node, data in graph.nodes(data=True):
+    for node, data in graph.nodes.items():
         if data["kind"] == "value":
             lines.append(f"  {_node_id(node)} [{_value_attrs(node, crossing)}];")
-    for src, dst, data in graph.edges(data=True):
+    for src, dst, data in graph.edges():
         style = {"write": "solid", "read": "dashed", "partial": "dotted"}[data["access"]]
         lines.append(f"  {_node_id(src)} -> {_node_id(dst)} [style={style}, "
                      f"label={_quote(data['direction'])}];")

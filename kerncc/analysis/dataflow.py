@@ -19,13 +19,18 @@ tests/property/test_graph_queries.py):
 - `backward_slice`: the calls of some programs that are ancestors of the values others read;
 - `region_touches`: which calls touch each (state, offset) region.
 The graph and the indexes are built once per manifest object (kerncc.analysis.cache).
+
+The graph is a small adjacency structure (`Dataflow`) rather than a networkx MultiDiGraph:
+the passes need successors and predecessors only, and importing networkx costs more than
+building the graph of a 36-layer model. `Dataflow.to_networkx()` gives the MultiDiGraph for
+anyone who wants networkx's algorithms.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kerncc import manifest as m
 from kerncc.analysis.access import Access, Region, program_access
@@ -36,6 +41,57 @@ if TYPE_CHECKING:
 
 CallNode = tuple[str, str, int]
 Key = tuple  # ("buf", name) | ("state", name, offset)
+EdgeData = dict[str, Any]
+
+
+class Dataflow:
+    """A directed multigraph: nodes with attributes, parallel edges with attributes."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[tuple, EdgeData] = {}
+        self.graph: dict[str, Any] = {}
+        self._succ: dict[tuple, list[tuple[tuple, EdgeData]]] = {}
+        self._pred: dict[tuple, list[tuple[tuple, EdgeData]]] = {}
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.nodes
+
+    def add_node(self, node: tuple, **data: Any) -> None:
+        if node not in self.nodes:
+            self.nodes[node] = data
+            self._succ[node] = []
+            self._pred[node] = []
+
+    def add_edge(self, src: tuple, dst: tuple, **data: Any) -> None:
+        self._succ[src].append((dst, data))
+        self._pred[dst].append((src, data))
+
+    def successors(self, node: tuple) -> Iterable[tuple]:
+        return dict.fromkeys(dst for dst, _ in self._succ[node])
+
+    def predecessors(self, node: tuple) -> Iterable[tuple]:
+        return dict.fromkeys(src for src, _ in self._pred[node])
+
+    def out_edges(self, node: tuple) -> list[tuple[tuple, tuple, EdgeData]]:
+        return [(node, dst, data) for dst, data in self._succ[node]]
+
+    def edges(self) -> list[tuple[tuple, tuple, EdgeData]]:
+        """Every edge (source, target, data), sources in insertion order."""
+        return [(src, dst, data) for src, out in self._succ.items() for dst, data in out]
+
+    def number_of_nodes(self) -> int:
+        return len(self.nodes)
+
+    def number_of_edges(self) -> int:
+        return sum(len(out) for out in self._succ.values())
+
+    def to_networkx(self) -> nx.MultiDiGraph:
+        import networkx as nx
+
+        graph = nx.MultiDiGraph(**self.graph)
+        graph.add_nodes_from(self.nodes.items())
+        graph.add_edges_from(self.edges())
+        return graph
 
 
 def execution_order(man: m.Manifest) -> list[str]:
@@ -45,7 +101,7 @@ def execution_order(man: m.Manifest) -> list[str]:
     return sorted(man.programs, key=lambda name: (group(man.programs[name]), name.encode()))
 
 
-def dataflow_graph(man: m.Manifest, programs: Sequence[str] | None = None) -> nx.MultiDiGraph:
+def dataflow_graph(man: m.Manifest, programs: Sequence[str] | None = None) -> Dataflow:
     """The dataflow graph of `programs` (default: all, in execution order), built once per
     manifest object and program list. Read-only: callers share it.
 
@@ -55,10 +111,13 @@ def dataflow_graph(man: m.Manifest, programs: Sequence[str] | None = None) -> nx
 
 
 @per_manifest
-def _graph(man: m.Manifest, programs: tuple[str, ...] | None) -> nx.MultiDiGraph:
-    import networkx as nx  # the graph's only user; `kerncc verify` never loads it
+def _graph(man: m.Manifest, programs: tuple[str, ...] | None) -> Dataflow:
+    return build_graph(man, programs)
 
-    graph = nx.MultiDiGraph()
+
+def build_graph(man: m.Manifest, programs: Sequence[str] | None = None) -> Dataflow:
+    """The dataflow graph, built afresh (what `dataflow_graph` caches)."""
+    graph = Dataflow()
     version: dict[Key, int] = {}
     for name in execution_order(man) if programs is None else programs:
         calls = man.programs[name].calls
@@ -74,7 +133,7 @@ def _key(acc: Access) -> Key:
     return ("buf", acc.name) if acc.kind == "buffer" else ("state", acc.name, acc.offset)
 
 
-def _add_accesses(graph: nx.MultiDiGraph, node: CallNode, accesses: Sequence[Access],
+def _add_accesses(graph: Dataflow, node: CallNode, accesses: Sequence[Access],
                   version: dict[Key, int]) -> None:
     before = {_key(a): version.get(_key(a), 0) for a in accesses}
     kills = {_key(a) for a in accesses if a.kills}
@@ -93,7 +152,7 @@ def _add_accesses(graph: nx.MultiDiGraph, node: CallNode, accesses: Sequence[Acc
             _edge(graph, key + (before[key],), node, "partial", acc)
 
 
-def _edge(graph: nx.MultiDiGraph, src: tuple, dst: tuple, access: str, acc: Access) -> None:
+def _edge(graph: Dataflow, src: tuple, dst: tuple, access: str, acc: Access) -> None:
     for end in (src, dst):
         if end[0] != "call" and end not in graph:
             graph.add_node(end, kind="value")
@@ -127,10 +186,10 @@ def _live_spans(man: m.Manifest, program: str) -> tuple[tuple[str, int, int], ..
     return tuple(spans)
 
 
-def _last_use(graph: nx.MultiDiGraph, program: str, value: tuple,
+def _last_use(graph: Dataflow, program: str, value: tuple,
               last_use: dict[tuple, int]) -> int:
     best = -1
-    for _, user, data in graph.out_edges(value, data=True):
+    for _, user, data in graph.out_edges(value):
         if user[1] != program:
             continue
         if data["access"] == "read":
@@ -162,7 +221,7 @@ def backward_slice(man: m.Manifest, programs: tuple[str, ...], buffers: Iterable
     keys = [("buf", b) for b in buffers] + [("state", s, off) for s, off in regions]
     stack = [key + (versions[key],) for key in keys if versions.get(key, 0)]
     found: set[tuple] = set(stack)
-    while stack:  # the ancestors of the seeds (networkx.ancestors, for many sources at once)
+    while stack:  # the ancestors of the seeds, all at once
         for pred in graph.predecessors(stack.pop()):
             if pred not in found:
                 found.add(pred)
@@ -185,7 +244,7 @@ def region_touches(man: m.Manifest) -> Mapping[Region, tuple[tuple[str, int], ..
 def _region_touches(man: m.Manifest) -> Mapping[Region, tuple[tuple[str, int], ...]]:
     graph = dataflow_graph(man)
     touches: dict[Region, set[tuple[str, int]]] = {}
-    for node, data in graph.nodes(data=True):
+    for node, data in graph.nodes.items():
         if data["kind"] != "value" or node[0] != "state":
             continue
         calls = touches.setdefault((node[1], node[2]), set())
