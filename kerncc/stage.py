@@ -47,6 +47,16 @@ def assemble(whole: m.Manifest, programs: dict[str, m.Program],
     return attrs.evolve(stage, vars={k: v for k, v in whole.vars.items() if k in used})
 
 
+def unchanged_or(old: m.Manifest, new: m.Manifest) -> m.Manifest:
+    """`old` when a pass's re-assembled stage equals it, else `new`.
+
+    Analyses (verification first) are cached per manifest object, so handing an unchanged
+    stage on as the same object keeps them; comparing is cheap (attrs compares shared parts by
+    identity first), verifying again is not.
+    """
+    return old if new == old else new
+
+
 def crossing_kinds(whole: m.Manifest, stage: m.Manifest) -> dict[str, str]:
     """The re-kinded buffers of a stage (what `cut` changed), to keep through re-assembly."""
     return {name: b.kind for name, b in stage.buffers.items()

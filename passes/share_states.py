@@ -21,7 +21,7 @@ from kerncc.ir import IR
 from kerncc.passes import register
 from kerncc.passes.cut import HEADLINE, check_regions
 from kerncc.pipeline.base import Pass
-from kerncc.stage import assemble, crossing_kinds
+from kerncc.stage import assemble, crossing_kinds, unchanged_or
 
 @attrs.frozen
 class StateUse:
@@ -102,7 +102,7 @@ def shared_stage(whole: m.Manifest, stage: m.Manifest) -> m.Manifest:
     programs = {n: p for n, p in stage.programs.items() if p.driven}
     programs.update({n: attrs.evolve(stage.programs[n], calls=calls)
                      for n, calls in kept_init_calls(stage).items() if calls})
-    return assemble(whole, programs, crossing_kinds(whole, stage), stage.cut)
+    return unchanged_or(stage, assemble(whole, programs, crossing_kinds(whole, stage), stage.cut))
 
 
 def manifest_regions(man: m.Manifest) -> dict[str, set[int]]:

@@ -28,7 +28,7 @@ from kerncc.ir import IR
 from kerncc.analysis.layout import StagingLayout, Window, staging_layout
 from kerncc.passes import register
 from kerncc.pipeline.base import Pass
-from kerncc.stage import assemble, crossing_kinds
+from kerncc.stage import assemble, crossing_kinds, unchanged_or
 
 
 def _is_class(program: m.Program, which: str) -> bool:
@@ -91,7 +91,7 @@ def sliced_stage(whole: m.Manifest, stage: m.Manifest, which: str) -> m.Manifest
     programs = {name: p for name, p in stage.programs.items() if not _is_class(p, which)}
     programs.update({name: attrs.evolve(stage.programs[name], calls=kept)
                      for name, kept in calls.items() if kept})
-    return assemble(whole, programs, crossing_kinds(whole, stage), stage.cut)
+    return unchanged_or(stage, assemble(whole, programs, crossing_kinds(whole, stage), stage.cut))
 
 
 @register
