@@ -8,7 +8,7 @@ an `out` access at offset 0 is assumed to write the whole buffer.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import attrs
 
@@ -47,39 +47,40 @@ class Access:
 
 @attrs.frozen
 class CallAccess:
-    """All pointer accesses of one call, split the ways every analysis needs them."""
+    """All pointer accesses of one call, split the ways every analysis needs them (each split
+    computed once: a CallAccess is shared through the lru cache below)."""
 
     accesses: tuple[Access, ...]
 
-    @property
+    @cached_property
     def buffer_reads(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kind == "buffer" and a.reads)
 
-    @property
+    @cached_property
     def buffer_writes(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kind == "buffer" and a.writes)
 
-    @property
+    @cached_property
     def buffer_kills(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kills)
 
-    @property
+    @cached_property
     def buffers(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kind == "buffer")
 
-    @property
+    @cached_property
     def region_reads(self) -> frozenset[Region]:
         return frozenset(a.region for a in self.accesses if a.kind == "state" and a.reads)
 
-    @property
+    @cached_property
     def region_writes(self) -> frozenset[Region]:
         return frozenset(a.region for a in self.accesses if a.kind == "state" and a.writes)
 
-    @property
+    @cached_property
     def regions(self) -> frozenset[Region]:
         return frozenset(a.region for a in self.accesses if a.kind == "state")
 
-    @property
+    @cached_property
     def states(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kind == "state")
 

@@ -79,7 +79,8 @@ def analyze_program(man: m.Manifest, name: str) -> ProgramLiveness:
     program = man.programs[name]
     accesses = program_access(man, program)
     ins = live_ins(accesses)
-    cross = crossings(accesses)
+    written = written_before(accesses)
+    cross = [ins[a] & written[a] for a in range(len(accesses) + 1)]
     sizes = buffer_sizes(man)
     peak, peak_call = _peak(man, accesses, ins, sizes)
     return ProgramLiveness(
@@ -122,10 +123,10 @@ def _peak(man: m.Manifest, accesses: Sequence[CallAccess], ins: list[frozenset[s
           sizes: Mapping[str, int]) -> tuple[int, int | None]:
     """Largest workspace bytes live at one call: what it reads or keeps, plus what it writes."""
     best, where = 0, None
+    workspaces = {b: sizes.get(b, 0) for b, buf in man.buffers.items() if buf.kind == "workspace"}
     for i, acc in enumerate(accesses):
         live = (ins[i] | ins[i + 1] | acc.buffer_writes)
-        total = sum(sizes.get(b, 0) for b in live
-                    if b in man.buffers and man.buffers[b].kind == "workspace")
+        total = sum(workspaces.get(b, 0) for b in live)
         if total > best:
             best, where = total, i
     return best, where
