@@ -162,14 +162,14 @@ def _travelling(whole: m.Manifest, name: str, a: int, found: frozenset[str],
 
 def check_output_writes(whole: m.Manifest, points: dict[str, tuple[int, ...]],
                         accesses: dict[str, Sequence[CallAccess]], diags: Diagnostics) -> None:
-    for name, at in sorted(points.items()):
-        for i, acc in enumerate(accesses[name][:at[-1]]):
-            for b in sorted(acc.buffer_writes):
-                kind = whole.buffers[b].kind
-                if kind in ("output", "carry"):
-                    diags.error(f"program `{name}` call {i} writes {kind} buffer `{b}` before the "
-                                "last stage; a pipeline's outputs come from its last stage",
-                                pointer("programs", name, "calls", i))
+    early = [(name, i, b) for name, at in sorted(points.items())
+             for i, acc in enumerate(accesses[name][:at[-1]]) for b in sorted(acc.buffer_writes)]
+    for name, i, b in early:
+        kind = whole.buffers[b].kind
+        if kind in ("output", "carry"):
+            diags.error(f"program `{name}` call {i} writes {kind} buffer `{b}` before the "
+                        "last stage; a pipeline's outputs come from its last stage",
+                        pointer("programs", name, "calls", i))
 
 
 def stage_kinds(whole: m.Manifest, points: dict[str, tuple[int, ...]],
@@ -178,12 +178,10 @@ def stage_kinds(whole: m.Manifest, points: dict[str, tuple[int, ...]],
     """Spec §3.4: the kind each crossing buffer takes in each stage."""
     kinds: list[dict[str, str]] = []
     for s in range(count):
-        touched, written = set(), set()
-        for name, at in points.items():
-            lo, hi = stage_bounds(at, len(accesses[name]))[s]
-            for acc in accesses[name][lo:hi]:
-                touched |= acc.buffers
-                written |= acc.buffer_writes
+        stage_accesses = [acc for name, at in points.items()
+                          for acc in _slice(accesses[name], stage_bounds(at, len(accesses[name]))[s])]
+        touched = set().union(*(acc.buffers for acc in stage_accesses))
+        written = set().union(*(acc.buffer_writes for acc in stage_accesses))
         arriving = crossing[s - 1] if s > 0 else frozenset()
         leaving = crossing[s] if s < count - 1 else frozenset()
         kinds.append({})
@@ -196,6 +194,10 @@ def stage_kinds(whole: m.Manifest, points: dict[str, tuple[int, ...]],
             else:
                 kinds[s][b] = "output"
     return kinds
+
+
+def _slice(items: Sequence[CallAccess], bounds: tuple[int, int]) -> Sequence[CallAccess]:
+    return items[bounds[0]:bounds[1]]
 
 
 def region_owners(whole: m.Manifest, points: dict[str, tuple[int, ...]]

@@ -62,10 +62,10 @@ class RegionsReport:
 
 def _regions(man: m.Manifest, programs) -> dict[str, set[int]]:
     out: dict[str, set[int]] = {}
-    for program in programs:
-        for call in program.calls:
-            for state, offset in call_access(call, man.ops.get(call.op)).regions:
-                out.setdefault(state, set()).add(offset)
+    regions = (r for program in programs for call in program.calls
+               for r in call_access(call, man.ops.get(call.op)).regions)
+    for state, offset in regions:
+        out.setdefault(state, set()).add(offset)
     return out
 
 

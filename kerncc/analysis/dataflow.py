@@ -176,13 +176,12 @@ def _live_spans(man: m.Manifest, program: str) -> tuple[tuple[str, int, int], ..
     graph = dataflow_graph(man)
     last_use: dict[tuple, int] = {}
     spans = []
-    for index in reversed(range(len(man.programs[program].calls))):
-        node = ("call", program, index)
-        for value in graph.successors(node):
-            if value[0] != "buf" or value in last_use:
-                continue
-            last_use[value] = _last_use(graph, program, value, last_use)
-            spans.append((value[1], index, last_use[value]))
+    # Later calls first: a partial writer's new version is measured before the old one.
+    written = ((index, value) for index in reversed(range(len(man.programs[program].calls)))
+               for value in graph.successors(("call", program, index)) if value[0] == "buf")
+    for index, value in written:
+        last_use[value] = _last_use(graph, program, value, last_use)
+        spans.append((value[1], index, last_use[value]))
     return tuple(spans)
 
 
@@ -219,18 +218,22 @@ def backward_slice(man: m.Manifest, programs: tuple[str, ...], buffers: Iterable
     graph = dataflow_graph(man, programs)
     versions = graph.graph["versions"]
     keys = [("buf", b) for b in buffers] + [("state", s, off) for s, off in regions]
-    stack = [key + (versions[key],) for key in keys if versions.get(key, 0)]
-    found: set[tuple] = set(stack)
-    while stack:  # the ancestors of the seeds, all at once
-        for pred in graph.predecessors(stack.pop()):
-            if pred not in found:
-                found.add(pred)
-                stack.append(pred)
+    found = _ancestors(graph, [key + (versions[key],) for key in keys if versions.get(key, 0)])
     kept: dict[str, list[int]] = {p: [] for p in programs}
     for node in found:
         if node[0] == "call":
             kept[node[1]].append(node[2])
     return {p: tuple(sorted(indices)) for p, indices in kept.items()}
+
+
+def _ancestors(graph: Dataflow, seeds: list[tuple]) -> set[tuple]:
+    """The seeds and every node with a path to one (networkx.ancestors, many sources at once)."""
+    found, stack = set(seeds), list(seeds)
+    while stack:
+        fresh = [p for p in graph.predecessors(stack.pop()) if p not in found]
+        found.update(fresh)
+        stack += fresh
+    return found
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from kerncc.analysis.cache import per_manifest
 
 
 @attrs.frozen
-class Interval:
+class LiveRange:
     """A buffer's life in one program: first call writing it, last call reading it (or None)."""
 
     buffer: str
@@ -33,7 +33,7 @@ class ProgramLiveness:
     program: str
     live_in: tuple[frozenset[str], ...]
     live_out: tuple[frozenset[str], ...]
-    intervals: dict[str, Interval]
+    intervals: dict[str, LiveRange]
     crossing: tuple[frozenset[str], ...]      # crossing[a]: buffers crossing a cut before call a
     crossing_bytes: tuple[int, ...]
     peak_bytes: int
@@ -107,7 +107,7 @@ def buffer_sizes(man: m.Manifest) -> Mapping[str, int]:
                              if all(isinstance(d, int) or d in env for d in b.shape)})
 
 
-def _intervals(accesses: Sequence[CallAccess]) -> dict[str, Interval]:
+def _intervals(accesses: Sequence[CallAccess]) -> dict[str, LiveRange]:
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, acc in enumerate(accesses):
@@ -116,7 +116,7 @@ def _intervals(accesses: Sequence[CallAccess]) -> dict[str, Interval]:
         for b in acc.buffer_reads:
             last[b] = i
     names = sorted(set(first) | set(last))
-    return {b: Interval(b, first.get(b), last.get(b)) for b in names}
+    return {b: LiveRange(b, first.get(b), last.get(b)) for b in names}
 
 
 def _peak(man: m.Manifest, accesses: Sequence[CallAccess], ins: list[frozenset[str]],
