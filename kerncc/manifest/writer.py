@@ -30,45 +30,50 @@ def indented_json(value: Any) -> str:
 
 
 def _write(value: Any, newline: str, parts: list[str]) -> None:
-    # `newline` is "\n" plus the current indentation. Strings and ints, most leaves, are
-    # spelled inline: a call per leaf is most of the cost.
+    # `newline` is "\n" plus the current indentation.
     if isinstance(value, dict):
-        if not value:
-            parts.append("{}")
-            return
-        inner = newline + "  "
-        sep = "{" + inner
-        for key, item in value.items():
-            head = sep + (_encode_string(key) if type(key) is str else _key(key)) + ": "
-            kind = type(item)
-            if kind is str:
-                parts.append(head + _encode_string(item))
-            elif kind is int:
-                parts.append(head + int.__repr__(item))
-            else:
-                parts.append(head)
-                _write(item, inner, parts)
-            sep = "," + inner
-        parts.append(newline + "}")
+        _write_dict(value, newline, parts)
     elif isinstance(value, (list, tuple)):
-        if not value:
-            parts.append("[]")
-            return
-        inner = newline + "  "
-        sep = "[" + inner
-        for item in value:
-            kind = type(item)
-            if kind is str:
-                parts.append(sep + _encode_string(item))
-            elif kind is int:
-                parts.append(sep + int.__repr__(item))
-            else:
-                parts.append(sep)
-                _write(item, inner, parts)
-            sep = "," + inner
-        parts.append(newline + "]")
+        _write_list(value, newline, parts)
     else:
         parts.append(_scalar(value))
+
+
+def _write_dict(value: dict, newline: str, parts: list[str]) -> None:
+    if not value:
+        parts.append("{}")
+        return
+    inner = newline + "  "
+    sep = "{" + inner
+    for key, item in value.items():
+        head = sep + (_encode_string(key) if type(key) is str else _key(key)) + ": "
+        _write_item(head, item, inner, parts)
+        sep = "," + inner
+    parts.append(newline + "}")
+
+
+def _write_list(value: list | tuple, newline: str, parts: list[str]) -> None:
+    if not value:
+        parts.append("[]")
+        return
+    inner = newline + "  "
+    sep = "[" + inner
+    for item in value:
+        _write_item(sep, item, inner, parts)
+        sep = "," + inner
+    parts.append(newline + "]")
+
+
+def _write_item(head: str, item: Any, inner: str, parts: list[str]) -> None:
+    # Strings and ints, most leaves, are spelled here without a further call.
+    kind = type(item)
+    if kind is str:
+        parts.append(head + _encode_string(item))
+    elif kind is int:
+        parts.append(head + int.__repr__(item))
+    else:
+        parts.append(head)
+        _write(item, inner, parts)
 
 
 def _scalar(value: Any) -> str:
