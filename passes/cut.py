@@ -8,8 +8,8 @@ programs whose layers sit at different indices still cut at the same layer), or 
 used on the other (a query on the dataflow graph, kerncc.analysis.dataflow: kern's live-across
 rule, spec §3.3); crossing buffers become input / inout / output with `export`; a state region
 belongs to the one stage whose calls touch it (spec §3.5, the graph's region index); every
-refusal of spec §3 is reported with kern's text. Once and derive
-programs are kept whole here; `slice-once` / `slice-derive` trim them.
+refusal of spec §3 is reported with kern's text. Once and derive programs are kept whole
+here; `slice-once` / `slice-derive` trim them.
 """
 
 from __future__ import annotations
