@@ -65,12 +65,15 @@ def per_manifest(fn: Callable[..., T]) -> Callable[..., T]:
         key = (name, args)
         if key not in table:
             try:
-                table[key] = (True, wrapper.compute(man, *args))  # type: ignore[attr-defined]
-            except Exception as err:  # noqa: BLE001 - re-raised to every caller below
+                result = wrapper.compute(man, *args)  # type: ignore[attr-defined]
+            except Exception as err:
                 table[key] = (False, err)
+                raise  # with its traceback, the first time
+            table[key] = (True, result)
+            return result
         ok, value = table[key]
         if not ok:
-            raise value
+            raise value.with_traceback(None)
         return value
 
     wrapper.compute = fn  # type: ignore[attr-defined]
