@@ -89,7 +89,21 @@ def call_access(call: m.Call, op: m.Op | None) -> CallAccess:
     """The accesses of `call` through `op`'s interface (no op: no accesses)."""
     if op is None:
         return CallAccess(())
-    return _call_access(call, op.params)
+    # Stages share their Call objects with the whole, so look up by identity first: hashing
+    # a frozen Call (the lru key below) walks all its args, on every call.
+    key = (id(call), id(op.params))
+    hit = _BY_IDENTITY.get(key)
+    if hit is not None and hit[0] is call and hit[1] is op.params:
+        return hit[2]
+    found = _call_access(call, op.params)
+    if len(_BY_IDENTITY) >= _IDENTITY_LIMIT:
+        _BY_IDENTITY.clear()
+    _BY_IDENTITY[key] = (call, op.params, found)  # holding them keeps their ids unique
+    return found
+
+
+_IDENTITY_LIMIT = 65536
+_BY_IDENTITY: dict[tuple[int, int], tuple[m.Call, tuple[m.ParamType, ...], CallAccess]] = {}
 
 
 @lru_cache(maxsize=65536)

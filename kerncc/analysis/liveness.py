@@ -124,9 +124,10 @@ def _peak(man: m.Manifest, accesses: Sequence[CallAccess], ins: list[frozenset[s
     """Largest workspace bytes live at one call: what it reads or keeps, plus what it writes."""
     best, where = 0, None
     workspaces = {b: sizes.get(b, 0) for b, buf in man.buffers.items() if buf.kind == "workspace"}
+    names = frozenset(workspaces)
     for i, acc in enumerate(accesses):
-        live = (ins[i] | ins[i + 1] | acc.buffer_writes)
-        total = sum(workspaces.get(b, 0) for b in live)
+        live = (ins[i] | ins[i + 1] | acc.buffer_writes) & names
+        total = sum(map(workspaces.__getitem__, live))
         if total > best:
             best, where = total, i
     return best, where
