@@ -10,10 +10,13 @@ from __future__ import annotations
 from json.encoder import encode_basestring as _encode_string  # the C one, as json.dumps uses
 from typing import Any
 
+from kerncc.analysis.cache import per_manifest
 from kerncc.manifest import model as m
 
 
+@per_manifest
 def dumps(manifest: m.Manifest) -> str:
+    """The canonical text, once per manifest object (cut hashes the whole's, emit digests it)."""
     return indented_json(to_raw(manifest)) + "\n"
 
 
