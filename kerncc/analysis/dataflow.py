@@ -10,8 +10,9 @@ a value written by one program and read by another links the programs.
 
 The partial-write edge: a write that may not cover the whole value also *reads* the previous
 version (edge `access="partial"`), so no producer is lost. For a buffer that is every write but
-an `out` at offset 0 (kern's kill rule, spec §3.3; an `inout` already reads); a state region
-is never known to be overwritten whole, so every region write is partial.
+an `out` at offset 0 (kern's kill rule, spec §3.3); a state region is never known to be
+overwritten whole, so every region write is partial. A call that also reads the key (an
+`inout`, or an `in` of the same buffer) has its read edge instead: same dependency.
 
 Queries (each a pure function of the graph; the list scans they replaced are the oracles of
 tests/property/test_graph_queries.py):
@@ -135,20 +136,21 @@ def _key(acc: Access) -> Key:
 
 def _add_accesses(graph: Dataflow, node: CallNode, accesses: Sequence[Access],
                   version: dict[Key, int]) -> None:
+    # In argument order (so nodes appear as the call spells its args), but every read is of
+    # the version before the call, and a call makes one new version per key it writes.
     before = {_key(a): version.get(_key(a), 0) for a in accesses}
-    kills = {_key(a) for a in accesses if a.kills}
+    # A write keeps the old bytes it does not cover unless the call overwrites the whole
+    # buffer; when the call also reads the key, the read edge already says so.
+    covered = {_key(a) for a in accesses if a.kills or a.reads}
     for acc in accesses:
         key = _key(acc)
         if acc.reads:
             _edge(graph, key + (before[key],), node, "read", acc)
-    for acc in accesses:
-        key = _key(acc)
         if not acc.writes:
             continue
-        new = key + (before[key] + 1,)
         version[key] = before[key] + 1
-        _edge(graph, node, new, "write", acc)
-        if key not in kills:
+        _edge(graph, node, key + (before[key] + 1,), "write", acc)
+        if key not in covered:
             _edge(graph, key + (before[key],), node, "partial", acc)
 
 

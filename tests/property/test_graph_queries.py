@@ -3,7 +3,7 @@
 On random manifests (kerncc.testing, with and without partial writes) the cut's crossing sets
 at every call index, the region owners and conflicts, and the once/derive slices are the same
 whether asked of the graph (kerncc.analysis.dataflow) or computed by the old scans
-(scan_oracles.py). The partial-write edge has its own example: `once: full(a); half(a@8)`
+(scan_oracles.py). The partial-write edge has its own example: `once: full(a); half(a@256)`
 feeding `use(a)` keeps both producers.
 """
 
