@@ -18,10 +18,6 @@ def default_backend() -> str:
     return os.environ.get("KERNCC_BACKEND", "cpu")
 
 
-def no_color() -> bool:
-    return "NO_COLOR" in os.environ
-
-
 def no_progress() -> bool:
     return os.environ.get("KERNCC_NO_PROGRESS", "") not in ("", "0")
 

@@ -45,9 +45,6 @@ class Location:
     line: int | None = None
     column: int | None = None
 
-    def with_position(self, file: str | None, line: int | None, column: int | None) -> Location:
-        return attrs.evolve(self, file=file, line=line, column=column)
-
     def render(self) -> str:
         """`file:line:col: /pointer`, leaving out what is unknown."""
         parts: list[str] = []

@@ -1,7 +1,7 @@
 """`kerncc dump --format dot`: the dataflow of one program for graphviz, with its cut.
 
-Calls are boxes (label, op), values are ellipses (`buffer@k`, `state+off@k`); reads and writes
-are edges. On a pipeline IR each call is coloured by the stage that runs it, cut points are
+Calls are boxes (label, op), values are ellipses (`buffer@k`, `state+off@k`); reads (dashed),
+writes (solid) and partial writes' reads of the previous version (dotted) are edges. On a pipeline IR each call is coloured by the stage that runs it, cut points are
 marked by a dashed cluster border, and the buffers that cross a cut carry their bytes.
 """
 
@@ -39,11 +39,11 @@ def _stage_of(ir: IR, program: str, index: int) -> int:
 
 def render_dot(ir: IR, program: str | None = None) -> str:
     name = _pick_program(ir.whole, program)
-    graph = dataflow_graph(ir.whole, [name])
+    graph = dataflow_graph(ir.whole, (name,))
     crossing = {e.buffer: e for e in ir.edges}
     lines = [f"digraph {_quote(name)} {{", "  rankdir=TB;", "  node [fontname=monospace];"]
     for stage in range(len(ir.stages)):
-        members = [n for n, d in graph.nodes(data=True)
+        members = [n for n, d in graph.nodes.items()
                    if d["kind"] == "call" and _stage_of(ir, name, n[2]) == stage]
         lines.append(f"  subgraph cluster_stage{stage} {{")
         lines.append(f"    label={_quote(f'stage {stage}')}; style=dashed;")
@@ -54,11 +54,11 @@ def render_dot(ir: IR, program: str | None = None) -> str:
             lines.append(f"    {_node_id(node)} [shape=box, style=filled, "
                          f"fillcolor={_quote(colour)}, label={_quote(text)}];")
         lines.append("  }")
-    for node, data in graph.nodes(data=True):
+    for node, data in graph.nodes.items():
         if data["kind"] == "value":
             lines.append(f"  {_node_id(node)} [{_value_attrs(node, crossing)}];")
-    for src, dst, data in graph.edges(data=True):
-        style = "solid" if data["access"] == "write" else "dashed"
+    for src, dst, data in graph.edges():
+        style = {"write": "solid", "read": "dashed", "partial": "dotted"}[data["access"]]
         lines.append(f"  {_node_id(src)} -> {_node_id(dst)} [style={style}, "
                      f"label={_quote(data['direction'])}];")
     lines.append("}")

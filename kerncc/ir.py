@@ -6,24 +6,26 @@ of each edge. Later passes rewrite stages (always through `kerncc.stage.assemble
 stage verifies) and file reports under their own name (`reports["liveness"]`...). The IR is
 frozen: passes return `attrs.evolve(ir, ...)`. Analyses are cached per manifest object.
 
-The dataflow graph (`dataflow_graph`) is a networkx MultiDiGraph: nodes are calls
-(`("call", program, index)`) and SSA-style value versions (`("buf", name, k)`,
-`("state", name, offset, k)`); edges are reads (value -> call) and writes (call -> value) with
-the direction and byte offset. Versions count writes in execution order over all programs
-(derive, then once, then driven, each group in name order); a value written by one program and
-read by another links the programs.
+The IR's analyses are functions of one manifest object, computed once and cached on it
+(kerncc.analysis.cache, keyed by identity): `verify` (kerncc.verify), the accesses of each
+program (analysis.access.program_access), liveness and buffer sizes (analysis.liveness), and the
+dataflow graph with its queries (analysis.dataflow: cut crossings, backward slices, region
+touches). A pass asks; it does not recompute. A stage a pass leaves alone keeps its identity,
+so its analyses carry over.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import networkx as nx
 
 from kerncc import manifest as m
-from kerncc.analysis.access import call_access
+from kerncc.analysis.dataflow import dataflow_graph, execution_order
 from kerncc.stage import host_inputs
+
+__all__ = ["IR", "Edge", "dataflow_graph", "execution_order", "verify_stages"]
 
 
 @attrs.frozen
@@ -65,18 +67,7 @@ class IR:
 
     def verify(self) -> None:
         """Every stage verifies on its own (the runner calls this after each pass)."""
-        from kerncc.diagnostics import KernccError
-        from kerncc.verify import verify
-
-        problems = []
-        for index, stage in enumerate(self.stages):
-            try:
-                verify(stage)
-            except KernccError as err:
-                prefix = f"stage {index}: " if self.is_pipeline else ""
-                problems += [attrs.evolve(d, message=prefix + d.message) for d in err.diagnostics]
-        if problems:
-            raise KernccError("manifest failed verification:", problems)
+        verify_stages(self.stages, "manifest failed verification:", prefix=self.is_pipeline)
 
     def to_text(self) -> str:
         """The canonical text: the `.kir` of each stage (one, before a cut)."""
@@ -89,37 +80,17 @@ class IR:
         return "\n".join(parts)
 
 
-def execution_order(man: m.Manifest) -> list[str]:
-    """Programs in the order a runtime runs them: derive, once, then driven; names sorted."""
-    def group(p: m.Program) -> int:
-        return 0 if p.derive else 1 if p.once else 2
-    return sorted(man.programs, key=lambda name: (group(man.programs[name]), name.encode()))
+def verify_stages(stages: Sequence[m.Manifest], headline: str, *, prefix: bool = True) -> None:
+    """Every stage verifies (spec §3.6 step 10); failures read `stage S: <message>`."""
+    from kerncc.diagnostics import KernccError
+    from kerncc.verify import verify
 
-
-def dataflow_graph(man: m.Manifest, programs: list[str] | None = None) -> nx.MultiDiGraph:
-    """The dataflow graph of `programs` (default: all, in execution order)."""
-    graph = nx.MultiDiGraph()
-    version: dict[tuple, int] = {}
-    for name in programs or execution_order(man):
-        for index, call in enumerate(man.programs[name].calls):
-            node = ("call", name, index)
-            graph.add_node(node, kind="call", label=call.label, op=call.op)
-            _add_accesses(graph, man, call, node, version)
-    return graph
-
-
-def _add_accesses(graph: nx.MultiDiGraph, man: m.Manifest, call: m.Call, node: tuple,
-                  version: dict[tuple, int]) -> None:
-    for acc in call_access(call, man.ops.get(call.op)).accesses:
-        key = ("buf", acc.name) if acc.kind == "buffer" else ("state", acc.name, acc.offset)
-        if acc.reads:
-            value = key + (version.get(key, 0),)
-            graph.add_node(value, kind="value")
-            graph.add_edge(value, node, access="read", direction=acc.direction,
-                           offset=acc.offset)
-        if acc.writes:
-            version[key] = version.get(key, 0) + 1
-            value = key + (version[key],)
-            graph.add_node(value, kind="value")
-            graph.add_edge(node, value, access="write", direction=acc.direction,
-                           offset=acc.offset)
+    problems = []
+    for index, stage in enumerate(stages):
+        try:
+            verify(stage)
+        except KernccError as err:
+            shown = f"stage {index}: " if prefix else ""
+            problems += [attrs.evolve(d, message=shown + d.message) for d in err.diagnostics]
+    if problems:
+        raise KernccError(headline, problems)

@@ -47,6 +47,16 @@ def assemble(whole: m.Manifest, programs: dict[str, m.Program],
     return attrs.evolve(stage, vars={k: v for k, v in whole.vars.items() if k in used})
 
 
+def unchanged_or(old: m.Manifest, new: m.Manifest) -> m.Manifest:
+    """`old` when a pass's re-assembled stage equals it, else `new`.
+
+    Analyses (verification first) are cached per manifest object, so handing an unchanged
+    stage on as the same object keeps them; comparing is cheap (attrs compares shared parts by
+    identity first), verifying again is not.
+    """
+    return old if new == old else new
+
+
 def crossing_kinds(whole: m.Manifest, stage: m.Manifest) -> dict[str, str]:
     """The re-kinded buffers of a stage (what `cut` changed), to keep through re-assembly."""
     return {name: b.kind for name, b in stage.buffers.items()
@@ -93,11 +103,11 @@ def _repoint(whole: m.Manifest, buf: m.Buffer, buffers: dict[str, m.Buffer],
     target = buf.domain.index_into if buf.domain else None
     if target is None or target in buffers or target in states:
         return buf
-    if target in whole.states:
-        triple = whole.states[target].kind_triple
-        for name in sorted(states, key=lambda s: s.encode()):
-            if states[name].kind_triple == triple:
-                return attrs.evolve(buf, domain=attrs.evolve(buf.domain, index_into=name))
+    triple = whole.states[target].kind_triple if target in whole.states else None
+    same = [name for name in sorted(states, key=lambda s: s.encode())
+            if triple is not None and states[name].kind_triple == triple]
+    if same:
+        return attrs.evolve(buf, domain=attrs.evolve(buf.domain, index_into=same[0]))
     return attrs.evolve(buf, domain=None)
 
 
@@ -106,15 +116,27 @@ def used_vars(man: m.Manifest) -> set[str]:
     found: set[str] = set()
     for buf in man.buffers.values():
         found |= {d for d in buf.shape if isinstance(d, str)}
-        if buf.domain is not None:
-            for bound in (buf.domain.min, buf.domain.max):
-                if bound is not None and not isinstance(bound, float):
-                    found |= set(m.expr_vars(bound))
+        found |= _domain_vars(buf.domain)
     for op in man.ops.values():
         found |= _op_vars(op)
     for program in man.programs.values():
         found |= _program_vars(program)
     return found
+
+
+def _domain_vars(domain: m.Domain | None) -> set[str]:
+    if domain is None:
+        return set()
+    bounds = [b for b in (domain.min, domain.max) if b is not None and not isinstance(b, float)]
+    return {v for bound in bounds for v in m.expr_vars(bound)}
+
+
+def _arg_vars(arg: object) -> set[str]:
+    if isinstance(arg, m.VarArg):
+        return {arg.name}
+    if isinstance(arg, m.ExprArg):
+        return set(m.expr_vars(arg.expr))
+    return set()
 
 
 def _op_vars(op: m.Op) -> set[str]:
@@ -123,22 +145,15 @@ def _op_vars(op: m.Op) -> set[str]:
         if launch.when is not None:
             found.add(launch.when.var)
         if isinstance(launch, m.KernelLaunch):
-            for e in launch.grid + ((launch.shared_mem,) if launch.shared_mem is not None else ()):
-                found |= set(m.expr_vars(e))
-        for arg in launch.args or ():
-            if isinstance(arg, m.Pack):
-                found |= _pack_vars(arg)
+            shared = (launch.shared_mem,) if launch.shared_mem is not None else ()
+            found |= {v for e in launch.grid + shared for v in m.expr_vars(e)}
+        found |= {v for arg in launch.args or () if isinstance(arg, m.Pack)
+                  for v in _pack_vars(arg)}
     return found
 
 
 def _pack_vars(pack: m.Pack) -> set[str]:
-    found: set[str] = set()
-    for f in pack.fields:
-        if isinstance(f.source, m.VarArg):
-            found.add(f.source.name)
-        elif isinstance(f.source, m.ExprArg):
-            found |= set(m.expr_vars(f.source.expr))
-    return found
+    return {v for f in pack.fields for v in _arg_vars(f.source)}
 
 
 def _program_vars(program: m.Program) -> set[str]:
@@ -148,10 +163,4 @@ def _program_vars(program: m.Program) -> set[str]:
         found |= {v for v in (b.span, b.context) if v is not None}
         if isinstance(b.rows, str):
             found.add(b.rows)
-    for call in program.calls:
-        for arg in call.args:
-            if isinstance(arg, m.VarArg):
-                found.add(arg.name)
-            elif isinstance(arg, m.ExprArg):
-                found |= set(m.expr_vars(arg.expr))
-    return found
+    return found | {v for call in program.calls for arg in call.args for v in _arg_vars(arg)}

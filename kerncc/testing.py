@@ -5,15 +5,17 @@
 xorshift drives it for seeded reproductions. Beyond kern's generator it can add more driven
 programs, per-layer states, once programs that initialise state regions and carries, and
 derive programs that turn sources into carries, with names whose sort order breaks a slicer that
-walks programs one by one (`init_a` produces what `init_b` consumes only if run in reverse).
+walks programs one by one (`init_a` produces what `init_b` consumes only if run in reverse),
+and partial writes (`out` at an offset: the rest of the old value stays, so its producer is
+still needed; the dataflow graph's partial-write edge, tests/property/test_graph_queries.py).
 """
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 Chooser = Callable[[int], int]
+PARTIAL_OFFSET = 8  # bytes: bf16-aligned, inside every generated buffer
 
 OPS: dict[str, list[str]] = {
     "f1": ["in buffer<bf16>", "out buffer<bf16>"],
@@ -43,9 +45,10 @@ class Xorshift:
 
 
 class _Builder:
-    def __init__(self, choose: Chooser, per_layer_states: bool) -> None:
+    def __init__(self, choose: Chooser, per_layer_states: bool, partial: bool = False) -> None:
         self.choose = choose
         self.per_layer = per_layer_states
+        self.partial = partial
         self.buffers: dict[str, dict] = {}
         self.states: dict[str, dict] = {}
         self.ops: set[str] = set()
@@ -78,7 +81,7 @@ def _driven_calls(b: _Builder, prefix: str, carries: list[str], extra_reads: int
     calls = [b.call("f1", [b.buf("x", "input"), b.buf(first, "workspace")], f"{prefix}0")]
     readable.append(first)
     for i in range(1, 4 + b.choose(9)):
-        region, out, kind = i // 3, b.pick(ws), b.choose(5)
+        region, out, kind = i // 3, b.pick(ws), b.choose(6 if b.partial else 5)
         label = f"{prefix}{i}"
         pick = lambda: _arg(b, b.pick(readable))  # noqa: E731
         if kind == 0:
@@ -90,9 +93,12 @@ def _driven_calls(b: _Builder, prefix: str, carries: list[str], extra_reads: int
             calls.append(b.call("g", [b.buf(b.pick(own), "workspace")], label))
         elif kind == 3:
             calls.append(b.call("sw", [pick(), b.state(region)], label))
+        elif kind == 5:  # half of `out` (8 bytes in): its older bytes stay live
+            b.buf(out, "workspace")
+            calls.append(b.call("f1", [pick(), {"buf": out, "offset": PARTIAL_OFFSET}], label))
         else:
             calls.append(b.call("sr", [b.state(region), pick(), b.buf(out, "workspace")], label))
-        if kind in (0, 1, 4) and out not in readable:
+        if kind in (0, 1, 4, 5) and out not in readable:
             readable.append(out)
     calls.append(b.call("f1", [_arg(b, b.pick(readable)), b.buf("y", "output")], f"{prefix}end"))
     return calls
@@ -111,6 +117,9 @@ def _init_programs(b: _Builder, layers: int) -> dict[str, dict]:
     for layer in range(layers):
         if b.choose(2):
             init_b.append(b.call("zs", [b.state(layer)], f"i_s{layer}"))
+    if b.partial:  # `once: full(c); half(c@8)`: both feed `i_e` (or the half is overwritten)
+        half = b.call("z", [{"buf": "c", "offset": PARTIAL_OFFSET}], "i_c_half")
+        init_a.insert(b.choose(2), half)
     # `init_a` produces `c`, which only `init_b` reads: a slicer that walks the programs one
     # by one in name order has dropped `i_c` before it learns that `i_e` needs it.
     return {"init_a": {"once": True, "calls": init_a}, "init_b": {"once": True, "calls": init_b}}
@@ -125,14 +134,18 @@ def _derive_programs(b: _Builder) -> dict[str, dict]:
     b.buf("k", "carry", [8])
     derive_a = [b.call("f2", [{"buf": "src0"}, {"buf": "src1"}, b.buf("h", "carry", [8])], "d_h")]
     derive_b = [b.call("f1", [{"buf": "src1"}, b.buf("k", "carry", [8])], "d_k")]
+    if b.partial:
+        derive_b.append(b.call("f1", [{"buf": "src0"}, {"buf": "k", "offset": PARTIAL_OFFSET}],
+                               "d_k_half"))
     return {"derive_a": {"derive": True, "calls": derive_a},
             "derive_b": {"derive": True, "calls": derive_b}}
 
 
 def random_manifest(choose: Chooser, *, driven: int = 1, inits: bool = False,
-                    derives: bool = False, per_layer_states: bool = False) -> dict:
+                    derives: bool = False, per_layer_states: bool = False,
+                    partial: bool = False) -> dict:
     """A manifest (as raw JSON) that verifies; see the module docstring."""
-    b = _Builder(choose, per_layer_states)
+    b = _Builder(choose, per_layer_states, partial)
     programs: dict[str, dict] = {}
     carries: list[str] = []
     if inits:
@@ -174,101 +187,3 @@ def examples(ci: int, long: int) -> int:
     from kerncc import config
 
     return long if config.hypothesis_profile() == "long" else ci
-
-
-def layered_model(layers: int = 3, *, vocab: int = 128, hidden: int = 64) -> dict:
-    """A Qwen-like manifest skeleton (raw JSON) for goldens and benchmarks.
-
-    Six calls a layer (norm, qkv, attention over a per-layer kv state and a region of a shared
-    state, o-proj accumulating into the residual, mlp norm, mlp), embed before and final norm,
-    lm-head and sampling after; `prefill`, `decode` and `decode_batch` keep every layer at the
-    same call index; a once `load` program computes a rope table, a derive program casts a
-    source into the final norm weight. Ops are `extern:x` placeholders: this is structure.
-    """
-    bf16 = lambda shape, kind, **kw: {"dtype": "bf16", "shape": shape, "kind": kind, **kw}  # noqa: E731
-    buffers = {
-        "token_ids": {"dtype": "i32", "shape": ["tokens"], "kind": "input", "fill": "token"},
-        "positions": {"dtype": "i32", "shape": ["tokens"], "kind": "input", "fill": "position"},
-        "slot_mapping": {"dtype": "i32", "shape": ["tokens"], "kind": "input", "fill": "slot"},
-        "seq_lens": {"dtype": "i32", "shape": ["seqs"], "kind": "input", "fill": "seq_len"},
-        "block_table": {"dtype": "i32", "shape": ["seqs", 4], "kind": "input",
-                        "domain": {"index_into": "kv.0", "stride": 16}},
-        "next_tokens": {"dtype": "i32", "shape": ["seqs"], "kind": "output", "fill": "tokens"},
-        "logits": {"dtype": "f32", "shape": ["seqs", vocab], "kind": "output"},
-        "h": bf16(["tokens", hidden], "workspace"),
-        "x": bf16(["tokens", hidden], "workspace"),
-        "qkv": bf16(["tokens", 3 * hidden], "workspace"),
-        "a": bf16(["tokens", hidden], "workspace"),
-        "last": bf16(["seqs", hidden], "workspace"),
-        "rope": {"dtype": "f32", "shape": [64, 32], "kind": "carry"},
-        "final_norm": bf16([hidden], "carry"),
-        "final_norm.src": {"dtype": "f32", "shape": [hidden], "kind": "source",
-                           "bind": [{"tensor": "model.norm.weight"}]},
-        "embed": bf16([vocab, hidden], "weight", bind=[{"tensor": "model.embed_tokens.weight"}]),
-        "lm_head": bf16([vocab, hidden], "weight", bind=[{"tensor": "lm_head.weight"}]),
-    }
-    states = {"shared": {"bytes_per_token": 64 * layers}}
-    body: list[dict] = [_c("embed", "embed", "token_ids", "embed", "h")]
-    for i in range(layers):
-        w = f"l{i}."
-        for name, shape in (("norm", [hidden]), ("qkv", [3 * hidden, hidden]),
-                            ("o", [hidden, hidden]), ("mlp_norm", [hidden]),
-                            ("mlp", [hidden, hidden])):
-            buffers[w + name] = bf16(shape, "weight",
-                                     bind=[{"tensor": f"model.layers.{i}.{name}.weight"}])
-        states[f"kv.{i}"] = {"bytes_per_token": 4 * hidden}
-        body += [
-            _c(w + "norm", "norm", "h", w + "norm", "x"),
-            _c(w + "qkv_proj", "gemm", "x", w + "qkv", "qkv"),
-            {"label": w + "attention", "op": "attention", "args": [
-                {"buf": "qkv"}, {"state": f"kv.{i}"}, {"state": "shared", "offset": 64 * i},
-                {"buf": "block_table"}, {"buf": "positions"}, {"buf": "slot_mapping"},
-                {"buf": "seq_lens"}, {"buf": "rope"}, {"buf": "a"}]},
-            _c(w + "o_proj", "gemm_acc", "a", w + "o", "h"),
-            _c(w + "mlp_norm", "norm", "h", w + "mlp_norm", "x"),
-            _c(w + "mlp", "mlp_acc", "x", w + "mlp", "h"),
-        ]
-    body += [_c("final_norm", "last_norm", "h", "final_norm", "last"),
-             _c("lm_head", "lm_head", "last", "lm_head", "logits"),
-             {"label": "sample", "op": "sample", "args": [{"buf": "logits"},
-                                                          {"buf": "next_tokens"}]}]
-    programs = {
-        "prefill": {"batch": {"groups": 1, "rows": "tokens"}, "calls": body},
-        "decode": {"batch": {"groups": 1, "rows": 1}, "calls": body},
-        "decode_batch": {"batch": {"groups": 4, "rows": 1}, "calls": body},
-        "load": {"once": True, "calls": [{"label": "rope_table", "op": "rope_table",
-                                          "args": [{"buf": "rope"}]}]},
-        "convert": {"derive": True, "calls": [{"label": "cast_norm", "op": "cast", "args": [
-            {"buf": "final_norm.src"}, {"buf": "final_norm"}]}]},
-    }
-    raw = {"schema_version": 5, "model": f"layers{layers}",
-           "vars": {"seqs": {"max": 4, "axis": "groups"}, "tokens": {"max": 64, "axis": "rows"}},
-           "states": states, "buffers": buffers, "modules": {}, "ops": _LAYERED_OPS,
-           "programs": programs}
-    return copy.deepcopy(raw)  # the programs share one call list; callers may edit them
-
-
-def _c(label: str, op: str, src: str, weight: str, dst: str) -> dict:
-    return {"label": label, "op": op, "args": [{"buf": src}, {"buf": weight}, {"buf": dst}]}
-
-
-def _extern(params: list[str]) -> dict:
-    return {"params": params, "impl": {"launches": [{"entry": "extern:x"}]}}
-
-
-_B = "buffer<bf16>"
-_LAYERED_OPS = {
-    "embed": _extern(["in buffer<i32>", f"in {_B}", f"out {_B}"]),
-    "norm": _extern([f"in {_B}", f"in {_B}", f"out {_B}"]),
-    "gemm": _extern([f"in {_B}", f"in {_B}", f"out {_B}"]),
-    "gemm_acc": _extern([f"in {_B}", f"in {_B}", f"inout {_B}"]),
-    "mlp_acc": _extern([f"in {_B}", f"in {_B}", f"inout {_B}"]),
-    "attention": _extern([f"in {_B}", "inout state", "inout state", "in buffer<i32>",
-                          "in buffer<i32>", "in buffer<i32>", "in buffer<i32>",
-                          "in buffer<f32>", f"out {_B}"]),
-    "last_norm": _extern([f"in {_B}", f"in {_B}", f"out {_B}"]),
-    "lm_head": _extern([f"in {_B}", f"in {_B}", "out buffer<f32>"]),
-    "sample": _extern(["in buffer<f32>", "out buffer<i32>"]),
-    "rope_table": _extern(["out buffer<f32>"]),
-    "cast": _extern(["in buffer<f32>", f"out {_B}"]),
-}

@@ -5,10 +5,11 @@ A pass module (`passes/<name>.py`) defines one frozen attrs class and decorates 
     @register
     @attrs.frozen
     class Cut(Pass):
-        \"\"\"Split every driven program into pipeline stages.\"\"\"
+        \"\"\"Split every driven program into pipeline stages at call indices, labels, or balanced points.\"\"\"
         name = "cut"
-        requires = ("liveness",)
-        stages: int | None = attrs.field(default=None, metadata={"help": "number of stages"})
+        requires = ()
+        stages: int = attrs.field(default=0, metadata={
+            "help": "choose N-1 balanced points (plain `cut` means 2)"})
 
         def run(self, ir): ...
 

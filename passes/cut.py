@@ -4,24 +4,30 @@ Points come three ways: `at=218,290` (call indices, the same in every driven pro
 `kern cut --at`), `at-label=l18.qkv_proj` (the call with that label in each driven program, so
 programs whose layers sit at different indices still cut at the same layer), or `stages=N`
 (choose legal points that balance a per-call cost; fewest crossing bytes break ties). Plain
-`cut` means `stages=2`. Buffers cross by liveness; crossing buffers become input / inout /
-output with `export`; every refusal of spec §3 is reported with kern's text. Once and derive
-programs are kept whole here; `slice-once` / `slice-derive` trim them.
+`cut` means `stages=2`. A buffer crosses a cut when a value of it is produced on one side and
+used on the other (a query on the dataflow graph, kerncc.analysis.dataflow: kern's live-across
+rule, spec §3.3); crossing buffers become input / inout / output with `export`; a state region
+belongs to the one stage whose calls touch it (spec §3.5, the graph's region index); every
+refusal of spec §3 is reported with kern's text. Once and derive programs are kept whole
+here; `slice-once` / `slice-derive` trim them.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import struct
+from collections.abc import Sequence
 
 import attrs
 
 from kerncc import manifest as m
 from kerncc.manifest import writer
-from kerncc.analysis.access import CallAccess, program_access
-from kerncc.analysis.liveness import buffer_sizes, crossings
+from kerncc.analysis.access import CallAccess, Region, program_access
+from kerncc.analysis.dataflow import cut_crossings, region_touches
+from kerncc.analysis.liveness import buffer_sizes
 from kerncc.diagnostics import Diagnostics, KernccError, pointer
-from kerncc.ir import IR, Edge
+from kerncc.ir import IR, Edge, verify_stages
 from kerncc.passes import register
 from kerncc.pipeline.base import Pass
 from kerncc.stage import assemble, keep_programs
@@ -91,29 +97,15 @@ def cut_manifest(whole: m.Manifest, points: dict[str, tuple[int, ...]]
     accesses = {p: program_access(whole, whole.programs[p]) for p in points}
     count = len(next(iter(points.values()))) + 1
     diags = Diagnostics()
-    crossing = crossing_sets(whole, points, accesses, count, diags)
+    crossing = crossing_sets(whole, points, count, diags)
     check_output_writes(whole, points, accesses, diags)
     kinds = stage_kinds(whole, points, accesses, crossing, count, diags)
-    check_regions(whole, points, accesses, count, diags)
+    check_regions(whole, points, diags)
     diags.raise_if_any(HEADLINE)
     cut_id = cut_identity(whole, points)
     stages = [build_stage(whole, points, s, count, kinds[s], cut_id) for s in range(count)]
-    verify_stages(stages)
+    verify_stages(stages, HEADLINE)  # spec §3.6 step 10
     return stages, crossing
-
-
-def verify_stages(stages: list[m.Manifest]) -> None:
-    """Spec §3.6 step 10: every stage verifies; failures read `stage S: <message>`."""
-    from kerncc.verify import verify
-
-    diags = Diagnostics()
-    for s, stage in enumerate(stages):
-        try:
-            verify(stage)
-        except KernccError as err:
-            diags.extend(attrs.evolve(d, message=f"stage {s}: {d.message}")
-                         for d in err.diagnostics)
-    diags.raise_if_any(HEADLINE)
 
 
 def check_preconditions(whole: m.Manifest, points: dict[str, tuple[int, ...]]) -> None:
@@ -145,49 +137,51 @@ def stage_bounds(at: tuple[int, ...], calls: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def crossing_sets(whole: m.Manifest, points: dict[str, tuple[int, ...]],
-                  accesses: dict[str, list[CallAccess]], count: int,
+def crossing_sets(whole: m.Manifest, points: dict[str, tuple[int, ...]], count: int,
                   diags: Diagnostics) -> list[frozenset[str]]:
-    """Spec §3.3: per edge, the union over driven programs of buffers live across the point."""
+    """Spec §3.3: per edge, the union over driven programs of the buffers whose values are
+    produced before the point and used after it (the dataflow graph's query)."""
     crossing: list[set[str]] = [set() for _ in range(count - 1)]
     for name, at in sorted(points.items()):
-        sets = crossings(accesses[name])
-        for edge, a in enumerate(at):
-            for b in sorted(sets[a]):
-                kind = whole.buffers[b].kind
-                if kind != "workspace":
-                    diags.error(f"program `{name}`: {kind} buffer `{b}` is live across the cut "
-                                f"before call {a}; only a workspace travels",
-                                pointer("programs", name, "calls", a))
-                    continue
-                crossing[edge].add(b)
+        for edge, (a, found) in enumerate(zip(at, cut_crossings(whole, name, at))):
+            crossing[edge] |= _travelling(whole, name, a, found, diags)
     return [frozenset(c) for c in crossing]
 
 
+def _travelling(whole: m.Manifest, name: str, a: int, found: frozenset[str],
+                diags: Diagnostics) -> set[str]:
+    """The crossing buffers that may travel (workspaces); the others are refused."""
+    for b in sorted(found):
+        kind = whole.buffers[b].kind
+        if kind != "workspace":
+            diags.error(f"program `{name}`: {kind} buffer `{b}` is live across the cut "
+                        f"before call {a}; only a workspace travels",
+                        pointer("programs", name, "calls", a))
+    return {b for b in found if whole.buffers[b].kind == "workspace"}
+
+
 def check_output_writes(whole: m.Manifest, points: dict[str, tuple[int, ...]],
-                        accesses: dict[str, list[CallAccess]], diags: Diagnostics) -> None:
-    for name, at in sorted(points.items()):
-        for i, acc in enumerate(accesses[name][:at[-1]]):
-            for b in sorted(acc.buffer_writes):
-                kind = whole.buffers[b].kind
-                if kind in ("output", "carry"):
-                    diags.error(f"program `{name}` call {i} writes {kind} buffer `{b}` before the "
-                                "last stage; a pipeline's outputs come from its last stage",
-                                pointer("programs", name, "calls", i))
+                        accesses: dict[str, Sequence[CallAccess]], diags: Diagnostics) -> None:
+    early = [(name, i, b) for name, at in sorted(points.items())
+             for i, acc in enumerate(accesses[name][:at[-1]]) for b in sorted(acc.buffer_writes)]
+    for name, i, b in early:
+        kind = whole.buffers[b].kind
+        if kind in ("output", "carry"):
+            diags.error(f"program `{name}` call {i} writes {kind} buffer `{b}` before the "
+                        "last stage; a pipeline's outputs come from its last stage",
+                        pointer("programs", name, "calls", i))
 
 
 def stage_kinds(whole: m.Manifest, points: dict[str, tuple[int, ...]],
-                accesses: dict[str, list[CallAccess]], crossing: list[frozenset[str]],
+                accesses: dict[str, Sequence[CallAccess]], crossing: list[frozenset[str]],
                 count: int, diags: Diagnostics) -> list[dict[str, str]]:
     """Spec §3.4: the kind each crossing buffer takes in each stage."""
     kinds: list[dict[str, str]] = []
     for s in range(count):
-        touched, written = set(), set()
-        for name, at in points.items():
-            lo, hi = stage_bounds(at, len(accesses[name]))[s]
-            for acc in accesses[name][lo:hi]:
-                touched |= acc.buffers
-                written |= acc.buffer_writes
+        stage_accesses = [acc for name, at in points.items()
+                          for acc in _slice(accesses[name], stage_bounds(at, len(accesses[name]))[s])]
+        touched = set().union(*(acc.buffers for acc in stage_accesses))
+        written = set().union(*(acc.buffer_writes for acc in stage_accesses))
         arriving = crossing[s - 1] if s > 0 else frozenset()
         leaving = crossing[s] if s < count - 1 else frozenset()
         kinds.append({})
@@ -202,21 +196,39 @@ def stage_kinds(whole: m.Manifest, points: dict[str, tuple[int, ...]],
     return kinds
 
 
+def _slice(items: Sequence[CallAccess], bounds: tuple[int, int]) -> Sequence[CallAccess]:
+    return items[bounds[0]:bounds[1]]
+
+
+def region_owners(whole: m.Manifest, points: dict[str, tuple[int, ...]]
+                  ) -> tuple[dict[Region, int], list[tuple[Region, str, int, int]]]:
+    """Spec §3.5: the stage owning each region the driven calls touch, and the conflicts.
+
+    The owner is the stage of the first touching call in (program name, call index) order; a
+    conflict is (region, program, call, stage) for the first call of another stage.
+    """
+    touches = sorted((program, index, region) for region, calls in region_touches(whole).items()
+                     for program, index in calls if program in points)
+    owner: dict[Region, int] = {}
+    conflicts: list[tuple[Region, str, int, int]] = []
+    reported: set[Region] = set()
+    for program, index, region in touches:
+        stage = bisect.bisect_right(points[program], index)
+        first = owner.setdefault(region, stage)
+        if first != stage and region not in reported:
+            reported.add(region)
+            conflicts.append((region, program, index, stage))
+    return owner, conflicts
+
+
 def check_regions(whole: m.Manifest, points: dict[str, tuple[int, ...]],
-                  accesses: dict[str, list[CallAccess]], count: int, diags: Diagnostics) -> None:
+                  diags: Diagnostics) -> None:
     """Spec §3.5: a (state, offset) region belongs to one stage, over all driven programs."""
-    owner: dict[tuple[str, int], int] = {}
-    reported: set[tuple[str, int]] = set()
-    for name in sorted(points):
-        for s, (lo, hi) in enumerate(stage_bounds(points[name], len(accesses[name]))):
-            for i in range(lo, hi):
-                for region in sorted(accesses[name][i].regions):
-                    first = owner.setdefault(region, s)
-                    if first != s and region not in reported:
-                        reported.add(region)
-                        diags.error(f"program `{name}`: {region_display(region)} is touched by "
-                                    f"stages {first} and {s}; a state region belongs to one stage",
-                                    pointer("programs", name, "calls", i))
+    owner, conflicts = region_owners(whole, points)
+    for region, program, index, stage in conflicts:
+        diags.error(f"program `{program}`: {region_display(region)} is touched by stages "
+                    f"{owner[region]} and {stage}; a state region belongs to one stage",
+                    pointer("programs", program, "calls", index))
 
 
 def region_display(region: tuple[str, int]) -> str:

@@ -1,12 +1,13 @@
 """`share-states`: each stage keeps exactly the states its calls need, and says how much it holds.
 
 A state region (state, offset) belongs to the one stage whose driven calls touch it (kern's
-refusal, spec §3.5, is checked again here so that a pipeline built by other means is held to
-it). A stage keeps the states its driven calls touch, plus those its kept init calls read
-(a fixpoint: an init call that only writes regions of states the stage does not keep
-initialises another stage's memory and is dropped). Page and line tables whose state went
-away are re-pointed to a kept state of the same kind, or lose their domain (spec §3.6 step 6,
-done by kerncc.stage.assemble). The regions report of spec §3.8 says, per stage and state, how
+refusal, spec §3.5: the one rule is `cut.check_regions`, a query on the dataflow graph of the
+whole; it runs again here so an IR handed over with its stages is held to it). A stage keeps
+the states its driven calls touch, plus those its kept init calls read (a fixpoint: an init
+call that only writes regions of states the stage does not keep initialises another stage's
+memory and is dropped). Page and line tables whose state went away are re-pointed to a kept
+state of the same kind, or lose their domain (spec §3.6 step 6, done by
+kerncc.stage.assemble). The regions report of spec §3.8 says, per stage and state, how
 many of the whole's regions the stage uses, and the share of its bytes held for other stages.
 """
 
@@ -16,14 +17,12 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.analysis.access import call_access
-from kerncc.diagnostics import Diagnostics, pointer
+from kerncc.diagnostics import Diagnostics
 from kerncc.ir import IR
 from kerncc.passes import register
+from kerncc.passes.cut import HEADLINE, check_regions
 from kerncc.pipeline.base import Pass
-from kerncc.stage import assemble, crossing_kinds
-
-HEADLINE = "manifest cannot be cut:"
-
+from kerncc.stage import assemble, crossing_kinds, unchanged_or
 
 @attrs.frozen
 class StateUse:
@@ -64,30 +63,17 @@ class RegionsReport:
 
 def _regions(man: m.Manifest, programs) -> dict[str, set[int]]:
     out: dict[str, set[int]] = {}
-    for program in programs:
-        for call in program.calls:
-            for state, offset in call_access(call, man.ops.get(call.op)).regions:
-                out.setdefault(state, set()).add(offset)
+    regions = (r for program in programs for call in program.calls
+               for r in call_access(call, man.ops.get(call.op)).regions)
+    for state, offset in regions:
+        out.setdefault(state, set()).add(offset)
     return out
 
 
-def check_ownership(stages: tuple[m.Manifest, ...]) -> None:
+def check_ownership(ir: IR) -> None:
     """A region touched by the driven calls of two stages is refused (spec §3.5)."""
     diags = Diagnostics()
-    owner: dict[tuple[str, int], int] = {}
-    for s, stage in enumerate(stages):
-        for name in sorted(stage.programs):
-            if not stage.programs[name].driven:
-                continue
-            regions = _regions(stage, [stage.programs[name]])
-            for state, offsets in sorted(regions.items()):
-                for off in sorted(offsets):
-                    first = owner.setdefault((state, off), s)
-                    if first != s:
-                        shown = f"state `{state}`+{off}" if off else f"state `{state}`"
-                        diags.error(f"program `{name}`: {shown} is touched by stages {first} "
-                                    f"and {s}; a state region belongs to one stage",
-                                    pointer("programs", name))
+    check_regions(ir.whole, ir.points, diags)
     diags.raise_if_any(HEADLINE)
 
 
@@ -117,7 +103,7 @@ def shared_stage(whole: m.Manifest, stage: m.Manifest) -> m.Manifest:
     programs = {n: p for n, p in stage.programs.items() if p.driven}
     programs.update({n: attrs.evolve(stage.programs[n], calls=calls)
                      for n, calls in kept_init_calls(stage).items() if calls})
-    return assemble(whole, programs, crossing_kinds(whole, stage), stage.cut)
+    return unchanged_or(stage, assemble(whole, programs, crossing_kinds(whole, stage), stage.cut))
 
 
 def manifest_regions(man: m.Manifest) -> dict[str, set[int]]:
@@ -145,7 +131,7 @@ class ShareStates(Pass):
     name = "share-states"
 
     def run(self, ir: IR) -> IR:
-        check_ownership(ir.stages)
+        check_ownership(ir)
         stages = tuple(shared_stage(ir.whole, s) for s in ir.stages)
         report = regions_report(ir.whole, stages)
         return attrs.evolve(ir, stages=stages).with_report(self.name, report)

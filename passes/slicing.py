@@ -1,13 +1,14 @@
 """`slice-once` and `slice-derive`: per stage, keep only the init calls the stage's calls need.
 
-A backward slice, JAX `dce_jaxpr` style: start from what the stage's other calls read (driven
-calls, plus kept once calls when slicing derive programs), walk the target programs' calls in
-*reverse execution order* (all programs of the class together: derive and once programs run in
-name order), keep a call when it writes something needed, then need what it reads. Two
-defects of kern's slicer (spec §3.6 step 3) are fixed by construction: state regions are
-dependencies like buffers (a call that initialises a region the stage reads stays, and the
-regions a kept call reads pull in their producers), and walking all programs of the class as
-one reversed sequence makes the result independent of how their names sort.
+A backward slice, JAX `dce_jaxpr` style, asked of the dataflow graph of the class's programs
+(kerncc.analysis.dataflow.backward_slice): the kept calls are the ancestors of the values the
+stage's other calls read (driven calls, plus kept once calls when slicing derive programs) as
+the class's programs (run in name order) leave them. Two defects of kern's slicer (spec §3.6
+step 3) are fixed by construction: state regions are dependencies like buffers (a call that
+initialises a region the stage reads stays, and the regions a kept call reads pull in their
+producers), and one graph over all programs of the class makes the result independent of how
+their names sort. A partial write (an `out` at an offset, an `inout`, any state write) reads
+the previous version, so an earlier producer of the rest of the buffer stays too.
 
 `slice-derive` also lays out the stage's source staging (spec §5): each source's window
 [first reader, last reader] over the concatenated derive calls, placed first-fit, 256-aligned
@@ -20,13 +21,14 @@ from __future__ import annotations
 import attrs
 
 from kerncc import manifest as m
-from kerncc.analysis.access import CallAccess, Region, call_access
+from kerncc.analysis.access import Region, call_access
+from kerncc.analysis.dataflow import backward_slice, execution_order
 from kerncc.analysis.liveness import buffer_sizes
-from kerncc.ir import IR, execution_order
+from kerncc.ir import IR
 from kerncc.analysis.layout import StagingLayout, Window, staging_layout
 from kerncc.passes import register
 from kerncc.pipeline.base import Pass
-from kerncc.stage import assemble, crossing_kinds
+from kerncc.stage import assemble, crossing_kinds, unchanged_or
 
 
 def _is_class(program: m.Program, which: str) -> bool:
@@ -79,22 +81,9 @@ def _unwritten_carries(stage: m.Manifest, which: str,
 
 def _walk_back(stage: m.Manifest, which: str, buffers: set[str],
                regions: set[Region]) -> dict[str, tuple[m.Call, ...]]:
-    names = [p for p in execution_order(stage) if _is_class(stage.programs[p], which)]
-    kept: dict[str, list[m.Call]] = {p: [] for p in names}
-    for name in reversed(names):
-        for call in reversed(stage.programs[name].calls):
-            acc = call_access(call, stage.ops.get(call.op))
-            if not _writes_needed(acc, buffers, regions):
-                continue
-            kept[name].append(call)
-            buffers -= acc.buffer_kills
-            buffers |= acc.buffer_reads
-            regions |= acc.region_reads
-    return {p: tuple(reversed(calls)) for p, calls in kept.items()}
-
-
-def _writes_needed(acc: CallAccess, buffers: set[str], regions: set[Region]) -> bool:
-    return bool(acc.buffer_writes & buffers or acc.region_writes & regions)
+    names = tuple(p for p in execution_order(stage) if _is_class(stage.programs[p], which))
+    kept = backward_slice(stage, names, buffers, regions)
+    return {p: tuple(stage.programs[p].calls[i] for i in kept[p]) for p in names}
 
 
 def sliced_stage(whole: m.Manifest, stage: m.Manifest, which: str) -> m.Manifest:
@@ -102,7 +91,7 @@ def sliced_stage(whole: m.Manifest, stage: m.Manifest, which: str) -> m.Manifest
     programs = {name: p for name, p in stage.programs.items() if not _is_class(p, which)}
     programs.update({name: attrs.evolve(stage.programs[name], calls=kept)
                      for name, kept in calls.items() if kept})
-    return assemble(whole, programs, crossing_kinds(whole, stage), stage.cut)
+    return unchanged_or(stage, assemble(whole, programs, crossing_kinds(whole, stage), stage.cut))
 
 
 @register

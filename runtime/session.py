@@ -34,7 +34,7 @@ from kerncc.runtime.backends.base import Backend, BackendError, Launcher
 from kerncc.runtime.bundle import Bundle, Stage, bundle_error
 from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
 from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype
-from kerncc.runtime.weights import CheckpointLike, assemble, open_checkpoint
+from kerncc.runtime.weights import CheckpointLike, assemble_buffer, open_checkpoint
 
 HOST_WRITTEN = ("input", "inout")
 LAUNCH_FAILURES = (BackendError, ValueError, IndexError, TypeError)
@@ -185,7 +185,7 @@ class Session:
         tensors = self._require_checkpoint()
         nbytes = buf.nbytes(self.manifest.vars_max())
         try:
-            return assemble(buf.bind, tensors, numpy_dtype(buf.dtype), nbytes,
+            return assemble_buffer(buf.bind, tensors, numpy_dtype(buf.dtype), nbytes,
                             where=f"/buffers/{name}/bind")
         except KernccError as err:
             headline = f"{err.headline} (checkpoint: {self._checkpoint_name})"

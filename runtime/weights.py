@@ -31,7 +31,7 @@ Tensors = Callable[[str], np.ndarray]
 
 
 class _SegmentError(Exception):
-    """A problem with one segment; `assemble` turns these into located diagnostics."""
+    """A problem with one segment; `assemble_buffer` turns these into located diagnostics."""
 
 
 @attrs.frozen
@@ -177,7 +177,7 @@ def _plan(segments: Sequence[Any], tensors: Tensors, dtype: np.dtype, rank: int,
     return pieces, diagnostics
 
 
-def assemble(
+def assemble_buffer(
     segments: Sequence[Any],
     tensors: Tensors,
     dtype: np.dtype,
@@ -212,7 +212,7 @@ def assemble(
 class Checkpoint:
     """Tensors by name across one or more safetensors files (a sharded checkpoint).
 
-    Callable as the `tensors` argument of `assemble`: unknown names raise KeyError.
+    Callable as the `tensors` argument of `assemble_buffer`: unknown names raise KeyError.
     """
 
     def __init__(self, paths: Iterable[str | os.PathLike]) -> None:

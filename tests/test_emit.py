@@ -1,5 +1,5 @@
 """plan-memory, emit and bundle checking (passes/plan_memory.py, passes/emit.py,
-kerncc/bundle_plan.py, kerncc/bundle_render.py, kerncc/bundle_check.py, docs/bundle.md)."""
+kerncc/bundle/plan.py, kerncc/bundle/stage_py.py, kerncc/bundle/check.py, docs/bundle.md)."""
 
 from __future__ import annotations
 

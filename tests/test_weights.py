@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kerncc.diagnostics import KernccError
-from kerncc.runtime.weights import Checkpoint, assemble
+from kerncc.runtime.weights import Checkpoint, assemble_buffer
 from kerncc.checkpoint.safetensors import save_file
 
 WHERE = "/buffers/w_qkv/bind"
 
 
-# Test doubles with the manifest model's shape (duck-typed by `assemble`).
+# Test doubles with the manifest model's shape (duck-typed by `assemble_buffer`).
 @attrs.frozen
 class Ranked:
     group: str
@@ -54,7 +54,7 @@ def _nbytes(*arrays: np.ndarray) -> int:
 
 def test_whole_tensors_are_laid_end_to_end() -> None:
     t = {"a": _ramp((2, 3)), "b": _ramp((4,), start=100)}
-    out = assemble([Segment("a"), Segment("b")], t.__getitem__, np.float32, 40, where=WHERE)
+    out = assemble_buffer([Segment("a"), Segment("b")], t.__getitem__, np.float32, 40, where=WHERE)
     assert out.dtype == np.uint8 and out.shape == (40,)
     np.testing.assert_array_equal(out.view(np.float32), np.r_[t["a"].ravel(), t["b"]])
 
@@ -62,7 +62,7 @@ def test_whole_tensors_are_laid_end_to_end() -> None:
 def test_rows_and_cols_cut_the_matrix_view() -> None:
     t = {"a": _ramp((4, 2, 3))}  # viewed as [4, 6]
     seg = Segment("a", rows=(1, 3), cols=(2, 5))
-    out = assemble([seg], t.__getitem__, np.float32, 2 * 3 * 4)
+    out = assemble_buffer([seg], t.__getitem__, np.float32, 2 * 3 * 4)
     want = t["a"].reshape(4, 6)[1:3, 2:5]
     np.testing.assert_array_equal(out.view(np.float32).reshape(2, 3), want)
 
@@ -71,7 +71,7 @@ def test_interleave_alternates_row_blocks() -> None:
     gate = np.array([[1, 1], [2, 2], [3, 3], [4, 4]], np.float32)
     up = -gate
     seg = Segment("gate", interleave=Interleave("up", 2))
-    out = assemble([seg], {"gate": gate, "up": up}.__getitem__, np.float32, 64)
+    out = assemble_buffer([seg], {"gate": gate, "up": up}.__getitem__, np.float32, 64)
     want = np.concatenate([gate[:2], up[:2], gate[2:], up[2:]])
     np.testing.assert_array_equal(out.view(np.float32).reshape(8, 2), want)
 
@@ -79,13 +79,13 @@ def test_interleave_alternates_row_blocks() -> None:
 def test_ranked_sources_select_the_current_rank() -> None:
     t = {"w0": _ramp((4, 4)), "w1": _ramp((4, 4), start=50)}
     seg = Segment(Ranked("tp", ("w0", "w1")), rows=Ranked("tp", ((0, 2), (2, 4))))
-    out = assemble([seg], t.__getitem__, np.float32, 32, rank=1)
+    out = assemble_buffer([seg], t.__getitem__, np.float32, 32, rank=1)
     np.testing.assert_array_equal(out.view(np.float32).reshape(2, 4), t["w1"][2:4])
 
 
 def test_bf16_and_scalars() -> None:
     t = {"s": np.array(3, ml_dtypes.bfloat16), "v": _ramp((3,), ml_dtypes.bfloat16)}
-    out = assemble([Segment("s"), Segment("v", rows=(1, 3))], t.__getitem__,
+    out = assemble_buffer([Segment("s"), Segment("v", rows=(1, 3))], t.__getitem__,
                    ml_dtypes.bfloat16, 6)
     assert out.view(ml_dtypes.bfloat16).astype(np.float32).tolist() == [3, 2, 3]
 
@@ -95,7 +95,7 @@ def test_checkpoint_serves_shards(tmp_path: Path) -> None:
     save_file({"b": _ramp((2,), start=9)}, tmp_path / "2.safetensors")
     with Checkpoint([tmp_path / "1.safetensors", tmp_path / "2.safetensors"]) as ckpt:
         assert ckpt.keys() == ["a", "b"] and "a" in ckpt
-        out = assemble([Segment("b"), Segment("a", rows=(1, 2))], ckpt, np.float32, 16)
+        out = assemble_buffer([Segment("b"), Segment("a", rows=(1, 2))], ckpt, np.float32, 16)
     assert out.view(np.float32).tolist() == [9, 10, 3, 4]
 
 
@@ -138,7 +138,7 @@ REFUSALS = [
 @pytest.mark.parametrize("case, seg, text", REFUSALS, ids=[r[0] for r in REFUSALS])
 def test_refusals_name_buffer_and_segment(case: str, seg: Segment, text: str) -> None:
     with pytest.raises(KernccError) as info:
-        assemble([Segment("a"), seg], TENSORS.__getitem__, np.float32, 96, rank=1, where=WHERE)
+        assemble_buffer([Segment("a"), seg], TENSORS.__getitem__, np.float32, 96, rank=1, where=WHERE)
     err = info.value
     assert "buffer `w_qkv`" in err.headline
     assert [d.location.pointer for d in err.diagnostics] == [f"{WHERE}/1"]
@@ -148,12 +148,12 @@ def test_refusals_name_buffer_and_segment(case: str, seg: Segment, text: str) ->
 
 def test_missing_tensor_as_none_is_refused() -> None:
     with pytest.raises(KernccError, match="`x` is not in the checkpoint"):
-        assemble([Segment("x")], lambda name: None, np.float32, 4, where=WHERE)
+        assemble_buffer([Segment("x")], lambda name: None, np.float32, 4, where=WHERE)
 
 
 def test_size_mismatch_names_the_bind() -> None:
     with pytest.raises(KernccError) as info:
-        assemble([Segment("a")], TENSORS.__getitem__, np.float32, 50, where=WHERE)
+        assemble_buffer([Segment("a")], TENSORS.__getitem__, np.float32, 50, where=WHERE)
     assert "bind segments hold 48 bytes, but the buffer has 50" in str(info.value)
     assert info.value.diagnostics[0].location.pointer == WHERE
 
@@ -161,12 +161,12 @@ def test_size_mismatch_names_the_bind() -> None:
 def test_every_bad_segment_is_reported_together() -> None:
     segs = [Segment("nope"), Segment("a"), Segment("a", rows=(0, 9))]
     with pytest.raises(KernccError) as info:
-        assemble(segs, TENSORS.__getitem__, np.float32, 0, where=WHERE)
+        assemble_buffer(segs, TENSORS.__getitem__, np.float32, 0, where=WHERE)
     assert [d.location.pointer for d in info.value.diagnostics] == [f"{WHERE}/0", f"{WHERE}/2"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Property: assemble equals slicing and concatenation written out directly
+# Property: assemble_buffer equals slicing and concatenation written out directly
 
 
 def _reference(segments: list[Segment], tensors: dict[str, np.ndarray], rank: int) -> bytes:
@@ -244,5 +244,5 @@ def _worlds(draw: st.DrawFn) -> tuple[list[Segment], dict[str, np.ndarray], int,
 def test_assemble_equals_direct_slicing(world) -> None:
     segments, tensors, rank, dtype = world
     want = _reference(segments, tensors, rank)
-    out = assemble(segments, tensors.__getitem__, dtype, len(want), rank=rank, where=WHERE)
+    out = assemble_buffer(segments, tensors.__getitem__, dtype, len(want), rank=rank, where=WHERE)
     assert out.tobytes() == want

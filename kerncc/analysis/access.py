@@ -8,11 +8,12 @@ an `out` access at offset 0 is assumed to write the whole buffer.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import attrs
 
 from kerncc import manifest as m
+from kerncc.analysis.cache import memo
 
 Region = tuple[str, int]
 
@@ -46,39 +47,40 @@ class Access:
 
 @attrs.frozen
 class CallAccess:
-    """All pointer accesses of one call, split the ways every analysis needs them."""
+    """All pointer accesses of one call, split the ways every analysis needs them (each split
+    computed once: a CallAccess is shared through the lru cache below)."""
 
     accesses: tuple[Access, ...]
 
-    @property
+    @cached_property
     def buffer_reads(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kind == "buffer" and a.reads)
 
-    @property
+    @cached_property
     def buffer_writes(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kind == "buffer" and a.writes)
 
-    @property
+    @cached_property
     def buffer_kills(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kills)
 
-    @property
+    @cached_property
     def buffers(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kind == "buffer")
 
-    @property
+    @cached_property
     def region_reads(self) -> frozenset[Region]:
         return frozenset(a.region for a in self.accesses if a.kind == "state" and a.reads)
 
-    @property
+    @cached_property
     def region_writes(self) -> frozenset[Region]:
         return frozenset(a.region for a in self.accesses if a.kind == "state" and a.writes)
 
-    @property
+    @cached_property
     def regions(self) -> frozenset[Region]:
         return frozenset(a.region for a in self.accesses if a.kind == "state")
 
-    @property
+    @cached_property
     def states(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kind == "state")
 
@@ -87,7 +89,21 @@ def call_access(call: m.Call, op: m.Op | None) -> CallAccess:
     """The accesses of `call` through `op`'s interface (no op: no accesses)."""
     if op is None:
         return CallAccess(())
-    return _call_access(call, op.params)
+    # Stages share their Call objects with the whole, so look up by identity first: hashing
+    # a frozen Call (the lru key below) walks all its args, on every call.
+    key = (id(call), id(op.params))
+    hit = _BY_IDENTITY.get(key)
+    if hit is not None and hit[0] is call and hit[1] is op.params:
+        return hit[2]
+    found = _call_access(call, op.params)
+    if len(_BY_IDENTITY) >= _IDENTITY_LIMIT:
+        _BY_IDENTITY.clear()
+    _BY_IDENTITY[key] = (call, op.params, found)  # holding them keeps their ids unique
+    return found
+
+
+_IDENTITY_LIMIT = 65536
+_BY_IDENTITY: dict[tuple[int, int], tuple[m.Call, tuple[m.ParamType, ...], CallAccess]] = {}
 
 
 @lru_cache(maxsize=65536)
@@ -103,5 +119,12 @@ def _call_access(call: m.Call, params: tuple[m.ParamType, ...]) -> CallAccess:
     return CallAccess(tuple(found))
 
 
-def program_access(man: m.Manifest, program: m.Program) -> list[CallAccess]:
-    return [call_access(c, man.ops.get(c.op)) for c in program.calls]
+def program_access(man: m.Manifest, program: m.Program) -> tuple[CallAccess, ...]:
+    """The accesses of each call of `program` through `man`'s ops, cached per manifest object."""
+    # Keyed by the program object too (callers may pass an edited copy); the memo holds it.
+    held, found = memo(man, ("program_access", id(program)),
+                       lambda: (program, tuple(call_access(c, man.ops.get(c.op))
+                                               for c in program.calls)))
+    if held is program:
+        return found
+    return tuple(call_access(c, man.ops.get(c.op)) for c in program.calls)

@@ -9,14 +9,18 @@ workspaces live at one call (what an arena must hold at once).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
 import attrs
 
 from kerncc import manifest as m
 from kerncc.analysis.access import CallAccess, program_access
+from kerncc.analysis.cache import per_manifest
 
 
 @attrs.frozen
-class Interval:
+class LiveRange:
     """A buffer's life in one program: first call writing it, last call reading it (or None)."""
 
     buffer: str
@@ -29,7 +33,7 @@ class ProgramLiveness:
     program: str
     live_in: tuple[frozenset[str], ...]
     live_out: tuple[frozenset[str], ...]
-    intervals: dict[str, Interval]
+    intervals: dict[str, LiveRange]
     crossing: tuple[frozenset[str], ...]      # crossing[a]: buffers crossing a cut before call a
     crossing_bytes: tuple[int, ...]
     peak_bytes: int
@@ -41,7 +45,7 @@ class Liveness:
     programs: dict[str, ProgramLiveness]
 
 
-def live_ins(accesses: list[CallAccess], live_at_end: frozenset[str] = frozenset()
+def live_ins(accesses: Sequence[CallAccess], live_at_end: frozenset[str] = frozenset()
              ) -> list[frozenset[str]]:
     """live_in[i] for every call i, and live_in[n] = live_at_end, by one reverse scan."""
     live = set(live_at_end)
@@ -54,7 +58,7 @@ def live_ins(accesses: list[CallAccess], live_at_end: frozenset[str] = frozenset
     return out
 
 
-def written_before(accesses: list[CallAccess]) -> list[frozenset[str]]:
+def written_before(accesses: Sequence[CallAccess]) -> list[frozenset[str]]:
     """written[a] = buffers written by calls[:a], for a in 0..n."""
     seen: set[str] = set()
     out = [frozenset()]
@@ -64,17 +68,19 @@ def written_before(accesses: list[CallAccess]) -> list[frozenset[str]]:
     return out
 
 
-def crossings(accesses: list[CallAccess]) -> list[frozenset[str]]:
+def crossings(accesses: Sequence[CallAccess]) -> list[frozenset[str]]:
     """kern's crossing sets (spec §3.3) at every index a in 0..n."""
     ins, written = live_ins(accesses), written_before(accesses)
     return [ins[a] & written[a] for a in range(len(accesses) + 1)]
 
 
+@per_manifest
 def analyze_program(man: m.Manifest, name: str) -> ProgramLiveness:
     program = man.programs[name]
     accesses = program_access(man, program)
     ins = live_ins(accesses)
-    cross = crossings(accesses)
+    written = written_before(accesses)
+    cross = [ins[a] & written[a] for a in range(len(accesses) + 1)]
     sizes = buffer_sizes(man)
     peak, peak_call = _peak(man, accesses, ins, sizes)
     return ProgramLiveness(
@@ -93,13 +99,15 @@ def analyze(man: m.Manifest) -> Liveness:
     return Liveness({name: analyze_program(man, name) for name in sorted(man.programs)})
 
 
-def buffer_sizes(man: m.Manifest) -> dict[str, int]:
+@per_manifest
+def buffer_sizes(man: m.Manifest) -> Mapping[str, int]:
+    """Each buffer's bytes at var max (those with a computable shape); read-only, cached."""
     env = man.vars_max()
-    return {name: b.nbytes(env) for name, b in man.buffers.items()
-            if all(isinstance(d, int) or d in env for d in b.shape)}
+    return MappingProxyType({name: b.nbytes(env) for name, b in man.buffers.items()
+                             if all(isinstance(d, int) or d in env for d in b.shape)})
 
 
-def _intervals(accesses: list[CallAccess]) -> dict[str, Interval]:
+def _intervals(accesses: Sequence[CallAccess]) -> dict[str, LiveRange]:
     first: dict[str, int] = {}
     last: dict[str, int] = {}
     for i, acc in enumerate(accesses):
@@ -108,17 +116,18 @@ def _intervals(accesses: list[CallAccess]) -> dict[str, Interval]:
         for b in acc.buffer_reads:
             last[b] = i
     names = sorted(set(first) | set(last))
-    return {b: Interval(b, first.get(b), last.get(b)) for b in names}
+    return {b: LiveRange(b, first.get(b), last.get(b)) for b in names}
 
 
-def _peak(man: m.Manifest, accesses: list[CallAccess], ins: list[frozenset[str]],
-          sizes: dict[str, int]) -> tuple[int, int | None]:
+def _peak(man: m.Manifest, accesses: Sequence[CallAccess], ins: list[frozenset[str]],
+          sizes: Mapping[str, int]) -> tuple[int, int | None]:
     """Largest workspace bytes live at one call: what it reads or keeps, plus what it writes."""
     best, where = 0, None
+    workspaces = {b: sizes.get(b, 0) for b, buf in man.buffers.items() if buf.kind == "workspace"}
+    names = frozenset(workspaces)
     for i, acc in enumerate(accesses):
-        live = (ins[i] | ins[i + 1] | acc.buffer_writes)
-        total = sum(sizes.get(b, 0) for b in live
-                    if b in man.buffers and man.buffers[b].kind == "workspace")
+        live = (ins[i] | ins[i + 1] | acc.buffer_writes) & names
+        total = sum(map(workspaces.__getitem__, live))
         if total > best:
             best, where = total, i
     return best, where

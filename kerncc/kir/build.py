@@ -63,7 +63,7 @@ def _with_offset(arg: dict, offset: int | None) -> dict:
     return arg
 
 
-def interface_param(raw_ops: dict, op: str, index: int) -> m.ParamType | None:
+def raw_param_type(raw_ops: dict, op: str, index: int) -> m.ParamType | None:
     """Param #index of the op's interface, None when the op or the param is unknown."""
     params = raw_ops.get(op, {}).get("params", [])
     if not isinstance(params, list) or index >= len(params):
@@ -328,7 +328,7 @@ class _Build:
     def call_arg(self, node: lark.Tree, ptr: str, op: str, index: int) -> dict:
         direction, body = node.children
         self.mark(ptr, node)
-        param = interface_param(self.raw.get("ops", {}), op, index)
+        param = raw_param_type(self.raw.get("ops", {}), op, index)
         if direction is not None:
             self.check_direction(direction, ptr, param, self.param_words(op, index, param))
         if body.data == "bare":

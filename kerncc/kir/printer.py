@@ -3,7 +3,7 @@
 It prints the canonical raw JSON (`kerncc.manifest.writer.to_raw`), so whatever the writer keeps implicit
 stays implicit here and kir carries exactly what JSON carries. Attributes are `key=value` with the
 JSON field names in the writer's order; call args drop their kind word (and gain their direction)
-whenever the op's interface says the same thing (`kir_build.infer_arg` decides, for both sides).
+whenever the op's interface says the same thing (`kerncc.kir.build.infer_arg` decides, for both sides).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from kerncc import manifest as m
 from kerncc.manifest import writer
-from kerncc.kir.build import infer_arg, interface_param
+from kerncc.kir.build import infer_arg, raw_param_type
 from kerncc.kir.parse import FLAGS, NAME_RE, keywords
 
 INDENT = "  "
@@ -208,7 +208,7 @@ def program(key: str, raw: dict, ops: dict) -> list[str]:
 
 def call(index: int, raw: dict, ops: dict) -> str:
     label = f"{name(raw['label'])} = " if "label" in raw else ""
-    args = ", ".join(call_arg(a, interface_param(ops, raw["op"], i))
+    args = ", ".join(call_arg(a, raw_param_type(ops, raw["op"], i))
                      for i, a in enumerate(raw["args"]))
     return f"#{index} {label}{name(raw['op'])}({args})"
 

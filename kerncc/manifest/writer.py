@@ -7,14 +7,107 @@ omitted, launch `params`/`args` written only when the input spelled them, 2-spac
 
 from __future__ import annotations
 
-import json
+from json.encoder import encode_basestring as _encode_string  # the C one, as json.dumps uses
 from typing import Any
 
+from kerncc.analysis.cache import per_manifest
 from kerncc.manifest import model as m
 
 
+@per_manifest
 def dumps(manifest: m.Manifest) -> str:
-    return json.dumps(to_raw(manifest), indent=2, ensure_ascii=False) + "\n"
+    """The canonical text, once per manifest object (cut hashes the whole's, emit digests it)."""
+    return indented_json(to_raw(manifest)) + "\n"
+
+
+def indented_json(value: Any) -> str:
+    """`json.dumps(value, indent=2, ensure_ascii=False)`, byte for byte, about 3x faster.
+
+    The standard library's indenting encoder is pure Python generators (its C encoder only
+    writes one line); this is one recursion into a list of strings. Emit writes every stage
+    manifest and cut hashes the whole's text, so this is on every lowering's path.
+    """
+    parts: list[str] = []
+    _write(value, "\n", parts)
+    return "".join(parts)
+
+
+def _write(value: Any, newline: str, parts: list[str]) -> None:
+    # `newline` is "\n" plus the current indentation.
+    if isinstance(value, dict):
+        _write_dict(value, newline, parts)
+    elif isinstance(value, (list, tuple)):
+        _write_list(value, newline, parts)
+    else:
+        parts.append(_scalar(value))
+
+
+def _write_dict(value: dict, newline: str, parts: list[str]) -> None:
+    if not value:
+        parts.append("{}")
+        return
+    inner = newline + "  "
+    sep = "{" + inner
+    for key, item in value.items():
+        head = sep + (_encode_string(key) if type(key) is str else _key(key)) + ": "
+        _write_item(head, item, inner, parts)
+        sep = "," + inner
+    parts.append(newline + "}")
+
+
+def _write_list(value: list | tuple, newline: str, parts: list[str]) -> None:
+    if not value:
+        parts.append("[]")
+        return
+    inner = newline + "  "
+    sep = "[" + inner
+    for item in value:
+        _write_item(sep, item, inner, parts)
+        sep = "," + inner
+    parts.append(newline + "]")
+
+
+def _write_item(head: str, item: Any, inner: str, parts: list[str]) -> None:
+    # Strings and ints, most leaves, are spelled here without a further call.
+    kind = type(item)
+    if kind is str:
+        parts.append(head + _encode_string(item))
+    elif kind is int:
+        parts.append(head + int.__repr__(item))
+    else:
+        parts.append(head)
+        _write(item, inner, parts)
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, str):
+        return _encode_string(value)
+    if value is None or value is True or value is False:
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        return _float(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _key(key: Any) -> str:
+    # json.dumps's key rule: strings as they are, scalars by their JSON spelling, quoted.
+    if isinstance(key, str):
+        return _encode_string(key)
+    if isinstance(key, float):
+        return _encode_string(_float(key))
+    if key is None or key is True or key is False or isinstance(key, int):
+        return _encode_string(_scalar(key))
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
+
+
+def _float(value: float) -> str:
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "Infinity" if value > 0 else "-Infinity"
+    return float.__repr__(value)
 
 
 def sort_key(name: str) -> bytes:

@@ -2,7 +2,7 @@
 
 `check_declarations` checks what a manifest declares before anything uses it: the schema version,
 vars (bounds, one var per axis), topology groups, the `cut` block, states (sizes, host layout),
-buffers (in `verify_buffers`) and modules (sha256, the registry ref in `source`, spec §1.7).
+buffers (in `verify/buffers.py`) and modules (sha256, the registry ref in `source`, spec §1.7).
 `check_unused` is rule group 9; it runs last, once every other rule group has recorded what it
 saw in `checker.used`. `registry_url` is the one parser of a module `source` (spec §1.7).
 

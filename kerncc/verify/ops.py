@@ -3,8 +3,8 @@
 Owns, per op in name order: the interface (no `bytes<n>`), scratch shapes, each launch's
 header (`when`, extern vs kernel entry, `algo`, module, block, grid, shared memory, cluster,
 packs on externs, arity), and the verdicts after all launches (every interface `out` param
-written, every scratch used). Each launch arg's wiring is `verify_wiring`, packs and
-tensormaps `verify_packs`. Records in `checker.used` the modules kernel launches name and the
+written, every scratch used). Each launch arg's wiring is `verify/wiring.py`, packs and
+tensormaps `verify/packs.py`. Records in `checker.used` the modules kernel launches name and the
 vars that grids, shared memory, `when` and pack fields read (groups via `check_group`).
 """
 

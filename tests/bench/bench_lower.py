@@ -8,6 +8,11 @@ of the total, and the ratio of the total to `json.loads` of the same file. It al
 same pipeline through the runner (`run_pipeline`, verifying after each pass) as `kerncc lower`
 does, and prints every program's arena against its lower bound. Target: total < 2 s.
 `--profile PASS` prints the cProfile top functions of that step.
+
+Then the command-line ratio of issue 14: `kerncc lower M -p default,emit` against
+`kerncc verify M` of the same file, each a fresh process (imports and all), run alternately
+`--repeat` times side by side; it prints the best wall time and the CPU time (user + sys,
+steadier on a shared machine) of each and their ratios. Goal: lower / verify <= 2.0.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import argparse
 import cProfile
 import functools
 import json
+import os
 import pstats
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +45,7 @@ from kerncc.symbolic import check_stages
 from kerncc.verify import verify
 
 TARGET_S = 2.0
+CLI_RATIO_GOAL = 2.0
 
 
 def timed(label: str, action: Callable[[], Any], profile: str | None) -> tuple[Any, float]:
@@ -115,13 +124,82 @@ def run_runner(path: Path, out: Path) -> float:
     return time.perf_counter() - start
 
 
+def _child_run(argv: list[str], path: str | None = None) -> tuple[float, float]:
+    """One fresh `python -m kerncc ...` process: (wall seconds, CPU seconds user + sys).
+
+    `path` goes first on PYTHONPATH: a directory whose `kerncc` is another checkout's.
+    """
+    # As installed: bytecode cached (an environment with PYTHONDONTWRITEBYTECODE would make
+    # every run compile its imports, charging the command that imports more twice).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if path:
+        env["PYTHONPATH"] = path
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    # Run from the model's folder: `-m` puts the working directory first on sys.path, and a
+    # checkout's own `kerncc/` there would shadow `path`.
+    subprocess.run([sys.executable, "-m", "kerncc", *argv], check=True, env=env,
+                   cwd=os.path.dirname(argv[1]), stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=600)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def cli_ratio(layers: int, repeat: int, baseline: str | None = None) -> float:
+    """Best-of-`repeat` `kerncc lower -p default,emit` over `kerncc verify`, side by side
+    (and the same pair for a `baseline` checkout, interleaved, when given)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, _ = generate(tmp, "tiny", layers=layers)
+        runs = _pairs(str(path), tmp, repeat, [None, baseline] if baseline else [None])
+    if baseline:
+        base = runs.pop("baseline")
+        bv, bl = min(c for _, c in base["verify"]), min(c for _, c in base["lower"])
+        print(f"baseline ({baseline}): verify CPU {bv * 1e3:.0f} ms, lower CPU "
+              f"{bl * 1e3:.0f} ms: {bl / bv:.2f}x")
+    return _report(runs["this"], layers, repeat)
+
+
+def _pairs(model: str, tmp: str, repeat: int, paths: list[str | None]) -> dict[str, dict]:
+    runs = {"baseline" if p else "this": {"verify": [], "lower": []} for p in paths}
+    for p in paths:  # warm the bytecode caches
+        _child_run(["lower", model, "-p", "default,emit", "-o", os.path.join(tmp, "warm")], p)
+    for i in range(repeat):
+        for p in paths:
+            which = runs["baseline" if p else "this"]
+            which["verify"].append(_child_run(["verify", model], p))
+            out = os.path.join(tmp, f"out{i}{'b' if p else ''}")
+            which["lower"].append(_child_run(["lower", model, "-p", "default,emit", "-o", out],
+                                             p))
+    return runs
+
+
+def _report(runs: dict[str, list[tuple[float, float]]], layers: int, repeat: int) -> float:
+    best = {name: (min(w for w, _ in r), min(c for _, c in r)) for name, r in runs.items()}
+    wall = best["lower"][0] / best["verify"][0]
+    cpu = best["lower"][1] / best["verify"][1]
+    print(f"kerncc verify M{layers}: best wall {best['verify'][0] * 1e3:.0f} ms, "
+          f"CPU {best['verify'][1] * 1e3:.0f} ms (of {repeat})")
+    print(f"kerncc lower M{layers} -p default,emit: best wall {best['lower'][0] * 1e3:.0f} ms, "
+          f"CPU {best['lower'][1] * 1e3:.0f} ms (of {repeat})")
+    status = "ok" if cpu <= CLI_RATIO_GOAL else "OVER GOAL"
+    print(f"lower / verify: {wall:.2f}x wall, {cpu:.2f}x CPU (goal <= {CLI_RATIO_GOAL:.1f}x): "
+          f"{status}")
+    return cpu
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--profile", metavar="STEP", help="cProfile one step (e.g. emit)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each command (best of)")
+    parser.add_argument("--cli-only", action="store_true", help="only the command-line ratio")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="also time the kerncc package under DIR (put first on PYTHONPATH)")
     args = parser.parse_args(argv)
-    total = run(args.layers, args.profile)
-    return 0 if total < TARGET_S else 1
+    total = 0.0 if args.cli_only else run(args.layers, args.profile)
+    ratio = cli_ratio(args.layers, args.repeat, args.baseline)
+    return 0 if total < TARGET_S and ratio <= CLI_RATIO_GOAL else 1
 
 
 if __name__ == "__main__":

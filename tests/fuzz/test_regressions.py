@@ -29,7 +29,7 @@ def _with_value(text: str) -> str:
 
 # Numbers serde_json refuses were reported with no pointer and no line (`NaN` is not JSON),
 # the 5000-digit integer as Python's own ValueError text. Now each is a diagnostic at its
-# pointer and line:col (kerncc/jsonsource.py).
+# pointer and line:col (kerncc/manifest/jsonsource.py).
 @pytest.mark.parametrize("raw, message", [
     ("NaN", "`NaN` is not JSON"), ("-Infinity", "`-Infinity` is not JSON"),
     ("1e400", "number out of range `1e400`"), ("1" * 5000, "(5000 digits)"),
@@ -55,7 +55,7 @@ def test_nesting_too_deep_is_located(tmp_path: Path) -> None:
 
 
 # A byte that is not UTF-8 gave "cannot read `FILE`: 'utf-8' codec can't decode byte 0x80 in
-# position 0" with no line:col (kerncc/reader.py).
+# position 0" with no line:col (kerncc/manifest/reader.py).
 def test_bytes_that_are_not_utf8_are_located(tmp_path: Path) -> None:
     path = tmp_path / "model.json"
     path.write_bytes(MINIMAL.encode().replace(b'"minimal"', b'"mini\xc3mal"'))
@@ -68,7 +68,7 @@ def test_bytes_that_are_not_utf8_are_located(tmp_path: Path) -> None:
 
 
 # `kerncc verify` printed serving-protocol errors with a JSON pointer but no line:col, unlike
-# every other error about a file (kerncc/cli.py).
+# every other error about a file (kerncc/cli/main.py).
 def test_protocol_errors_are_located(tmp_path: Path) -> None:
     path = tmp_path / "model.json"
     path.write_text(json.dumps(random_manifest(Xorshift(11)), indent=2))
@@ -89,7 +89,7 @@ def _deep_grid(depth: int, op: str = "ceil_div") -> str:
 # A grid expression 300 deep (600 JSON levels, which Python's decoder takes) overflowed the
 # stack in the reader, the writer and the kir printer: an internal RecursionError from verify,
 # fmt and dump. JSON nested deeper than 128 levels is now refused as serde_json refuses it,
-# at its pointer (kerncc/jsonsource.py); the deepest expression that parses (60 levels here)
+# at its pointer (kerncc/manifest/jsonsource.py); the deepest expression that parses (60 levels here)
 # goes through every command.
 @pytest.mark.parametrize("depth", [61, 300, 3000])
 @pytest.mark.parametrize("op", ["ceil_div", "add"])
@@ -129,7 +129,7 @@ def test_kir_expressions_nested_too_deep_are_located(tmp_path: Path, length: int
 
 # `lower model.json -p cut,emit,cut -o out` wrote the bundle, then the second cut failed
 # ("the manifest is already a stage of a cut"): exit 1 with `out/` left behind. A pass that
-# writes the output now has to be the last (kerncc/pipeline.py: Pass.writes_output).
+# writes the output now has to be the last (kerncc/pipeline/base.py: Pass.writes_output).
 @pytest.mark.parametrize("spec, column", [("cut,emit,cut", 5), ("emit,liveness", 1),
                                           ("cut,emit{out=b},emit", 5)])
 def test_nothing_runs_after_emit(tiny_model, tmp_path: Path, spec: str, column: int) -> None:
@@ -205,7 +205,7 @@ def test_damaged_bundle_index(tiny_bundle, tmp_path: Path, edit: str) -> None:
 
 # ---- command lines
 # `--dump-dir` naming a file (or a place that cannot be made) was an internal FileExistsError;
-# now it is an error about the flag, not located in the input (kerncc/pipeline.py: DumpDir).
+# now it is an error about the flag, not located in the input (kerncc/pipeline/instruments.py: DumpDir).
 @pytest.mark.parametrize("command", ["dump", "lower"])
 def test_a_dump_dir_that_cannot_be_made(tiny_model, tmp_path: Path, command: str) -> None:
     (tmp_path / "file").write_text("x")
@@ -216,7 +216,7 @@ def test_a_dump_dir_that_cannot_be_made(tiny_model, tmp_path: Path, command: str
     assert str(tiny_model[0]) not in outcome.err
 
 
-# Found by the fuzz in kerncc/example and kerncc/cli_runtime.py, fixed there (f11092a):
+# Found by the fuzz in kerncc/example and kerncc/cli/run.py, fixed there (f11092a):
 # internal errors (FileExistsError, IsADirectoryError, FileNotFoundError, OverflowError).
 def test_example_into_a_file(tmp_path: Path) -> None:
     (tmp_path / "taken").write_text("x")
@@ -232,7 +232,7 @@ def test_a_trace_into_a_directory(tiny_bundle, tmp_path: Path) -> None:
 # passes): each of these was an internal error of `kerncc run` (AttributeError, KeyError,
 # TypeError, "negative dimensions", "could not broadcast") from the memory, staging, launch
 # parsing or weights code. The loader now checks each plan against its manifest
-# (kerncc/runtime/plan_check.py) and verifies each stage manifest (runtime/bundle.py).
+# (kerncc/bundle/plan_check.py) and verifies each stage manifest (runtime/bundle.py).
 def _edit_stage_file(bundle: Path, rel: str, tokens: tuple, value) -> None:
     import hashlib
 
@@ -286,8 +286,8 @@ def test_damaged_stage_files_with_their_hash_updated(tiny_bundle, tmp_path: Path
 
 
 # Two calls of stage 0 swapped (the hash updated): `kerncc check` refused the proof with bare
-# pointers into the whole manifest; they are now placed in it (kerncc/bundle_check.py; the
-# same for `kerncc check WHOLE STAGE...` in kerncc/cli.py).
+# pointers into the whole manifest; they are now placed in it (kerncc/bundle/check.py; the
+# same for `kerncc check WHOLE STAGE...` in kerncc/cli/main.py).
 def test_a_proof_failure_is_located_in_the_input(tiny_bundle, tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"
     shutil.copytree(tiny_bundle.dir, bundle)
@@ -313,7 +313,7 @@ def test_a_token_id_past_int32(tiny_bundle) -> None:
 # A launch record whose entry is a list (plan.json's hash updated): the cpu backend's kernel
 # lookup raised TypeError (unhashable) while loading. One whose args lost an entry: the
 # reference kernel's call failed with a message that named no file. Launch records are now
-# checked against the ones the manifest gives (kerncc/runtime/plan_check.py), and launch
+# checked against the ones the manifest gives (kerncc/bundle/plan_check.py), and launch
 # parsing types a record's fields for callers that build plans themselves (launch.py).
 @pytest.mark.parametrize("tokens, value, ptr", [
     (("programs", "decode", "calls", 0, "launches", 0, "entry"), [],
@@ -351,7 +351,7 @@ def test_launch_parsing_types_the_record(tiny_bundle) -> None:
 # A label written `"\ud800"` (a lone surrogate: valid JSON escape syntax, but no character)
 # parsed, then `cut` crashed encoding the manifest for its id (UnicodeEncodeError, an internal
 # error); fmt would have printed what no UTF-8 stream can hold. serde_json refuses it, and now
-# so does the reader, at the string's pointer, in JSON and in kir (kerncc/jsonsource.py).
+# so does the reader, at the string's pointer, in JSON and in kir (kerncc/manifest/jsonsource.py).
 @pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "x\\ud800y"])
 def test_a_lone_surrogate_is_refused(tmp_path: Path, escape: str) -> None:
     path = tmp_path / "model.json"
@@ -384,7 +384,7 @@ def test_logits_into_a_missing_directory(tiny_bundle, tmp_path: Path) -> None:
 # kir took numbers JSON refuses: `max=1e400` became inf and `kerncc fmt --to json` printed
 # `Infinity` (which kerncc's own reader refuses); a 5000-digit integer raised ValueError from
 # int() in the builder (an internal error). Both are now "number out of range" at the token
-# (kerncc/kir_parse.py).
+# (kerncc/kir/parse.py).
 @pytest.mark.parametrize("old, new, where", [
     ("max=2.5e-05", "max=1e400", "19:49"),
     ("max=2.5e-05", "max=" + "9" * 5000, "19:49"),
@@ -401,7 +401,7 @@ def test_kir_numbers_json_cannot_carry(tmp_path: Path, old: str, new: str, where
 
 
 # A param type `bytes<²>` (str.isdigit takes it, int() does not) or with 5000 digits raised
-# ValueError from the reader (kerncc/reader.py parse_param_type).
+# ValueError from the reader (kerncc/manifest/reader.py parse_param_type).
 @pytest.mark.parametrize("count", ["²", "9" * 5000, "18446744073709551616"])
 def test_byte_counts_that_are_not_a_usize(tmp_path: Path, count: str) -> None:
     doc = json.loads(MINIMAL)
