@@ -13,8 +13,8 @@ from pathlib import Path
 from kerncc import kir
 from kerncc.diagnostics import Location
 from kerncc.manifest import model as m
-from kerncc.manifest.reader import load_with_locator as load_json_with_locator
 from kerncc.manifest.jsonsource import PositionIndex
+from kerncc.manifest.reader import load_with_locator as load_json_with_locator
 from kerncc.manifest.reader import loads as loads_json
 from kerncc.manifest.reader import read_text
 

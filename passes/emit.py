@@ -25,18 +25,18 @@ from typing import Any
 import attrs
 
 from kerncc import __version__
-from kerncc import manifest as m
 from kerncc import protocol
-from kerncc.manifest import writer
+from kerncc import manifest as m
 from kerncc.atomic import atomic_directory
 from kerncc.bundle.files import FileRefused, inside, read_regular
-from kerncc.bundle.format import CHECKPOINT, FORMAT, MAX_FILE_SIZE
+from kerncc.bundle.format import CHECKPOINT, FORMAT
 from kerncc.bundle.plan import memory_json, program_records
 from kerncc.bundle.reader import checkpoint_identity
 from kerncc.bundle.stage_py import render_stage
 from kerncc.diagnostics import Diagnostic, KernccError, pointer, split_pointer
 from kerncc.ir import IR
 from kerncc.kernels import library
+from kerncc.manifest import writer
 from kerncc.passes import register
 from kerncc.passes.plan_memory import MemoryReport, StageArena, plan_stage
 from kerncc.passes.slicing import staging_plan
@@ -169,7 +169,7 @@ class BundleMeta:
 
 def _read(path: Path, what: str) -> bytes:
     try:
-        return read_regular(path, what, MAX_FILE_SIZE)
+        return read_regular(path, what)
     except FileRefused as err:
         raise KernccError.single(err.message) from None
 
@@ -285,7 +285,7 @@ def find_module(module: m.Module, input_dir: Path | None) -> bytes | None:
     to its sha256; None when no candidate file does."""
     for path in _module_candidates(module, input_dir):
         try:
-            data = read_regular(path, "module", MAX_FILE_SIZE)
+            data = read_regular(path, "module")
         except FileRefused:
             continue
         if sha256(data) == module.sha256:

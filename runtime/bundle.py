@@ -20,10 +20,8 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.bundle import reader
-from kerncc.bundle.files import FileRefused, is_local, kind_of
-from kerncc.bundle.format import CHECKPOINT, MAX_FILE_SIZE
+from kerncc.bundle.format import CHECKPOINT
 from kerncc.diagnostics import Diagnostic, KernccError, Location
-from kerncc.stage import host_inputs
 
 WEIGHTS_BESIDE_MANIFEST = CHECKPOINT
 
@@ -63,7 +61,7 @@ class Stage:
 class Bundle:
     """A checked bundle directory: `stages`, `edges`, `checkpoint`, `pipeline`, `index`."""
 
-    def __init__(self, path: str | Path, max_file_size: int = MAX_FILE_SIZE) -> None:
+    def __init__(self, path: str | Path, max_file_size: int | None = None) -> None:
         self.dir = Path(path)
         self._index = reader.read_index(self.dir, max_file_size)
         self.index = self._index.data
@@ -77,7 +75,7 @@ class Bundle:
         return f"Bundle({str(self.dir)!r}, stages={len(self.stages)})"
 
     @classmethod
-    def open(cls, path: str | Path, max_file_size: int = MAX_FILE_SIZE) -> Bundle:
+    def open(cls, path: str | Path, max_file_size: int | None = None) -> Bundle:
         """A bundle directory (a manifest file is lowered first: `kerncc.lower.open_target`)."""
         path = Path(path)
         if path.is_dir():

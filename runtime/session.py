@@ -164,7 +164,8 @@ class Session:
         path = self.stage.stage_py
         namespace: dict[str, Any] = {"__name__": f"_kerncc_stage_{next(_stage_modules)}"}
         try:
-            exec(compile(code, f"<kerncc rendering of {path}>", "exec"), namespace)
+            # kerncc's own rendering of the checked plan, never text read from the bundle
+            exec(compile(code, f"<kerncc rendering of {path}>", "exec"), namespace)  # noqa: S102
         except Exception as err:  # noqa: BLE001 - a failure of the rendering is kerncc's
             raise bundle_error(path, f"cannot load: {type(err).__name__}: {err}") from None
         programs = namespace.get("PROGRAMS")

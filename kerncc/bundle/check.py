@@ -20,7 +20,7 @@ from kerncc import manifest as m
 from kerncc import source
 from kerncc.bundle import reader
 from kerncc.bundle.files import FileRefused, read_regular
-from kerncc.bundle.format import HEADLINE, MAX_FILE_SIZE
+from kerncc.bundle.format import HEADLINE
 from kerncc.bundle.reader import Index, StageFiles, read_index, stage_files
 from kerncc.diagnostics import KernccError, Location
 from kerncc.symbolic import Proof, check_stages
@@ -82,7 +82,7 @@ def _input(index: Index, whole: str | Path | None
 
 
 def check_bundle(directory: str | Path, whole: str | Path | None = None,
-                 max_file_size: int = MAX_FILE_SIZE) -> Proof:
+                 max_file_size: int | None = None) -> Proof:
     """Prove again that the bundle's stages compute its input manifest; KernccError if not.
 
     `whole` overrides the input path recorded in bundle.json (a path the user gives).

@@ -14,7 +14,19 @@ import os
 import stat
 from pathlib import Path, PurePosixPath
 
+from kerncc.bundle.format import MAX_FILE_SIZE
 from kerncc.diagnostics import KernccError
+
+# The limit `read_regular` applies by default; `--max-file-size` sets it for one command.
+_limit = [MAX_FILE_SIZE]
+
+
+def max_file_size() -> int:
+    return _limit[0]
+
+
+def set_max_file_size(limit: int) -> None:
+    _limit[0] = limit
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -59,11 +71,14 @@ def _shown(name: object) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def read_regular(path: Path, what: str, limit: int, prefix: bool = False) -> bytes:
+def read_regular(path: Path, what: str, limit: int | None = None, prefix: bool = False
+                 ) -> bytes:
     """The bytes of the regular file at `path`, at most `limit` of them; FileRefused if not.
 
-    With `prefix`, a longer file is no error: its first `limit` bytes are returned.
+    With `prefix`, a longer file is no error: its first `limit` bytes are returned. The
+    default limit is `max_file_size()`.
     """
+    limit = max_file_size() if limit is None else limit
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:

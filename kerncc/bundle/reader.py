@@ -26,7 +26,7 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.bundle.files import FileRefused, inside, read_regular
-from kerncc.bundle.format import FORMAT, HEADLINE, MAX_FILE_SIZE, STAGE_FILES
+from kerncc.bundle.format import FORMAT, HEADLINE, STAGE_FILES
 from kerncc.bundle.index import index_problems
 from kerncc.bundle.plan_check import MalformedPlan, check_plan
 from kerncc.diagnostics import Diagnostic, KernccError, Location
@@ -37,9 +37,9 @@ Locate = Callable[[str], Location]
 _MODULE_NAME = re.compile(r"[0-9a-f]{64}\.cubin")
 
 
-def refusal(message: str, location: Location = Location()) -> KernccError:
+def refusal(message: str, location: Location | None = None) -> KernccError:
     """A refusal to read a bundle: HEADLINE and one diagnostic."""
-    return KernccError(HEADLINE, [Diagnostic(message, location)])
+    return KernccError(HEADLINE, [Diagnostic(message, location or Location())])
 
 
 def at_file(path: Path, message: str) -> KernccError:
@@ -76,7 +76,7 @@ class Index:
     dir: Path
     data: dict[str, Any]
     text: str = attrs.field(repr=False)
-    limit: int = MAX_FILE_SIZE
+    limit: int | None = None
 
     @property
     def path(self) -> Path:
@@ -90,7 +90,7 @@ class Index:
         return refusal(message, self.locate(ptr))
 
 
-def read_index(bundle: str | Path, limit: int = MAX_FILE_SIZE) -> Index:
+def read_index(bundle: str | Path, limit: int | None = None) -> Index:
     """bundle.json of the folder `bundle`, its format and every field checked."""
     bundle = Path(bundle)
     if not bundle.is_dir():
@@ -167,7 +167,7 @@ def read_stage_files(index: Index, k: int) -> StageFiles:
     return StageFiles(k, folder, texts, _modules(folder, k, index.limit))
 
 
-def _read(folder: Path, name: str, what: str, limit: int) -> bytes:
+def _read(folder: Path, name: str, what: str, limit: int | None) -> bytes:
     try:
         return read_regular(inside(folder, name, what), what, limit)
     except FileRefused as err:
@@ -180,7 +180,7 @@ def _check_absent(index: Index, path: Path, k: int, ptr: str) -> None:
                           "none (null): a file the bundle does not pin would be trusted", ptr)
 
 
-def _modules(folder: Path, k: int, limit: int) -> dict[str, Path]:
+def _modules(folder: Path, k: int, limit: int | None) -> dict[str, Path]:
     """The module files of `folder/modules`: each a `<sha256>.cubin` whose bytes hash to it."""
     modules = folder / "modules"
     if not (modules.exists() or modules.is_symlink()):

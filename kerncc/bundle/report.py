@@ -26,7 +26,6 @@ from kerncc import manifest as m
 from kerncc.bundle import reader
 from kerncc.bundle.check import input_manifest, input_path
 from kerncc.bundle.files import FileRefused, check_regular
-from kerncc.bundle.format import MAX_FILE_SIZE
 from kerncc.bundle.reader import Index, read_index, stage_files
 from kerncc.diagnostics import KernccError
 from kerncc.passes.liveness import human_bytes
@@ -239,7 +238,7 @@ def _proof(index: dict) -> dict[str, Any] | None:
     return index.get("proof")
 
 
-def read_report(directory: str | Path, max_file_size: int = MAX_FILE_SIZE) -> BundleReport:
+def read_report(directory: str | Path, max_file_size: int | None = None) -> BundleReport:
     """The report of the bundle at `directory`; KernccError naming the file if it is damaged."""
     checked = read_index(directory, max_file_size)
     read = [reader.read_stage(checked, files) for files in stage_files(checked)]
