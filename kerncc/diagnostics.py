@@ -126,7 +126,7 @@ class KernccError(Exception):
 
 
 def _merge(old: Location, new: Location) -> Location:
-    if old.line is not None:
+    if old.line is not None or old.file is not None:  # placed already (an output, a file)
         return old
     return attrs.evolve(old, file=new.file, line=new.line, column=new.column)
 

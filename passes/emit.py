@@ -33,7 +33,7 @@ from kerncc.bundle.format import CHECKPOINT, FORMAT
 from kerncc.bundle.plan import memory_json, program_records
 from kerncc.bundle.reader import checkpoint_identity
 from kerncc.bundle.stage_py import render_stage
-from kerncc.diagnostics import Diagnostic, KernccError, pointer, split_pointer
+from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer, split_pointer
 from kerncc.ir import IR
 from kerncc.kernels import library
 from kerncc.manifest import writer
@@ -403,7 +403,8 @@ def write_bundle(files: dict[str, bytes], out: str) -> None:
                 path = tmp / relative
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
-    except OSError as err:
-        raise KernccError.single(f"cannot write the bundle `{out}`: "
-                                 f"{err.strerror or err}") from None
+    except OSError as err:  # located at the output, not at the input being lowered
+        raise KernccError("cannot write the bundle:", [Diagnostic(
+            f"cannot write the bundle `{out}`: {err.strerror or err}",
+            Location(file=str(out)))]) from None
 

@@ -20,6 +20,7 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.bundle import reader
+from kerncc.bundle.files import FileRefused, check_regular
 from kerncc.bundle.format import CHECKPOINT
 from kerncc.diagnostics import Diagnostic, KernccError, Location
 
@@ -109,4 +110,12 @@ class Bundle:
         A checkpoint that differs from the one emit saw is refused, or, when the user `given`
         it (`--weights`), is a warning (returned); None when it matches or nothing is recorded.
         """
+        if path is None:
+            return None
+        if not Path(path).is_dir():  # a directory of shards is checked as it is opened
+            try:
+                check_regular(Path(path), "checkpoint")
+            except FileRefused as err:
+                hint = "" if given else " (give one: --weights FILE)"
+                raise KernccError.single(err.message + hint) from None
         return reader.checkpoint_mismatch(self._index, path, given)

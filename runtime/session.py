@@ -71,8 +71,9 @@ class Session:
     def __init__(self, bundle: Bundle | str | os.PathLike, stage: int = 0,
                  backend: str | Backend = "cpu", checkpoint: CheckpointLike = None,
                  token_capacity: int | None = None, interpret: bool = False,
-                 graphs: bool | str = "auto") -> None:
+                 graphs: bool | str = "auto", allow_nonfinite: bool = False) -> None:
         self.bundle = open_bundle(bundle)
+        self.allow_nonfinite = allow_nonfinite  # load NaN and infinite weights unrefused
         if not 0 <= stage < len(self.bundle.stages):
             raise KernccError.single(f"the bundle has {len(self.bundle.stages)} stages; "
                                      f"there is no stage {stage}")
@@ -186,7 +187,7 @@ class Session:
         nbytes = buf.nbytes(self.manifest.vars_max())
         try:
             return assemble(buf.bind, tensors, numpy_dtype(buf.dtype), nbytes,
-                            where=f"/buffers/{name}/bind")
+                            where=f"/buffers/{name}/bind", finite=not self.allow_nonfinite)
         except KernccError as err:
             headline = f"{err.headline} (checkpoint: {self._checkpoint_name})"
             raise self.stage.located(KernccError(headline, err.diagnostics)) from None

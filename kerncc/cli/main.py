@@ -188,9 +188,14 @@ def cmd_lower(args: argparse.Namespace) -> int:
 
     ir = _lower(args, args.pipeline, out=args.output)
     if args.output and "emit" not in ir.history:
-        with atomic_directory(args.output) as tmp:
-            for index, stage in enumerate(ir.stages):
-                (tmp / f"stage{index}.json").write_text(writer.dumps(stage), encoding="utf-8")
+        try:
+            with atomic_directory(args.output) as tmp:
+                for index, stage in enumerate(ir.stages):
+                    (tmp / f"stage{index}.json").write_text(writer.dumps(stage),
+                                                            encoding="utf-8")
+        except OSError as err:
+            raise KernccError.single(f"cannot write the stages to `{args.output}`: "
+                                     f"{err.strerror or err}") from None
         print(f"wrote {len(ir.stages)} stage manifests to {args.output}", file=sys.stderr)
     elif not args.output:
         sys.stdout.write(ir.to_text())

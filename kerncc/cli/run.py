@@ -10,6 +10,7 @@ example model (manifest, checkpoint, config) with kerncc.example.generate.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -22,8 +23,12 @@ from kerncc.diagnostics import KernccError
 
 
 def _token_ids(text: str) -> list[int]:
+    parts = re.split(r"\s*,\s*|\s+", text.strip())
+    if "" in parts:  # `1,,2`, `1,`: a list with a hole is a typo, not a shorter prompt
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got `{text}` "
+                                         "(an empty entry)")
     try:
-        ids = [int(t) for t in text.replace(" ", ",").split(",") if t]
+        ids = [int(t) for t in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got `{text}`") from None
     if not ids or min(ids) < 0:
@@ -68,8 +73,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     bundle = open_target(args.target, args.pipeline)
     weights = args.weights or bundle.checkpoint
-    if weights is not None and not Path(weights).exists():
-        raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
+    stale = bundle.check_checkpoint(weights, given=args.weights is not None)
+    if stale:
+        _say(f"warning: {stale}")
     if args.devices and args.backend != "cuda":
         raise KernccError.single("--devices needs --backend cuda")
     for flag, path in (("--trace", args.trace), ("--logits", args.logits)):
@@ -77,7 +83,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise KernccError.single(f"{flag} `{path}` is a directory; give a file name")
     timeline = Timeline() if args.trace else None
     chain = Chain(bundle, backend=args.backend, checkpoint=weights, interpret=args.interpret,
-                  devices=args.devices, graphs=args.graphs, trace=timeline)
+                  devices=args.devices, graphs=args.graphs, trace=timeline,
+                  allow_nonfinite=args.allow_nonfinite)
     generator = Generator(chain)
     loaded = time.perf_counter()
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
@@ -176,6 +183,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write a Chrome/Perfetto trace of every stage's items and transfers")
     p.add_argument("--interpret", action="store_true",
                    help="interpret plan.json's launch records instead of running stage.py")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load weights holding NaN or infinity (refused by default)")
+    from kerncc.cli.main import limit_flags
+    limit_flags(p)
     p.set_defaults(handler=cmd_run, format="text")
 
     p = sub.add_parser("example", help="write an example model (manifest and checkpoint)")
