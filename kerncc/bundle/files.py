@@ -85,10 +85,11 @@ def read_regular(path: Path, what: str, limit: int | None = None, prefix: bool =
         raise FileRefused(f"{what} `{path}` is missing") from None
     except OSError as err:
         raise FileRefused(f"cannot read {what} `{path}`: {err.strerror or err}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise FileRefused(f"{what} `{path}` is {kind_of(mode)}, not a regular file")
     with os.fdopen(fd, "rb") as file:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise FileRefused(f"{what} `{path}` is {kind_of(mode)}, not a regular file")
         try:
             data = file.read(limit if prefix else limit + 1)
         except OSError as err:

@@ -108,11 +108,20 @@ def read_index(bundle: str | Path, limit: int | None = None) -> Index:
         found = value.get("format") if isinstance(value, dict) else None
         where = index.locate("/format") if index else Location(file=str(path))
         raise refusal(f"`{path}` has format {_short(found)}, not {FORMAT!r}", where)
-    problems = index_problems(value)
+    problems = index_problems(value) or _outside_paths(value)
     if problems:
         raise KernccError(HEADLINE, [Diagnostic(message, index.locate(ptr))
                                      for ptr, message in problems])
     return index
+
+
+def _outside_paths(index: dict[str, Any]) -> list[tuple[str, str]]:
+    """The input's and the checkpoint's paths, when recorded, are relative to the bundle."""
+    named = [("/checkpoint", "checkpoint", index.get("checkpoint")),
+             ("/input/path", "input", (index.get("input") or {}).get("path"))]
+    return [(ptr, f"{what} `{path}` is not a relative path: a bundle names the files beside "
+                  "it relative to its folder") for ptr, what, path in named
+            if path and not is_recorded_path(path)]
 
 
 def _short(value: Any) -> str:

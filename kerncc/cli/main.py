@@ -41,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _apply_limits(args: argparse.Namespace) -> None:
     """`--max-file-size` bounds every file this command reads (kerncc.bundle.files)."""
-    if getattr(args, "max_file_size", None) is not None:
-        from kerncc.bundle.files import set_max_file_size
-        set_max_file_size(args.max_file_size)
+    from kerncc.bundle.files import set_max_file_size
+    from kerncc.bundle.format import MAX_FILE_SIZE
+
+    set_max_file_size(getattr(args, "max_file_size", None) or MAX_FILE_SIZE)
 
 
 def limit_flags(p: argparse.ArgumentParser) -> None:

@@ -4,6 +4,7 @@ case tally printed at the end of the session (and kept in pytest's cache as `fuz
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import attrs
@@ -62,8 +63,9 @@ def tiny_bundle(tiny_model: tuple[Path, Path]) -> TinyBundle:
     assert lowered.code == 0, lowered.describe()
     index_path = out / "bundle.json"
     index = json.loads(index_path.read_text())
-    index["input"]["path"] = str(manifest.resolve())
-    index["checkpoint"] = str(checkpoint.resolve())
+    # relative to the bundle (a bundle names no absolute path), as emit records them
+    index["input"]["path"] = os.path.relpath(manifest.resolve(), out.resolve())
+    index["checkpoint"] = os.path.relpath(checkpoint.resolve(), out.resolve())
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     return TinyBundle(out, manifest, checkpoint)
 
