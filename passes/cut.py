@@ -20,13 +20,14 @@ from kerncc import manifest as m
 from kerncc.manifest import writer
 from kerncc.analysis.access import CallAccess, program_access
 from kerncc.analysis.liveness import buffer_sizes, crossings
+from kerncc.bundle.format import CUT_HEADLINE
 from kerncc.diagnostics import Diagnostics, KernccError, pointer
 from kerncc.ir import IR, Edge
 from kerncc.passes import register
 from kerncc.pipeline.base import Pass
 from kerncc.stage import assemble, keep_programs
 
-HEADLINE = "manifest cannot be cut:"
+HEADLINE = CUT_HEADLINE
 
 
 @register

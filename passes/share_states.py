@@ -16,13 +16,14 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.analysis.access import call_access
+from kerncc.bundle.format import CUT_HEADLINE
 from kerncc.diagnostics import Diagnostics, pointer
 from kerncc.ir import IR
 from kerncc.passes import register
 from kerncc.pipeline.base import Pass
 from kerncc.stage import assemble, crossing_kinds
 
-HEADLINE = "manifest cannot be cut:"
+HEADLINE = CUT_HEADLINE
 
 
 @attrs.frozen

@@ -19,3 +19,5 @@ STAGE_FILES = (("manifest.json", "manifest_sha256"), ("plan.json", "plan_sha256"
 # The largest bundle.json, manifest, plan.json, stage.py or module file read (`--max-file-size`
 # raises it): a real 36-layer stage is a few MB; a /dev/zero or a runaway file stops here.
 MAX_FILE_SIZE = 256 * 1024 * 1024
+# The headline of a refusal to cut a manifest into stages (the `cut` and `share-states` passes).
+CUT_HEADLINE = "manifest cannot be cut:"
