@@ -71,8 +71,9 @@ def _input(index: Index, whole: str | Path | None
     path = input_path(index, whole)
     try:
         data = read_regular(path, "the input manifest", index.limit)
-    except FileRefused as err:
-        raise reader.at_file(path, err.message) from None
+    except FileRefused as err:  # at the command line's path, or where bundle.json names it
+        raise (reader.at_file(path, err.message) if whole is not None
+               else index.error(err.message, "/input/path")) from None
     expected = (index.data.get("input") or {}).get("sha256")
     if expected is not None and reader.sha256(data) != expected:
         raise index.error(f"the input manifest `{path}` was changed after emit: sha256 "

@@ -271,8 +271,9 @@ def stage_code(index: Index, files: StageFiles, man: m.Manifest, plan: dict[str,
         path = files.path("stage.py")
         line = _first_difference(code, listing)
         raise refusal(f"stage {files.index} stage.py `{path}` is not kerncc's rendering of its "
-                      f"plan.json (they differ from line {line}): only the rendering runs, so "
-                      "an edited listing is refused", Location(file=str(path), line=line))
+                      f"plan.json and bundle.json (they differ from line {line}): only the "
+                      "rendering runs, so an edited listing is refused",
+                      Location(file=str(path), line=line))
     return code
 
 

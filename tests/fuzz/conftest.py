@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import attrs
@@ -31,12 +32,19 @@ class Seeds:
 
 @attrs.frozen
 class TinyBundle:
-    """The tiny model's bundle, with the input and checkpoint paths in bundle.json made
-    absolute so that a copy anywhere still finds them."""
+    """The tiny model's bundle beside its input and checkpoint (bundle.json names them
+    `../model.json`, `../model.safetensors`: a bundle names no absolute path)."""
 
     dir: Path
     manifest: Path
     checkpoint: Path
+
+    def copy(self, dest: Path) -> Path:
+        """A copy of the bundle at `dest`, with copies of its input and checkpoint beside it."""
+        shutil.copytree(self.dir, dest)
+        for original in (self.manifest, self.checkpoint):
+            shutil.copy(original, dest.parent / original.name)
+        return dest
 
 
 @pytest.fixture(scope="session")
