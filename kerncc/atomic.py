@@ -1,41 +1,141 @@
 """Writing an output directory all at once: a temporary sibling, renamed into place at the end.
 
-On any failure the temporary directory is removed and nothing appears at the target. An
-existing target is replaced only when it is a directory kerncc wrote (it holds `bundle.json`
-or only `stage<k>.json` files) or is empty; anything else is refused.
+On any failure the temporary directory is removed and nothing appears at the target. Every file
+is fsynced before the rename (and the directories after it), so a crash leaves the old output or
+the new one, never a torn one. An existing target is replaced only when it is empty or holds
+exactly what kerncc writes there and nothing else: a bundle (bundle.json and, checked file by
+file down every folder, the stage files it lists) or `stage<k>.json` files. Anything else is
+refused and nothing is changed. Temporary siblings left by a killed run (`.OUT.xxxxxxxx`,
+`.OUT.old.xxxxxxxx`) are removed by the next write to the same place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from kerncc.diagnostics import KernccError
 
-_OURS = re.compile(r"stage\d+\.json|bundle\.json|stage\d+")
+_STAGE_MANIFEST = re.compile(r"stage\d+\.json")
+_MODULE = re.compile(r"[0-9a-f]{64}\.cubin")
+_STAGE_FILES = ("manifest.json", "plan.json", "stage.py")
+
+
+def _leftover(name: str) -> re.Pattern[str]:
+    """The names mkdtemp gives this module's temporary siblings of `name`."""
+    return re.compile(re.escape(f".{name}.") + r"(old\.)?[A-Za-z0-9_]{8}")
+
+
+def _entries(root: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """Every path under `root` (relative, `/`-separated) with its lstat: links not followed."""
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            yield path.relative_to(root).as_posix(), path.lstat()
+
+
+def _bundle_files(root: Path) -> tuple[set[str], set[str]] | None:
+    """The folders and files bundle.json says a bundle of kerncc's holds (module files aside);
+    None if it is not one (not a regular bundle.json, not JSON, or no stage list)."""
+    index_path = root / "bundle.json"
+    try:
+        if not stat.S_ISREG(index_path.lstat().st_mode) or index_path.stat().st_size > 1 << 26:
+            return None
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    stages = index.get("stages") if isinstance(index, dict) else None
+    if not isinstance(stages, list):
+        return None
+    folders, files = set(), {"bundle.json"}
+    for entry in stages:
+        folder = entry.get("dir") if isinstance(entry, dict) else None
+        if not isinstance(folder, str) or not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*",
+                                                           folder):
+            return None
+        folders |= {folder, f"{folder}/modules"}
+        files |= {f"{folder}/{name}" for name in _STAGE_FILES}
+    return folders, files
 
 
 def _is_ours(path: Path) -> bool:
-    names = [p.name for p in path.iterdir()]
-    return all(_OURS.fullmatch(n) for n in names)
+    """`path` holds only what kerncc writes there: a bundle, or stage<k>.json files."""
+    entries = list(_entries(path))
+    if not entries:
+        return True
+    if all(_STAGE_MANIFEST.fullmatch(name) and stat.S_ISREG(st.st_mode)
+           for name, st in entries):
+        return True
+    listed = _bundle_files(path)
+    if listed is None:
+        return False
+    folders, files = listed
+    for name, st in entries:  # every entry, down every folder; a link or FIFO is not ours
+        folder, _, base = name.rpartition("/")
+        if stat.S_ISDIR(st.st_mode):
+            ok = name in folders
+        else:
+            module = folder in folders and folder.endswith("/modules") and _MODULE.fullmatch(base)
+            ok = stat.S_ISREG(st.st_mode) and (name in files or bool(module))
+        if not ok:
+            return False
+    return True
+
+
+def remove_leftovers(target: Path) -> None:
+    """Remove the temporary siblings of `target` a killed run left behind."""
+    pattern = _leftover(target.name)
+    with contextlib.suppress(OSError):
+        for item in target.parent.iterdir():
+            if pattern.fullmatch(item.name) and item.is_dir() and not item.is_symlink():
+                shutil.rmtree(item, ignore_errors=True)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every folder (its entries), deepest first."""
+    folders = []
+    for folder, _, files in os.walk(root):
+        folders.append(folder)
+        for name in files:
+            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for folder in reversed(folders):
+        fsync_dir(Path(folder))
+
+
+def fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system lets a folder be fsynced
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
 def atomic_directory(target: str | Path) -> Iterator[Path]:
     target = Path(target)
-    if target.exists() and not target.is_dir():
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise KernccError.single(f"`{target}` exists and is not a directory")
     if target.is_dir() and not _is_ours(target):
-        raise KernccError.single(f"`{target}` is a directory kerncc did not write; "
-                                 "refusing to overwrite it")
+        raise KernccError.single(f"`{target}` is a directory kerncc did not write, or holds "
+                                 "files besides what kerncc wrote; refusing to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         yield tmp
+        fsync_tree(tmp)
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
             target.rename(old / "x")
@@ -43,19 +143,22 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(target)
+        fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
 def write_text_atomic(target: str | Path, text: str) -> None:
-    """Write a file all at once: a temporary sibling renamed over `target`."""
+    """Write a file all at once: a temporary sibling, fsynced, renamed over `target`."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         with open(fd, "w", encoding="utf-8") as out:
             out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
         Path(tmp).replace(target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -11,6 +11,8 @@ line, a caret).
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -121,7 +123,7 @@ class KernccError(Exception):
 
 
 def _merge(old: Location, new: Location) -> Location:
-    if old.line is not None:
+    if old.line is not None or old.file is not None:  # placed already (an output, a file)
         return old
     return attrs.evolve(old, file=new.file, line=new.line, column=new.column)
 
@@ -161,10 +163,37 @@ class Diagnostics:
 
 @lru_cache(maxsize=16)
 def _lines(path: str) -> tuple[str, ...]:
+    """The file's lines, read only when it is a regular file of sane size (a FIFO named in a
+    diagnostic must not hang the printing of it)."""
     try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_SHOWN_FILE:
+            return ()
         return tuple(Path(path).read_text(encoding="utf-8").splitlines())
     except (OSError, UnicodeDecodeError):
         return ()
+
+
+_MAX_SHOWN_FILE = 1 << 30
+
+
+# A source line longer than this is shown as a window around the column: a minified manifest
+# is one line of megabytes, and each diagnostic printing it whole took gigabytes.
+SOURCE_WINDOW = 120
+# Diagnostics printed before the rest are only counted (`--max-errors N`).
+MAX_ERRORS = 50
+
+
+def source_window(text: str, col: int, width: int = SOURCE_WINDOW) -> tuple[str, int]:
+    """The part of `text` shown for column `col` (1-based), and the column within it: the
+    whole line when short, else `width` characters around `col`, cut ends marked `...`."""
+    if len(text) <= width:
+        return text, col
+    start = max(0, min(col - 1 - width // 2, len(text) - width))
+    piece = text[start:start + width]
+    head = "..." if start > 0 else ""
+    tail = "..." if start + width < len(text) else ""
+    return head + piece + tail, col - start + len(head)
 
 
 def render_diagnostic(diag: Diagnostic, default_file: str | None = None) -> str:
@@ -177,15 +206,23 @@ def render_diagnostic(diag: Diagnostic, default_file: str | None = None) -> str:
     lines = _lines(loc.file)
     if not 0 < loc.line <= len(lines):
         return head
-    text = lines[loc.line - 1]
-    col = max(1, loc.column or 1)
+    text, col = source_window(lines[loc.line - 1], max(1, loc.column or 1))
     return f"{head}\n  {text}\n  {' ' * (col - 1)}^"
 
 
-def render_error(err: KernccError, default_file: str | None = None) -> str:
+def render_error(err: KernccError, default_file: str | None = None,
+                 max_errors: int | None = None) -> str:
+    """The error as a compiler prints it: at most `max_errors` (default MAX_ERRORS)
+    diagnostics, then how many more there were."""
     lone = err.diagnostics[0] if len(err.diagnostics) == 1 else None
     if not err.diagnostics or (lone is not None and lone.message == err.headline
                                and not lone.location.render()):
         return f"error: {err.headline}"
-    body = "\n".join(render_diagnostic(d, default_file) for d in err.diagnostics)
-    return f"error: {err.headline}\n{body}"
+    cap = MAX_ERRORS if max_errors is None else max_errors
+    shown = err.diagnostics[:cap]
+    body = [render_diagnostic(d, default_file) for d in shown]
+    rest = len(err.diagnostics) - len(shown)
+    if rest:
+        body.append(f"... and {rest} more error{'s' if rest != 1 else ''} "
+                    f"(--max-errors N prints more)")
+    return f"error: {err.headline}\n" + "\n".join(body)

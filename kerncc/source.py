@@ -13,7 +13,9 @@ from pathlib import Path
 from kerncc import kir
 from kerncc.diagnostics import Location
 from kerncc.manifest import model as m
+from kerncc.manifest.jsonsource import PositionIndex
 from kerncc.manifest.reader import load_with_locator as load_json_with_locator
+from kerncc.manifest.reader import loads as loads_json
 from kerncc.manifest.reader import read_text
 
 
@@ -31,3 +33,10 @@ def load_with_locator(path: str | Path) -> tuple[m.Manifest, Callable[[str], Loc
     if not is_kir(path):
         return load_json_with_locator(path)
     return kir.loads_with_locator(read_text(path), str(path))
+
+
+def loads_with_locator(text: str, path: str | Path) -> tuple[m.Manifest, Callable[[str], Location]]:
+    """The text of the file at `path` (already read), parsed by the form its suffix names."""
+    if is_kir(path):
+        return kir.loads_with_locator(text, str(path))
+    return loads_json(text, str(path)), PositionIndex.locator(text, str(path))

@@ -26,13 +26,14 @@ from kerncc.manifest import writer
 from kerncc.analysis.access import CallAccess, Region, program_access
 from kerncc.analysis.dataflow import cut_crossings, region_touches
 from kerncc.analysis.liveness import buffer_sizes
+from kerncc.bundle.format import CUT_HEADLINE
 from kerncc.diagnostics import Diagnostics, KernccError, pointer
 from kerncc.ir import IR, Edge, verify_stages
 from kerncc.passes import register
 from kerncc.pipeline.base import Pass
 from kerncc.stage import assemble, keep_programs
 
-HEADLINE = "manifest cannot be cut:"
+HEADLINE = CUT_HEADLINE
 
 
 @register

@@ -25,15 +25,18 @@ from typing import Any
 import attrs
 
 from kerncc import __version__
-from kerncc import manifest as m
 from kerncc import protocol
-from kerncc.manifest import writer
+from kerncc import manifest as m
 from kerncc.atomic import atomic_directory
+from kerncc.bundle.files import FileRefused, inside, read_regular
+from kerncc.bundle.format import FORMAT
 from kerncc.bundle.plan import memory_json, program_records
+from kerncc.bundle.reader import checkpoint_identity
 from kerncc.bundle.stage_py import render_stage
-from kerncc.diagnostics import Diagnostic, KernccError, pointer, split_pointer
+from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer, split_pointer
 from kerncc.ir import IR
 from kerncc.kernels import library
+from kerncc.manifest import writer
 from kerncc.passes import register
 from kerncc.passes.plan_memory import MemoryReport, StageArena, plan_stage
 from kerncc.passes.slicing import staging_plan
@@ -43,8 +46,6 @@ from kerncc.checkpoint.shards import checkpoint_beside
 from kerncc.symbolic import Proof, check_stages
 from kerncc.verify import verify
 
-FORMAT = "kerncc-bundle/1"
-CHECKPOINT = "model.safetensors"  # or its shard index: kerncc.checkpoint.shards.checkpoint_beside
 STAGE_HEADLINE = "a stage of the bundle fails its own checks:"
 
 
@@ -150,6 +151,7 @@ class BundleMeta:
     input_sha256: str
     checkpoint: str | None
     input_dir: Path | None
+    checkpoint_identity: dict | None = None
 
     @classmethod
     def of(cls, ir: IR, emit: Emit) -> BundleMeta:
@@ -160,16 +162,26 @@ class BundleMeta:
         source = Path(ir.source)
         digest = sha256(_read(source, "the input manifest"))
         checkpoint = checkpoint_beside(source.parent)  # model.safetensors or a shard index
+        identity = _identity(checkpoint) if checkpoint is not None else None
         return cls(recorded_pipeline(ir, emit), bundle_relative(source, emit.out), digest,
-                   bundle_relative(checkpoint, emit.out) if checkpoint is not None else None,
-                   source.parent)
+                   bundle_relative(checkpoint, emit.out) if identity else None,
+                   source.parent, identity)
 
 
 def _read(path: Path, what: str) -> bytes:
     try:
-        return path.read_bytes()
-    except OSError as err:
-        raise KernccError.single(f"cannot read {what} `{path}`: {err.strerror}") from None
+        return read_regular(path, what)
+    except FileRefused as err:
+        raise KernccError.single(err.message) from None
+
+
+def _identity(checkpoint: Path) -> dict | None:
+    """The checkpoint's identity (size, header sha256), so that a run can tell a stale one;
+    None (and no checkpoint recorded) when the file beside the input is no safetensors file."""
+    try:
+        return checkpoint_identity(checkpoint)
+    except FileRefused:
+        return None
 
 
 def bundle_relative(path: Path, out: str) -> str:
@@ -274,8 +286,8 @@ def find_module(module: m.Module, input_dir: Path | None) -> bytes | None:
     to its sha256; None when no candidate file does."""
     for path in _module_candidates(module, input_dir):
         try:
-            data = path.read_bytes()
-        except OSError:
+            data = read_regular(path, "module")
+        except FileRefused:
             continue
         if sha256(data) == module.sha256:
             return data
@@ -284,8 +296,15 @@ def find_module(module: m.Module, input_dir: Path | None) -> bytes | None:
 
 def _module_candidates(module: m.Module, input_dir: Path | None) -> list[Path]:
     # `source` is a label (spec §1.7): only a plain file name or relative path is local.
+    # A local one is looked for beside the input only when it stays inside its folder: a
+    # `source` of `../../etc/x` or `/etc/x` would make emit an oracle of "does file X hash to".
     local = not re.match(r"[a-z][a-z0-9+.-]*:", module.source)
-    candidates = [input_dir / module.source] if input_dir is not None and local else []
+    candidates = []
+    if input_dir is not None and local:
+        try:
+            candidates.append(inside(input_dir, module.source, "module source"))
+        except FileRefused:
+            pass
     candidates += [library.KERNELS_DIR / info["file"] for info in library.index().values()
                    if info["sha256"] == module.sha256]
     return candidates
@@ -369,7 +388,8 @@ def bundle_json(ir: IR, meta: BundleMeta, stages: list[dict], proof: Proof | Non
     return {
         "format": FORMAT, "kerncc": __version__, "pipeline": meta.pipeline,
         "input": {"path": meta.input_path, "sha256": meta.input_sha256},
-        "checkpoint": meta.checkpoint, "cut": cut, "stages": stages,
+        "checkpoint": meta.checkpoint, "checkpoint_identity": meta.checkpoint_identity,
+        "cut": cut, "stages": stages,
         "edges": [{"buffer": e.buffer, "from": e.source, "to": e.target, "bytes": e.nbytes}
                   for e in ir.edges],
         "proof": proof.to_json() if proof is not None else {"checked": False},
@@ -384,7 +404,8 @@ def write_bundle(files: dict[str, bytes], out: str) -> None:
                 path = tmp / relative
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
-    except OSError as err:
-        raise KernccError.single(f"cannot write the bundle `{out}`: "
-                                 f"{err.strerror or err}") from None
+    except OSError as err:  # located at the output, not at the input being lowered
+        raise KernccError("cannot write the bundle:", [Diagnostic(
+            f"cannot write the bundle `{out}`: {err.strerror or err}",
+            Location(file=str(out)))]) from None
 

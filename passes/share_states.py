@@ -24,6 +24,7 @@ from kerncc.passes.cut import HEADLINE, check_regions
 from kerncc.pipeline.base import Pass
 from kerncc.stage import assemble, crossing_kinds, unchanged_or
 
+
 @attrs.frozen
 class StateUse:
     """One kept state of one stage: regions used here, regions in the whole (spec §3.8)."""

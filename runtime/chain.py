@@ -42,7 +42,8 @@ class Chain:
     def __init__(self, bundle: Bundle | str | os.PathLike, backend: str | Backend = "cpu",
                  checkpoint: CheckpointLike = None, token_capacity: int | None = None,
                  interpret: bool = False, devices: Sequence[int] | None = None,
-                 graphs: bool | str = "auto", trace: Timeline | None = None) -> None:
+                 graphs: bool | str = "auto", trace: Timeline | None = None,
+                 allow_nonfinite: bool = False) -> None:
         self.bundle = open_bundle(bundle)
         stages = len(self.bundle.stages)
         self.backends = _stage_backends(backend, devices, stages)
@@ -51,7 +52,7 @@ class Chain:
         self.token_capacity = token_capacity or max(
             default_token_capacity(s.manifest) for s in self.bundle.stages)
         self.sessions = [Session(self.bundle, k, self.backends[k], checkpoint,
-                                 self.token_capacity, interpret, graphs)
+                                 self.token_capacity, interpret, graphs, allow_nonfinite)
                          for k in range(stages)]
         for edge in self.bundle.edges:
             sender, receiver = self.backends[edge["from"]], self.backends[edge["to"]]

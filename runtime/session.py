@@ -16,7 +16,6 @@ are in kerncc.runtime.chain.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -72,8 +71,9 @@ class Session:
     def __init__(self, bundle: Bundle | str | os.PathLike, stage: int = 0,
                  backend: str | Backend = "cpu", checkpoint: CheckpointLike = None,
                  token_capacity: int | None = None, interpret: bool = False,
-                 graphs: bool | str = "auto") -> None:
+                 graphs: bool | str = "auto", allow_nonfinite: bool = False) -> None:
         self.bundle = open_bundle(bundle)
+        self.allow_nonfinite = allow_nonfinite  # load NaN and infinite weights unrefused
         if not 0 <= stage < len(self.bundle.stages):
             raise KernccError.single(f"the bundle has {len(self.bundle.stages)} stages; "
                                      f"there is no stage {stage}")
@@ -121,7 +121,7 @@ class Session:
             self.memory.stage(self.stage.plan.get("staging", {}))
         self.sites = self._parse_sites()
         self._by_number = {s.number: s for sites in self.sites.values() for s in sites}
-        self.backend.add_modules({p.stem: p for p in self.stage.dir.glob("modules/*.cubin")})
+        self.backend.add_modules(dict(self.stage.modules))
         self._launchers = self._prepare_sites()
         self._graph_vars = {name: sorted(set().union(*(s.vars_read() for s in sites)))
                             for name, sites in self.sites.items()}
@@ -157,18 +157,19 @@ class Session:
         return launchers
 
     def _load_stage_py(self) -> dict[str, Callable]:
-        path = self.stage.stage_py
-        if path is None:
+        """The stage's functions, compiled from kerncc's rendering of its plan (never from the
+        bundle's stage.py, which kerncc.bundle.reader checked to be the same listing)."""
+        code = self.stage.code
+        if code is None:
             return {}
-        name = f"_kerncc_stage_{next(_stage_modules)}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        module.cdiv = cdiv  # type: ignore[attr-defined]
+        path = self.stage.stage_py
+        namespace: dict[str, Any] = {"__name__": f"_kerncc_stage_{next(_stage_modules)}"}
         try:
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
-        except Exception as err:  # noqa: BLE001 - any failure of generated code is the bundle's
+            # kerncc's own rendering of the checked plan, never text read from the bundle
+            exec(compile(code, f"<kerncc rendering of {path}>", "exec"), namespace)  # noqa: S102
+        except Exception as err:  # noqa: BLE001 - a failure of the rendering is kerncc's
             raise bundle_error(path, f"cannot load: {type(err).__name__}: {err}") from None
-        programs = getattr(module, "PROGRAMS", None)
+        programs = namespace.get("PROGRAMS")
         if not isinstance(programs, dict):
             raise bundle_error(path, "stage.py defines no PROGRAMS dict")
         return {name: fn for name, fn in programs.items() if name in self.sites}
@@ -186,7 +187,8 @@ class Session:
         nbytes = buf.nbytes(self.manifest.vars_max())
         try:
             return assemble_buffer(buf.bind, tensors, numpy_dtype(buf.dtype), nbytes,
-                            where=f"/buffers/{name}/bind")
+                                   where=f"/buffers/{name}/bind",
+                                   finite=not self.allow_nonfinite)
         except KernccError as err:
             headline = f"{err.headline} (checkpoint: {self._checkpoint_name})"
             raise self.stage.located(KernccError(headline, err.diagnostics)) from None

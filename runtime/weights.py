@@ -23,6 +23,7 @@ from typing import Any, Self
 import attrs
 import numpy as np
 
+from kerncc.bundle.files import FileRefused, check_regular
 from kerncc.diagnostics import Diagnostic, KernccError, Location, split_pointer
 from kerncc.checkpoint.safetensors import SafeTensors
 from kerncc.checkpoint.shards import shard_paths
@@ -65,6 +66,52 @@ def _matrix(array: np.ndarray) -> np.ndarray:
     if array.ndim == 0:
         return array.reshape(1, 1)
     return array.reshape(array.shape[0], int(np.prod(array.shape[1:])))
+
+
+# Elements checked at once for finiteness: bounds the temporary mask of a large tensor.
+_FINITE_CHUNK = 1 << 22
+
+
+def first_nonfinite(array: np.ndarray) -> tuple[tuple[int, ...], Any, int] | None:
+    """(index, value, count) of the first NaN or infinity of a float tensor; None if none
+    (or the dtype has no such values)."""
+    flat = array.reshape(-1)
+    first, count = None, 0
+    with np.errstate(all="ignore"):
+        for start in range(0, flat.size, _FINITE_CHUNK):
+            try:
+                bad = ~np.isfinite(flat[start:start + _FINITE_CHUNK])
+            except TypeError:  # integers, booleans: every value is finite
+                return None
+            hits = np.flatnonzero(bad)
+            if hits.size and first is None:
+                first = start + int(hits[0])
+            count += int(hits.size)
+    if first is None:
+        return None
+    index = tuple(int(i) for i in np.unravel_index(first, array.shape)) if array.ndim else ()
+    return index, flat[first], count
+
+
+def _check_finite(name: str, array: np.ndarray) -> None:
+    found = first_nonfinite(array)
+    if found is None:
+        return
+    index, value, count = found
+    more = f" (and {count - 1} more)" if count > 1 else ""
+    raise _SegmentError(f"tensor `{name}` holds {float(value)} at "
+                        f"[{', '.join(str(i) for i in index)}]{more}: weights must be finite "
+                        "(--allow-nonfinite loads them anyway)")
+
+
+def _finite(tensors: Tensors) -> Tensors:
+    """`tensors`, each one checked finite as it is taken (a refusal names it)."""
+    def get(name: str) -> np.ndarray | None:
+        array = tensors(name)
+        if array is not None:
+            _check_finite(name, np.asarray(array))
+        return array
+    return get
 
 
 def _load(tensors: Tensors, name: str, dtype: np.dtype) -> np.ndarray:
@@ -184,13 +231,16 @@ def assemble_buffer(
     nbytes: int,
     rank: int = 0,
     where: str = "",
+    finite: bool = True,
 ) -> np.ndarray:
     """The buffer's `nbytes` bytes (uint8) assembled from `segments` at `rank`.
 
     `tensors(name)` returns a checkpoint tensor (None or KeyError when absent); `where` is the
     bind's JSON pointer (`/buffers/w_qkv/bind`), which errors extend with the segment index.
+    With `finite`, a tensor holding a NaN or an infinity is refused at its segment.
     """
     dtype = np.dtype(dtype)
+    tensors = _finite(tensors) if finite else tensors
     pieces, diagnostics = _plan(segments, tensors, dtype, rank, where)
     headline = f"cannot assemble buffer `{_buffer_name(where)}` from its bind segments"
     if diagnostics:
@@ -283,9 +333,12 @@ def open_checkpoint(checkpoint: CheckpointLike) -> OpenCheckpoint | None:
             paths = [path]
     else:
         paths = [Path(p) for p in checkpoint]
-    missing = [p for p in paths if not p.is_file()]
-    if missing or not paths:
-        raise KernccError.single(f"checkpoint `{missing[0] if missing else checkpoint}` "
-                                 "does not exist")
+    if not paths:
+        raise KernccError.single(f"checkpoint `{checkpoint}` holds no *.safetensors file")
+    for p in paths:  # the right words for a directory, a FIFO or a device given as a file
+        try:
+            check_regular(p, "checkpoint")
+        except FileRefused as err:
+            raise KernccError.single(err.message) from None
     opened = Checkpoint(paths)
     return OpenCheckpoint(opened, ", ".join(str(p) for p in paths), opened)

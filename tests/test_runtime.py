@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -47,11 +48,11 @@ def whole(model) -> Session:
 
 @pytest.fixture
 def damaged(bundle_dir, tmp_path) -> Path:
-    """A copy of the bundle to break (its checkpoint path made absolute)."""
+    """A copy of the bundle to break (its checkpoint path re-made relative to the copy)."""
     copy = tmp_path / "bundle"
     shutil.copytree(bundle_dir, copy)
     index = json.loads((copy / "bundle.json").read_text())
-    index["checkpoint"] = str((bundle_dir / index["checkpoint"]).resolve())
+    index["checkpoint"] = os.path.relpath((bundle_dir / index["checkpoint"]).resolve(), copy)
     (copy / "bundle.json").write_text(json.dumps(index))
     return copy
 
@@ -82,7 +83,7 @@ def test_a_stage_recorded_without_stage_py_runs_from_its_plan(damaged, bundle_di
     index = json.loads((damaged / "bundle.json").read_text())
     index["stages"][1]["stage_py_sha256"] = None
     (damaged / "bundle.json").write_text(json.dumps(index))
-    with pytest.raises(KernccError, match="records no stage.py for stage 1") as err:
+    with pytest.raises(KernccError, match="stage 1 has a `stage.py`.* records none") as err:
         Bundle(damaged)  # null, but a stage.py is there: it would run unpinned
     assert str(damaged / "stage1" / "stage.py") in error_text(err)
     (damaged / "stage1" / "stage.py").unlink()
@@ -119,7 +120,7 @@ def test_a_malformed_index_is_located(damaged):
 
 
 def test_not_a_bundle(tmp_path):
-    with pytest.raises(KernccError, match="bundle.json is missing"):
+    with pytest.raises(KernccError, match="the bundle index .*bundle.json` is missing"):
         Bundle(tmp_path)
     with pytest.raises(KernccError, match="does not exist"):
         Bundle.open(tmp_path / "nothing.json")
@@ -405,6 +406,8 @@ def test_an_input_serving_cannot_fill_is_placed_in_the_stage_manifest(damaged):
     path.write_text(json.dumps(manifest, indent=1))
     index = json.loads((damaged / "bundle.json").read_text())
     index["stages"][0]["manifest_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    index["stages"][0]["stage_py_sha256"] = None  # its header names the old manifest's sha256
+    (damaged / "stage0" / "stage.py").unlink()
     (damaged / "bundle.json").write_text(json.dumps(index))
     with pytest.raises(KernccError, match="reads input `token_ids`, which is neither") as err:
         Generator(Chain(damaged))

@@ -64,6 +64,7 @@ INDEX = Obj(
     format=_req(str), kerncc=_opt(STR_OR_NULL), pipeline=_opt(str),
     input=_opt((Obj(path=_opt(STR_OR_NULL), sha256=_opt(STR_OR_NULL)), type(None))),
     checkpoint=_opt(STR_OR_NULL),
+    checkpoint_identity=_opt((Obj(bytes=_req(int), header_sha256=_req(str)), type(None))),
     cut=_opt((Obj(id=_opt(str), points=_opt(MapOf(ListOf(int)))), type(None))),
     stages=_req(ListOf(STAGE)), edges=_opt(ListOf(EDGE)),
     proof=_opt(Obj(checked=_req(bool), programs=_opt(ListOf(str)), outputs=_opt(int),

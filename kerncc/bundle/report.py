@@ -23,8 +23,10 @@ from typing import Any
 import attrs
 
 from kerncc import manifest as m
-from kerncc.bundle.check import (input_manifest, read_index, stage_files,
-                                  stage_manifest, stage_plan)
+from kerncc.bundle import reader
+from kerncc.bundle.check import input_manifest, input_path
+from kerncc.bundle.files import FileRefused, check_regular
+from kerncc.bundle.reader import Index, read_index, stage_files
 from kerncc.diagnostics import KernccError
 from kerncc.passes.liveness import human_bytes
 from kerncc.passes.share_states import StateUse, manifest_regions, state_uses
@@ -109,6 +111,7 @@ class BundleReport:
     input_path: str | None
     input_status: str  # matches | changed | missing | not recorded
     checkpoint: str | None
+    checkpoint_status: str  # matches | changed | missing | not recorded | not checked
     cut: dict[str, Any] | None
     proof: dict[str, Any] | None  # None: bundle.json records no proof
     stages: tuple[StageReport, ...]
@@ -118,7 +121,8 @@ class BundleReport:
         return {
             "model": self.model, "kerncc": self.kerncc, "pipeline": self.pipeline,
             "input": {"path": self.input_path, "status": self.input_status},
-            "checkpoint": self.checkpoint, "cut": self.cut, "proof": self.proof,
+            "checkpoint": self.checkpoint, "checkpoint_status": self.checkpoint_status,
+            "cut": self.cut, "proof": self.proof,
             "stages": [s.to_json() for s in self.stages],
             "edges": [e.to_json() for e in self.edges],
         }
@@ -175,17 +179,34 @@ def _recorded_input(index: dict) -> str | None:
     return (index.get("input") or {}).get("path")
 
 
-def _whole(bundle: Path, index: dict, recorded: str | None) -> tuple[m.Manifest | None, str]:
+def _whole(index: Index, recorded: str | None) -> tuple[m.Manifest | None, str]:
     """The input manifest and its status; None when it cannot be had as it was emitted."""
     if recorded is None:
         return None, "not recorded"
-    target = Path(recorded) if Path(recorded).is_absolute() else bundle / recorded
-    if not target.is_file():
+    try:
+        check_regular(input_path(index, None), "the input manifest")
+    except (FileRefused, KernccError):
         return None, "missing"
     try:
-        return input_manifest(bundle, index, None), "matches"
+        return input_manifest(index, None), "matches"
     except KernccError:
         return None, "changed"
+
+
+def _checkpoint_status(index: Index) -> str:
+    """matches | changed | missing | not recorded | not checked (no identity recorded)."""
+    recorded = index.data.get("checkpoint")
+    if not recorded:
+        return "not recorded"
+    path = index.dir / recorded
+    if not reader.is_recorded_path(recorded) or not path.exists():
+        return "missing"
+    if not isinstance(index.data.get("checkpoint_identity"), dict):
+        return "not checked"
+    try:
+        return "changed" if reader.checkpoint_mismatch(index, path, given=True) else "matches"
+    except KernccError:
+        return "changed"
 
 
 def _region_totals(whole: m.Manifest | None, stages: Sequence[m.Manifest]
@@ -217,24 +238,25 @@ def _proof(index: dict) -> dict[str, Any] | None:
     return index.get("proof")
 
 
-def read_report(directory: str | Path) -> BundleReport:
+def read_report(directory: str | Path, max_file_size: int | None = None) -> BundleReport:
     """The report of the bundle at `directory`; KernccError naming the file if it is damaged."""
-    bundle = Path(directory)
-    index = read_index(bundle)
-    files = stage_files(bundle, index)
-    manifests = [stage_manifest(folder, texts) for folder, texts in files]
+    checked = read_index(directory, max_file_size)
+    read = [reader.read_stage(checked, files) for files in stage_files(checked)]
+    manifests = [r.manifest for r in read]
+    reader.check_links(checked, manifests)
     # bundle.json's fields were checked by read_index (kerncc.bundle.index): read plainly.
+    index = checked.data
     recorded = _recorded_input(index)
-    whole, status = _whole(bundle, index, recorded)
+    whole, status = _whole(checked, recorded)
     totals = _region_totals(whole, manifests)
-    stages = tuple(_stage(k, _host_inputs(index, k), manifests[k],
-                          stage_plan(folder, texts, manifests[k]),
+    stages = tuple(_stage(k, _host_inputs(index, k), manifests[k], r.plan,
                           state_uses(totals, manifests[k]))
-                   for k, (folder, texts) in enumerate(files))
+                   for k, r in enumerate(read))
     return BundleReport(
         model=manifests[0].model, kerncc=_optional_text(index, "kerncc") or "?",
         pipeline=_optional_text(index, "pipeline") or "", input_path=recorded,
         input_status=status, checkpoint=_optional_text(index, "checkpoint"),
+        checkpoint_status=_checkpoint_status(checked),
         cut=_cut(index), proof=_proof(index), stages=stages, edges=_edges(index))
 
 
@@ -280,10 +302,17 @@ def _header(r: BundleReport) -> str:
     status = {"matches": "sha256 matches", "changed": "changed since emit",
               "missing": "missing", "not recorded": "not recorded"}[r.input_status]
     rows = [["pipeline", r.pipeline], ["input", f"{r.input_path or '-'} ({status})"],
-            ["checkpoint", r.checkpoint or "none"], ["cut", _cut_text(r.cut)],
+            ["checkpoint", _checkpoint_text(r)], ["cut", _cut_text(r.cut)],
             ["proof", _proof_text(r.proof)]]
     head = f"bundle of `{r.model}`: {_count(len(r.stages), 'stage')} (kerncc {r.kerncc})"
     return "\n".join([head] + _table(rows))
+
+
+def _checkpoint_text(r: BundleReport) -> str:
+    if r.checkpoint is None:
+        return "none"
+    status = {"changed": "changed since emit", "missing": "missing"}.get(r.checkpoint_status)
+    return f"{r.checkpoint} ({status})" if status else r.checkpoint
 
 
 def _stage_columns(r: BundleReport) -> list[str]:

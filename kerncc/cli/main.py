@@ -23,10 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return 2
+    _apply_limits(args)
     try:
         return args.handler(args) or 0
     except KernccError as err:
-        report(err, getattr(args, "diag_format", "text"), sys.stderr)
+        report(err, getattr(args, "diag_format", "text"), sys.stderr,
+               getattr(args, "max_errors", None))
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -35,6 +37,36 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as err:  # noqa: BLE001 - the last line of defence: a bug, said plainly
         return internal_error(err, argv)
+
+
+def _apply_limits(args: argparse.Namespace) -> None:
+    """`--max-file-size` bounds every file this command reads (kerncc.bundle.files)."""
+    from kerncc.bundle.files import set_max_file_size
+    from kerncc.bundle.format import MAX_FILE_SIZE
+
+    set_max_file_size(getattr(args, "max_file_size", None) or MAX_FILE_SIZE)
+
+
+def limit_flags(p: argparse.ArgumentParser) -> None:
+    """`--max-errors` and `--max-file-size`, on every command that reads files."""
+    from kerncc.bundle.format import MAX_FILE_SIZE
+    from kerncc.diagnostics import MAX_ERRORS
+
+    p.add_argument("--max-errors", type=_count, default=MAX_ERRORS, metavar="N",
+                   help=f"print at most N diagnostics, count the rest (default {MAX_ERRORS})")
+    p.add_argument("--max-file-size", type=_count, metavar="BYTES",
+                   help=f"the largest manifest, bundle.json, plan or module read (default "
+                   f"{MAX_FILE_SIZE})")
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
 
 
 def internal_error(err: Exception, argv: list[str] | None) -> int:
@@ -47,14 +79,14 @@ def internal_error(err: Exception, argv: list[str] | None) -> int:
     return 3
 
 
-def report(err: KernccError, fmt: str, out: TextIO) -> None:
+def report(err: KernccError, fmt: str, out: TextIO, max_errors: int | None = None) -> None:
     if fmt == "json":
         print(json.dumps({"error": err.headline,
                           "diagnostics": [d.to_json() for d in err.diagnostics]}, indent=2),
               file=out)
         return
     from kerncc.diagnostics import render_error
-    print(render_error(err), file=out)
+    print(render_error(err, max_errors=max_errors), file=out)
 
 
 # ------------------------------------------------------------------------- commands
@@ -67,7 +99,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             verified, lines = _verify_file(path, args.unsampled)
         except KernccError as err:
             failed = 1
-            _report_for_file(err, path, args.diag_format)
+            _report_for_file(err, path, args.diag_format, args.max_errors)
             continue
         if args.diag_format == "json":
             print(json.dumps({"file": path, "ok": True, "summary": lines}))
@@ -101,13 +133,14 @@ def _protocol_lines(verified, unsampled: bool) -> list[str]:
     return protocol.summary_lines(check(verified))
 
 
-def _report_for_file(err: KernccError, path: str, fmt: str) -> None:
+def _report_for_file(err: KernccError, path: str, fmt: str, max_errors: int | None = None
+                     ) -> None:
     if fmt == "json":
         print(json.dumps({"file": path, "ok": False, "error": err.headline,
                           "diagnostics": [d.to_json() for d in err.diagnostics]}))
         return
     from kerncc.diagnostics import render_error
-    print(render_error(err, default_file=path), file=sys.stderr)
+    print(render_error(err, default_file=path, max_errors=max_errors), file=sys.stderr)
 
 
 def cmd_fmt(args: argparse.Namespace) -> int:
@@ -156,9 +189,14 @@ def cmd_lower(args: argparse.Namespace) -> int:
 
     ir = _lower(args, args.pipeline, out=args.output)
     if args.output and "emit" not in ir.history:
-        with atomic_directory(args.output) as tmp:
-            for index, stage in enumerate(ir.stages):
-                (tmp / f"stage{index}.json").write_text(writer.dumps(stage), encoding="utf-8")
+        try:
+            with atomic_directory(args.output) as tmp:
+                for index, stage in enumerate(ir.stages):
+                    (tmp / f"stage{index}.json").write_text(writer.dumps(stage),
+                                                            encoding="utf-8")
+        except OSError as err:
+            raise KernccError.single(f"cannot write the stages to `{args.output}`: "
+                                     f"{err.strerror or err}") from None
         print(f"wrote {len(ir.stages)} stage manifests to {args.output}", file=sys.stderr)
     elif not args.output:
         sys.stdout.write(ir.to_text())
@@ -228,16 +266,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     from kerncc.symbolic import check_stages
 
     paths = args.files
-    if len(paths) == 1 and Path(paths[0]).is_dir():
+    if len(paths) in (1, 2) and Path(paths[-1]).is_dir():  # BUNDLE, or WHOLE BUNDLE
         from kerncc.bundle.check import check_bundle
-        proof = check_bundle(paths[0])
+        proof = check_bundle(paths[-1], whole=paths[0] if len(paths) == 2 else None)
     else:
         missing = [p for p in paths if not Path(p).exists()]
         if missing:
             raise KernccError.single(f"`{missing[0]}` does not exist (check takes a bundle "
-                                     "directory, or WHOLE STAGE0 STAGE1 ...)")
+                                     "directory, WHOLE BUNDLE, or WHOLE STAGE0 STAGE1 ...)")
         if len(paths) < 3:
-            raise KernccError.single("check takes WHOLE STAGE0 STAGE1 ... or a bundle directory")
+            raise KernccError.single("check takes a bundle directory, WHOLE BUNDLE, or WHOLE "
+                                     "STAGE0 STAGE1 ...")
         whole, locate = load_with_locator(paths[0])
         stages = [source.load(p) for p in paths[1:]]
         try:
@@ -273,12 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text")
     p.add_argument("--unsampled", action="store_true",
                    help="do not require a forward that hands back tokens (host-sampled models)")
+    limit_flags(p)
     p.set_defaults(handler=cmd_verify)
 
     p = sub.add_parser("fmt", help="print the canonical form of a manifest")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--to", choices=("json", "kir"), help="output form (default: the input's)")
     p.add_argument("--check", action="store_true", help="exit 1 when FILE is not canonical")
+    limit_flags(p)
     p.set_defaults(handler=cmd_fmt)
 
     p = sub.add_parser("dump", help="print the IR after a pipeline (kir, json or dot)")
@@ -290,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run up to this pass and print its result (for analyses: the report)")
     p.add_argument("--program", help="the program to draw (dot, svg)")
     _instrument_flags(p)
+    limit_flags(p)
     p.set_defaults(handler=cmd_dump)
 
     p = sub.add_parser("lower", help="run a pass pipeline; write stages or bundles")
@@ -299,11 +341,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text",
                    help="diagnostics format")
     _instrument_flags(p)
+    limit_flags(p)
     p.set_defaults(handler=cmd_lower)
 
-    p = sub.add_parser("check", help="prove that stages (or a bundle) compute the whole")
-    p.add_argument("files", nargs="+", metavar="PATH")
+    p = sub.add_parser("check", help="prove that stages (or a bundle) compute the whole",
+                       usage="kerncc check [options] BUNDLE | WHOLE BUNDLE | WHOLE STAGE0 "
+                       "STAGE1 ...")
+    p.add_argument("files", nargs="+", metavar="PATH",
+                   help="a bundle directory (proved against the input it records), the whole "
+                   "manifest and a bundle, or the whole manifest and its stage files")
     p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text")
+    limit_flags(p)
     p.set_defaults(handler=cmd_check)
 
     p = sub.add_parser("report", help="summarise a bundle: stages, calls, crossings, states, "
@@ -311,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle directory (kerncc lower ... emit)")
     p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text",
                    help="the report and its diagnostics as text or JSON")
+    limit_flags(p)
     p.set_defaults(handler=cmd_report)
 
     p = sub.add_parser("passes", help="list the passes with their options")

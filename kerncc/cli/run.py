@@ -11,6 +11,7 @@ example model (manifest, checkpoint, config) with kerncc.example.generate.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -24,8 +25,12 @@ from kerncc.diagnostics import KernccError
 
 
 def _token_ids(text: str) -> list[int]:
+    parts = re.split(r"\s*,\s*|\s+", text.strip())
+    if "" in parts:  # `1,,2`, `1,`: a list with a hole is a typo, not a shorter prompt
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got `{text}` "
+                                         "(an empty entry)")
     try:
-        ids = [int(t) for t in text.replace(" ", ",").split(",") if t]
+        ids = [int(t) for t in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got `{text}`") from None
     if not ids or min(ids) < 0:
@@ -76,8 +81,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise KernccError.single("--format json prints one prompt's run; give one --prompt")
     text = None if several else TextRun.of(args, bundle)  # ids, eos ids, streamed text
     weights = args.weights or bundle.checkpoint
-    if weights is not None and not Path(weights).exists():
-        raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
+    stale = bundle.check_checkpoint(weights, given=args.weights is not None)
+    if stale:
+        _say(f"warning: {stale}")
     if args.devices and args.backend != "cuda":
         raise KernccError.single("--devices needs --backend cuda")
     for flag, path in (("--trace", args.trace), ("--logits", args.logits)):
@@ -85,7 +91,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise KernccError.single(f"{flag} `{path}` is a directory; give a file name")
     timeline = Timeline() if args.trace else None
     chain = placement.make(args, bundle, checkpoint=weights, interpret=args.interpret,
-                           graphs=args.graphs, trace=timeline)
+                           graphs=args.graphs, trace=timeline,
+                           allow_nonfinite=args.allow_nonfinite)
     sampling = _sampling(args)
     loaded = time.perf_counter()
     _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
@@ -224,6 +231,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--interpret", action="store_true",
                    help="interpret plan.json's launch records instead of running stage.py")
     placement.add_arguments(p)
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load weights holding NaN or infinity (refused by default)")
+    from kerncc.cli.main import limit_flags
+    limit_flags(p)
     p.set_defaults(handler=cmd_run, format="text")
 
     p = sub.add_parser("example", help="write an example model (manifest and checkpoint)")

@@ -31,10 +31,12 @@ class _Fail(Exception):
 
 def read_text(path: str | Path) -> str:
     """The file's text; bytes that are not UTF-8 are an error at their line:col."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as err:
-        raise KernccError.single(f"cannot read `{path}`: {err.strerror or err}") from None
+    from kerncc.bundle.files import FileRefused, read_regular
+
+    try:  # a regular file, bounded: a FIFO would hang, /dev/zero would never end
+        data = read_regular(Path(path), "file")
+    except FileRefused as err:
+        raise KernccError.single(err.message) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import lark
 
-from kerncc.diagnostics import Diagnostic, KernccError, Location
+from kerncc.diagnostics import SOURCE_WINDOW, Diagnostic, KernccError, Location, source_window
 from kerncc.passes import pass_options
 
 INVALID_PIPELINE = "invalid pass pipeline:"
@@ -155,7 +155,10 @@ def caret_diagnostic(text: str, span: Span, message: str) -> Diagnostic:
     """A diagnostic at `span` of a spec, its message followed by the line and a caret under it."""
     line, column, line_text = _position(text, span[0])
     width = max(1, min(span[1], span[0] + len(line_text) - column + 1) - span[0])
-    caret = " " * (column - 1) + "^" + "~" * (width - 1)
+    # A long spec shows a window around the column, so that each diagnostic stays short.
+    shown, at = source_window(line_text, column)
+    width = min(width, len(shown) - at + 1, SOURCE_WINDOW)
+    line_text, caret = shown, " " * (at - 1) + "^" + "~" * (max(1, width) - 1)
     return Diagnostic(f"{message}\n{line_text}\n{caret}",
                       Location("", "pipeline", line, column))
 

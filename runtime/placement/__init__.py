@@ -17,14 +17,16 @@ from typing import Any
 from kerncc.diagnostics import KernccError
 
 PLACEMENTS = ("thread", "process", "ray")
-THREAD_OPTIONS = ("checkpoint", "token_capacity", "interpret", "graphs", "trace")
+THREAD_OPTIONS = ("checkpoint", "token_capacity", "interpret", "graphs", "trace",
+                  "allow_nonfinite")
 
 
 def make_runner(bundle: Any, backend: str = "cpu", devices: Sequence[int] | None = None,
                 placement: str = "thread", **options: Any) -> Any:
     """A Chain (`thread`), ProcessChain (`process`) or RayChain (`ray`) over `bundle`.
 
-    `options` are Chain's (checkpoint, token_capacity, interpret, graphs, trace) and, for
+    `options` are Chain's (checkpoint, token_capacity, interpret, graphs, trace,
+    allow_nonfinite) and, for
     `process`, `transport` (auto, host, nccl), `timeout` and `start_timeout` (seconds), for
     `ray`, `address`, `timeout`, `strategy` (PACK, SPREAD, ...) and `transport`.
     """

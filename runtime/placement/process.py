@@ -128,8 +128,8 @@ class ProcessChain(Chain):
                  checkpoint: CheckpointLike = None, token_capacity: int | None = None,
                  interpret: bool = False, devices: Sequence[int] | None = None,
                  graphs: bool | str = "auto", trace: Any = None, transport: str = "auto",
-                 timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT
-                 ) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT,
+                 allow_nonfinite: bool = False) -> None:
         if trace is not None:
             raise KernccError.single("--trace is not recorded with --placement process yet "
                                      "(trace the thread placement)")
@@ -159,7 +159,7 @@ class ProcessChain(Chain):
         self._ended: set[int] = set()  # stages whose channel has closed
         _live.add(self)
         try:
-            self._spawn(backend, checkpoint, interpret, graphs)
+            self._spawn(backend, checkpoint, interpret, graphs, allow_nonfinite)
             self.sessions = self._handshake(start_timeout)
         except BaseException:
             self.fault = "it did not start"
@@ -185,7 +185,7 @@ class ProcessChain(Chain):
     # ------------------------------------------------------------------------ start
 
     def _spawn(self, backend: str, checkpoint: CheckpointLike, interpret: bool,
-               graphs: bool | str) -> None:
+               graphs: bool | str, allow_nonfinite: bool) -> None:
         context = multiprocessing.get_context("spawn")
         stages = len(self.bundle.stages)
         data: dict[tuple[int, int], tuple[Connection, Connection]] = {
@@ -195,7 +195,7 @@ class ProcessChain(Chain):
             spec = StageSpec(str(self.bundle.dir), k, backend, self.devices[k],
                              _picklable(self.bundle.checkpoint if checkpoint is None
                                         else checkpoint),
-                             self.token_capacity, interpret, graphs,
+                             self.token_capacity, interpret, graphs, allow_nonfinite,
                              beat,
                              tuple((j, self.kinds[(j, t)]) for j, t in sorted(self.kinds)
                                    if t == k),

@@ -63,7 +63,7 @@ class StageActor:
 
     def __init__(self, bundle_dir: str, stage: int, backend: str, checkpoint: Any,
                  token_capacity: int, interpret: bool, graphs: bool | str,
-                 links: dict[tuple[int, int], str]) -> None:
+                 allow_nonfinite: bool, links: dict[tuple[int, int], str]) -> None:
         from kerncc.runtime.backends import make_backend
         from kerncc.runtime.session import Session
 
@@ -72,7 +72,7 @@ class StageActor:
         # Ray sets CUDA_VISIBLE_DEVICES to the actor's one GPU: it is device 0 in here.
         options = {"device": 0} if backend == "cuda" else {}
         self.session = Session(self.bundle, stage, make_backend(backend, **options), checkpoint,
-                               token_capacity, interpret, graphs)
+                               token_capacity, interpret, graphs, allow_nonfinite)
         self.edges_in = [e for e in self.bundle.edges if e["to"] == stage]
         self.edges_out = [e for e in self.bundle.edges if e["from"] == stage]
         self.peers = {pair: NcclPeer(self.session, sender=pair[0] == stage)
@@ -155,7 +155,8 @@ class RayChain(Chain):
                  interpret: bool = False, devices: Sequence[int] | None = None,
                  graphs: bool | str = "auto", trace: Any = None, address: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT, start_timeout: float = START_TIMEOUT,
-                 strategy: str = "PACK", transport: str = "auto") -> None:
+                 strategy: str = "PACK", transport: str = "auto",
+                 allow_nonfinite: bool = False) -> None:
         if trace is not None:
             raise KernccError.single("--trace is not recorded with --placement ray yet")
         if devices:
@@ -181,13 +182,15 @@ class RayChain(Chain):
                                          f"`{address or 'auto'}`: {err}") from None
         self._group, self._actors = None, []
         try:
-            self._place(backend, checkpoint, interpret, graphs, strategy, start_timeout)
+            self._place(backend, checkpoint, interpret, graphs, allow_nonfinite, strategy,
+                        start_timeout)
         except BaseException:
             self.close()
             raise
 
     def _place(self, backend: str, checkpoint: CheckpointLike, interpret: bool,
-               graphs: bool | str, strategy: str, start_timeout: float) -> None:
+               graphs: bool | str, allow_nonfinite: bool, strategy: str,
+               start_timeout: float) -> None:
         ray = self._ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -208,7 +211,7 @@ class RayChain(Chain):
                                               scheduling_strategy=placed).remote(
                 os.fspath(self.bundle.dir), k, backend,
                 _picklable(self.bundle.checkpoint if checkpoint is None else checkpoint),
-                self.token_capacity, interpret, graphs,
+                self.token_capacity, interpret, graphs, allow_nonfinite,
                 {pair: kind for pair, kind in self.kinds.items() if k in pair}))
         hellos = self._get_all([a.hello.remote() for a in self._actors], start_timeout)
         ids = {pair: uid for hello in hellos for pair, uid in hello[5].items()}

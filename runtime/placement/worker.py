@@ -50,6 +50,7 @@ class StageSpec:
     token_capacity: int
     interpret: bool
     graphs: bool | str
+    allow_nonfinite: bool  # load NaN and infinite weights unrefused
     beat: float  # seconds between heartbeats
     links_in: tuple[tuple[int, str], ...]  # (from stage, transport) of links into this stage
     links_out: tuple[tuple[int, str], ...]  # (to stage, transport)
@@ -124,7 +125,8 @@ class _Worker:
         options = {"device": spec.device} if spec.backend == "cuda" else {}
         backend = make_backend(spec.backend, **options)
         self.session = Session(self.bundle, spec.stage, backend, spec.checkpoint,
-                               spec.token_capacity, spec.interpret, spec.graphs)
+                               spec.token_capacity, spec.interpret, spec.graphs,
+                               spec.allow_nonfinite)
         self.edges_in = [e for e in self.bundle.edges if e["to"] == self.k]
         self.edges_out = [e for e in self.bundle.edges if e["from"] == self.k]
         self.links_in, self.links_out, ids = self._links(data_in, data_out)

@@ -4,6 +4,8 @@ case tally printed at the end of the session (and kept in pytest's cache as `fuz
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import attrs
@@ -30,12 +32,19 @@ class Seeds:
 
 @attrs.frozen
 class TinyBundle:
-    """The tiny model's bundle, with the input and checkpoint paths in bundle.json made
-    absolute so that a copy anywhere still finds them."""
+    """The tiny model's bundle beside its input and checkpoint (bundle.json names them
+    `../model.json`, `../model.safetensors`: a bundle names no absolute path)."""
 
     dir: Path
     manifest: Path
     checkpoint: Path
+
+    def copy(self, dest: Path) -> Path:
+        """A copy of the bundle at `dest`, with copies of its input and checkpoint beside it."""
+        shutil.copytree(self.dir, dest)
+        for original in (self.manifest, self.checkpoint):
+            shutil.copy(original, dest.parent / original.name)
+        return dest
 
 
 @pytest.fixture(scope="session")
@@ -62,8 +71,9 @@ def tiny_bundle(tiny_model: tuple[Path, Path]) -> TinyBundle:
     assert lowered.code == 0, lowered.describe()
     index_path = out / "bundle.json"
     index = json.loads(index_path.read_text())
-    index["input"]["path"] = str(manifest.resolve())
-    index["checkpoint"] = str(checkpoint.resolve())
+    # relative to the bundle (a bundle names no absolute path), as emit records them
+    index["input"]["path"] = os.path.relpath(manifest.resolve(), out.resolve())
+    index["checkpoint"] = os.path.relpath(checkpoint.resolve(), out.resolve())
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     return TinyBundle(out, manifest, checkpoint)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -90,6 +91,14 @@ def tamper(bundle: Path, kind: str, data: st.DataObject) -> set[str]:
     return _edit_reference(bundle, kind, data)
 
 
+def _point_beside(bundle: Path) -> None:
+    """The copy's input and checkpoint paths lead to the copies beside it."""
+    index = read_index(bundle)
+    index["input"]["path"] = f"../{Path(index['input']['path']).name}"
+    index["checkpoint"] = f"../{Path(index['checkpoint']).name}"
+    write_index(bundle, index)
+
+
 def tamper_if_possible(bundle: Path, kind: str, data: st.DataObject) -> set[str]:
     """`tamper`, unless an earlier tamper left nothing it can read (then nothing happens)."""
     try:
@@ -110,8 +119,10 @@ def _names(rel: str) -> set[str]:
     in the input manifest (model.json), whose calls the proof speaks of."""
     if rel == "bundle.json":
         return INDEXED
-    return {Path(rel).name, "bundle.json"} | ({"model.json"} if rel.endswith("manifest.json")
-                                               else set())
+    # stage.py's header records its manifest's and plan's sha256: the rendering differs
+    rendered = {"stage.py"} if rel.endswith(("manifest.json", "plan.json")) else set()
+    return {Path(rel).name, "bundle.json"} | rendered | (
+        {"model.json"} if rel.endswith("manifest.json") else set())
 
 
 def _edit_sha(bundle: Path, data: st.DataObject) -> set[str]:
@@ -144,12 +155,15 @@ def _edit_reference(bundle: Path, kind: str, data: st.DataObject) -> set[str]:
     how = data.draw(st.sampled_from(("missing", "corrupt", "directory")), label=kind)
     copy = bundle.parent / Path(original).name
     if how == "corrupt":
-        copy.write_bytes(mutate_bytes(Path(original).read_bytes(), data))
+        copy.write_bytes(mutate_bytes((bundle / original).read_bytes(), data))
         if kind == "input" and data.draw(st.booleans(), label="record its sha"):
             index["input"]["sha256"] = hashlib.sha256(copy.read_bytes()).hexdigest()
     elif how == "directory":
+        copy.unlink()
         copy.mkdir()
-    path = str(copy) if how != "missing" else str(bundle.parent / "nowhere" / copy.name)
+    # relative to the bundle, as a bundle names them
+    path = os.path.relpath(copy if how != "missing" else bundle.parent / "nowhere" / copy.name,
+                           bundle)
     if key == "checkpoint":
         index["checkpoint"] = path
     else:
@@ -228,6 +242,10 @@ def test_tampered_bundles(data: st.DataObject, pristine: Path, tiny_bundle,
     case = fresh_dir(fuzz_root)
     bundle = case / "bundle"
     shutil.copytree(pristine, bundle)
+    # the input and the checkpoint beside the copy, where its relative paths lead
+    for original in (tiny_bundle.manifest, tiny_bundle.checkpoint):
+        shutil.copy(original, case / original.name)
+    _point_beside(bundle)
     names: set[str] = set()
     for _ in range(data.draw(st.integers(1, 2), label="tampers")):
         names |= tamper_if_possible(bundle, data.draw(st.sampled_from(TAMPERS), label="tamper"),

@@ -195,7 +195,7 @@ def test_damaged_bundle_index(tiny_bundle, tmp_path: Path, edit: str) -> None:
     from .test_bundles import check_bundle_everywhere
 
     bundle = tmp_path / "bundle"
-    shutil.copytree(tiny_bundle.dir, bundle)
+    tiny_bundle.copy(bundle)
     damage, refuses = BUNDLE_EDITS[edit]
     damage(bundle)
     check_bundle_everywhere(bundle, {"bundle.json"})
@@ -276,7 +276,7 @@ def test_damaged_stage_files_with_their_hash_updated(tiny_bundle, tmp_path: Path
 
     rel, tokens, value, ptr = STAGE_EDITS[edit]
     bundle = tmp_path / "bundle"
-    shutil.copytree(tiny_bundle.dir, bundle)
+    tiny_bundle.copy(bundle)
     _edit_stage_file(bundle, rel, tokens, value)
     with pytest.raises(KernccError) as err:
         Bundle.open(bundle)
@@ -290,14 +290,15 @@ def test_damaged_stage_files_with_their_hash_updated(tiny_bundle, tmp_path: Path
 # same for `kerncc check WHOLE STAGE...` in kerncc/cli/main.py).
 def test_a_proof_failure_is_located_in_the_input(tiny_bundle, tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"
-    shutil.copytree(tiny_bundle.dir, bundle)
+    tiny_bundle.copy(bundle)
     doc = json.loads((bundle / "stage0" / "manifest.json").read_text())
     calls = doc["programs"]["decode"]["calls"]
     _edit_stage_file(bundle, "stage0/manifest.json", ("programs", "decode", "calls"),
                      [calls[0], calls[2], calls[1], *calls[3:]])
     outcome = harness.run_cli(["check", bundle])
     assert outcome.code == 1
-    assert re.search(re.escape(str(tiny_bundle.manifest)) + r":\d+:\d+: /programs/decode/calls/1:",
+    whole = bundle / ".." / "model.json"  # the input beside the copy, as bundle.json names it
+    assert re.search(re.escape(str(whole)) + r":\d+:\d+: /programs/decode/calls/1:",
                      outcome.err), outcome.err
     stages = [bundle / "stage0" / "manifest.json", bundle / "stage1" / "manifest.json"]
     outcome = harness.run_cli(["check", tiny_bundle.manifest, *stages])
@@ -326,7 +327,7 @@ def test_launch_records_that_differ_from_the_manifest(tiny_bundle, tmp_path: Pat
     from kerncc.runtime import Bundle
 
     bundle = tmp_path / "bundle"
-    shutil.copytree(tiny_bundle.dir, bundle)
+    tiny_bundle.copy(bundle)
     _edit_stage_file(bundle, "stage0/plan.json", tokens, value)
     with pytest.raises(KernccError, match="but manifest.json and the arena give") as err:
         Bundle.open(bundle)

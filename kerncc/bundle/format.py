@@ -1,0 +1,23 @@
+"""The bundle format's constants, defined once (docs/bundle.md).
+
+The runtime, `emit`, `kerncc check` and `kerncc report` all take these names from here, so
+the format string, the checkpoint's file name and the headline of every refusal cannot drift
+apart between the writer and the readers.
+"""
+
+from __future__ import annotations
+
+FORMAT = "kerncc-bundle/1"
+# The checkpoint emit records when it lies beside the input manifest (and `kerncc run` of a
+# manifest picks up).
+CHECKPOINT = "model.safetensors"
+# The headline of every refusal to read a bundle, whoever reads it.
+HEADLINE = "not a valid kerncc bundle:"
+# A stage's files, and the key of bundle.json's stage entry that records each one's sha256.
+STAGE_FILES = (("manifest.json", "manifest_sha256"), ("plan.json", "plan_sha256"),
+               ("stage.py", "stage_py_sha256"))
+# The largest bundle.json, manifest, plan.json, stage.py or module file read (`--max-file-size`
+# raises it): a real 36-layer stage is a few MB; a /dev/zero or a runaway file stops here.
+MAX_FILE_SIZE = 256 * 1024 * 1024
+# The headline of a refusal to cut a manifest into stages (the `cut` and `share-states` passes).
+CUT_HEADLINE = "manifest cannot be cut:"
