@@ -29,16 +29,26 @@ class _Fail(Exception):
     """Unwinds one value's parse after its diagnostic was recorded."""
 
 
+STDIN = "-"  # the file name that means standard input, for every command reading a file
+
+
 def read_text(path: str | Path) -> str:
-    """The file's text; bytes that are not UTF-8 are an error at their line:col."""
+    """The file's text (`-`: standard input); bytes that are not UTF-8 are an error at their
+    line:col."""
     try:
-        data = Path(path).read_bytes()
+        data = _stdin_bytes() if str(path) == STDIN else Path(path).read_bytes()
     except OSError as err:
         raise KernccError.single(f"cannot read `{path}`: {err.strerror or err}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise KernccError(PARSE_HEADLINE, [_not_utf8(data, err, str(path))]) from None
+
+
+def _stdin_bytes() -> bytes:
+    import sys
+
+    return sys.stdin.buffer.read()
 
 
 def _not_utf8(data: bytes, err: UnicodeDecodeError, path: str) -> Diagnostic:

@@ -1,0 +1,258 @@
+"""The command line a user expects (issue 16): version, `python -m`, one JSON document per
+`--format json`, usage errors from the command given, help for every flag, standard input,
+`fmt -i`, limits before the work, a summarised and streamed `run`, and a fast `--help`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kerncc import __version__
+from kerncc.cli.main import build_parser, main
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS3 = str(ROOT / "golden" / "inputs" / "layers3.json")
+
+
+def _kerncc(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kerncc", *args], capture_output=True,
+                          text=True, input=stdin, timeout=120, cwd=ROOT,
+                          env={**os.environ, "KERNCC_NO_PROGRESS": "1"})
+
+
+# --------------------------------------------------------------------------- 1: version
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version(flag: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main([flag])
+    assert exit.value.code == 0
+    assert capsys.readouterr().out == f"kerncc {__version__}\n"
+
+
+def test_python_dash_m_is_the_command() -> None:
+    done = _kerncc("verify", LAYERS3)
+    assert done.returncode == 0, done.stderr
+    assert "verified" in done.stderr and "forward" in done.stdout
+    assert _kerncc("--version").stdout == f"kerncc {__version__}\n"
+
+
+# --------------------------------------------------------------------------- 3: one JSON document
+
+
+def _one_json(capsys, argv: list[str], code: int = 0):
+    assert main(argv) == code
+    return json.loads(capsys.readouterr().out)  # the whole of stdout: exactly one document
+
+
+def test_dump_json_after_a_cut_is_one_document(capsys) -> None:
+    stages = _one_json(capsys, ["dump", LAYERS3, "-p", "cut{at=10}", "--format", "json"])
+    assert isinstance(stages, list) and len(stages) == 2
+    assert all(s["schema_version"] == 5 for s in stages)
+    whole = _one_json(capsys, ["dump", LAYERS3, "--format", "json"])
+    assert whole["model"] == "layers3"
+
+
+def test_check_json_on_success(capsys, tmp_path) -> None:
+    assert main(["lower", LAYERS3, "-p", "cut{at=10}", "-o", str(tmp_path / "st")]) == 0
+    capsys.readouterr()
+    proof = _one_json(capsys, ["check", LAYERS3, str(tmp_path / "st" / "stage0.json"),
+                               str(tmp_path / "st" / "stage1.json"), "--format", "json"])
+    assert proof["ok"] is True and proof["programs"] >= 1
+
+
+def test_verify_json_gives_fields(capsys, tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    doc = _one_json(capsys, ["verify", "--format", "json", LAYERS3, str(bad)], code=1)
+    good, broken = doc["files"]
+    assert doc["ok"] is False and good["ok"] and not broken["ok"] and broken["diagnostics"]
+    summary = good["protocol"]
+    assert set(summary) >= {"axes", "fills", "tables", "forwards", "once", "derive"}
+    assert summary["axes"]["rows"]["var"] == "tokens"
+    assert {"name": "token_ids", "fill": "token", "dtype": "i32", "axis": "rows",
+            "width": 1} in summary["fills"]
+    assert any(f["emits"] == "next_tokens" for f in summary["forwards"])
+
+
+def test_liveness_report_honours_format_and_program(capsys) -> None:
+    report = _one_json(capsys, ["dump", LAYERS3, "--pass", "liveness", "--format", "json",
+                                "--program", "decode"])
+    (stage,) = report["stages"]
+    assert list(stage) == ["decode"] and stage["decode"]["peak_bytes"] > 0
+    assert main(["dump", LAYERS3, "--pass", "liveness", "--program", "decode"]) == 0
+    text = capsys.readouterr().out
+    assert "program decode:" in text and "program prefill:" not in text
+    assert main(["dump", LAYERS3, "--pass", "liveness", "--format", "dot"]) == 0
+    assert capsys.readouterr().out.startswith("digraph")
+    assert main(["dump", LAYERS3, "--pass", "liveness", "--program", "nope"]) == 1
+    assert "no program `nope`" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- 10: exit codes
+
+
+def test_unknown_flag_prints_the_commands_usage(capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main(["verify", "--bogus", LAYERS3])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: kerncc verify") and "unrecognized arguments: --bogus" in err
+
+
+def test_help_states_the_exit_codes() -> None:
+    text = build_parser().format_help()
+    assert "1  the input is wrong" in text and "2  usage error" in text
+
+
+# --------------------------------------------------------------------------- 13: help, stdin, -i
+
+
+def _subparsers(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def test_every_flag_has_help() -> None:
+    parser = build_parser()
+    missing = [f"{name} {a.option_strings or a.dest}" for name, sub in _subparsers(parser)
+               for a in sub._actions if not a.help]
+    assert missing == []
+
+
+def test_backend_help_states_its_default() -> None:
+    run = dict(_subparsers(build_parser()))["run"]
+    (backend,) = [a for a in run._actions if "--backend" in a.option_strings]
+    assert "KERNCC_BACKEND" in backend.help and "cpu" in backend.help
+
+
+def test_dash_reads_standard_input() -> None:
+    text = Path(LAYERS3).read_text()
+    done = _kerncc("verify", "-", stdin=text)
+    assert done.returncode == 0 and "<stdin>" not in done.stdout and "verified" in done.stderr
+    kir = _kerncc("fmt", LAYERS3, "--to", "kir").stdout
+    assert _kerncc("fmt", "-", "--to", "json", stdin=kir).stdout == _kerncc("fmt", LAYERS3).stdout
+    broken = _kerncc("verify", "-", stdin=text.replace('"schema_version": 5', '"schema_version": 4'))
+    assert broken.returncode == 1 and "<stdin>:" in broken.stderr
+
+
+def test_fmt_in_place(tmp_path, capsys) -> None:
+    canonical = Path(LAYERS3).read_text()
+    target = tmp_path / "m.json"
+    target.write_text(json.dumps(json.loads(canonical)))  # one line: not canonical
+    assert main(["fmt", "--check", str(target)]) == 1
+    assert main(["fmt", "-i", str(target)]) == 0
+    assert target.read_text() == canonical and main(["fmt", "--check", str(target)]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]  # no temporary left behind
+    assert main(["fmt", "-i", "--to", "kir", str(target)]) == 1
+    assert "-i rewrites a file in its own form" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- 15: fast help
+
+
+PROBE = """
+import sys
+from kerncc.cli.main import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print("IMPORTED=" + ",".join(m for m in ("numpy", "kerncc.example", "lark")
+                             if m in sys.modules), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv,allowed", [(["--help"], ""), (["run", "--help"], ""),
+                                           (["verify", LAYERS3], "lark")])
+def test_help_and_verify_import_no_numpy(argv: list[str], allowed: str) -> None:
+    done = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    imported = done.stderr.strip().splitlines()[-1]
+    assert imported in ("IMPORTED=", f"IMPORTED={allowed}")
+
+
+def test_example_flags_match_the_config() -> None:
+    from kerncc.cli.run import OVERRIDES, config_number_fields
+
+    assert OVERRIDES == config_number_fields()
+
+
+# --------------------------------------------------------------------------- 4, 6: run
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from kerncc.example import generate
+
+    manifest, _ = generate(tmp_path_factory.mktemp("tiny"), "tiny")
+    return manifest
+
+
+def test_limits_are_checked_before_the_weights_load(tiny, tmp_path, capsys) -> None:
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a checkpoint")  # loading it would fail: the limits come first
+    base = ["run", str(tiny), "--weights", str(garbage)]
+    assert main([*base, "--prompt", "1,2,3", "--max-new", "300"]) == 1
+    err = capsys.readouterr().err
+    assert "--max-new 300" in err and "at most --max-new 254" in err and "loaded" not in err
+    assert main([*base, "--prompt", "1,2,256,3", "--max-new", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "--prompt position 2: token id 256" in err and "0..255" in err
+
+
+def test_check_request_names_what_the_caller_calls_things(tiny) -> None:
+    from kerncc.diagnostics import KernccError
+    from kerncc.lower import lower_to_bundle
+    from kerncc.runtime.generate import check_request, request_limits
+
+    limits = request_limits([s.manifest for s in lower_to_bundle(tiny).stages])
+    assert limits.context == 256 and limits.token_high == 255
+    check_request(limits, [1] * 200, 57)  # 256 positions: fits exactly
+    with pytest.raises(KernccError, match="max_tokens 58: .* need 257 positions"):
+        check_request(limits, [1] * 200, 58, max_new_name="max_tokens")
+    with pytest.raises(KernccError, match="the prompt is empty"):
+        check_request(limits, [], 1)
+
+
+def test_run_summarises_and_streams(tiny, capsys) -> None:
+    assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and len(out.splitlines()[-1].split()) == 4
+    assert "ran 5 programs" in err and "prefill 1 run of 2 rows, decode 4 runs of 1 row" in err
+    assert "×" not in err
+    assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4", "-v"]) == 0
+    assert "prefill×2 decode×1 decode×1 decode×1 decode×1" in capsys.readouterr().err
+    assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4", "--quiet"]) == 0
+    quiet_out, quiet_err = capsys.readouterr()
+    assert quiet_out == out and quiet_err == ""
+
+
+def test_generate_hands_each_token_over_as_it_comes(tiny) -> None:
+    from kerncc.lower import lower_to_bundle
+    from kerncc.runtime import Chain
+    from kerncc.runtime.generate import Generator
+
+    generator = Generator(Chain(lower_to_bundle(tiny)))
+    seen: list[tuple[int, int]] = []
+    # Each token arrives while the decode is running: the runs so far are fewer than at the end.
+    result = generator.generate([5, 6, 7], 4, on_token=lambda t: seen.append(
+        (t, generator.pool.pages - len(generator.pool.free))))
+    assert [t for t, _ in seen] == result.tokens
+    assert all(held > 0 for _, held in seen)  # the sequence still holds its pages: mid-run
+
+
+def test_summarise_steps() -> None:
+    from kerncc.cli.run import summarise_steps
+
+    steps = [("prefill", 8), ("prefill", 3), ("decode", 1), ("decode", 1)]
+    assert summarise_steps(steps) == "prefill 2 runs, 11 rows (3..8 a run), decode 2 runs of 1 row"
