@@ -28,10 +28,10 @@ def _is_ours(path: Path) -> bool:
 def atomic_directory(target: str | Path) -> Iterator[Path]:
     target = Path(target)
     if target.exists() and not target.is_dir():
-        raise KernccError.single(f"`{target}` exists and is not a directory")
+        raise KernccError.elsewhere(f"`{target}` exists and is not a directory")
     if target.is_dir() and not _is_ours(target):
-        raise KernccError.single(f"`{target}` is a directory kerncc did not write; "
-                                 "refusing to overwrite it")
+        raise KernccError.elsewhere(f"`{target}` is a directory kerncc did not write; "
+                                    "refusing to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

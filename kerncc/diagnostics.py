@@ -44,6 +44,7 @@ class Location:
     file: str | None = None
     line: int | None = None
     column: int | None = None
+    elsewhere: bool = False  # not in the input (a flag, a path, a pass option): never located
 
     def with_position(self, file: str | None, line: int | None, column: int | None) -> Location:
         return attrs.evolve(self, file=file, line=line, column=column)
@@ -107,6 +108,12 @@ class KernccError(Exception):
     def single(cls, message: str, pointer: str = "", hint: str | None = None) -> KernccError:
         return cls(message, [Diagnostic(message, Location(pointer), hint=hint)])
 
+    @classmethod
+    def elsewhere(cls, message: str, hint: str | None = None) -> KernccError:
+        """A problem outside the input manifest (an output path, a flag, a pass option): no
+        `located` puts it at the manifest's first character."""
+        return cls(message, [Diagnostic(message, Location(elsewhere=True), hint=hint)])
+
     def __str__(self) -> str:
         if not self.diagnostics:
             return self.headline
@@ -124,7 +131,7 @@ class KernccError(Exception):
 
 
 def _merge(old: Location, new: Location) -> Location:
-    if old.line is not None:
+    if old.line is not None or old.elsewhere:
         return old
     return attrs.evolve(old, file=new.file, line=new.line, column=new.column)
 

@@ -41,7 +41,8 @@ class Cut(Pass):
     at_label: tuple[str, ...] = attrs.field(default=(), metadata={
         "help": "cut before the call with each label, in every driven program"})
     stages: int = attrs.field(default=0, metadata={
-        "help": "choose N-1 balanced points (plain `cut` means 2)"})
+        "help": "cut into N stages at balanced points (when neither at nor at-label is given)",
+        "default_text": "2"})
 
     def run(self, ir: IR) -> IR:
         if ir.is_pipeline:

@@ -111,8 +111,8 @@ class Emit(Pass):
 
     def run(self, ir: IR) -> IR:
         if not self.out:
-            raise KernccError.single("emit needs a directory: `emit{out=DIR}` or "
-                                     "`kerncc lower ... -o DIR`")
+            raise KernccError.elsewhere("emit needs a directory: `emit{out=DIR}` or "
+                                        "`kerncc lower ... -o DIR`")
         files, proof, missing = build_bundle(ir, self)
         write_bundle(files, self.out)
         report = EmitReport(self.out, len(ir.stages), tuple(files), proof, missing)
@@ -168,7 +168,7 @@ def _read(path: Path, what: str) -> bytes:
     try:
         return path.read_bytes()
     except OSError as err:
-        raise KernccError.single(f"cannot read {what} `{path}`: {err.strerror}") from None
+        raise KernccError.elsewhere(f"cannot read {what} `{path}`: {err.strerror}") from None
 
 
 def bundle_relative(path: Path, out: str) -> str:
@@ -384,6 +384,6 @@ def write_bundle(files: dict[str, bytes], out: str) -> None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
     except OSError as err:
-        raise KernccError.single(f"cannot write the bundle `{out}`: "
-                                 f"{err.strerror or err}") from None
+        raise KernccError.elsewhere(f"cannot write the bundle `{out}`: "
+                                    f"{err.strerror or err}") from None
 

@@ -256,3 +256,36 @@ def test_summarise_steps() -> None:
 
     steps = [("prefill", 8), ("prefill", 3), ("decode", 1), ("decode", 1)]
     assert summarise_steps(steps) == "prefill 2 runs, 11 rows (3..8 a run), decode 2 runs of 1 row"
+
+
+def test_stages_default_is_shown_as_plain_cut_means() -> None:
+    from kerncc.pipeline import describe_passes
+
+    (line,) = [ln for ln in describe_passes().splitlines() if ln.strip().startswith("stages=")]
+    assert "(default: 2)" in line
+
+
+# --------------------------------------------------------------------------- 9: located errors
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["lower", LAYERS3, "-p", "cut,emit", "-o", "FILE"], "exists and is not a directory"),
+    (["lower", LAYERS3, "-p", "cut{stages=1}"], "cut{stages=1}: a cut has at least 2 stages"),
+    (["run", LAYERS3, "--pipeline", "cut", "--prompt", "1"], "must end in `emit`"),
+])
+def test_problems_outside_the_manifest_are_not_located_in_it(argv, message, tmp_path,
+                                                             capsys) -> None:
+    (tmp_path / "FILE").write_text("")
+    argv = [str(tmp_path / "FILE") if a == "FILE" else a for a in argv]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert message in err and "layers3.json:1:1" not in err and "\n  {" not in err
+    assert err.count(message) == 1
+
+
+def test_a_missing_checkpoint_is_said_once_of_the_users_file(tiny, tmp_path, capsys) -> None:
+    alone = tmp_path / "model.json"
+    alone.write_text(tiny.read_text())
+    assert main(["run", str(alone), "--prompt", "1,2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("no checkpoint") == 1 and str(alone) in err and "kerncc-bundle-" not in err

@@ -20,7 +20,7 @@ def balanced_points(whole: m.Manifest, stages: int) -> dict[str, tuple[int, ...]
     if not driven:
         raise KernccError.single("no program declares a `batch`: nothing to cut", "/programs")
     if stages < 2:
-        raise KernccError.single(f"cut into {stages} stages: a cut has at least 2 stages")
+        raise KernccError.elsewhere(f"cut{{stages={stages}}}: a cut has at least 2 stages")
     costs, legal, crossing_bytes = _profile(whole, driven)
     picked = _pick(costs, legal, crossing_bytes, stages)
     if len(picked) != stages - 1:

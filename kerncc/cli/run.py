@@ -74,6 +74,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     weights = args.weights or bundle.checkpoint
     if weights is not None and not Path(weights).exists():
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
+    if weights is None and _binds_weights(bundle):
+        raise KernccError.single(_no_checkpoint(args.target))
     if args.devices and args.backend != "cuda":
         raise KernccError.single("--devices needs --backend cuda")
     for flag, path in (("--trace", args.trace), ("--logits", args.logits)):
@@ -144,6 +146,22 @@ def _program_runs(program: str, rows: list[int]) -> str:
 
 def _silent(message: str) -> None:
     """`--quiet`: no progress lines (errors still print)."""
+
+
+def _binds_weights(bundle) -> bool:
+    """Whether some stage reads weights from a checkpoint (`bind`)."""
+    return any(buf.bind for stage in bundle.stages for buf in stage.manifest.buffers.values())
+
+
+def _no_checkpoint(target: str) -> str:
+    """The missing checkpoint, said of what the user named (not of a temporary bundle)."""
+    from kerncc.runtime.bundle import WEIGHTS_BESIDE_MANIFEST
+
+    if Path(target).is_dir():
+        return (f"no checkpoint: the bundle `{target}` binds weights but records no checkpoint "
+                "(give --weights FILE)")
+    return (f"no checkpoint: `{target}` binds weights but no `{WEIGHTS_BESIDE_MANIFEST}` lies "
+            "beside it (give --weights FILE)")
 
 
 def _write(path: str, flag: str, write) -> None:
