@@ -289,3 +289,29 @@ def test_a_missing_checkpoint_is_said_once_of_the_users_file(tiny, tmp_path, cap
     assert main(["run", str(alone), "--prompt", "1,2"]) == 1
     err = capsys.readouterr().err
     assert err.count("no checkpoint") == 1 and str(alone) in err and "kerncc-bundle-" not in err
+
+
+# --------------------------------------------------------------------------- 12: example
+
+
+def test_example_refuses_a_folder_holding_a_model(tmp_path, capsys) -> None:
+    out = tmp_path / "m"
+    assert main(["example", "qwen", "-o", str(out), "--layers", "1"]) == 0
+    before = (out / "model.json").read_text()
+    assert main(["example", "qwen", "-o", str(out), "--layers", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "already holds a model" in err and "--force" in err
+    assert (out / "model.json").read_text() == before  # untouched
+    assert main(["example", "qwen", "-o", str(out), "--layers", "3", "--force"]) == 0
+    assert (out / "model.json").read_text() != before
+
+
+def test_writes_show_progress_on_a_terminal_only(tmp_path, monkeypatch, capsys) -> None:
+    from kerncc import progress
+
+    assert main(["example", "qwen", "-o", str(tmp_path / "quiet"), "--layers", "1"]) == 0
+    assert "\r" not in capsys.readouterr().err  # not a terminal: not a byte
+    monkeypatch.setattr(progress, "should_draw", lambda stream: True)
+    assert main(["example", "qwen", "-o", str(tmp_path / "tty"), "--layers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "generating weights" in err and "writing model.safetensors [" in err

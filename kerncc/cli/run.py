@@ -214,6 +214,9 @@ def config_number_fields() -> dict[str, type]:
     return {f.name: f.type for f in attrs.fields(QwenConfig) if f.type in (int, float)}
 
 
+EXAMPLE_FILES = ("model.json", "model.safetensors", "config.json")
+
+
 def cmd_example(args: argparse.Namespace) -> int:
     from kerncc.example import generate
 
@@ -223,6 +226,10 @@ def cmd_example(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise KernccError.single(f"`{out}` exists and is not a directory (-o names the "
                                  "directory to write the example into)")
+    held = [name for name in EXAMPLE_FILES if (out / name).exists()]
+    if held and not args.force:
+        raise KernccError.single(f"`{out}` already holds a model ({', '.join(held)}); give "
+                                 "--force to overwrite it, or another -o")
     try:
         paths = generate(out, args.size, **overrides)
     except ValueError as err:
@@ -294,6 +301,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "small: Qwen3-1.7B-like shapes, a 2.7 GB checkpoint, for GPUs")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="the directory to write model.json, model.safetensors, config.json into")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite a model already in the directory")
     for name, kind in _override_fields().items():
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar="N",
                        help=f"override `{name}`")
