@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kerncc import __version__
 from kerncc.cli.main import build_parser, main
@@ -315,3 +317,51 @@ def test_writes_show_progress_on_a_terminal_only(tmp_path, monkeypatch, capsys) 
     assert main(["example", "qwen", "-o", str(tmp_path / "tty"), "--layers", "1"]) == 0
     err = capsys.readouterr().err
     assert "generating weights" in err and "writing model.safetensors [" in err
+
+
+# --------------------------------------------------------------------------- 11: balanced cuts
+
+
+def test_balanced_cuts_prefer_layer_boundaries_within_a_few_percent(tiny, tmp_path) -> None:
+    from kerncc.analysis.balance import balanced_points
+    from kerncc.example import generate
+    from kerncc.manifest import reader
+
+    deep, _ = generate(tmp_path / "deep", "tiny", layers=36)
+    man = reader.load(deep)
+    calls = man.programs["decode"].calls
+    labels = [calls[a].label for a in balanced_points(man, 4)["decode"]]
+    assert labels == ["l9.input_norm", "l18.input_norm", "l27.input_norm"]  # not l27.qkv_proj
+    small = reader.load(tiny)
+    calls = small.programs["decode"].calls
+    # Before: 8 and 15 (l0.act: gate_up's output crosses). Now as balanced, and fewer bytes.
+    assert [calls[a].label for a in balanced_points(small, 3)["decode"]] == [
+        "l0.gate_up_proj", "l1.o_proj"]
+
+
+@settings(max_examples=60)
+@given(st.data())
+def test_the_pick_is_the_fewest_bytes_among_the_nearly_best_balanced(data) -> None:
+    import itertools
+
+    from kerncc.analysis import balance
+
+    n = data.draw(st.integers(3, 12))
+    costs = data.draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    legal = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=1)))
+    crossing = {a: data.draw(st.integers(0, 9)) for a in legal}
+    stages = data.draw(st.integers(2, 4))
+    picked = balance._pick(costs, legal, crossing, stages)
+    cuts = list(itertools.combinations(legal, stages - 1))
+    if not cuts:
+        assert len(picked) < stages - 1
+        return
+
+    def heaviest(points):
+        bounds = [0, *points, len(costs)]
+        return max(sum(costs[x:y]) for x, y in zip(bounds, bounds[1:]))
+
+    bound = min(heaviest(p) for p in cuts) * (1 + balance.BALANCE_SLACK)
+    within = [p for p in cuts if heaviest(p) <= bound]
+    assert tuple(picked) in within
+    assert sum(crossing[a] for a in picked) == min(sum(crossing[a] for a in p) for p in within)
