@@ -1,12 +1,15 @@
-"""The `cut` pass: split every driven program into pipeline stages (spec §3), kern's semantics.
+"""The `cut` pass: split every driven program into pipeline stages, with kern's semantics.
 
 Points come three ways: `at=218,290` (call indices, the same in every driven program, as
 `kern cut --at`), `at-label=l18.qkv_proj` (the call with that label in each driven program, so
 programs whose layers sit at different indices still cut at the same layer), or `stages=N`
-(choose legal points that balance a per-call cost; fewest crossing bytes break ties). Plain
-`cut` means `stages=2`. Buffers cross by liveness; crossing buffers become input / inout /
-output with `export`; every refusal of spec §3 is reported with kern's text. Once and derive
-programs are kept whole here; `slice-once` / `slice-derive` trim them.
+(legal points whose heaviest stage is within 3% of the best balance, and among those the
+fewest crossing bytes). Plain `cut` means `stages=2`. A buffer crosses a point when it is
+written before it and read after it; crossing buffers become input / inout / output with
+`export` in the stages on either side. A point is refused, with kern's text, when something
+other than a workspace would cross it, when an output or carry is written before it, or when a
+state region is touched on both sides of it. Once and derive programs are kept whole here;
+`slice-once` / `slice-derive` trim them.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ A backward slice, JAX `dce_jaxpr` style: start from what the stage's other calls
 calls, plus kept once calls when slicing derive programs), walk the target programs' calls in
 *reverse execution order* (all programs of the class together: derive and once programs run in
 name order), keep a call when it writes something needed, then need what it reads. Two
-defects of kern's slicer (spec §3.6 step 3) are fixed by construction: state regions are
+defects of kern's slicer are fixed by construction: state regions are
 dependencies like buffers (a call that initialises a region the stage reads stays, and the
 regions a kept call reads pull in their producers), and walking all programs of the class as
 one reversed sequence makes the result independent of how their names sort.
 
-`slice-derive` also lays out the stage's source staging (spec §5): each source's window
+`slice-derive` also lays out the stage's source staging (the bytes that hold a checkpoint's
+source tensors while derive programs turn them into the weights): each source's window
 [first reader, last reader] over the concatenated derive calls, placed first-fit, 256-aligned
 (kerncc.analysis.layout.staging_layout), with the peak = derived carry bytes + the widest set of
 sources live at one derive call.

@@ -365,3 +365,8 @@ def test_the_pick_is_the_fewest_bytes_among_the_nearly_best_balanced(data) -> No
     within = [p for p in cuts if heaviest(p) <= bound]
     assert tuple(picked) in within
     assert sum(crossing[a] for a in picked) == min(sum(crossing[a] for a in p) for p in within)
+
+
+def test_the_readme_states_the_exit_codes() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "exit code 1" in readme and "exit code 2" in readme
