@@ -370,3 +370,11 @@ def test_the_pick_is_the_fewest_bytes_among_the_nearly_best_balanced(data) -> No
 def test_the_readme_states_the_exit_codes() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "exit code 1" in readme and "exit code 2" in readme
+
+
+def test_lower_json_without_output_is_one_document(capsys) -> None:
+    stages = _one_json(capsys, ["lower", LAYERS3, "-p", "cut{at=10}", "--format", "json"])
+    assert [s["cut"]["stage"] for s in stages] == [0, 1]
+    assert main(["lower", LAYERS3, "-p", "cut{stages=1}", "--format", "json"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and json.loads(err)["diagnostics"]

@@ -235,7 +235,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
                 (tmp / f"stage{index}.json").write_text(writer.dumps(stage), encoding="utf-8")
         print(f"wrote {len(ir.stages)} stage manifests to {args.output}", file=sys.stderr)
     elif not args.output:
-        sys.stdout.write(ir.to_text())
+        sys.stdout.write(_stages_json(ir.stages) if args.diag_format == "json" else ir.to_text())
     return 0
 
 
@@ -386,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--pipeline", required=True, help="e.g. cut{at=218},slice-derive,emit")
     p.add_argument("-o", "--output", metavar="OUT", help="output directory (stage<k>.json, or "
                    "the bundle when the pipeline ends in emit)")
-    _format_flag(p, "diagnostics as text, or as one JSON document on stderr")
+    _format_flag(p, "diagnostics as text, or as one JSON document on stderr; without -o the "
+                 "stages as kir text, or as one JSON document (the array of stage manifests)")
     _instrument_flags(p)
     p.set_defaults(handler=cmd_lower)
 
