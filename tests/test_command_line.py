@@ -378,3 +378,25 @@ def test_lower_json_without_output_is_one_document(capsys) -> None:
     assert main(["lower", LAYERS3, "-p", "cut{stages=1}", "--format", "json"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and json.loads(err)["diagnostics"]
+
+
+def test_stdin_cannot_be_emitted_but_can_be_lowered_and_checked(tmp_path) -> None:
+    text = Path(LAYERS3).read_text()
+    done = _kerncc("lower", "-", "-p", "cut,emit", "-o", str(tmp_path / "b"), stdin=text)
+    assert done.returncode == 1 and "save it to a file" in done.stderr
+    assert not (tmp_path / "b").exists()
+    assert _kerncc("lower", LAYERS3, "-p", "cut{at=10}", "-o", str(tmp_path / "s")).returncode == 0
+    done = _kerncc("check", "-", str(tmp_path / "s" / "stage0.json"),
+                   str(tmp_path / "s" / "stage1.json"), stdin=text)
+    assert done.returncode == 0 and done.stdout.startswith("proved:")
+
+
+@pytest.mark.parametrize("argv", [["run", LAYERS3, "--prompt", "1"], ["example", "qwen", "-o", "x"],
+                                  ["dump", LAYERS3], ["lower", LAYERS3, "-p", "emit"],
+                                  ["check", LAYERS3], ["fmt", LAYERS3], ["report", "x"]])
+def test_every_command_reports_its_own_usage(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exit:
+        main([*argv, "--bogus"])  # a complete command line plus an unknown flag
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: kerncc {argv[0]}") and "unrecognized arguments: --bogus" in err

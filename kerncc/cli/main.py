@@ -255,6 +255,9 @@ def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
     if not text:
         return ir
     passes = resolve_pipeline(text)
+    if args.file == "-" and any(p.name == "emit" for p in passes):
+        raise KernccError.elsewhere("a bundle records its input manifest's file, and `-` "
+                                    "(standard input) is none: save it to a file to emit it")
     if out:
         passes = _with_output(passes, out)
     printed = ",".join(str(pass_spec(p)) for p in passes)
@@ -306,7 +309,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         from kerncc.bundle.check import check_bundle
         proof = check_bundle(paths[0])
     else:
-        missing = [p for p in paths if not Path(p).exists()]
+        missing = [p for p in paths if p != "-" and not Path(p).exists()]
         if missing:
             raise KernccError.single(f"`{missing[0]}` does not exist (check takes a bundle "
                                      "directory, or WHOLE STAGE0 STAGE1 ...)")
