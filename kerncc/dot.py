@@ -77,8 +77,9 @@ def render_dot(ir: IR, program: str | None = None) -> str:
     members: dict[int, list[tuple]] = {}
     for node in graph.nodes:
         members.setdefault(home[node], []).append(node)
-    lines = [f"digraph {_quote(name)} {{", "  rankdir=TB; newrank=true; nodesep=0.25; "
-             "ranksep=0.3;", "  node [fontname=monospace, fontsize=11];",
+    lines = [f"digraph {_quote(name)} {{",
+             "  rankdir=TB; newrank=true; nodesep=0.25; ranksep=0.3;",
+             "  node [fontname=monospace, fontsize=11];",
              "  edge [arrowsize=0.6, fontname=monospace, fontsize=9];"]
     for s, in_stage in groupby(calls, key=lambda n: stage[n]):
         body = _layers(ir, graph, list(in_stage), members, stage, f"s{s}")

@@ -145,8 +145,9 @@ def save_file(
     header = _header_bytes(entries)
     from kerncc.progress import progress  # a bar on a terminal only (2.7 GB take a while)
 
-    with open(path, "wb") as f, progress(total=sum(a.nbytes for a in arrays),
-                                         label=f"writing {os.path.basename(path)}", unit="B") as bar:
+    label = f"writing {os.path.basename(path)}"
+    with open(path, "wb") as f, progress(total=sum(a.nbytes for a in arrays), label=label,
+                                         unit="B") as bar:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
         for array in arrays:  # raw byte views, so a large tensor is written without a copy

@@ -13,9 +13,9 @@ from pathlib import Path
 from kerncc import kir
 from kerncc.diagnostics import Location
 from kerncc.manifest import model as m
-from kerncc.manifest.reader import load_with_locator as load_json_with_locator
 from kerncc.manifest.jsonsource import PositionIndex
 from kerncc.manifest.reader import STDIN, loads, read_text
+from kerncc.manifest.reader import load_with_locator as load_json_with_locator
 
 STDIN_NAME = "<stdin>"
 

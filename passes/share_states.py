@@ -2,12 +2,13 @@
 
 A state region (state, offset) belongs to the one stage whose driven calls touch it (`cut`
 refuses a point with a region touched on both sides; the rule is checked again here so that a
-pipeline built by other means is held to it). A stage keeps the states its driven calls touch, plus those its kept init calls read
-(a fixpoint: an init call that only writes regions of states the stage does not keep
-initialises another stage's memory and is dropped). Page and line tables whose state went
-away are re-pointed to a kept state of the same kind, or lose their domain (done by
-kerncc.stage.assemble). The regions report says, per stage and state, how
-many of the whole's regions the stage uses, and the share of its bytes held for other stages.
+pipeline built by other means is held to it). A stage keeps the states its driven calls touch,
+plus those its kept init calls read (a fixpoint: an init call that only writes regions of
+states the stage does not keep initialises another stage's memory and is dropped). Page and
+line tables whose state went away are re-pointed to a kept state of the same kind, or lose
+their domain (done by kerncc.stage.assemble). The regions report says, per stage and state,
+how many of the whole's regions the stage uses, and the share of its bytes held for other
+stages.
 """
 
 from __future__ import annotations

@@ -140,8 +140,8 @@ def request_limits(manifests: Sequence[m.Manifest], protocol: proto.Protocol | N
     if width:
         bounds.append((width * stride, f"a page table holds {width} pages of {stride} tokens"))
     if protocol.context is not None:
-        bounds.append((protocol.context.max, f"`{protocol.context.var}` <= "
-                       f"{protocol.context.max}"))
+        why = f"`{protocol.context.var}` <= {protocol.context.max}"
+        bounds.append((protocol.context.max, why))
     context, context_why = min(bounds, default=(None, ""))
     if kv_tokens is None:
         kv_tokens = max(default_token_capacity(man) for man in manifests)
@@ -162,7 +162,7 @@ def _token_range(protocol: proto.Protocol, manifests: Sequence[m.Manifest]
             if f.name in man.buffers:
                 found += _domain_highs(man, f.name)
         top, top_why = min(found)
-        low = max(low, int(info.min) if int(info.min) > 0 else 0)
+        low = max(low, int(info.min))
         if high is None or top < high:
             high, why = top, top_why
     return low, high, why
@@ -180,8 +180,8 @@ def _domain_highs(man: m.Manifest, name: str) -> list[tuple[int, str]]:
         rows = target.shape[0]
         rows = env.get(rows) if isinstance(rows, str) else rows
         if isinstance(rows, int):
-            found.append((rows // domain.stride - 1, f"`{name}` indexes `{domain.index_into}`, "
-                          f"{rows} rows: the vocabulary"))
+            why = f"`{name}` indexes `{domain.index_into}`, {rows} rows: the vocabulary"
+            found.append((rows // domain.stride - 1, why))
     return found
 
 

@@ -142,7 +142,8 @@ def test_dash_reads_standard_input() -> None:
     assert done.returncode == 0 and "<stdin>" not in done.stdout and "verified" in done.stderr
     kir = _kerncc("fmt", LAYERS3, "--to", "kir").stdout
     assert _kerncc("fmt", "-", "--to", "json", stdin=kir).stdout == _kerncc("fmt", LAYERS3).stdout
-    broken = _kerncc("verify", "-", stdin=text.replace('"schema_version": 5', '"schema_version": 4'))
+    older = text.replace('"schema_version": 5', '"schema_version": 4')
+    broken = _kerncc("verify", "-", stdin=older)
     assert broken.returncode == 1 and "<stdin>:" in broken.stderr
 
 
@@ -359,7 +360,7 @@ def test_the_pick_is_the_fewest_bytes_among_the_nearly_best_balanced(data) -> No
 
     def heaviest(points):
         bounds = [0, *points, len(costs)]
-        return max(sum(costs[x:y]) for x, y in zip(bounds, bounds[1:]))
+        return max(sum(costs[x:y]) for x, y in itertools.pairwise(bounds))
 
     bound = min(heaviest(p) for p in cuts) * (1 + balance.BALANCE_SLACK)
     within = [p for p in cuts if heaviest(p) <= bound]

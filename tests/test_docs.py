@@ -133,7 +133,7 @@ TERMS = ("row", "groups", "fill", "page", "forward", "driven program", "once pro
 
 def test_concepts_defines_the_terms_the_pages_use() -> None:
     concepts = (DOCS / "concepts.md").read_text(encoding="utf-8")
-    defined = re.findall(r"^\* \*\*([^*]+)\*\*", concepts, flags=re.M)
+    defined = re.findall(r"^\* \*\*([^*]+)\*\*", concepts, flags=re.MULTILINE)
     assert set(TERMS) <= set(defined), set(TERMS) - set(defined)
     for page in ("runtime.md", "bundle.md", "passes.md", "getting-started.md", "index.md"):
         assert "(concepts.md)" in (DOCS / page).read_text(encoding="utf-8"), page
