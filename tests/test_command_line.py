@@ -185,9 +185,9 @@ def test_help_and_verify_import_no_numpy(argv: list[str], allowed: str) -> None:
 
 
 def test_example_flags_match_the_config() -> None:
-    from kerncc.cli.run import OVERRIDES, config_number_fields
+    from kerncc.cli.run import OVERRIDE_HELP, OVERRIDES, config_number_fields
 
-    assert OVERRIDES == config_number_fields()
+    assert OVERRIDES == config_number_fields() and set(OVERRIDE_HELP) == set(OVERRIDES)
 
 
 # --------------------------------------------------------------------------- 4, 6: run

@@ -198,6 +198,16 @@ OVERRIDES: dict[str, type] = {
 """QwenConfig's number fields, spelled out so that building the flags imports no numpy (a test
 holds them equal to the class's)."""
 
+OVERRIDE_HELP = {
+    "layers": "decoder layers", "hidden": "hidden size", "heads": "attention heads",
+    "kv_heads": "key/value heads", "head_dim": "dimension of one head",
+    "intermediate": "MLP intermediate size", "vocab": "vocabulary size",
+    "max_tokens": "most rows one call takes (var `tokens`)",
+    "max_seqs": "most sequences one call takes (var `seqs`)",
+    "max_context": "longest sequence, in tokens", "seed": "seed of the random weights",
+    "rope_theta": "RoPE base", "eps": "RMSNorm epsilon",
+    "interleave": "gate/up interleave block rows (0: min(128, intermediate))"}
+
 
 def _override_fields() -> dict[str, type]:
     """QwenConfig fields a flag may set (`--kv-heads 2`), with their types."""
@@ -305,5 +315,5 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="overwrite a model already in the directory")
     for name, kind in _override_fields().items():
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar="N",
-                       help=f"override `{name}`")
+                       help=f"{OVERRIDE_HELP.get(name, name)} (default: the size's)")
     p.set_defaults(handler=cmd_example, format="text")
