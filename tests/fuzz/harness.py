@@ -154,9 +154,9 @@ def located_in_text(outcome: Outcome, file: str) -> None:
 
 
 def located_in_json(outcome: Outcome) -> None:
-    """`verify --format json`: every diagnostic of a failed file has a line, or a pointer."""
-    for line in outcome.out.splitlines():
-        record = _json_line(line, outcome)
+    """`verify --format json`: one JSON document; every diagnostic of a failed file has a line,
+    or a pointer."""
+    for record in _json_document(outcome)["files"]:
         for diag in record.get("diagnostics", ()):
             if diag.get("line") is None and not diag.get("pointer"):
                 raise AssertionError(f"an unlocated diagnostic {diag}:\n{outcome.describe()}")
@@ -164,15 +164,17 @@ def located_in_json(outcome: Outcome) -> None:
             raise AssertionError(f"a failure without diagnostics:\n{outcome.describe()}")
 
 
-def _json_line(line: str, outcome: Outcome) -> dict:
+def _json_document(outcome: Outcome) -> dict:
     try:
-        record = json.loads(line)
+        document = json.loads(outcome.out)
     except json.JSONDecodeError:
-        raise AssertionError(f"--format json printed a line that is not JSON: {line!r}\n"
+        raise AssertionError(f"--format json printed something other than one JSON document:\n"
                              f"{outcome.describe()}") from None
-    if not isinstance(record, dict) or "ok" not in record:
-        raise AssertionError(f"--format json printed {record!r}\n{outcome.describe()}")
-    return record
+    if not isinstance(document, dict) or "ok" not in document or "files" not in document:
+        raise AssertionError(f"--format json printed {document!r}\n{outcome.describe()}")
+    if document["ok"] != all(record["ok"] for record in document["files"]):
+        raise AssertionError(f"`ok` disagrees with the files:\n{outcome.describe()}")
+    return document
 
 
 def located_in_pipeline_or_file(outcome: Outcome, file: str) -> None:
