@@ -402,9 +402,3 @@ def test_every_command_reports_its_own_usage(argv: list[str], capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith(f"usage: kerncc {argv[0]}") and "unrecognized arguments: --bogus" in err
 
-
-def test_dump_json_errors_are_json_too(capsys) -> None:
-    assert main(["dump", LAYERS3, "-p", "cut{stages=1}", "--format", "json"]) == 1
-    out, err = capsys.readouterr()
-    assert out == "" and "a cut has at least 2 stages" in json.loads(err)["diagnostics"][0][
-        "message"]

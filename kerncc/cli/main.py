@@ -177,7 +177,6 @@ def _to_text(man, fmt: str) -> str:
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
-    args.diag_format = "json" if args.format == "json" else "text"  # errors in the same form
     ir = _lower(args, args.pipeline, upto=args.pass_name)
     report = ir.reports.get(args.pass_name) if args.pass_name else None
     if report is not None and hasattr(report, "to_text") and args.format in ("kir", "json"):

@@ -189,8 +189,6 @@ def located_in_pipeline_or_file(outcome: Outcome, file: str) -> None:
     is one of the problems that are in neither (NOT_IN_THE_INPUT)."""
     if outcome.code == 0:
         return
-    if outcome.err.startswith("{"):  # --format json: the same facts as one document
-        return _located_in_json_error(outcome, file)
     if re.search(r"(^|\s)pipeline:\d+:\d+", outcome.err):
         return
     if any(text in outcome.err for text in NOT_IN_THE_INPUT):
@@ -199,18 +197,6 @@ def located_in_pipeline_or_file(outcome: Outcome, file: str) -> None:
                                  f"{outcome.describe()}")
         return
     located_in_text(outcome, file)
-
-
-def _located_in_json_error(outcome: Outcome, file: str) -> None:
-    try:
-        diagnostics = json.loads(outcome.err)["diagnostics"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise AssertionError(f"--format json printed an error that is not one JSON document:\n"
-                             f"{outcome.describe()}") from None
-    for diag in diagnostics:
-        located = diag.get("file") in ("pipeline", file) and diag.get("line") is not None
-        if not located and not any(t in diag["message"] for t in NOT_IN_THE_INPUT):
-            raise AssertionError(f"an unlocated diagnostic {diag}:\n{outcome.describe()}")
 
 
 def names_a_file(outcome: Outcome, names: Iterable[str]) -> None:
