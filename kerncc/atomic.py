@@ -126,10 +126,10 @@ def fsync_dir(folder: Path) -> None:
 def atomic_directory(target: str | Path) -> Iterator[Path]:
     target = Path(target)
     if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise KernccError.single(f"`{target}` exists and is not a directory")
+        raise KernccError.elsewhere(f"`{target}` exists and is not a directory")
     if target.is_dir() and not _is_ours(target):
-        raise KernccError.single(f"`{target}` is a directory kerncc did not write, or holds "
-                                 "files besides what kerncc wrote; refusing to overwrite it")
+        raise KernccError.elsewhere(f"`{target}` is a directory kerncc did not write, or holds "
+                                    "files besides what kerncc wrote; refusing to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

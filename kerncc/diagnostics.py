@@ -46,6 +46,7 @@ class Location:
     file: str | None = None
     line: int | None = None
     column: int | None = None
+    elsewhere: bool = False  # not in the input (a flag, a path, a pass option): never located
 
     def render(self) -> str:
         """`file:line:col: /pointer`, leaving out what is unknown."""
@@ -106,6 +107,12 @@ class KernccError(Exception):
     def single(cls, message: str, pointer: str = "", hint: str | None = None) -> KernccError:
         return cls(message, [Diagnostic(message, Location(pointer), hint=hint)])
 
+    @classmethod
+    def elsewhere(cls, message: str, hint: str | None = None) -> KernccError:
+        """A problem outside the input manifest (an output path, a flag, a pass option): no
+        `located` puts it at the manifest's first character."""
+        return cls(message, [Diagnostic(message, Location(elsewhere=True), hint=hint)])
+
     def __str__(self) -> str:
         if not self.diagnostics:
             return self.headline
@@ -123,7 +130,7 @@ class KernccError(Exception):
 
 
 def _merge(old: Location, new: Location) -> Location:
-    if old.line is not None or old.file is not None:  # placed already (an output, a file)
+    if old.line is not None or old.file is not None or old.elsewhere:  # placed already
         return old
     return attrs.evolve(old, file=new.file, line=new.line, column=new.column)
 

@@ -29,7 +29,8 @@ def lower(path: str | Path, pipeline: str, out: str | Path) -> None:
         verify(manifest)
         passes = resolve_pipeline(pipeline)
         if not passes or passes[-1].name != "emit":
-            raise KernccError.single(f"pipeline `{pipeline}` must end in `emit` to give a bundle")
+            raise KernccError.elsewhere(f"pipeline `{pipeline}` must end in `emit` to give a "
+                                         "bundle")
         passes = tuple(attrs.evolve(p, out=str(out)) if p.name == "emit" else p for p in passes)
         ir = attrs.evolve(IR.from_manifest(manifest, source=str(path)),
                           pipeline=",".join(str(pass_spec(p)) for p in passes))

@@ -14,13 +14,19 @@ from kerncc import kir
 from kerncc.diagnostics import Location
 from kerncc.manifest import model as m
 from kerncc.manifest.jsonsource import PositionIndex
+from kerncc.manifest.reader import STDIN, loads, read_text
 from kerncc.manifest.reader import load_with_locator as load_json_with_locator
-from kerncc.manifest.reader import loads as loads_json
-from kerncc.manifest.reader import read_text
+
+STDIN_NAME = "<stdin>"
 
 
 def is_kir(path: str | Path) -> bool:
     return Path(path).suffix == ".kir"
+
+
+def looks_like_json(text: str) -> bool:
+    """Standard input has no suffix: a manifest in JSON opens with `{`, a kir text does not."""
+    return text.lstrip().startswith("{")
 
 
 def load(path: str | Path) -> m.Manifest:
@@ -29,14 +35,24 @@ def load(path: str | Path) -> m.Manifest:
 
 
 def load_with_locator(path: str | Path) -> tuple[m.Manifest, Callable[[str], Location]]:
-    """The manifest and a function mapping a JSON pointer to its place in the file."""
+    """The manifest and a function mapping a JSON pointer to its place in the file.
+
+    `-` reads standard input, JSON or kir by its first character."""
+    if str(path) == STDIN:
+        text = read_text(path)
+        return loads_with_locator(text, STDIN_NAME, kir_text=not looks_like_json(text))
     if not is_kir(path):
         return load_json_with_locator(path)
     return kir.loads_with_locator(read_text(path), str(path))
 
 
-def loads_with_locator(text: str, path: str | Path) -> tuple[m.Manifest, Callable[[str], Location]]:
-    """The text of the file at `path` (already read), parsed by the form its suffix names."""
-    if is_kir(path):
-        return kir.loads_with_locator(text, str(path))
-    return loads_json(text, str(path)), PositionIndex.locator(text, str(path))
+def loads_with_locator(text: str, name: str | Path, kir_text: bool | None = None
+                       ) -> tuple[m.Manifest, Callable[[str], Location]]:
+    """Parse text already read (JSON or kir) as `load_with_locator` parses a file; the form
+    is `kir_text`, or when not given the one the suffix of `name` names."""
+    name = str(name)
+    if kir_text is None:
+        kir_text = is_kir(name)
+    if kir_text:
+        return kir.loads_with_locator(text, name)
+    return loads(text, name), PositionIndex.locator(text, name)

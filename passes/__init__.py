@@ -61,6 +61,7 @@ class OptionInfo:
     optional: bool  # `kind | None`: None means "not given"
     default: object
     help: str
+    shown_default: str | None = None  # metadata `default_text`: a default that depends on others
 
     @property
     def type_text(self) -> str:
@@ -90,7 +91,8 @@ def _option_info(cls: type, field: attrs.Attribute) -> OptionInfo:
         raise TypeError(f"{where}: give a one-line help in metadata={{'help': ...}}")
     kind, is_list, optional = _option_type(field.type, where)
     key = field.name.replace("_", "-")
-    return OptionInfo(key, field.name, kind, is_list, optional, _default(field, where), help_text)
+    return OptionInfo(key, field.name, kind, is_list, optional, _default(field, where), help_text,
+                      field.metadata.get("default_text"))
 
 
 def _option_type(tp: object, where: str) -> tuple[type, bool, bool]:

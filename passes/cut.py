@@ -1,15 +1,16 @@
-"""The `cut` pass: split every driven program into pipeline stages (spec §3), kern's semantics.
+"""The `cut` pass: split every driven program into pipeline stages, with kern's semantics.
 
 Points come three ways: `at=218,290` (call indices, the same in every driven program, as
 `kern cut --at`), `at-label=l18.qkv_proj` (the call with that label in each driven program, so
 programs whose layers sit at different indices still cut at the same layer), or `stages=N`
-(choose legal points that balance a per-call cost; fewest crossing bytes break ties). Plain
-`cut` means `stages=2`. A buffer crosses a cut when a value of it is produced on one side and
-used on the other (a query on the dataflow graph, kerncc.analysis.dataflow: kern's live-across
-rule, spec §3.3); crossing buffers become input / inout / output with `export`; a state region
-belongs to the one stage whose calls touch it (spec §3.5, the graph's region index); every
-refusal of spec §3 is reported with kern's text. Once and derive programs are kept whole
-here; `slice-once` / `slice-derive` trim them.
+(legal points whose heaviest stage is within 3% of the best balance, and among those the
+fewest crossing bytes). Plain `cut` means `stages=2`. A buffer crosses a cut when a value of
+it is produced on one side and used on the other (a query on the dataflow graph,
+kerncc.analysis.dataflow: kern's live-across rule); crossing buffers become input / inout /
+output with `export` in the stages on either side. A point is refused, with kern's text, when
+something other than a workspace would cross it, when an output or carry is written before it,
+or when a state region is touched on both sides of it (the graph's region index). Once and
+derive programs are kept whole here; `slice-once` / `slice-derive` trim them.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class Cut(Pass):
     at_label: tuple[str, ...] = attrs.field(default=(), metadata={
         "help": "cut before the call with each label, in every driven program"})
     stages: int = attrs.field(default=0, metadata={
-        "help": "choose N-1 balanced points (plain `cut` means 2)"})
+        "help": "cut into N stages at balanced points (when neither at nor at-label is given)",
+        "default_text": "2"})
 
     def run(self, ir: IR) -> IR:
         if ir.is_pipeline:

@@ -28,7 +28,7 @@ from kerncc import __version__
 from kerncc import protocol
 from kerncc import manifest as m
 from kerncc.atomic import atomic_directory
-from kerncc.bundle.files import FileRefused, inside, read_regular
+from kerncc.files import FileRefused, inside, read_regular
 from kerncc.bundle.format import FORMAT
 from kerncc.bundle.plan import memory_json, program_records
 from kerncc.bundle.reader import checkpoint_identity
@@ -113,8 +113,8 @@ class Emit(Pass):
 
     def run(self, ir: IR) -> IR:
         if not self.out:
-            raise KernccError.single("emit needs a directory: `emit{out=DIR}` or "
-                                     "`kerncc lower ... -o DIR`")
+            raise KernccError.elsewhere("emit needs a directory: `emit{out=DIR}` or "
+                                        "`kerncc lower ... -o DIR`")
         files, proof, missing = build_bundle(ir, self)
         write_bundle(files, self.out)
         report = EmitReport(self.out, len(ir.stages), tuple(files), proof, missing)
@@ -172,7 +172,7 @@ def _read(path: Path, what: str) -> bytes:
     try:
         return read_regular(path, what)
     except FileRefused as err:
-        raise KernccError.single(err.message) from None
+        raise KernccError.elsewhere(err.message) from None
 
 
 def _identity(checkpoint: Path) -> dict | None:
@@ -404,8 +404,7 @@ def write_bundle(files: dict[str, bytes], out: str) -> None:
                 path = tmp / relative
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(data)
-    except OSError as err:  # located at the output, not at the input being lowered
-        raise KernccError("cannot write the bundle:", [Diagnostic(
-            f"cannot write the bundle `{out}`: {err.strerror or err}",
-            Location(file=str(out)))]) from None
+    except OSError as err:
+        raise KernccError.elsewhere(f"cannot write the bundle `{out}`: "
+                                    f"{err.strerror or err}") from None
 

@@ -12,6 +12,7 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.analysis.liveness import Liveness, ProgramLiveness, analyze
+from kerncc.diagnostics import KernccError
 from kerncc.ir import IR
 from kerncc.passes import register
 from kerncc.pipeline.base import Pass
@@ -23,13 +24,28 @@ class LivenessReport:
 
     stages: tuple[tuple[m.Manifest, Liveness], ...]
 
-    def to_text(self) -> str:
+    def to_text(self, program: str | None = None) -> str:
         parts = []
         for index, (man, live) in enumerate(self.stages):
             if len(self.stages) > 1:
                 parts.append(f"// stage {index}")
-            parts += [render_program(man, live.programs[p]) for p in sorted(live.programs)]
+            parts += [render_program(man, live.programs[p]) for p in self._names(live, program)]
         return "\n".join(parts)
+
+    def to_json(self, program: str | None = None) -> dict:
+        """The report as one JSON document: per stage, per program, the same facts as text."""
+        return {"stages": [{name: program_json(live.programs[name])
+                            for name in self._names(live, program)}
+                           for _, live in self.stages]}
+
+    def _names(self, live: Liveness, program: str | None) -> list[str]:
+        """Every program, or the one asked for (`kerncc dump --program`)."""
+        if program is None:
+            return sorted(live.programs)
+        if not any(program in lv.programs for _, lv in self.stages):
+            known = ", ".join(sorted({p for _, lv in self.stages for p in lv.programs}))
+            raise KernccError.single(f"no program `{program}` (programs: {known})")
+        return [program] if program in live.programs else []
 
 
 @register
@@ -82,3 +98,17 @@ def render_program(man: m.Manifest, live: ProgramLiveness) -> str:
         crossing = live.crossing[a]
         lines.append(f"    #{a:<4} {human_bytes(live.crossing_bytes[a]):>10}  {_names(crossing)}")
     return "\n".join(lines)
+
+
+def program_json(live: ProgramLiveness) -> dict:
+    """One program's liveness as JSON: live sets per call, intervals, crossings, peak."""
+    return {
+        "live_in": [sorted(s) for s in live.live_in],
+        "live_out": [sorted(s) for s in live.live_out],
+        "intervals": {b: {"first_write": iv.first_write, "last_read": iv.last_read}
+                      for b, iv in live.intervals.items()},
+        "crossing": [{"before": a, "buffers": sorted(live.crossing[a]),
+                      "bytes": live.crossing_bytes[a]} for a in range(1, len(live.live_in))],
+        "peak_bytes": live.peak_bytes,
+        "peak_call": live.peak_call,
+    }

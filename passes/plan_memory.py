@@ -1,9 +1,10 @@
 """`plan-memory`: lay each program's workspaces and op scratch into one arena per stage.
 
-Workspaces are dead between runs (spec §1.6), so every program of a stage gets its own layout
-in one shared arena: the stage allocates the largest. In a program, a workspace occupies its
+Workspaces are dead between runs (no run reads a workspace value an earlier run left), so
+every program of a stage gets its own layout in one shared arena: the stage allocates the
+largest. In a program, a workspace occupies its
 bytes over its *live segments*: the calls that access it or between which its value is still
-to be read (kern's kill rule, spec §3.3: an `out` access at offset 0 ends the old value). A
+to be read (kern's kill rule: an `out` access at offset 0 ends the old value). A
 buffer rewritten every layer is therefore free between its last read and the next overwrite,
 and other buffers may use its bytes there; `whole-life=true` places each workspace for its
 whole first..last access range instead. An op's scratch is live only during its call and gets

@@ -1,14 +1,14 @@
 """`share-states`: each stage keeps exactly the states its calls need, and says how much it holds.
 
-A state region (state, offset) belongs to the one stage whose driven calls touch it (kern's
-refusal, spec §3.5: the one rule is `cut.check_regions`, a query on the dataflow graph of the
-whole; it runs again here so an IR handed over with its stages is held to it). A stage keeps
-the states its driven calls touch, plus those its kept init calls read (a fixpoint: an init
-call that only writes regions of states the stage does not keep initialises another stage's
-memory and is dropped). Page and line tables whose state went away are re-pointed to a kept
-state of the same kind, or lose their domain (spec §3.6 step 6, done by
-kerncc.stage.assemble). The regions report of spec §3.8 says, per stage and state, how
-many of the whole's regions the stage uses, and the share of its bytes held for other stages.
+A state region (state, offset) belongs to the one stage whose driven calls touch it (`cut`
+refuses a point with a region touched on both sides; the one rule is `cut.check_regions`, a
+query on the dataflow graph of the whole, and it runs again here so that a pipeline built by
+other means is held to it). A stage keeps the states its driven calls touch, plus those its
+kept init calls read (a fixpoint: an init call that only writes regions of states the stage
+does not keep initialises another stage's memory and is dropped). Page and line tables whose
+state went away are re-pointed to a kept state of the same kind, or lose their domain (done by
+kerncc.stage.assemble). The regions report says, per stage and state, how many of the whole's
+regions the stage uses, and the share of its bytes held for other stages.
 """
 
 from __future__ import annotations

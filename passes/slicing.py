@@ -3,14 +3,15 @@
 A backward slice, JAX `dce_jaxpr` style, asked of the dataflow graph of the class's programs
 (kerncc.analysis.dataflow.backward_slice): the kept calls are the ancestors of the values the
 stage's other calls read (driven calls, plus kept once calls when slicing derive programs) as
-the class's programs (run in name order) leave them. Two defects of kern's slicer (spec §3.6
-step 3) are fixed by construction: state regions are dependencies like buffers (a call that
-initialises a region the stage reads stays, and the regions a kept call reads pull in their
-producers), and one graph over all programs of the class makes the result independent of how
-their names sort. A partial write (an `out` at an offset, an `inout`, any state write) reads
-the previous version, so an earlier producer of the rest of the buffer stays too.
+the class's programs (run in name order) leave them. Two defects of kern's slicer are fixed by
+construction: state regions are dependencies like buffers (a call that initialises a region
+the stage reads stays, and the regions a kept call reads pull in their producers), and one
+graph over all programs of the class makes the result independent of how their names sort. A
+partial write (an `out` at an offset, an `inout`, any state write) reads the previous version,
+so an earlier producer of the rest of the buffer stays too.
 
-`slice-derive` also lays out the stage's source staging (spec §5): each source's window
+`slice-derive` also lays out the stage's source staging (the bytes that hold a checkpoint's
+source tensors while derive programs turn them into the weights): each source's window
 [first reader, last reader] over the concatenated derive calls, placed first-fit, 256-aligned
 (kerncc.analysis.layout.staging_layout), with the peak = derived carry bytes + the widest set of
 sources live at one derive call.

@@ -20,7 +20,7 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.bundle import reader
-from kerncc.bundle.files import FileRefused, check_regular
+from kerncc.files import FileRefused, check_regular
 from kerncc.diagnostics import Diagnostic, KernccError, Location
 
 

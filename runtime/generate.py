@@ -27,7 +27,7 @@ from kerncc import protocol as proto
 from kerncc.analysis.access import call_access
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
-from kerncc.runtime.memory import numpy_dtype
+from kerncc.runtime.memory import default_token_capacity, numpy_dtype
 from kerncc.runtime.sampling import SamplingParams
 from kerncc.runtime.session import Session
 from kerncc.verify import verify
@@ -97,6 +97,124 @@ class PagePool:
         self.free.extend(reversed(pages))
 
 
+# ---------------------------------------------------------------------------------------------
+# Limits of a request, checked before any weight loads
+
+
+@attrs.frozen
+class Limits:
+    """What one request may ask for, read off the manifests alone (no weights, no device)."""
+
+    context: int | None = None  # positions one sequence may hold
+    context_why: str = ""
+    kv_tokens: int | None = None  # token slots of the paged KV cache, all sequences together
+    token_low: int = 0
+    token_high: int | None = None  # the highest token id the token inputs accept
+    token_why: str = ""
+
+
+def page_geometry(protocol: proto.Protocol, manifests: Sequence[m.Manifest]) -> tuple[int, int]:
+    """(tokens per page, pages per sequence) of the page tables; (16, 0) without one."""
+    if protocol.line_tables:
+        names = ", ".join(f"`{t.name}`" for t in protocol.line_tables)
+        raise KernccError.single(f"per-sequence state tables ({names}) are not served by "
+                                 "`kerncc run` yet")
+    geometry = {(_table_stride(manifests, t.name), t.width) for t in protocol.page_tables}
+    if len(geometry) > 1:
+        raise KernccError.single(f"page tables disagree on stride and width: {geometry}")
+    return geometry.pop() if geometry else (16, 0)
+
+
+def _table_stride(manifests: Sequence[m.Manifest], table: str) -> int:
+    for man in manifests:
+        buf = man.buffers.get(table)
+        if buf is not None and buf.domain is not None:
+            return buf.domain.stride
+    return 1
+
+
+def request_limits(manifests: Sequence[m.Manifest], protocol: proto.Protocol | None = None,
+                   kv_tokens: int | None = None) -> Limits:
+    """The limits of serving these stages: context, KV cache and token ids."""
+    protocol = protocol or chain_protocol(manifests)
+    stride, width = page_geometry(protocol, manifests)
+    bounds = []
+    if width:
+        bounds.append((width * stride, f"a page table holds {width} pages of {stride} tokens"))
+    if protocol.context is not None:
+        why = f"`{protocol.context.var}` <= {protocol.context.max}"
+        bounds.append((protocol.context.max, why))
+    context, context_why = min(bounds, default=(None, ""))
+    if kv_tokens is None:
+        kv_tokens = max(default_token_capacity(man) for man in manifests)
+    low, high, why = _token_range(protocol, manifests)
+    return Limits(context, context_why, kv_tokens, low, high, why)
+
+
+def _token_range(protocol: proto.Protocol, manifests: Sequence[m.Manifest]
+                 ) -> tuple[int, int | None, str]:
+    """The ids every token input accepts: its dtype, its domain, the table it indexes."""
+    low, high, why = 0, None, ""
+    for f in protocol.fills:
+        if f.fill != "token":
+            continue
+        info = np.iinfo(numpy_dtype(f.dtype))
+        found = [(int(info.max), f"`{f.name}` is {f.dtype}")]
+        for man in manifests:
+            if f.name in man.buffers:
+                found += _domain_highs(man, f.name)
+        top, top_why = min(found)
+        low = max(low, int(info.min))
+        if high is None or top < high:
+            high, why = top, top_why
+    return low, high, why
+
+
+def _domain_highs(man: m.Manifest, name: str) -> list[tuple[int, str]]:
+    domain, env = man.buffers[name].domain, man.vars_max()
+    if domain is None:
+        return []
+    found = []
+    if isinstance(domain.max, int) and not isinstance(domain.max, bool):
+        found.append((domain.max, f"`{name}`'s domain max"))
+    target = man.buffers.get(domain.index_into) if domain.index_into else None
+    if target is not None and target.shape:
+        rows = target.shape[0]
+        rows = env.get(rows) if isinstance(rows, str) else rows
+        if isinstance(rows, int):
+            why = f"`{name}` indexes `{domain.index_into}`, {rows} rows: the vocabulary"
+            found.append((rows // domain.stride - 1, why))
+    return found
+
+
+def check_request(limits: Limits, prompt: Sequence[int], max_new: int, *,
+                  max_new_name: str = "max_new", prompt_name: str = "prompt") -> None:
+    """Refuse a request that cannot finish, before any work: the ids past the vocabulary (at
+    their prompt position) and a prompt plus `max_new` longer than a sequence may grow.
+    `max_new_name` and `prompt_name` are what the caller calls them (`--max-new`)."""
+    if not prompt:
+        raise KernccError.single(f"{prompt_name}: the prompt is empty")
+    if max_new < 1:
+        raise KernccError.single(f"{max_new_name} {max_new}: generate at least 1 token")
+    for position, token in enumerate(prompt):
+        if not limits.token_low <= token <= (limits.token_high if limits.token_high is not None
+                                             else token):
+            raise KernccError.single(
+                f"{prompt_name} position {position}: token id {token} is outside "
+                f"{limits.token_low}..{limits.token_high} ({limits.token_why})")
+    needed = len(prompt) + max_new - 1  # the last generated token is never fed back
+    for bound, why in ((limits.context, limits.context_why),
+                       (limits.kv_tokens, "the KV cache's token slots")):
+        if bound is not None and needed > bound:
+            most = bound - len(prompt) + 1
+            fix = (f"at most {max_new_name} {most} with this prompt" if most >= 1
+                   else "the prompt alone is too long")
+            raise KernccError.single(
+                f"{max_new_name} {max_new}: the prompt's {len(prompt)} tokens and {max_new} new "
+                f"ones need {needed} positions, but a sequence holds at most {bound} ({why}); "
+                f"{fix}")
+
+
 @attrs.define
 class Served:
     """One sequence being served: its tokens so far, how many are cached, its pages."""
@@ -133,6 +251,8 @@ class Generator:
                                      "nor a one-row program): nothing to serve one prompt with")
         self.stride, self.width = self._page_geometry()
         self.pool = PagePool(self.sessions[0].token_capacity // self.stride)
+        self.limits = request_limits([s.manifest for s in self.sessions], self.protocol,
+                                     self.pool.pages * self.stride)
         self._check_inputs()
 
     @property
@@ -140,21 +260,7 @@ class Generator:
         return self.protocol.rows.max
 
     def _page_geometry(self) -> tuple[int, int]:
-        if self.protocol.line_tables:
-            names = ", ".join(f"`{t.name}`" for t in self.protocol.line_tables)
-            raise KernccError.single(f"per-sequence state tables ({names}) are not served by "
-                                     "`kerncc run` yet")
-        geometry = {(self._stride(t.name), t.width) for t in self.protocol.page_tables}
-        if len(geometry) > 1:
-            raise KernccError.single(f"page tables disagree on stride and width: {geometry}")
-        return geometry.pop() if geometry else (16, 0)
-
-    def _stride(self, table: str) -> int:
-        for s in self.sessions:
-            buf = s.manifest.buffers.get(table)
-            if buf is not None and buf.domain is not None:
-                return buf.domain.stride
-        return 1
+        return page_geometry(self.protocol, [s.manifest for s in self.sessions])
 
     def _check_inputs(self) -> None:
         """Every input the served programs read is a fill or a page table the driver writes."""
@@ -178,18 +284,20 @@ class Generator:
 
     def generate(self, prompt: Sequence[int], max_new: int, chunk: int | None = None,
                  stop: Callable[[int], bool] | None = None,
-                 sampling: SamplingParams | None = None) -> Generation:
+                 sampling: SamplingParams | None = None,
+                 on_token: Callable[[int], None] | None = None) -> Generation:
         """Prefill `prompt` in chunks of `chunk` rows, then decode `max_new` tokens: greedily
         (the programs' own token), or sampled from the logits by `sampling` (Session.sample,
-        counter (sequence 0, step = tokens generated so far)). `stop(token)` sees each new
-        token as it comes and ends generation by returning True (an eos token: it stays the
-        last of the tokens)."""
+        counter (sequence 0, step = tokens generated so far)). `on_token` sees each token as
+        soon as it is known (to stream it); `stop(token)` then ends generation by returning
+        True (an eos token: it stays the last of the tokens)."""
         if not prompt:
             raise KernccError.single("the prompt is empty")
         chunk = chunk or self.max_chunk
         if not 1 <= chunk <= self.max_chunk:
             raise KernccError.single(f"chunk {chunk} is outside [1, {self.max_chunk}] "
                                      f"(`{self.protocol.rows.var}` <= {self.max_chunk})")
+        check_request(self.limits, prompt, max_new)
         self._check_tokens(prompt)
         seq = Served([int(t) for t in prompt])
         record = _Record()
@@ -200,6 +308,8 @@ class Generator:
             generated: list[int] = []
             while len(generated) < max_new:
                 generated.append(token)
+                if on_token is not None:
+                    on_token(token)
                 seq.tokens.append(token)
                 self._generated = len(generated)
                 if stop is not None and stop(token):

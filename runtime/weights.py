@@ -23,7 +23,7 @@ from typing import Any, Self
 import attrs
 import numpy as np
 
-from kerncc.bundle.files import FileRefused, check_regular
+from kerncc.files import FileRefused, check_regular
 from kerncc.diagnostics import Diagnostic, KernccError, Location, split_pointer
 from kerncc.checkpoint.safetensors import SafeTensors
 from kerncc.checkpoint.shards import shard_paths

@@ -86,3 +86,55 @@ def test_relative_links_resolve(page: Path) -> None:
         if "://" in target or target.startswith("mailto:"):
             continue
         assert (page.parent / target).exists(), f"{page.name}: broken link `{target}`"
+
+
+# --------------------------------------------------------------------------- the docs stand alone
+
+
+def _fenced_after(text: str, heading: str) -> list[str]:
+    """The lines of the first fenced block after `heading`."""
+    lines = text.split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("```"))
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("```"))
+    return lines[start + 1:end]
+
+
+def test_the_kir_example_verifies_as_printed(tmp_path: Path, capsys) -> None:
+    page = (DOCS / "kir.md").read_text(encoding="utf-8")
+    example = tmp_path / "example.kir"
+    example.write_text("\n".join(_fenced_after(page, "## Example: one op")) + "\n")
+    assert kerncc_main(["verify", str(example)]) == 0, capsys.readouterr().err
+
+
+def test_the_kir_error_example_is_what_kerncc_prints(tmp_path: Path, monkeypatch,
+                                                     capsys) -> None:
+    page = (DOCS / "kir.md").read_text(encoding="utf-8")
+    command, *expected = _fenced_after(page, "## Errors and locations")
+    assert command == "$ kerncc verify m.kir"
+    monkeypatch.chdir(tmp_path)
+    Path("m.kir").write_text('schema_version 5\nmodel "m"\nbuffer x bf16[4) input\n')
+    assert kerncc_main(["verify", "m.kir"]) == 1
+    assert capsys.readouterr().err.splitlines() == expected
+
+
+SELF_CONTAINED = ("runtime.md", "passes.md", "bundle.md", "kir.md", "getting-started.md",
+                  "index.md", "concepts.md", "adding-a-kernel.md", "benchmarks.md",
+                  "architecture.md", "serving.md", "hf-import.md")
+
+
+@pytest.mark.parametrize("page", SELF_CONTAINED)
+def test_pages_cite_nothing_outside_the_repository(page: str) -> None:
+    text = (DOCS / page).read_text(encoding="utf-8")
+    assert "ARCHITECTURE" not in text and not re.search(r"spec §|§\d", text)
+
+
+TERMS = ("row", "groups", "fill", "page", "forward", "driven program", "once program",
+         "derive program", "state region", "cut id", "carry")
+
+
+def test_concepts_defines_the_terms_the_pages_use() -> None:
+    concepts = (DOCS / "concepts.md").read_text(encoding="utf-8")
+    defined = re.findall(r"^\* \*\*([^*]+)\*\*", concepts, flags=re.MULTILINE)
+    assert set(TERMS) <= set(defined), set(TERMS) - set(defined)
+    for page in ("runtime.md", "bundle.md", "passes.md", "getting-started.md", "index.md"):
+        assert "(concepts.md)" in (DOCS / page).read_text(encoding="utf-8"), page

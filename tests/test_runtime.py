@@ -262,7 +262,8 @@ def test_generation_limits(bundle_dir):
         gen.generate([], 2)
     with pytest.raises(KernccError, match=r"chunk 65 is outside \[1, 64\]"):
         gen.generate([1, 2], 2, chunk=65)
-    with pytest.raises(KernccError, match="needs 257 tokens"):
+    # Refused before any run (it used to fail after 57 steps, at the 257th token).
+    with pytest.raises(KernccError, match="need 259 positions, but a sequence holds at most 256"):
         gen.generate(list(range(200)), 60, chunk=64)
     assert len(gen.pool.free) == gen.pool.pages  # pages came back after the failure
 

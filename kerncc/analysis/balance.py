@@ -3,8 +3,9 @@
 The cost of a call is the bytes its buffer arguments span at var max: in a decoder the weights
 dominate, so this tracks each layer's share of a memory-bound step. A point is legal when, in
 every driven program, only workspaces cross it, no output or carry is written before it, and no
-state region is touched on both sides. Among legal points the one nearest each 1/N share of the
-total cost wins; fewer crossing bytes break ties.
+state region is touched on both sides. The balance of a cut is the cost of its heaviest stage;
+among the cuts within a few percent (BALANCE_SLACK) of the best balance, the one with the fewest
+crossing bytes wins, so a layer boundary beats a nearby point inside a layer.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def balanced_points(whole: m.Manifest, stages: int) -> dict[str, tuple[int, ...]
     if not driven:
         raise KernccError.single("no program declares a `batch`: nothing to cut", "/programs")
     if stages < 2:
-        raise KernccError.single(f"cut into {stages} stages: a cut has at least 2 stages")
+        raise KernccError.elsewhere(f"cut{{stages={stages}}}: a cut has at least 2 stages")
     costs, legal, crossing_bytes = _profile(whole, driven)
     picked = _pick(costs, legal, crossing_bytes, stages)
     if len(picked) != stages - 1:
@@ -65,16 +66,73 @@ def _illegal(whole: m.Manifest, accesses, sets, length: int) -> set[int]:
     return bad
 
 
+BALANCE_SLACK = 0.03
+"""How much heavier than the best balance a cut may make its heaviest stage to cross fewer
+bytes: 3%, so that a layer boundary (one residual crosses) beats a point inside a layer (the
+residual and a projection's output cross) a few calls away."""
+
+
 def _pick(costs: list[int], legal: list[int], crossing_bytes: dict[int, int],
           stages: int) -> list[int]:
+    """The stages-1 legal points whose heaviest stage is within BALANCE_SLACK of the lightest
+    possible heaviest stage, and among those the fewest crossing bytes (then the earliest)."""
+    if len(legal) < stages - 1:
+        return legal
     prefix = [0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    total, picked = prefix[-1], []
-    for k in range(1, stages):
-        target = total * k / stages
-        after = [a for a in legal if not picked or a > picked[-1]]
-        if not after:
-            break
-        picked.append(min(after, key=lambda a: (abs(prefix[a] - target), crossing_bytes[a], a)))
-    return picked
+    best = _least_heaviest(prefix, legal, stages)
+    return _fewest_bytes(prefix, legal, crossing_bytes, stages, best * (1 + BALANCE_SLACK))
+
+
+def _least_heaviest(prefix: list[int], legal: list[int], stages: int) -> int:
+    """The least cost of the heaviest stage over every way to cut at stages-1 legal points
+    (binary search over the bound; `_fits` decides one bound greedily)."""
+    low, high = 0, prefix[-1]
+    while low < high:
+        middle = (low + high) // 2
+        if _fits(prefix, legal, stages, middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _fits(prefix: list[int], legal: list[int], stages: int, bound: int) -> bool:
+    """Whether at most stages-1 legal points cut every stage to at most `bound` (more points
+    only lighten stages, and there are enough legal points to reach exactly stages-1)."""
+    at, cuts, i = 0, 0, 0
+    while prefix[-1] - prefix[at] > bound:
+        furthest = None
+        while i < len(legal) and prefix[legal[i]] - prefix[at] <= bound:
+            furthest = legal[i] if legal[i] > at else furthest
+            i += 1
+        if furthest is None:
+            return False
+        at, cuts = furthest, cuts + 1
+    return cuts <= stages - 1
+
+
+def _fewest_bytes(prefix: list[int], legal: list[int], crossing_bytes: dict[int, int],
+                  stages: int, bound: float) -> list[int]:
+    """stages-1 legal points, every stage at most `bound`, the fewest crossing bytes in all
+    (ties: the earliest points). Dynamic programming over (cuts made, last point)."""
+    # best[i]: (bytes, points) of the cheapest way to end the cuts so far at legal[i]
+    best: list[tuple[int, tuple[int, ...]] | None] = [
+        (crossing_bytes[a], (a,)) if prefix[a] <= bound else None for a in legal]
+    for _ in range(stages - 2):
+        best = [_extend(prefix, legal, crossing_bytes, best, i, bound)
+                for i in range(len(legal))]
+    ends = [b for a, b in zip(legal, best) if b is not None and prefix[-1] - prefix[a] <= bound]
+    return list(min(ends)[1]) if ends else []
+
+
+def _extend(prefix: list[int], legal: list[int], crossing_bytes: dict[int, int],
+            best: list, i: int, bound: float) -> tuple[int, tuple[int, ...]] | None:
+    a = legal[i]
+    before = [best[j] for j in range(i) if best[j] is not None
+              and prefix[a] - prefix[legal[j]] <= bound]
+    if not before:
+        return None
+    spent, points = min(before)
+    return spent + crossing_bytes[a], points + (a,)

@@ -19,7 +19,7 @@ from typing import Any
 from kerncc import manifest as m
 from kerncc import source
 from kerncc.bundle import reader
-from kerncc.bundle.files import FileRefused, read_regular
+from kerncc.files import FileRefused, read_regular
 from kerncc.bundle.format import HEADLINE
 from kerncc.bundle.reader import Index, StageFiles, read_index, stage_files
 from kerncc.diagnostics import KernccError, Location

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from kerncc import manifest as m
-from kerncc.bundle.files import FileRefused, inside, read_regular
+from kerncc.files import FileRefused, inside, read_regular
 from kerncc.bundle.format import FORMAT, HEADLINE, STAGE_FILES
 from kerncc.bundle.index import index_problems
 from kerncc.bundle.plan_check import MalformedPlan, check_plan

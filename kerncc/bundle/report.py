@@ -25,7 +25,7 @@ import attrs
 from kerncc import manifest as m
 from kerncc.bundle import reader
 from kerncc.bundle.check import input_manifest, input_path
-from kerncc.bundle.files import FileRefused, check_regular
+from kerncc.files import FileRefused, check_regular
 from kerncc.bundle.reader import Index, read_index, stage_files
 from kerncc.diagnostics import KernccError
 from kerncc.passes.liveness import human_bytes

@@ -143,11 +143,16 @@ def save_file(
     _check_metadata(path, metadata)
     entries, arrays = _layout(path, tensors, metadata)
     header = _header_bytes(entries)
-    with open(path, "wb") as f:
+    from kerncc.progress import progress  # a bar on a terminal only (2.7 GB take a while)
+
+    label = f"writing {os.path.basename(path)}"
+    with open(path, "wb") as f, progress(total=sum(a.nbytes for a in arrays), label=label,
+                                         unit="B") as bar:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        # Raw byte views, so a large tensor is written without a copy.
-        f.writelines(array.reshape(-1).view(np.uint8) for array in arrays)
+        for array in arrays:  # raw byte views, so a large tensor is written without a copy
+            f.write(array.reshape(-1).view(np.uint8))
+            bar.update(array.nbytes)
 
 
 # ---------------------------------------------------------------------------------------------

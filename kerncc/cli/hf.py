@@ -125,15 +125,21 @@ class TextRun:
         if self.stream is not None:
             print(self.stream.flush(), flush=True)
 
-    def finish(self, tokens: list[int]) -> None:
-        """The last line on stdout: the ids or the JSON object (streamed text has ended)."""
+    @property
+    def streams_ids(self) -> bool:
+        """Whether the ids print as they come (no text stream, no JSON at the end)."""
+        return self.stream is None and not self.json
+
+    def finish(self, tokens: list[int], printed: bool = False) -> None:
+        """The last line on stdout: the ids (unless `printed` as they came) or the JSON object
+        (streamed text has ended)."""
         if self.json:
             text = None if self.codec is None else self.codec.decode(
                 tokens[:-1] if self.stopped else tokens)
             print(json.dumps({"prompt_ids": self.prompt, "ids": tokens, "text": text,
                               "stop": "eos" if self.stopped else "length"},
                              ensure_ascii=False), flush=True)
-        elif self.stream is None:
+        elif self.stream is None and not printed:
             print(" ".join(str(t) for t in tokens), flush=True)
 
 

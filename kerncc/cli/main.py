@@ -17,9 +17,18 @@ from kerncc import config
 from kerncc.diagnostics import KernccError
 
 
+EXIT_CODES = """exit status:
+  0  success
+  1  the input is wrong: every problem printed, one per line, located (file:line:col)
+  2  usage error: an unknown flag, a missing argument (the command's usage is printed)
+  3  a bug in kerncc (KERNCC_DEBUG=1 shows the traceback)
+
+`-` in place of a file reads standard input."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return 2
@@ -39,10 +48,20 @@ def main(argv: list[str] | None = None) -> int:
         return internal_error(err, argv)
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse `argv`; an unknown flag is reported by the command it was given to, with that
+    command's usage (argparse alone reports it with the top level's)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        owner = getattr(args, "command_parser", None) or parser
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def _apply_limits(args: argparse.Namespace) -> None:
-    """`--max-file-size` bounds every file this command reads (kerncc.bundle.files)."""
-    from kerncc.bundle.files import set_max_file_size
+    """`--max-file-size` bounds every file this command reads (kerncc.files)."""
     from kerncc.bundle.format import MAX_FILE_SIZE
+    from kerncc.files import set_max_file_size
 
     set_max_file_size(getattr(args, "max_file_size", None) or MAX_FILE_SIZE)
 
@@ -93,68 +112,94 @@ def report(err: KernccError, fmt: str, out: TextIO, max_errors: int | None = Non
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    failed = 0
-    for path in args.files:
-        try:
-            verified, lines = _verify_file(path, args.unsampled)
-        except KernccError as err:
-            failed = 1
-            _report_for_file(err, path, args.diag_format, args.max_errors)
-            continue
-        if args.diag_format == "json":
-            print(json.dumps({"file": path, "ok": True, "summary": lines}))
-            continue
-        man = verified.manifest
+    """Verify every file; text: the summary on stdout, errors on stderr. JSON: one document
+    on stdout, `{"ok": ..., "files": [...]}`, whatever happened."""
+    results = [_verify_one(path, args.unsampled, args.diag_format, args.max_errors)
+               for path in args.files]
+    if args.diag_format == "json":
+        print(json.dumps({"ok": all(r["ok"] for r in results), "files": results}, indent=2))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+def _verify_one(path: str, unsampled: bool, fmt: str, max_errors: int | None = None) -> dict:
+    """One file's result as JSON; in text form it is printed here."""
+    from kerncc import protocol
+
+    try:
+        verified, found = _verify_file(path, unsampled)
+    except KernccError as err:
+        if fmt != "json":
+            from kerncc.diagnostics import render_error
+            print(render_error(err, default_file=path, max_errors=max_errors),
+                  file=sys.stderr)
+        return {"file": path, "ok": False, "error": err.headline,
+                "diagnostics": [d.to_json() for d in err.diagnostics]}
+    man = verified.manifest
+    if fmt != "json":
         print(f"{path}: `{man.model}` schema v{man.schema_version}, verified", file=sys.stderr)
-        for line in lines:
+        for line in protocol.summary_lines(found) if found is not None else ():
             print(line)
-    return failed
+    return {"file": path, "ok": True, "model": man.model, "schema_version": man.schema_version,
+            "protocol": protocol.summary_json(found) if found is not None else None}
 
 
 def _verify_file(path: str, unsampled: bool):
-    """The verified manifest and its protocol summary; every error at its line:col."""
+    """The verified manifest and its serving protocol (None without a driven program); every
+    error at its line:col."""
     from kerncc.source import load_with_locator
     from kerncc.verify import verify
 
     manifest, locate = load_with_locator(path)
     try:
         verified = verify(manifest)
-        return verified, _protocol_lines(verified, unsampled)
+        return verified, _protocol_of(verified, unsampled)
     except KernccError as err:
         raise err.located(locate) from None
 
 
-def _protocol_lines(verified, unsampled: bool) -> list[str]:
+def _protocol_of(verified, unsampled: bool):
     from kerncc import protocol
 
     if not verified.manifest.driven_programs():
-        return []
+        return None
     check = protocol.check_unsampled if unsampled else protocol.check
-    return protocol.summary_lines(check(verified))
-
-
-def _report_for_file(err: KernccError, path: str, fmt: str, max_errors: int | None = None
-                     ) -> None:
-    if fmt == "json":
-        print(json.dumps({"file": path, "ok": False, "error": err.headline,
-                          "diagnostics": [d.to_json() for d in err.diagnostics]}))
-        return
-    from kerncc.diagnostics import render_error
-    print(render_error(err, default_file=path, max_errors=max_errors), file=sys.stderr)
+    return check(verified)
 
 
 def cmd_fmt(args: argparse.Namespace) -> int:
     from kerncc import source
+    from kerncc.manifest.reader import STDIN, read_text
 
-    man = source.load(args.file)
-    text = _to_text(man, args.to or ("kir" if args.file.endswith(".kir") else "json"))
+    if args.in_place and (args.file == STDIN or args.to or args.check):
+        raise KernccError.single("-i rewrites a file in its own form: not with `-`, --to or "
+                                 "--check")
+    current = read_text(args.file)
+    kir_text = source.is_kir(args.file) or (args.file == STDIN and
+                                            not source.looks_like_json(current))
+    name = source.STDIN_NAME if args.file == STDIN else args.file
+    man, _ = source.loads_with_locator(current, name, kir_text)
+    text = _to_text(man, args.to or ("kir" if kir_text else "json"))
     if args.check:
-        current = Path(args.file).read_text(encoding="utf-8")
         if current != text:
-            print(f"{args.file}: not in canonical form", file=sys.stderr)
+            print(f"{name}: not in canonical form", file=sys.stderr)
             return 1
         return 0
+    if args.in_place:
+        return _rewrite(args.file, current, text)
     sys.stdout.write(text)
+    return 0
+
+
+def _rewrite(path: str, current: str, text: str) -> int:
+    """`fmt -i`: replace the file at once (a renamed sibling), only when it changes."""
+    from kerncc.atomic import write_text_atomic
+
+    if current != text:
+        try:
+            write_text_atomic(path, text)
+        except OSError as err:
+            raise KernccError.single(f"cannot rewrite `{path}`: {err.strerror or err}") from None
+        print(f"{path}: rewritten in canonical form", file=sys.stderr)
     return 0
 
 
@@ -167,19 +212,49 @@ def _to_text(man, fmt: str) -> str:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     ir = _lower(args, args.pipeline, upto=args.pass_name)
-    if args.pass_name and args.pass_name in ir.reports and hasattr(ir.reports[args.pass_name],
-                                                                  "to_text"):
-        sys.stdout.write(ir.reports[args.pass_name].to_text() + "\n")
-        return 0
+    report = ir.reports.get(args.pass_name) if args.pass_name else None
+    if report is not None and hasattr(report, "to_text") and args.format in ("kir", "json"):
+        return _print_report(args.pass_name, report, args.format, args.program)
     if args.format in ("dot", "svg"):
         from kerncc.dot import render_dot, render_svg
         source = render_dot(ir, args.program)
         sys.stdout.write(source if args.format == "dot" else render_svg(source))
-    elif args.format == "json":
-        from kerncc.manifest import writer
-        sys.stdout.write("".join(writer.dumps(s) for s in ir.stages))
+        return 0
+    if args.program is not None:
+        raise KernccError.single("--program picks the program to draw (--format dot or svg) "
+                                 "or of an analysis report (--pass liveness)")
+    if args.format == "json":
+        sys.stdout.write(_stages_json(ir.stages))
     else:
         sys.stdout.write(ir.to_text())
+    return 0
+
+
+def _stages_json(stages) -> str:
+    """One JSON document: the manifest, or after a cut the array of stage manifests."""
+    from kerncc.manifest import writer
+
+    texts = [writer.dumps(s).rstrip("\n") for s in stages]
+    if len(texts) == 1:
+        return texts[0] + "\n"
+    return "[\n" + ",\n".join(texts) + "\n]\n"
+
+
+def _print_report(name: str, report, fmt: str, program: str | None) -> int:
+    """An analysis pass's report: text, or one JSON document; of one program if asked."""
+    import inspect
+
+    render = report.to_json if fmt == "json" else report.to_text
+    if fmt == "json" and not hasattr(report, "to_json"):
+        raise KernccError.single(f"the `{name}` report has no JSON form (use --format kir)")
+    kwargs = {}
+    if program is not None:
+        if "program" not in inspect.signature(render).parameters:
+            raise KernccError.single(f"the `{name}` report is not per program: "
+                                     "--program does not apply")
+        kwargs["program"] = program
+    result = render(**kwargs)
+    sys.stdout.write(json.dumps(result, indent=2) + "\n" if fmt == "json" else result + "\n")
     return 0
 
 
@@ -195,11 +270,11 @@ def cmd_lower(args: argparse.Namespace) -> int:
                     (tmp / f"stage{index}.json").write_text(writer.dumps(stage),
                                                             encoding="utf-8")
         except OSError as err:
-            raise KernccError.single(f"cannot write the stages to `{args.output}`: "
-                                     f"{err.strerror or err}") from None
+            raise KernccError.elsewhere(f"cannot write the stages to `{args.output}`: "
+                                        f"{err.strerror or err}") from None
         print(f"wrote {len(ir.stages)} stage manifests to {args.output}", file=sys.stderr)
     elif not args.output:
-        sys.stdout.write(ir.to_text())
+        sys.stdout.write(_stages_json(ir.stages) if args.diag_format == "json" else ir.to_text())
     return 0
 
 
@@ -219,6 +294,9 @@ def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
     if not text:
         return ir
     passes = resolve_pipeline(text)
+    if args.file == "-" and any(p.name == "emit" for p in passes):
+        raise KernccError.elsewhere("a bundle records its input manifest's file, and `-` "
+                                    "(standard input) is none: save it to a file to emit it")
     if out:
         passes = _with_output(passes, out)
     printed = ",".join(str(pass_spec(p)) for p in passes)
@@ -270,7 +348,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         from kerncc.bundle.check import check_bundle
         proof = check_bundle(paths[-1], whole=paths[0] if len(paths) == 2 else None)
     else:
-        missing = [p for p in paths if not Path(p).exists()]
+        missing = [p for p in paths if p != "-" and not Path(p).exists()]
         if missing:
             raise KernccError.single(f"`{missing[0]}` does not exist (check takes a bundle "
                                      "directory, WHOLE BUNDLE, or WHOLE STAGE0 STAGE1 ...)")
@@ -283,6 +361,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             proof = check_stages(whole, stages)
         except KernccError as err:  # its pointers are the whole manifest's calls
             raise err.located(locate) from None
+    if args.diag_format == "json":
+        print(json.dumps({"ok": True, "programs": len(proof.programs), "outputs": proof.outputs,
+                          "carries": proof.carries, "regions": proof.regions}, indent=2))
+        return 0
     print(f"proved: {len(proof.programs)} driven programs, {proof.outputs} outputs, "
           f"{proof.carries} carries, {proof.regions} state regions equal the whole's")
     return 0
@@ -303,66 +385,76 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kerncc import __version__
+
     parser = argparse.ArgumentParser(
-        prog="kerncc", description="Compile kern GPU-kernel manifests (schema v5).")
+        prog="kerncc", description="Compile kern GPU-kernel manifests (schema v5).",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-V", "--version", action="version", version=f"kerncc {__version__}",
+                        help="print kerncc's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("verify", help="verify manifests as kern does; print the protocol summary")
-    p.add_argument("files", nargs="+", metavar="FILE")
-    p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text")
+    p = command(sub, "verify", "verify manifests as kern does; print the protocol summary")
+    p.add_argument("files", nargs="+", metavar="FILE", help=FILE_HELP)
+    _format_flag(p, "the summary and diagnostics as text, or as one JSON document on stdout")
     p.add_argument("--unsampled", action="store_true",
                    help="do not require a forward that hands back tokens (host-sampled models)")
     limit_flags(p)
     p.set_defaults(handler=cmd_verify)
 
-    p = sub.add_parser("fmt", help="print the canonical form of a manifest")
-    p.add_argument("file", metavar="FILE")
+    p = command(sub, "fmt", "print the canonical form of a manifest")
+    p.add_argument("file", metavar="FILE", help=FILE_HELP)
     p.add_argument("--to", choices=("json", "kir"), help="output form (default: the input's)")
     p.add_argument("--check", action="store_true", help="exit 1 when FILE is not canonical")
+    p.add_argument("-i", "--in-place", action="store_true",
+                   help="rewrite FILE in its canonical form (atomically: a renamed sibling)")
     limit_flags(p)
     p.set_defaults(handler=cmd_fmt)
 
-    p = sub.add_parser("dump", help="print the IR after a pipeline (kir, json or dot)")
-    p.add_argument("file", metavar="FILE")
+    p = command(sub, "dump", "print the IR after a pipeline (kir, json or dot)")
+    p.add_argument("file", metavar="FILE", help=FILE_HELP)
     p.add_argument("--format", choices=("kir", "json", "dot", "svg"), default="kir",
-                   help="svg: the dot picture drawn by graphviz (needs `dot` on PATH)")
-    p.add_argument("-p", "--pipeline", help="passes to run first")
+                   help="kir: the textual IR (the default); json: one document, the manifest "
+                   "or after a cut the array of stage manifests; dot: the dataflow picture's "
+                   "source for graphviz; svg: that picture drawn (needs `dot` on PATH)")
+    p.add_argument("-p", "--pipeline", help="passes to run first, e.g. cut{stages=3}")
     p.add_argument("--pass", dest="pass_name", metavar="NAME",
-                   help="run up to this pass and print its result (for analyses: the report)")
-    p.add_argument("--program", help="the program to draw (dot, svg)")
+                   help="run up to this pass and print its result (for analyses: the report, "
+                   "as text or --format json)")
+    p.add_argument("--program", help="the program to draw (dot, svg; default: the first "
+                   "driven one) or to report on (--pass liveness)")
     _instrument_flags(p)
     limit_flags(p)
-    p.set_defaults(handler=cmd_dump)
+    p.set_defaults(handler=cmd_dump, diag_format="text")
 
-    p = sub.add_parser("lower", help="run a pass pipeline; write stages or bundles")
-    p.add_argument("file", metavar="FILE")
+    p = command(sub, "lower", "run a pass pipeline; write stages or bundles")
+    p.add_argument("file", metavar="FILE", help=FILE_HELP)
     p.add_argument("-p", "--pipeline", required=True, help="e.g. cut{at=218},slice-derive,emit")
-    p.add_argument("-o", "--output", metavar="OUT", help="output directory")
-    p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text",
-                   help="diagnostics format")
+    p.add_argument("-o", "--output", metavar="OUT", help="output directory (stage<k>.json, or "
+                   "the bundle when the pipeline ends in emit)")
+    _format_flag(p, "diagnostics as text, or as one JSON document on stderr; without -o the "
+                 "stages as kir text, or as one JSON document (the array of stage manifests)")
     _instrument_flags(p)
     limit_flags(p)
     p.set_defaults(handler=cmd_lower)
 
-    p = sub.add_parser("check", help="prove that stages (or a bundle) compute the whole",
-                       usage="kerncc check [options] BUNDLE | WHOLE BUNDLE | WHOLE STAGE0 "
-                       "STAGE1 ...")
+    p = command(sub, "check", "prove that stages (or a bundle) compute the whole")
+    p.usage = "kerncc check [options] BUNDLE | WHOLE BUNDLE | WHOLE STAGE0 STAGE1 ..."
     p.add_argument("files", nargs="+", metavar="PATH",
                    help="a bundle directory (proved against the input it records), the whole "
-                   "manifest and a bundle, or the whole manifest and its stage files")
-    p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text")
+                   "manifest and a bundle, or the whole manifest then every stage manifest")
+    _format_flag(p, "the proof's counts and diagnostics as text, or as one JSON document")
     limit_flags(p)
     p.set_defaults(handler=cmd_check)
 
-    p = sub.add_parser("report", help="summarise a bundle: stages, calls, crossings, states, "
-                       "memory, modules")
+    p = command(sub, "report", "summarise a bundle: stages, calls, crossings, states, "
+                "memory, modules")
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle directory (kerncc lower ... emit)")
-    p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text",
-                   help="the report and its diagnostics as text or JSON")
+    _format_flag(p, "the report and its diagnostics as text or JSON")
     limit_flags(p)
     p.set_defaults(handler=cmd_report)
 
-    p = sub.add_parser("passes", help="list the passes with their options")
+    p = command(sub, "passes", "list the passes with their options")
     p.add_argument("--markdown", action="store_true", help="the reference as markdown")
     p.set_defaults(handler=cmd_passes)
 
@@ -370,18 +462,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+FILE_HELP = "a manifest: .json, or .kir text; `-` reads standard input"
+
+
+def command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand that reports its own usage errors (see `parse`) and lists exit codes."""
+    p = sub.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(command_parser=p)
+    return p
+
+
+def _format_flag(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--format", dest="diag_format", choices=("text", "json"), default="text",
+                   help=help)
+
+
 def _instrument_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--print-ir-after", action="append", metavar="PASS",
                    help="print the IR after these passes (repeatable, or comma separated)")
-    p.add_argument("--print-ir-after-all", action="store_true")
-    p.add_argument("--print-ir-after-change", action="store_true")
-    p.add_argument("--time-passes", action="store_true")
+    p.add_argument("--print-ir-after-all", action="store_true",
+                   help="print the IR after every pass (on stderr)")
+    p.add_argument("--print-ir-after-change", action="store_true",
+                   help="print the IR after every pass that changed it (on stderr)")
+    p.add_argument("--time-passes", action="store_true",
+                   help="print each pass's wall time when the pipeline ends (on stderr)")
     p.add_argument("--dump-dir", metavar="DIR", help="write the IR after each pass here")
     p.add_argument("--no-verify", action="store_true", help="skip verification after each pass")
 
 
 def _extra_commands(sub) -> None:
-    """Commands whose rooms land later register here (run, example)."""
+    """The command groups of their own modules: run and example, import, serve (`hf` adds its
+    text flags to `run`, so it registers after it)."""
     for module in ("kerncc.cli.run", "kerncc.cli.hf", "kerncc.cli.serve"):
         try:
             __import__(module, fromlist=["register"]).register(sub)

@@ -15,13 +15,14 @@ import re
 import sys
 import time
 from pathlib import Path
-
-import attrs
-import numpy as np
+from typing import TYPE_CHECKING
 
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
+
+if TYPE_CHECKING:  # numpy loads only when a command runs: `kerncc --help` stays fast
+    import numpy as np
 
 
 def _token_ids(text: str) -> list[int]:
@@ -68,7 +69,7 @@ def _say(message: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from kerncc.lower import open_target
-    from kerncc.runtime.generate import Generator
+    from kerncc.runtime.generate import Generator, check_request, request_limits
     from kerncc.runtime.trace import Timeline
 
     from kerncc.cli.hf import TextRun, check_run_args
@@ -80,7 +81,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if several and getattr(args, "format", "text") == "json":
         raise KernccError.single("--format json prints one prompt's run; give one --prompt")
     text = None if several else TextRun.of(args, bundle)  # ids, eos ids, streamed text
+    if text is not None:  # before any weight loads: a request that cannot finish is refused
+        check_request(request_limits([s.manifest for s in bundle.stages]), text.prompt,
+                      args.max_new, max_new_name="--max-new", prompt_name="--prompt")
     weights = args.weights or bundle.checkpoint
+    if weights is not None and not Path(weights).exists():
+        raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
+    if weights is None and _binds_weights(bundle):
+        raise KernccError.single(_no_checkpoint(args.target))
+    say = _say if args.verbosity >= 0 else _silent
     stale = bundle.check_checkpoint(weights, given=args.weights is not None)
     if stale:
         _say(f"warning: {stale}")
@@ -90,41 +99,44 @@ def cmd_run(args: argparse.Namespace) -> int:
         if path is not None and Path(path).is_dir():
             raise KernccError.single(f"{flag} `{path}` is a directory; give a file name")
     timeline = Timeline() if args.trace else None
+    sampling = _sampling(args, say)
     chain = placement.make(args, bundle, checkpoint=weights, interpret=args.interpret,
                            graphs=args.graphs, trace=timeline,
                            allow_nonfinite=args.allow_nonfinite)
-    sampling = _sampling(args)
     loaded = time.perf_counter()
-    _say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
-         f"(weights: {weights or 'none'})")
+    say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
+        f"(weights: {weights or 'none'})")
     if several:  # several prompts are served together (kerncc.serve)
         from kerncc.serve.run import run_prompts
 
         return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.logits,
                            args.trace)
-    generator = Generator(chain)
-    result = generator.generate(text.prompt, args.max_new, args.chunk, stop=text.stop,
-                                sampling=sampling)
+    # ids stream as they come; text streams through TextRun; JSON prints once at the end
+    stream = TokenStream(sys.stdout) if text.streams_ids else None
+    result = Generator(chain).generate(text.prompt, args.max_new, args.chunk, stop=text.stop,
+                                       sampling=sampling, on_token=stream)
+    if stream is not None:
+        stream.end()
     text.end_stream()
-    _say(f"ran {len(result.steps)} steps in {time.perf_counter() - loaded:.2f} s: "
-         + ", ".join(f"{p}×{rows}" for p, rows in result.steps))
+    say(f"ran {len(result.steps)} programs in {time.perf_counter() - loaded:.2f} s: "
+        + summarise_steps(result.steps, verbose=args.verbosity > 0))
     if timeline is not None:
         _write(args.trace, "--trace", timeline.write)
-        _say(f"wrote a trace of {len(timeline.spans)} spans to {args.trace} "
-             "(open it in https://ui.perfetto.dev)")
+        say(f"wrote a trace of {len(timeline.spans)} spans to {args.trace} "
+            "(open it in https://ui.perfetto.dev)")
     if args.logits:
-        _save_logits(args.logits, result.logits)
-    text.finish(result.tokens)
+        _save_logits(args.logits, result.logits, say)
+    text.finish(result.tokens, printed=stream is not None)
     return 0
 
 
-def _sampling(args: argparse.Namespace):
+def _sampling(args: argparse.Namespace, say=None):
     """The run's SamplingParams from --temperature/--top-k/--top-p/--seed (greedy default)."""
     from kerncc.runtime.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if not params.greedy:
-        _say(f"sampling: temperature {params.temperature}, top-k {params.top_k or 'off'}, "
+        (say or _say)(f"sampling: temperature {params.temperature}, top-k {params.top_k or 'off'}, "
              f"top-p {params.top_p}, seed {params.seed}")
     return params
 
@@ -138,6 +150,67 @@ def _number(kind: type):
     return parse
 
 
+class TokenStream:
+    """Prints each token as it comes, on one line: when it ends, that line holds every
+    generated token space separated (what `tail -1` of `kerncc run` has always given)."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.count = 0
+
+    def __call__(self, token: int) -> None:
+        self.out.write(("" if self.count == 0 else " ") + str(token))
+        self.out.flush()
+        self.count += 1
+
+    def end(self) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+
+def summarise_steps(steps: list[tuple[str, int]], verbose: bool = False) -> str:
+    """Runs per program and the rows they took (a row: one token of one sequence), e.g.
+    `prefill 1 run of 2 rows, decode 254 runs of 1 row`; verbose adds every run in order."""
+    runs: dict[str, list[int]] = {}
+    for program, rows in steps:
+        runs.setdefault(program, []).append(rows)
+    parts = [_program_runs(program, rows) for program, rows in runs.items()]
+    text = ", ".join(parts)
+    if verbose:
+        text += "\n  in order (program×rows): " + " ".join(f"{p}×{r}" for p, r in steps)
+    return text
+
+
+def _program_runs(program: str, rows: list[int]) -> str:
+    def plural(n: int, word: str) -> str:
+        return f"{n} {word}" + ("" if n == 1 else "s")
+
+    if len(set(rows)) == 1:
+        return f"{program} {plural(len(rows), 'run')} of {plural(rows[0], 'row')}"
+    return (f"{program} {plural(len(rows), 'run')}, {plural(sum(rows), 'row')} "
+            f"({min(rows)}..{max(rows)} a run)")
+
+
+def _silent(message: str) -> None:
+    """`--quiet`: no progress lines (errors still print)."""
+
+
+def _binds_weights(bundle) -> bool:
+    """Whether some stage reads weights from a checkpoint (`bind`)."""
+    return any(buf.bind for stage in bundle.stages for buf in stage.manifest.buffers.values())
+
+
+def _no_checkpoint(target: str) -> str:
+    """The missing checkpoint, said of what the user named (not of a temporary bundle)."""
+    from kerncc.checkpoint.shards import CHECKPOINT_FILE, SHARD_INDEX
+
+    if Path(target).is_dir():
+        return (f"no checkpoint: the bundle `{target}` binds weights but records no checkpoint "
+                "(give --weights FILE)")
+    return (f"no checkpoint: `{target}` binds weights but neither `{CHECKPOINT_FILE}` nor "
+            f"`{SHARD_INDEX}` lies beside it (give --weights FILE)")
+
+
 def _write(path: str, flag: str, write) -> None:
     """Write an output file (its directory made as needed); OS failures are clean errors."""
     try:
@@ -147,7 +220,9 @@ def _write(path: str, flag: str, write) -> None:
         raise KernccError.single(f"{flag} `{path}`: cannot write: {err.strerror or err}") from None
 
 
-def _save_logits(path: str, logits: np.ndarray | None) -> None:
+def _save_logits(path: str, logits: np.ndarray | None, say=_say) -> None:
+    import numpy as np
+
     if logits is None:
         raise KernccError.single("the served programs write no `logits` output to save")
 
@@ -156,19 +231,47 @@ def _save_logits(path: str, logits: np.ndarray | None) -> None:
             np.save(out, logits)
 
     _write(path, "--logits", save)
-    _say(f"wrote logits {list(logits.shape)} to {path}")
+    say(f"wrote logits {list(logits.shape)} to {path}")
 
 
 # ---------------------------------------------------------------------------------------------
 # kerncc example
 
 
+OVERRIDES: dict[str, type] = {
+    "layers": int, "hidden": int, "heads": int, "kv_heads": int, "head_dim": int,
+    "intermediate": int, "vocab": int, "max_tokens": int, "max_seqs": int, "max_context": int,
+    "seed": int, "rope_theta": float, "eps": float, "interleave": int}
+"""QwenConfig's number fields, spelled out so that building the flags imports no numpy (a test
+holds them equal to the class's)."""
+
+OVERRIDE_HELP = {
+    "layers": "decoder layers", "hidden": "hidden size", "heads": "attention heads",
+    "kv_heads": "key/value heads", "head_dim": "dimension of one head",
+    "intermediate": "MLP intermediate size", "vocab": "vocabulary size",
+    "max_tokens": "most rows one call takes (var `tokens`)",
+    "max_seqs": "most sequences one call takes (var `seqs`)",
+    "max_context": "longest sequence, in tokens", "seed": "seed of the random weights",
+    "rope_theta": "RoPE base", "eps": "RMSNorm epsilon",
+    "interleave": "gate/up interleave block rows (0: min(128, intermediate))"}
+
+
 def _override_fields() -> dict[str, type]:
     """QwenConfig fields a flag may set (`--kv-heads 2`), with their types."""
+    return OVERRIDES
+
+
+def config_number_fields() -> dict[str, type]:
+    """The number fields QwenConfig declares (what OVERRIDES must equal)."""
+    import attrs
+
     from kerncc.example.config import QwenConfig
 
     attrs.resolve_types(QwenConfig)
     return {f.name: f.type for f in attrs.fields(QwenConfig) if f.type in (int, float)}
+
+
+EXAMPLE_FILES = ("model.json", "model.safetensors", "config.json")
 
 
 def cmd_example(args: argparse.Namespace) -> int:
@@ -180,6 +283,10 @@ def cmd_example(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise KernccError.single(f"`{out}` exists and is not a directory (-o names the "
                                  "directory to write the example into)")
+    held = [name for name in EXAMPLE_FILES if (out / name).exists()]
+    if held and not args.force:
+        raise KernccError.single(f"`{out}` already holds a model ({', '.join(held)}); give "
+                                 "--force to overwrite it, or another -o")
     try:
         paths = generate(out, args.size, **overrides)
     except ValueError as err:
@@ -196,13 +303,26 @@ def cmd_example(args: argparse.Namespace) -> int:
 # registration
 
 
+RUN_DESCRIPTION = """Serve a prompt: chunked prefill, then greedy decode.
+
+The prompt minus its last token goes through the chunk program in chunks of up to --chunk rows
+(a row is one token of one sequence); the last token goes through the one-row program, whose
+token is the first generated; each further token is fed back one row at a time. Generated
+tokens stream to stdout as they come; the last line on stdout is all of them, space separated.
+Progress and the summary go to stderr."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `run` and `example` to the `kerncc` command line (called by kerncc.cli.main)."""
-    p = sub.add_parser("run", help="serve prompts: chunked prefill, then decode (greedy, or "
-                       "sampled with --temperature)")
+    p = sub.add_parser("run", help="serve prompts: chunked prefill, then decode (greedy, or sampled with --temperature)",
+                       description=RUN_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(command_parser=p)  # usage errors print run's usage (kerncc.cli.main.parse)
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")
-    p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend())
+    p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
+                   help="where the kernels run (default: $KERNCC_BACKEND, else cpu; now "
+                   f"{config.default_backend()})")
     p.add_argument("--prompt", type=_token_ids, required=True, action="append",
                    help="token ids, e.g. 1,2,3; several --prompt are served together, one "
                    "output line each")
@@ -210,7 +330,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=_positive, help="prefill chunk rows (default: the rows bound)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (file or "
                    "directory; default: the bundle's, or model.safetensors beside a manifest)")
-    p.add_argument("--logits", metavar="OUT.npy", help="save every step's logits here")
+    p.add_argument("--logits", metavar="OUT.npy",
+                   help="save the last row's logits of every run here, one row per run in "
+                   "order: each prefill chunk's, then one per generated token (prompt 1,2,3 "
+                   "with --max-new 4: 5 rows, the first the chunk 1,2's)")
     p.add_argument("--pipeline", default="emit",
                    help="passes lowering a manifest target (default: emit)")
     p.add_argument("--devices", type=_devices, metavar="0,1",
@@ -235,13 +358,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="load weights holding NaN or infinity (refused by default)")
     from kerncc.cli.main import limit_flags
     limit_flags(p)
-    p.set_defaults(handler=cmd_run, format="text")
+    loud = p.add_mutually_exclusive_group()
+    loud.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,
+                      help="print only the tokens (and errors): no progress or summary")
+    loud.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
+                      help="the summary lists every run in order (program×rows)")
+    p.set_defaults(handler=cmd_run, format="text", verbosity=0)
 
     p = sub.add_parser("example", help="write an example model (manifest and checkpoint)")
-    p.add_argument("model", choices=("qwen",), help="which example")
-    p.add_argument("--size", choices=("tiny", "small"), default="tiny")
-    p.add_argument("-o", "--output", required=True, metavar="DIR")
+    p.set_defaults(command_parser=p)
+    p.add_argument("model", choices=("qwen",), help="which example (a Qwen3-style decoder)")
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny",
+                   help="tiny: 2 layers, 256-token vocab, runs on CPU in seconds (the default); "
+                   "small: Qwen3-1.7B-like shapes, a 2.7 GB checkpoint, for GPUs")
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="the directory to write model.json, model.safetensors, config.json into")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite a model already in the directory")
     for name, kind in _override_fields().items():
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar="N",
-                       help=f"override `{name}`")
+                       help=f"{OVERRIDE_HELP.get(name, name)} (default: the size's)")
     p.set_defaults(handler=cmd_example, format="text")

@@ -60,9 +60,11 @@ def layer_tensors(c: QwenConfig, rng: np.random.Generator, i: int) -> dict[str, 
 
 def checkpoint(c: QwenConfig) -> dict[str, np.ndarray]:
     """HF Qwen3 tensors; `model.norm.weight` is f32 (the derive program casts it)."""
+    from kerncc.progress import progress  # a bar on a terminal only
+
     rng = np.random.default_rng(c.seed)
     tensors = {"model.embed_tokens.weight": random_bf16(rng, (c.vocab, c.hidden), 1.0)}
-    for i in range(c.layers):
+    for i in progress(range(c.layers), "generating weights", unit="layers"):
         tensors.update(layer_tensors(c, rng, i))
     tensors["model.norm.weight"] = norm_weight(rng, c.hidden, np.dtype(np.float32))
     # Drawn padded past vocab and cut back, so the values are those of the earlier padded

@@ -29,18 +29,31 @@ class _Fail(Exception):
     """Unwinds one value's parse after its diagnostic was recorded."""
 
 
-def read_text(path: str | Path) -> str:
-    """The file's text; bytes that are not UTF-8 are an error at their line:col."""
-    from kerncc.bundle.files import FileRefused, read_regular
+STDIN = "-"  # the file name that means standard input, for every command reading a file
 
-    try:  # a regular file, bounded: a FIFO would hang, /dev/zero would never end
-        data = read_regular(Path(path), "file")
-    except FileRefused as err:
-        raise KernccError.single(err.message) from None
+
+def read_text(path: str | Path) -> str:
+    """The file's text (`-`: standard input); bytes that are not UTF-8 are an error at their
+    line:col. Only a regular file is read, bounded: a FIFO would hang, /dev/zero never end."""
+    from kerncc.files import FileRefused, read_regular
+
+    if str(path) == STDIN:
+        data = _stdin_bytes()
+    else:
+        try:
+            data = read_regular(Path(path), "file")
+        except FileRefused as err:
+            raise KernccError.single(err.message) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise KernccError(PARSE_HEADLINE, [_not_utf8(data, err, str(path))]) from None
+
+
+def _stdin_bytes() -> bytes:
+    import sys
+
+    return sys.stdin.buffer.read()
 
 
 def _not_utf8(data: bytes, err: UnicodeDecodeError, path: str) -> Diagnostic:

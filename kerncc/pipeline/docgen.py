@@ -34,6 +34,8 @@ A pipeline names passes in order, each with optional `{key=value,...}` options:
 are booleans. The passes a pass requires run first when the pipeline leaves them out, and the
 IR is verified after every pass (`--no-verify` skips that). `kerncc passes` lists the same in
 short; `kerncc dump FILE --pass NAME` runs up to a pass and prints the report it files, if any.
+Driven, once and derive programs, state regions, crossings and the other words used below are
+explained in [concepts](concepts.md).
 """
 
 

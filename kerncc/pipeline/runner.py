@@ -367,6 +367,8 @@ def _checked_result(pass_: Any, result: Any) -> Any:
 
 def default_text(info: OptionInfo) -> str:
     """An option's default as `kerncc passes` and docs/passes.md show it."""
+    if info.shown_default is not None:
+        return info.shown_default
     if info.default is None:
         return "none"
     if info.default == ():

@@ -228,3 +228,29 @@ def _forward_line(p: Protocol, f: Forward) -> str:
     emits = f", hands back `{f.emits}`" if f.emits is not None else ", state only"
     count = f" counted by `{f.count}`" if f.count is not None else ""
     return f"  forward   `{f.name}`: <= {f.groups} sequences of {rows}{emits}{count}"
+
+
+def summary_json(protocol: Protocol) -> dict:
+    """The same summary as fields a script can read (`kerncc verify --format json`)."""
+    p = protocol
+
+    def bound(b: Bound | None) -> dict | None:
+        return None if b is None else {"var": b.var, "max": b.max}
+
+    def axis(a: Axis) -> str | int:
+        return a.n if isinstance(a, Fixed) else a
+
+    return {
+        "axes": {"rows": bound(p.rows), "groups": bound(p.groups), "tray": bound(p.tray),
+                 "span": bound(p.span), "context": bound(p.context),
+                 "derived": p.axes_derived, "note": p.note},
+        "fills": [{"name": f.name, "fill": f.fill, "dtype": f.dtype, "axis": axis(f.axis),
+                   "width": f.width} for f in p.fills],
+        "tables": {"pages": [{"name": t.name, "width": t.width} for t in p.page_tables],
+                   "lines": [{"name": t.name, "lines": t.lines, "width": t.width,
+                              "axis": axis(t.axis)} for t in p.line_tables]},
+        "forwards": [{"name": f.name, "groups": f.groups, "rows": f.rows, "span": f.span,
+                      "emits": f.emits, "count": f.count} for f in p.forwards],
+        "once": list(p.once),
+        "derive": list(p.derive),
+    }

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import attrs
-import numpy as np
 
 from kerncc import manifest as m
 from kerncc.verify import packs as verify_packs
@@ -138,6 +137,8 @@ def format_literal(arg: m.Literal) -> str:
     """The value as Rust prints it; an f32 is rounded to f32 and printed shortest, positional."""
     if arg.type != "f32":
         return str(arg.value)
+    import numpy as np  # here, not at the top: `kerncc verify` of a valid manifest needs none
+
     with np.errstate(over="ignore"):
         return np.format_float_positional(np.float32(arg.value), trim="-")
 

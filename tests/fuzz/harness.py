@@ -154,9 +154,9 @@ def located_in_text(outcome: Outcome, file: str) -> None:
 
 
 def located_in_json(outcome: Outcome) -> None:
-    """`verify --format json`: every diagnostic of a failed file has a line, or a pointer."""
-    for line in outcome.out.splitlines():
-        record = _json_line(line, outcome)
+    """`verify --format json`: one JSON document; every diagnostic of a failed file has a line,
+    or a pointer."""
+    for record in _json_document(outcome)["files"]:
         for diag in record.get("diagnostics", ()):
             if diag.get("line") is None and not diag.get("pointer"):
                 raise AssertionError(f"an unlocated diagnostic {diag}:\n{outcome.describe()}")
@@ -164,22 +164,37 @@ def located_in_json(outcome: Outcome) -> None:
             raise AssertionError(f"a failure without diagnostics:\n{outcome.describe()}")
 
 
-def _json_line(line: str, outcome: Outcome) -> dict:
+def _json_document(outcome: Outcome) -> dict:
     try:
-        record = json.loads(line)
+        document = json.loads(outcome.out)
     except json.JSONDecodeError:
-        raise AssertionError(f"--format json printed a line that is not JSON: {line!r}\n"
+        raise AssertionError(f"--format json printed something other than one JSON document:\n"
                              f"{outcome.describe()}") from None
-    if not isinstance(record, dict) or "ok" not in record:
-        raise AssertionError(f"--format json printed {record!r}\n{outcome.describe()}")
-    return record
+    if not isinstance(document, dict) or "ok" not in document or "files" not in document:
+        raise AssertionError(f"--format json printed {document!r}\n{outcome.describe()}")
+    if document["ok"] != all(record["ok"] for record in document["files"]):
+        raise AssertionError(f"`ok` disagrees with the files:\n{outcome.describe()}")
+    return document
+
+
+NOT_IN_THE_INPUT = ("emit needs a directory", "exists and is not a directory",
+                    "did not write", "cannot write the bundle", "a cut has at least 2 stages",
+                    "must end in `emit`")
+"""Problems about a path, a flag or a pass option rather than the manifest (raised as
+`KernccError.elsewhere`): said without a place in the input, where no place is true."""
 
 
 def located_in_pipeline_or_file(outcome: Outcome, file: str) -> None:
-    """A `-p SPEC` failure points into the spec (`pipeline:1:c`) or into the input file."""
+    """A `-p SPEC` failure points into the spec (`pipeline:1:c`) or into the input file, or
+    is one of the problems that are in neither (NOT_IN_THE_INPUT)."""
     if outcome.code == 0:
         return
     if re.search(r"(^|\s)pipeline:\d+:\d+", outcome.err):
+        return
+    if any(text in outcome.err for text in NOT_IN_THE_INPUT):
+        if f"{file}:1:1" in outcome.err:
+            raise AssertionError(f"a problem outside the input is put at its 1:1:\n"
+                                 f"{outcome.describe()}")
         return
     located_in_text(outcome, file)
 
