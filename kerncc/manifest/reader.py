@@ -38,7 +38,11 @@ def read_text(path: str | Path) -> str:
     from kerncc.files import FileRefused, read_regular
 
     if str(path) == STDIN:
-        data = _stdin_bytes()
+        try:
+            data = _stdin_bytes()
+        except OSError as err:
+            raise KernccError.single(f"cannot read standard input: {err.strerror or err}"
+                                     ) from None
     else:
         try:
             data = read_regular(Path(path), "file")
@@ -51,9 +55,17 @@ def read_text(path: str | Path) -> str:
 
 
 def _stdin_bytes() -> bytes:
+    """Standard input, bounded like a file (`--max-file-size`)."""
     import sys
 
-    return sys.stdin.buffer.read()
+    from kerncc.files import max_file_size
+
+    limit = max_file_size()
+    data = sys.stdin.buffer.read(limit + 1)
+    if len(data) > limit:
+        raise KernccError.single(f"standard input holds more than {limit} bytes, the most a "
+                                 "manifest may have (raise it with --max-file-size)")
+    return data
 
 
 def _not_utf8(data: bytes, err: UnicodeDecodeError, path: str) -> Diagnostic:
