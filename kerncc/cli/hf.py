@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 
 from kerncc.diagnostics import KernccError
+from kerncc.cli.args import positive
 
 
 def _say(message: str) -> None:
@@ -181,18 +182,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     sizes = (("--max-tokens", "rows of one call"), ("--max-seqs", "sequences of one call"),
              ("--max-context", "longest sequence (a multiple of 16)"))
     for flag, what in sizes:
-        p.add_argument(flag, type=_positive, metavar="N", help=what)
+        p.add_argument(flag, type=positive, metavar="N", help=what)
     p.set_defaults(handler=cmd_import, format="text")
     run = sub.choices.get("run")
     if run is not None:
         _run_flags(run)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
-    return value

@@ -15,6 +15,7 @@ from typing import Callable, TextIO
 
 from kerncc import config
 from kerncc.diagnostics import KernccError
+from kerncc.cli.args import limit_flags
 
 
 EXIT_CODES = """exit status:
@@ -64,28 +65,6 @@ def _apply_limits(args: argparse.Namespace) -> None:
     from kerncc.files import set_max_file_size
 
     set_max_file_size(getattr(args, "max_file_size", None) or MAX_FILE_SIZE)
-
-
-def limit_flags(p: argparse.ArgumentParser) -> None:
-    """`--max-errors` and `--max-file-size`, on every command that reads files."""
-    from kerncc.bundle.format import MAX_FILE_SIZE
-    from kerncc.diagnostics import MAX_ERRORS
-
-    p.add_argument("--max-errors", type=_count, default=MAX_ERRORS, metavar="N",
-                   help=f"print at most N diagnostics, count the rest (default {MAX_ERRORS})")
-    p.add_argument("--max-file-size", type=_count, metavar="BYTES",
-                   help=f"the largest manifest, bundle.json, plan or module read (default "
-                   f"{MAX_FILE_SIZE})")
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
-    return value
 
 
 def internal_error(err: Exception, argv: list[str] | None) -> int:

@@ -11,7 +11,6 @@ example model (manifest, checkpoint, config) with kerncc.example.generate.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -20,43 +19,10 @@ from typing import TYPE_CHECKING
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
+from kerncc.cli.args import devices, limit_flags, number, positive, token_ids
 
 if TYPE_CHECKING:  # numpy loads only when a command runs: `kerncc --help` stays fast
     import numpy as np
-
-
-def _token_ids(text: str) -> list[int]:
-    parts = re.split(r"\s*,\s*|\s+", text.strip())
-    if "" in parts:  # `1,,2`, `1,`: a list with a hole is a typo, not a shorter prompt
-        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got `{text}` "
-                                         "(an empty entry)")
-    try:
-        ids = [int(t) for t in parts]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got `{text}`") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got `{text}`")
-    return ids
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
-    return value
-
-
-def _devices(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`")
-    return ids
 
 
 def _say(message: str) -> None:
@@ -139,15 +105,6 @@ def _sampling(args: argparse.Namespace, say=None):
         (say or _say)(f"sampling: temperature {params.temperature}, top-k {params.top_k or 'off'}, "
              f"top-p {params.top_p}, seed {params.seed}")
     return params
-
-
-def _number(kind: type):
-    def parse(text: str):
-        try:
-            return kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got `{text}`") from None
-    return parse
 
 
 class TokenStream:
@@ -323,11 +280,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
                    help="where the kernels run (default: $KERNCC_BACKEND, else cpu; now "
                    f"{config.default_backend()})")
-    p.add_argument("--prompt", type=_token_ids, required=True, action="append",
+    p.add_argument("--prompt", type=token_ids, required=True, action="append",
                    help="token ids, e.g. 1,2,3; several --prompt are served together, one "
                    "output line each")
-    p.add_argument("--max-new", type=_positive, default=8, help="tokens to generate (default 8)")
-    p.add_argument("--chunk", type=_positive, help="prefill chunk rows (default: the rows bound)")
+    p.add_argument("--max-new", type=positive, default=8, help="tokens to generate (default 8)")
+    p.add_argument("--chunk", type=positive, help="prefill chunk rows (default: the rows bound)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (file or "
                    "directory; default: the bundle's, or model.safetensors beside a manifest)")
     p.add_argument("--logits", metavar="OUT.npy",
@@ -336,27 +293,26 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "with --max-new 4: 5 rows, the first the chunk 1,2's)")
     p.add_argument("--pipeline", default="emit",
                    help="passes lowering a manifest target (default: emit)")
-    p.add_argument("--devices", type=_devices, metavar="0,1",
+    p.add_argument("--devices", type=devices, metavar="0,1",
                    help="GPUs to spread the stages over, in order (cuda backend)")
     p.add_argument("--graphs", choices=("auto", "marked", "off"), default="auto",
                    help="CUDA graphs: for `graph` programs and repeated chunk sizes (auto, the "
                    "default), for `graph` programs only (marked), or none (off)")
     p.add_argument("--trace", metavar="FILE.json",
                    help="write a Chrome/Perfetto trace of every stage's items and transfers")
-    p.add_argument("--temperature", type=_number(float), default=0.0,
+    p.add_argument("--temperature", type=number(float), default=0.0,
                    help="sample at this temperature (default 0: greedy, the model's argmax)")
-    p.add_argument("--top-k", type=_number(int), default=0,
+    p.add_argument("--top-k", type=number(int), default=0,
                    help="sample among the k most likely tokens (default 0: off)")
-    p.add_argument("--top-p", type=_number(float), default=1.0,
+    p.add_argument("--top-p", type=number(float), default=1.0,
                    help="sample among the fewest tokens holding this probability (default 1: off)")
-    p.add_argument("--seed", type=_number(int), default=0,
+    p.add_argument("--seed", type=number(int), default=0,
                    help="the sampling seed, 0..2**64-1 (default 0: a run repeats)")
     p.add_argument("--interpret", action="store_true",
                    help="interpret plan.json's launch records instead of running stage.py")
     placement.add_arguments(p)
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="load weights holding NaN or infinity (refused by default)")
-    from kerncc.cli.main import limit_flags
     limit_flags(p)
     loud = p.add_mutually_exclusive_group()
     loud.add_argument("-q", "--quiet", dest="verbosity", action="store_const", const=-1,

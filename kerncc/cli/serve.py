@@ -15,38 +15,9 @@ from pathlib import Path
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
+from kerncc.cli.args import devices, port, positive
 
 GRACE = 3.0  # seconds streams may go on after SIGTERM
-
-
-def _devices(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`")
-    return ids
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got `{text}`") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port {value} is outside 0..65535")
-    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -121,18 +92,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a bundle directory or a manifest file (lowered with --pipeline)")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
                    help="where the stages run (default: KERNCC_BACKEND, else cpu)")
-    p.add_argument("--devices", type=_devices, metavar="0,1",
+    p.add_argument("--devices", type=devices, metavar="0,1",
                    help="GPUs to spread the stages over, in order (cuda backend)")
     placement.add_arguments(p)
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                    help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, metavar="N",
+    p.add_argument("--port", type=port, default=8000, metavar="N",
                    help="port (default 8000; 0: any free)")
-    p.add_argument("--max-queue", type=_count, default=256, metavar="N",
+    p.add_argument("--max-queue", type=positive, default=256, metavar="N",
                    help="requests waiting for admission before new ones get 429 (default 256)")
-    p.add_argument("--max-seqs", type=_count, default=8, metavar="N",
+    p.add_argument("--max-seqs", type=positive, default=8, metavar="N",
                    help="sequences served at once (default 8)")
-    p.add_argument("--chunk", type=_count, metavar="N",
+    p.add_argument("--chunk", type=positive, metavar="N",
                    help="prefill rows per step (default: the rows bound)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (default: the "
                    "bundle's)")

@@ -1,0 +1,81 @@
+"""The argument types and shared flags of the command line: each parse said once.
+
+A bad value is an `argparse.ArgumentTypeError`, so argparse reports it with the command's
+usage and exit code 2 (a usage error, not bad input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+
+
+def positive(text: str) -> int:
+    """A whole number of at least 1 (counts, sizes, rows)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
+    return value
+
+
+def devices(text: str) -> list[int]:
+    """GPU ids, `0,1`."""
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected device ids like 0,1, got `{text}`")
+    return ids
+
+
+def token_ids(text: str) -> list[int]:
+    """A prompt as token ids, `1,2,3` (or space separated); a hole (`1,,2`) is refused."""
+    parts = re.split(r"\s*,\s*|\s+", text.strip())
+    if "" in parts:  # `1,,2`, `1,`: a list with a hole is a typo, not a shorter prompt
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got `{text}` "
+                                         "(an empty entry)")
+    try:
+        ids = [int(t) for t in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids like 1,2,3, got `{text}`") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got `{text}`")
+    return ids
+
+
+def port(text: str) -> int:
+    """A TCP port, 0..65535 (0: any free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got `{text}`") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 0..65535")
+    return value
+
+
+def number(kind: type) -> Callable[[str], object]:
+    """A value of `kind` (int or float); the range is the caller's to check."""
+    def parse(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got `{text}`") from None
+    return parse
+
+
+def limit_flags(p: argparse.ArgumentParser) -> None:
+    """`--max-errors` and `--max-file-size`, on every command that reads files."""
+    from kerncc.bundle.format import MAX_FILE_SIZE
+    from kerncc.diagnostics import MAX_ERRORS
+
+    p.add_argument("--max-errors", type=positive, default=MAX_ERRORS, metavar="N",
+                   help=f"print at most N diagnostics, count the rest (default {MAX_ERRORS})")
+    p.add_argument("--max-file-size", type=positive, metavar="BYTES",
+                   help=f"the largest manifest, bundle.json, plan or module read (default "
+                   f"{MAX_FILE_SIZE})")
