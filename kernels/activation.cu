@@ -16,6 +16,7 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 extern "C" __global__ void silu_mul_bf16(const bf16* __restrict__ gate_up,
                                          bf16* __restrict__ act, int rows, int inter,
                                          int block) {
+  pdl_begin();
   const long long n = (long long)rows * inter;
   const long long stride = (long long)gridDim.x * blockDim.x;
   const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;

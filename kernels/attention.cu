@@ -333,6 +333,7 @@ attn_prefill_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
                   const int* __restrict__ block_table, const int* __restrict__ positions,
                   bf16* __restrict__ out, int rows, int nq, int nk, int hd, int width,
                   float scale) {
+  pdl_begin();
   extern __shared__ __align__(16) uint8_t pf_smem[];
   __shared__ int s_kend;
   (void)width;  // one sequence: its table row is row 0
@@ -362,6 +363,7 @@ attn_prefill_varlen_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict
                          const int* __restrict__ block_table, const int* __restrict__ positions,
                          const int* __restrict__ cu_seqlens, bf16* __restrict__ out, int rows,
                          int seqs, int nq, int nk, int hd, int width, float scale) {
+  pdl_begin();
   extern __shared__ __align__(16) uint8_t pf_smem[];
   __shared__ int s_kend;
   if (dynamic_smem_bytes() < (uint32_t)(PF_SMEM_ROWS * (2 * hd + 16))) __trap();
@@ -614,6 +616,7 @@ attn_decode_split_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__
                        const int* __restrict__ block_table, const int* __restrict__ seq_lens,
                        float* __restrict__ part, int seqs, int nq, int nk, int hd, int width,
                        int max_splits, float scale) {
+  pdl_begin();
   __shared__ __align__(16) float s_acc[DC_WARPS * DC_MAX_G * DC_MAX_HD];
   __shared__ uint4 s_q[DC_MAX_G * DC_MAX_HD / 8];
   __shared__ float s_stats[DC_WARPS * DC_MAX_G * 2];
@@ -641,6 +644,7 @@ attn_decode_split_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__
 extern "C" __global__ void __launch_bounds__(DC_MAX_HD)
 attn_decode_combine_bf16(const float* __restrict__ part, const int* __restrict__ seq_lens,
                          bf16* __restrict__ out, int seqs, int nq, int hd, int max_splits) {
+  pdl_begin();
   const int b = blockIdx.x, h = blockIdx.y, d = threadIdx.x, lane = threadIdx.x & 31;
   if (b >= seqs) return;
   const int len = seq_lens[b];

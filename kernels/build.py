@@ -5,9 +5,11 @@ entry a `<name>_nb.py` module registers in its `ENTRIES` is compiled to PTX with
 `numba.cuda.compile(..., output="ptx", cc=(9, 0))` (no GPU needed), its mangled entry name
 replaced by the registered one (so manifests name it like an extern "C" kernel), and the PTX
 assembled with `ptxas -arch=sm_90`. Writes `kernels/cubins/<name>.cubin` and the index
-`kernels/cubins.json` = {module name: {"file", "sha256", "entries"}}, where `file` is relative
-to `kernels/` and `entries` are the kernels the source defines (each checked to be a symbol of
-the cubin). Manifests pin modules by these sha256s, so the committed cubins are the ones that
+`kernels/cubins.json` = {module name: {"file", "sha256", "entries", "waits"}}, where `file` is
+relative to `kernels/`, `entries` are the kernels the source defines (each checked to be a
+symbol of the cubin) and `waits` says that every entry begins by waiting for the kernel before
+it (CUDA C entries must: `check_waits`; Numba kernels do not), which lets the cuda backend
+launch them with programmatic dependent launch. Manifests pin modules by these sha256s, so the committed cubins are the ones that
 count; `--check` rebuilds into a temporary directory and exits 1 if any module's bytes differ
 from the index (same tools expected: nvcc and ptxas 13.0, numba-cuda 0.30.4, NVVM 13.0).
 
@@ -36,11 +38,38 @@ _PTX_ENTRY = re.compile(r"\.entry\s+(\S+)\s*\(")
 _ENTRY = re.compile(
     r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\('
 )
+_COMMENT = re.compile(r"//[^\n]*")
 
 
 def entries_of(source: Path) -> list[str]:
     """The extern "C" kernel names a .cu file defines, in source order."""
     return _ENTRY.findall(source.read_text())
+
+
+def entry_bodies(text: str) -> dict[str, str]:
+    """{entry: the text between its body's braces} of a .cu source."""
+    bodies = {}
+    for match in _ENTRY.finditer(text):
+        start = text.index("{", match.end())
+        depth, at = 0, start
+        for at in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[at], 0)
+            if depth == 0:
+                break
+        bodies[match.group(1)] = text[start + 1:at]
+    return bodies
+
+
+def check_waits(source: Path) -> None:
+    """Every entry of a CUDA C module begins with `pdl_begin();` (common.cuh): the cuda backend
+    launches kerncc's own kernels with programmatic dependent launch, which is right only for
+    kernels that wait for the one before them before they touch memory."""
+    for entry, body in entry_bodies(source.read_text()).items():
+        first = _COMMENT.sub("", body).strip().split(";", 1)[0].strip()
+        if first != "pdl_begin()":
+            raise SystemExit(f"{source.name}: kernel `{entry}` must begin with `pdl_begin();`: "
+                             "the cuda backend launches it with programmatic dependent launch "
+                             "(kernels/common.cuh)")
 
 
 def compile_module(nvcc: str, source: Path, out: Path) -> None:
@@ -147,12 +176,16 @@ def assemble(ptxas: str, ptx: str, out: Path) -> None:
                          f"PTX):\n{done.stderr}")
 
 
-def _record(cubin: Path, entries: list[str]) -> dict:
+def _record(cubin: Path, entries: list[str], waits: bool) -> dict:
+    """An index entry; `waits`: every entry begins by waiting for the kernel before it
+    (`check_waits`), so the cuda backend may launch it with programmatic stream
+    serialization."""
     check_entries(cubin, entries)
     return {
         "file": f"cubins/{cubin.name}",
         "sha256": hashlib.sha256(cubin.read_bytes()).hexdigest(),
         "entries": entries,
+        "waits": waits,
     }
 
 
@@ -165,14 +198,15 @@ def build(nvcc: str, out_dir: Path, ptxas: str | None = None,
     if "cuda" in kinds:
         for source in sorted(KERNELS_DIR.glob("*.cu")):
             cubin = out_dir / f"{source.stem}.cubin"
+            check_waits(source)
             compile_module(nvcc, source, cubin)
-            index[source.stem] = _record(cubin, entries_of(source))
+            index[source.stem] = _record(cubin, entries_of(source), waits=True)
     if "numba" in kinds:
         for source in numba_sources():
             ptx, entries = numba_ptx(source, compile_ptx)
             cubin = out_dir / f"{source.stem}.cubin"
             assemble(ptxas or default_ptxas(nvcc), ptx, cubin)
-            index[source.stem] = _record(cubin, entries)
+            index[source.stem] = _record(cubin, entries, waits=False)
     return index
 
 

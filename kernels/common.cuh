@@ -6,7 +6,12 @@
 // * no atomics and fixed reduction orders, so a launch gives the same bits every time
 //   (whole-vs-cut comparisons on the GPU are bitwise);
 // * pointers are the buffer/state base plus the call's byte offset; row counts arrive as
-//   i32 params and grids are sized by the manifest from the same vars.
+//   i32 params and grids are sized by the manifest from the same vars;
+// * every entry starts with `pdl_begin()` (the GEMVs with their own prologue): it waits for the
+//   kernel before it in the stream to finish before touching memory, so the cuda backend may
+//   launch it with programmatic stream serialization (its blocks start while that kernel
+//   drains). kernels/build.py marks the modules `"waits": true`; tests/test_kernel_library.py
+//   checks that every entry keeps this shape.
 #pragma once
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -16,6 +21,21 @@ typedef __nv_bfloat162 bf162;
 
 #define FULL_MASK 0xffffffffu
 #define LOG2E 1.4426950408889634f
+
+// Programmatic dependent launch (sm_90). `griddepcontrol.wait` returns once the kernels this
+// one depends on have finished and their writes are visible; launched without the attribute
+// it returns at once. `launch_dependents` lets the next kernel's blocks be scheduled: issued
+// after the wait, at most two kernels are resident at a time (this one and the next, waiting).
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ void pdl_begin() {
+  pdl_wait();
+  pdl_launch_dependents();
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
   // Butterfly: every lane ends with the same value, computed in the same order.

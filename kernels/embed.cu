@@ -6,6 +6,7 @@
 extern "C" __global__ void embedding_gather_bf16(const int* __restrict__ ids,
                                                  const bf16* __restrict__ table,
                                                  bf16* __restrict__ out, int rows, int hidden) {
+  pdl_begin();
   const int row = blockIdx.x;
   if (row >= rows) return;
   const long long id = ids[row];

@@ -17,9 +17,9 @@
 //   rows past m and k past the end read as zeros, rows of W past n are neither read nor stored;
 // * the warps' partial sums meet in shared memory and are added in warp order: no atomics,
 //   fixed reduction order, so a launch gives the same bits every time (whole = stages).
-// Programmatic dependent launch: the first GEMV_UNROLL chunks of W (which no earlier kernel
-// writes) are loaded before `griddepcontrol.wait`; A and C are touched only after it. Launched
-// without the attribute, the wait returns at once.
+// Programmatic dependent launch: a block waits (`pdl_begin`, common.cuh) before it loads W, A or
+// C, then lets the next kernel start. Prefetching its rows of W into L2 before the wait was
+// measured and dropped: 1.47 against 1.32 ms a decode step without it (docs/benchmarks.md).
 //
 // Needs k % 8 == 0 and A, W, C 16-byte aligned (the backend checks and falls back to cuBLAS).
 // Grid: ceil(n / 16) blocks of 32 * WARPS threads.
@@ -54,10 +54,6 @@ __device__ __forceinline__ void mma_16816(float* d, uint32_t a0, uint32_t a1, ui
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void grid_dependency_wait() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 // One 32-wide k chunk of a 16-row tile against MB blocks of 8 activation rows.
@@ -108,8 +104,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
       hi[u] = in_k && hi_ok ? load_stream(w_hi + 32 * ch) : zero;
     }
   };
-  load_w(warp);  // W is no earlier kernel's output: fetch it while they finish
-  grid_dependency_wait();
+  load_w(warp);
   for (int base = warp; base < chunks; base += GEMV_UNROLL * GEMV_WARPS) {
     uint4 act[GEMV_UNROLL][MB];
 #pragma unroll
@@ -162,25 +157,30 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb1(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
+  pdl_begin();
   gemv_tile<1, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
+  pdl_begin();
   gemv_tile<2, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb3(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
+  pdl_begin();
   gemv_tile<3, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
+  pdl_begin();
   gemv_tile<4, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(512)
     gemv_bf16_tn_mb1_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
+  pdl_begin();
   gemv_tile<1, 16, 4>(a, w, c, m, n, k, mode);
 }

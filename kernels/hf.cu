@@ -7,6 +7,7 @@
 // grid (ceil(n/256)), block (256).
 extern "C" __global__ void cast_f16_bf16(const __half* __restrict__ x, bf16* __restrict__ y,
                                          int n) {
+  pdl_begin();
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) y[i] = __float2bfloat16(__half2float(x[i]));
 }
@@ -19,6 +20,7 @@ extern "C" __global__ void cast_f16_bf16(const __half* __restrict__ x, bf16* __r
 extern "C" __global__ void rope_table_llama3_f32(float* __restrict__ table, int max_pos, int hd,
                                                  float theta, float factor, float low_freq,
                                                  float high_freq, int original) {
+  pdl_begin();
   const int half = hd / 2;
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)max_pos * half) return;

@@ -13,6 +13,7 @@ extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ qkv,
                                          const int* __restrict__ slot_mapping,
                                          uint8_t* __restrict__ kv, int rows, int nq, int nk,
                                          int hd) {
+  pdl_begin();
   const int words = nk * hd;  // (k + v) bf16 per row / 2
   const long long stride = (long long)gridDim.x * blockDim.x;
   const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;

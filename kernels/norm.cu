@@ -59,6 +59,7 @@ __device__ __forceinline__ void block_norm(const bf16* x, const bf16* w, bf16* y
 // y[r] = rmsnorm(x[r]) * w. grid (rows), block (cols/8 rounded up to a warp, at most 256).
 extern "C" __global__ void rmsnorm_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                         bf16* __restrict__ y, int rows, int cols, float eps) {
+  pdl_begin();
   __shared__ float scratch[32];
   const int v = block_width(cols, bits(x, w, y) | (uintptr_t)(cols * 2));
   for (int row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -75,6 +76,7 @@ extern "C" __global__ void add_rmsnorm_bf16(bf16* __restrict__ residual,
                                             const bf16* __restrict__ x,
                                             const bf16* __restrict__ w, bf16* __restrict__ y,
                                             int rows, int cols, float eps) {
+  pdl_begin();
   __shared__ float scratch[32];
   const int v = block_width(cols, bits(residual, x, w) | reinterpret_cast<uintptr_t>(y) |
                                       (uintptr_t)(cols * 2));
@@ -99,6 +101,7 @@ extern "C" __global__ void add_rmsnorm_bf16(bf16* __restrict__ residual,
 // grid (ceil(rows*(nq+nk)/4)), block (128).
 extern "C" __global__ void head_rmsnorm_bf16(bf16* __restrict__ qkv, const bf16* __restrict__ w,
                                              int rows, int nq, int nk, int hd, float eps) {
+  pdl_begin();
   const int heads = nq + nk;
   const long long item = (long long)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
   if (item >= (long long)rows * heads) return;
@@ -116,6 +119,7 @@ extern "C" __global__ void rmsnorm_last_varlen_bf16(const bf16* __restrict__ x,
                                                     bf16* __restrict__ y,
                                                     const int* __restrict__ cu_seqlens,
                                                     int seqs, int cols, float eps) {
+  pdl_begin();
   __shared__ float scratch[32];
   const int v = block_width(cols, bits(x, w, y) | (uintptr_t)(cols * 2));
   for (int seq = blockIdx.x; seq < seqs; seq += gridDim.x) {
@@ -132,6 +136,7 @@ extern "C" __global__ void rmsnorm_last_varlen_bf16(const bf16* __restrict__ x,
 extern "C" __global__ void rmsnorm_last_bf16(const bf16* __restrict__ x,
                                              const bf16* __restrict__ w, bf16* __restrict__ y,
                                              int seqs, int rows_per_seq, int cols, float eps) {
+  pdl_begin();
   __shared__ float scratch[32];
   const int v = block_width(cols, bits(x, w, y) | (uintptr_t)(cols * 2));
   for (int seq = blockIdx.x; seq < seqs; seq += gridDim.x) {

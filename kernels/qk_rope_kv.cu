@@ -18,6 +18,7 @@ extern "C" __global__ void qk_norm_rope_kv_bf16(bf16* __restrict__ qkv,
                                                 const int* __restrict__ slot_mapping,
                                                 uint8_t* __restrict__ kv, int rows, int nq,
                                                 int nk, int hd, float eps) {
+  pdl_begin();
   const int heads = nq + 2 * nk;
   const long long item = (long long)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
   if (item >= (long long)rows * heads) return;

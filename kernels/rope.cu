@@ -6,6 +6,7 @@
 // grid (ceil(max_pos*hd/2/256)), block (256).
 extern "C" __global__ void rope_table_f32(float* __restrict__ table, int max_pos, int hd,
                                           float theta) {
+  pdl_begin();
   const int half = hd / 2;
   const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (idx >= (long long)max_pos * half) return;
@@ -26,6 +27,7 @@ extern "C" __global__ void rope_neox_bf16(bf16* __restrict__ qkv,
                                           const int* __restrict__ positions,
                                           const float* __restrict__ table, int rows, int nq,
                                           int nk, int hd) {
+  pdl_begin();
   const int half = hd / 2;
   const int heads = nq + nk;
   const long long stride = (long long)gridDim.x * blockDim.x;

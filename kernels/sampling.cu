@@ -12,6 +12,7 @@ __device__ __forceinline__ void better(float& v, int& i, float ov, int oi) {
 // grid (rows), block (256).
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 argmax_f32(const float* __restrict__ logits, int* __restrict__ tokens, int rows, int vocab) {
+  pdl_begin();
   __shared__ float sv[ARGMAX_THREADS / 32];
   __shared__ int si[ARGMAX_THREADS / 32];
   const int row = blockIdx.x;

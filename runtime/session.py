@@ -289,6 +289,7 @@ class Session:
 
     def _execute(self, program: str, env: dict[str, int]) -> None:
         self._env = env
+        self.backend.stream_joined()  # callers may have used the stream between runs
         graph = self._graph(program, env)
         if graph is None:
             self._issue_program(program, env)

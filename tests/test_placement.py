@@ -419,7 +419,8 @@ def test_nccl_links_call_nccl4py_as_documented(monkeypatch):
         return types.SimpleNamespace(
             stage=types.SimpleNamespace(index=index),
             memory=types.SimpleNamespace(buffer=lambda name: allocation),
-            backend=types.SimpleNamespace(activate=lambda: None, stream_handle=stream))
+            backend=types.SimpleNamespace(activate=lambda: None, stream_handle=stream,
+                                          stream_joined=lambda: calls.append(("joined", index))))
 
     reader, writer = multiprocessing.Pipe(duplex=False)
     sender = NcclLink(session(0, 0x1000, 11), writer, sender=True)
@@ -433,8 +434,10 @@ def test_nccl_links_call_nccl4py_as_documented(monkeypatch):
     with pytest.raises(KernccError, match="expected `residual` of item 2"):
         sender.put(3, "residual", 8)
         receiver.take(2, "residual")
+    # NCCL's work joins the stream: the backend is told first (no overlapping launch after it)
     assert calls == [("init", 2, 0, b"\x07" * 128), ("init", 2, 1, b"\x07" * 128),
-                     ("send", 0, 0x1000, (768,), 1, 11), ("recv", 1, 0x2000, (768,), 0, 22),
-                     ("send", 0, 0x1000, (8,), 1, 11)]  # item 1 (poisoned) moved nothing
+                     ("joined", 0), ("send", 0, 0x1000, (768,), 1, 11),
+                     ("joined", 1), ("recv", 1, 0x2000, (768,), 0, 22),
+                     ("joined", 0), ("send", 0, 0x1000, (8,), 1, 11)]  # item 1 moved nothing
     with pytest.raises(KernccError, match="holds 4096"):
         sender.put(4, "residual", 5000)

@@ -131,6 +131,10 @@ class Backend(abc.ABC):
 
         return kernel
 
+    def stream_joined(self) -> None:
+        """Work other than this backend's own launches may have joined its stream (a new run,
+        another library): the next launch must not overlap what came before it."""
+
     def download_async(self, allocation: Any, offset: int, nbytes: int) -> Any:
         """A download to take later: an object whose `result()` is the uint8 host copy."""
         return Ready(self.download(allocation, offset, nbytes))

@@ -11,6 +11,15 @@ What lives where (gpu/NOTES.md has the measurements behind each choice):
 * cuBLAS through ctypes (`kerncc.runtime.backends.cublas`) for the GEMM externs, and
   kerncc's own GEMV kernels (`kerncc.runtime.backends.gemv`) for their decode shapes (m <= 32).
 
+Programmatic dependent launch (PDL): a kernel of kerncc's own library (its module's sha256 is
+one `kernels/cubins.json` marks `"waits"`: every entry begins with `griddepcontrol.wait`) is
+launched with programmatic stream serialization when the operation just before it on the
+stream is a kernel this backend launched, so its launch and its blocks' start overlap that
+kernel's drain (a decode step: 1.47 -> 1.32 ms, docs/benchmarks.md). After anything else on
+the stream (a copy, an event, cuBLAS, another library, the start of a run or of a capture)
+the next launch is a plain one: the overlap is asked for only where the wait is known to cover
+it. Numerics do not change (the same kernels in the same order). `KERNCC_PDL=0` turns it off.
+
 Every driver call is checked (cuda.bindings returns its CUresult; it does not raise) and a
 failure is a `BackendError` naming the call; the Session adds program, call, op and launch.
 Host-to-device copies are stream-ordered: small ones go through a ring of pinned slots, big
@@ -21,6 +30,8 @@ later (`download_async`), so a chain of stages never waits for the host between 
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import struct
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +49,7 @@ try:  # the optional `cuda` extra
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"{_err} (install kerncc[cuda])") from None
 
+from kerncc.kernels import library
 from kerncc.runtime.backends import gemv
 from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
 from kerncc.runtime.backends.probe import cuda_devices
@@ -49,6 +61,13 @@ PARAM_ALIGN = 16
 SCALAR_FORMATS = {"i32": ("<i", -2**31, 2**31 - 1), "i64": ("<q", -2**63, 2**63 - 1),
                   "u8": ("<B", 0, 255), "f32": ("<f", None, None)}
 _active: list[Any] = [None]  # the backend whose context is current on this thread
+PDL = os.environ.get("KERNCC_PDL", "1") != "0"
+
+
+@functools.cache
+def waiting_modules() -> frozenset[str]:
+    """The sha256s of the library's modules whose entries all wait for their predecessor."""
+    return frozenset(info["sha256"] for info in library.index().values() if info.get("waits"))
 
 
 def available() -> str | None:
@@ -151,6 +170,9 @@ class CudaBackend(Backend):
         self._pinned_free: dict[int, list[int]] = {}
         self._landings: dict[tuple[int, int], _Landing] = {}
         self.launches = 0
+        self.pdl = PDL  # may be switched per backend (benchmarks compare both in one run)
+        self.after_kernel = False  # the stream's last operation is a kernel launched here
+        self.overlapped = 0  # launches made with programmatic stream serialization
 
     def __repr__(self) -> str:
         return f"CudaBackend(device {self.index}: {self.device.name})"
@@ -197,8 +219,12 @@ class CudaBackend(Backend):
     def _pinned(self, nbytes: int) -> int:
         return int(check(cu.cuMemAllocHost(nbytes), f"cuMemAllocHost({nbytes} bytes)"))
 
+    def stream_joined(self) -> None:
+        self.after_kernel = False
+
     def upload(self, allocation: Allocation, offset: int, data: np.ndarray) -> None:
         self.activate()
+        self.after_kernel = False
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         n = data.size
         if n == 0:
@@ -229,6 +255,7 @@ class CudaBackend(Backend):
 
     def download_async(self, allocation: Allocation, offset: int, nbytes: int) -> Download:
         self.activate()
+        self.after_kernel = False
         if offset < 0 or offset + nbytes > allocation.nbytes:
             raise BackendError(f"reading {nbytes} bytes at {offset} overruns an allocation of "
                                f"{allocation.nbytes} bytes")
@@ -252,6 +279,7 @@ class CudaBackend(Backend):
     def copy(self, source: Allocation, source_offset: int, target: Allocation,
              target_offset: int, nbytes: int) -> None:
         self.activate()
+        self.after_kernel = False
         if nbytes:
             check(cu.cuMemcpyDtoDAsync(cu.CUdeviceptr(target.ptr + target_offset),
                                        cu.CUdeviceptr(source.ptr + source_offset), nbytes,
@@ -286,6 +314,7 @@ class CudaBackend(Backend):
             return
         landing = target_backend._landing(target, nbytes)
         self.activate()
+        self.after_kernel = target_backend.after_kernel = False
         if landing.arrived is None:  # an event belongs to the device whose stream records it
             landing.arrived = self.device.create_event(EventOptions(timing_enabled=False))
         if landing.used:
@@ -377,9 +406,13 @@ class CudaBackend(Backend):
             a, w, c, m, n, k = (next(values) if isinstance(v, VarScalar) else v for v in fixed)
             m, n, k = int(m), int(n), int(k)
             if small is not None and gemv.usable(m, n, k, a, w, c):
-                small(a, w, c, m, n, k, self._launch_stream)
+                overlap = self.pdl and self.after_kernel
+                small(a, w, c, m, n, k, self._launch_stream, overlap)
+                self.overlapped += overlap
+                self.after_kernel = True
             else:
                 blas.gemm(name, a, w, c, m, n, k)  # type: ignore[union-attr]
+                self.after_kernel = False  # cuBLAS may issue more than one operation
             self.launches += 1
 
         return launch
@@ -413,6 +446,7 @@ class CudaBackend(Backend):
         self.activate()
         builder = self.stream.create_graph_builder()
         builder.begin_building()
+        self.after_kernel = False  # a graph's first kernel overlaps nothing
         try:
             self._launch_stream = builder.stream.handle
             if self.blas is not None:
@@ -431,11 +465,13 @@ class CudaBackend(Backend):
 
     def _restore_stream(self) -> None:
         self._launch_stream = self.stream_handle
+        self.after_kernel = False
         if self.blas is not None:
             self.blas.set_stream(int(self.stream_handle))
 
     def replay(self, graph: Any) -> None:
         self.activate()
+        self.after_kernel = False
         graph.launch(self.stream)
 
     # ------------------------------------------------------------------------ timing
@@ -443,6 +479,7 @@ class CudaBackend(Backend):
     def mark(self) -> Any:
         """A timing event recorded now on the stream."""
         self.activate()
+        self.after_kernel = False
         return self.stream.record(options=EventOptions(timing_enabled=True))
 
     @staticmethod
@@ -460,13 +497,15 @@ class _KernelLaunch:
 
     The parameter block holds every argument at a 16-byte aligned slot (pointers as u64,
     scalars in their width, packs as their bytes); `cuLaunchKernel` gets a table of pointers
-    into it. Only the slots of var-dependent scalars are rewritten per launch (the driver
+    into it (`cuLaunchKernelEx` when the launch may overlap the kernel before: module docstring). Only the slots of var-dependent scalars are rewritten per launch (the driver
     copies parameters at launch time, so rewriting right after is safe, also while capturing).
     """
 
     def __init__(self, backend: CudaBackend, site: Site, fn: Any) -> None:
         self.backend, self.site, self.fn = backend, site, fn
         self.block = site.block
+        self.waits = site.module in waiting_modules()
+        self.config = gemv.launch_config(True) if self.waits else None
         slots: list[tuple[int, bytes]] = []
         self.var_slots: list[tuple[int, str, Any, Any]] = []
         offset = 0
@@ -520,10 +559,23 @@ class _KernelLaunch:
         gx, gy, gz = grid
         if gx <= 0 or gy <= 0 or gz <= 0:
             return  # nothing to cover
-        b = self.block
-        check(cu.cuLaunchKernel(self.fn, gx, gy, gz, b[0], b[1], b[2], shared,
-                                self.backend._launch_stream, self.params, 0), "cuLaunchKernel")
-        self.backend.launches += 1
+        b, backend = self.block, self.backend
+        if self.waits and backend.pdl and backend.after_kernel:
+            self._launch_overlapping(grid, shared)
+            backend.overlapped += 1
+        else:
+            check(cu.cuLaunchKernel(self.fn, gx, gy, gz, b[0], b[1], b[2], shared,
+                                    backend._launch_stream, self.params, 0), "cuLaunchKernel")
+        backend.after_kernel = True
+        backend.launches += 1
+
+    def _launch_overlapping(self, grid: tuple[int, int, int], shared: int) -> None:
+        config = self.config
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = self.block
+        config.sharedMemBytes = shared
+        config.hStream = self.backend._launch_stream
+        check(cu.cuLaunchKernelEx(config, self.fn, self.params, 0), "cuLaunchKernelEx")
 
 
 def _param_bytes(arg: Any) -> tuple[bytes, list[tuple[int, str, Any, Any]]]:

@@ -12,11 +12,9 @@ takes depends only on its shape (m, n, k) and its pointers' alignment, never on 
 is the largest m they are given: measured on an H200 (docs/benchmarks.md), at m <= 8 they
 beat cuBLAS inside the decode graph (1.45 against 1.57 ms a step), at m = 32 cuBLAS is twice
 as fast.
-`PDL` (`KERNCC_GEMV_PDL=1`, default off) launches them with programmatic stream serialization,
-so a GEMV's blocks start, and fetch their first weights, while the kernel before it finishes
-(the kernel waits with `griddepcontrol.wait` before it reads A or C). Off by default: it made
-the decode step slower (1.91 against 1.76 ms), and the wait covers only a preceding kernel,
-not a preceding copy, so a GEMV right after an upload could read stale bytes.
+The backend says per launch whether it may overlap the kernel before (programmatic dependent
+launch, runtime/backends/cuda.py); the GEMV waits (`griddepcontrol.wait`) before it loads W, A
+or C either way.
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
 NARROW_ENTRY = "gemv_bf16_tn_mb1"
 ENTRIES = {"gemv_bf16_tn_mb1": 256, "gemv_bf16_tn_mb2": 256, "gemv_bf16_tn_mb3": 256,
            "gemv_bf16_tn_mb4": 256, "gemv_bf16_tn_mb1_w16": 512}  # entry: threads
-PDL = os.environ.get("KERNCC_GEMV_PDL", "0") == "1"
 MODULE = "gemv"
 ROWS_PER_BLOCK = 16
 MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
@@ -87,27 +84,36 @@ class GemvSite:
         self.storage = ctypes.create_string_buffer(56)
         base = ctypes.addressof(self.storage)
         self.table = (ctypes.c_void_p * 7)(*[base + at for at in _SLOTS])
-        self.config = cu.CUlaunchConfig()
-        self.config.blockDimY = self.config.blockDimZ = 1
-        self.config.gridDimY = self.config.gridDimZ = 1
-        self.config.sharedMemBytes = 0
-        if PDL:
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            self.config.attrs = [attr]
-            self.config.numAttrs = 1
-        else:
-            self.config.numAttrs = 0
+        self.configs = {False: launch_config(False), True: launch_config(True)}
 
-    def __call__(self, a: int, w: int, c: int, m: int, n: int, k: int, stream: Any) -> None:
+    def __call__(self, a: int, w: int, c: int, m: int, n: int, k: int, stream: Any,
+                 overlap: bool = False) -> None:
+        """Launch on `stream`; `overlap`: with programmatic stream serialization."""
         base = self.storage
         for at, fmt, value in zip(_SLOTS, "QQQiiii", (a, w, c, m, n, k, self.mode)):
             struct.pack_into("<" + fmt, base, at, value)
         entry = entry_for(m, n)
-        self.config.gridDimX = -(-n // ROWS_PER_BLOCK)
-        self.config.blockDimX = ENTRIES[entry]
-        self.config.hStream = stream
+        config = self.configs[overlap]
+        config.gridDimX = -(-n // ROWS_PER_BLOCK)
+        config.blockDimX = ENTRIES[entry]
+        config.hStream = stream
         fn = self.gemv.functions[entry]
-        self.gemv._check(cu.cuLaunchKernelEx(self.config, fn, ctypes.addressof(self.table), 0),
+        self.gemv._check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(self.table), 0),
                          "cuLaunchKernelEx(gemv)")
+
+
+def launch_config(overlap: bool) -> Any:
+    """A CUlaunchConfig for `cuLaunchKernelEx` (grid, block and stream set per launch);
+    `overlap`: with programmatic stream serialization (the kernel may start while the one
+    before it drains; it must wait for it with `griddepcontrol.wait`)."""
+    config = cu.CUlaunchConfig()
+    config.blockDimY = config.blockDimZ = 1
+    config.gridDimY = config.gridDimZ = 1
+    config.sharedMemBytes = 0
+    if overlap:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [attr]
+    config.numAttrs = 1 if overlap else 0
+    return config

@@ -191,6 +191,7 @@ class NcclPeer:
         """Issue the send of `name`'s first bytes on the stream (after the item's launches)."""
         backend = self.session.backend
         backend.activate()
+        backend.stream_joined()  # NCCL's work on the stream
         self.comm.send(view or self._view(name, nbytes), self.RECEIVER_RANK,
                        stream=int(backend.stream_handle))
 
@@ -198,6 +199,7 @@ class NcclPeer:
         """Issue the receive into `name` on the stream (before the item's launches)."""
         backend = self.session.backend
         backend.activate()
+        backend.stream_joined()  # NCCL's work on the stream
         self.comm.recv(self._view(name, nbytes), self.SENDER_RANK,
                        stream=int(backend.stream_handle))
 

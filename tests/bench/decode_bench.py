@@ -51,9 +51,14 @@ CAPACITY = 32 * 1024  # tokens of KV per chain: 32 sequences of 1024, or one 8k 
 CONTEXT = 512
 
 
-def chain_of(bundle: Path, max_m: int, pdl: bool = False) -> Chain:
-    gemv.MAX_M, gemv.PDL = max_m, pdl
-    return Chain(bundle, backend="cuda", token_capacity=CAPACITY)
+def chain_of(bundle: Path, max_m: int, pdl: bool = True) -> Chain:
+    """A cuda chain with GEMV kernels up to m = max_m, with or without overlapping launches
+    (programmatic dependent launch, runtime/backends/cuda.py)."""
+    gemv.MAX_M = max_m
+    chain = Chain(bundle, backend="cuda", token_capacity=CAPACITY)
+    for backend in chain.backends:
+        backend.pdl = pdl
+    return chain
 
 
 def config(model: dict) -> dict:
@@ -108,7 +113,7 @@ def gemm_shapes(cfg: dict) -> list[tuple[str, int, int, str]]:
 def gemm_bench(cfg: dict) -> None:
     from kerncc.runtime.backends.cuda import CudaBackend
 
-    gemv.MAX_M, gemv.PDL = 32, False  # every size, to compare
+    gemv.MAX_M = 32  # every size, to compare
     backend = CudaBackend(0)
     rng = np.random.default_rng(0)
     busy = Busy(backend)
@@ -258,9 +263,9 @@ def decode_rows(model: dict, cfg: dict, hbm: float) -> None:
         f"{CONTEXT} tokens at {hbm:.2f} TB/s), ms", f"{roof_ms:.3f}")
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     out = {}
-    for label, bundle, max_m, policy in POLICIES:
+    for label, bundle, max_m, policy, pdl in POLICIES:
         gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = policy
-        chain = chain_of(model[bundle], max_m, False)
+        chain = chain_of(model[bundle], max_m, pdl)
         generator = Generator(chain)
         step = decode_step_s(lambda p, n: generator.generate(p, n, 512).tokens, prompt)
         ms = step * 1e3
@@ -291,13 +296,19 @@ def decode_rows(model: dict, cfg: dict, hbm: float) -> None:
 
 DEFAULT_POLICY = (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N)
 BIG = 1 << 30
-POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n)
-    ("cuBLAS only", "whole", 0, DEFAULT_POLICY),
-    ("GEMV m<=8 (the default: 16 warps at n<=2048, cuBLAS at n>=16384)", "whole", 8,
-     DEFAULT_POLICY),
-    ("GEMV m<=8, 8 warps at every n < 16384", "whole", 8,
-     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 0, 16384)),
-    ("2 stages on 1 GPU, GEMV m<=8 (the default)", "two", 8, DEFAULT_POLICY),
+POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n),
+    # overlapping launches (PDL)
+    ("cuBLAS only, no PDL", "whole", 0, DEFAULT_POLICY, False),
+    ("GEMV m<=8, no PDL", "whole", 8, DEFAULT_POLICY, False),
+    ("GEMV m<=8 + PDL (the default)", "whole", 8, DEFAULT_POLICY, True),
+    ("GEMV m<=8 + PDL, 8 warps at every n < 16384", "whole", 8,
+     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 0, 16384), True),
+    ("GEMV m<=8 + PDL, 16 warps at every n < 16384", "whole", 8,
+     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", BIG, 16384), True),
+    ("GEMV m<=8 + PDL, the GEMV for the lm_head too", "whole", 8,
+     (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, BIG), True),
+    ("cuBLAS only + PDL", "whole", 0, DEFAULT_POLICY, True),
+    ("2 stages on 1 GPU, GEMV m<=8 + PDL (the default)", "two", 8, DEFAULT_POLICY, True),
 ]
 
 
@@ -425,15 +436,17 @@ def prefill_rows(model: dict, cfg: dict) -> None:
     roof = prefill_flops(cfg, tokens) / (TC_TFLOPS * 1e12) * 1e3
     row("prefill", f"prefill roofline, TTFT {tokens} ({prefill_flops(cfg, tokens) / 1e12:.1f} "
         f"TFLOP at {TC_TFLOPS:.0f} TFLOP/s), ms", f"{roof:.1f}")
-    chain = chain_of(model["whole"], 8)
     prompt = [int(t) for t in np.random.default_rng(4).integers(1, 32000, tokens)]
-    for chunk in (2048, 1024, 512):
-        ms = ttft(chain, prompt, chunk) * 1e3
-        row("prefill", f"prefill TTFT {tokens}, chunk {chunk}: ms, x roofline",
-            f"{ms:.1f}, {ms / roof:.2f}x")
-        RESULTS.setdefault("ttft_ms", {})[chunk] = ms
-    del chain
-    gc.collect()
+    for pdl in (False, True):
+        chain = chain_of(model["whole"], 8, pdl)
+        how = "+ PDL (the default)" if pdl else "no PDL"
+        for chunk in (2048, 1024, 512):
+            ms = ttft(chain, prompt, chunk) * 1e3
+            row("prefill", f"prefill TTFT {tokens}, chunk {chunk}, {how}: ms, x roofline",
+                f"{ms:.1f}, {ms / roof:.2f}x")
+            RESULTS.setdefault("ttft_ms", {}).setdefault(how, {})[chunk] = ms
+        del chain
+        gc.collect()
     gemv.MAX_M = 8
     prefill_profile(Chain(model["whole"], backend="cuda", token_capacity=CAPACITY,
                           graphs="off"), 2048, 2048)
@@ -474,7 +487,7 @@ def main() -> int:
         if "profile" not in skip:
             for label, max_m in (("cuBLAS", 0), ("GEMV m<=8", 8)):
                 with section(f"profile {label}"):
-                    decode_profile(chain_of(model["whole"], max_m), label)
+                    decode_profile(chain_of(model["whole"], max_m, False), label)
                 gc.collect()
         if "decode" not in skip:
             with section("decode", limit=400):
