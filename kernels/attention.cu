@@ -448,8 +448,8 @@ template <int HD, int G>
 __device__ __forceinline__ void attn_decode_split(const bf16* __restrict__ qkv,
                                                   const uint8_t* __restrict__ kv,
                                                   const int* __restrict__ table_row, int len,
-                                                  float* __restrict__ part, int nq, int nk,
-                                                  int max_splits, float scale, int* s_pages,
+                                                  int split, float* __restrict__ part, int nq,
+                                                  int nk, int max_splits, float scale, int* s_pages,
                                                   uint4* s_q, float* s_stats, float* s_acc) {
   constexpr int C = HD / 8;  // 16-byte chunks of one head's row
   constexpr int KL = C <= 2 ? 2 : C <= 4 ? 4 : C <= 8 ? 8 : 16;
@@ -457,7 +457,7 @@ __device__ __forceinline__ void attn_decode_split(const bf16* __restrict__ qkv,
   constexpr int UMAX = G <= 2 ? 8 : 16 / G;  // keys in flight per thread (registers bound it)
   constexpr int U = STEPS < UMAX ? STEPS : UMAX;
   static_assert(STEPS % U == 0 && DC_SPLIT % PAGE == 0, "a split is whole batches and pages");
-  const int b = blockIdx.x, kvh = blockIdx.y, split = blockIdx.z;
+  const int b = blockIdx.x, kvh = blockIdx.y;
   const int k0 = split * DC_SPLIT, kend = min(len, k0 + DC_SPLIT);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int kg = lane / KL, c = lane % KL;
@@ -597,8 +597,12 @@ __device__ __forceinline__ void attn_decode_split_hd(int hd, const bf16* qkv, co
   switch (hd) {
 #define DC_CASE(HD)                                                                        \
   case HD:                                                                                 \
-    attn_decode_split<HD, G>(qkv, kv, table_row, len, part, nq, nk, max_splits, scale,     \
-                             s_pages, s_q, s_stats, s_acc);                                \
+    for (int split = blockIdx.z; split < max_splits && split * DC_SPLIT < len;             \
+         split += gridDim.z) {                                                             \
+      attn_decode_split<HD, G>(qkv, kv, table_row, len, split, part, nq, nk, max_splits,   \
+                               scale, s_pages, s_q, s_stats, s_acc);                       \
+      __syncthreads(); /* the shared staging is the next split's */                        \
+    }                                                                                      \
     break;
     DC_CASE(16) DC_CASE(32) DC_CASE(48) DC_CASE(64) DC_CASE(80) DC_CASE(96) DC_CASE(112)
     DC_CASE(128)
@@ -609,8 +613,11 @@ __device__ __forceinline__ void attn_decode_split_hd(int hd, const bf16* qkv, co
 }
 
 // Limits: hd % 16 == 0, hd <= 128; G = nq/nk is 1, 2, 4 or 8.
-// grid (seqs, nk, max_splits), block (256); a block whose split starts at or past the
-// sequence's length exits at once.
+// grid (seqs, nk, Z), block (256): block z takes splits z, z + Z, ... of its sequence that start
+// before its length (and below max_splits), each exactly as a block of its own would, so the
+// bits do not depend on Z. Z = max_splits gives a block per split (most exit at once when the
+// sequences are short); a smaller Z launches fewer blocks that loop (the batched decode: at 32
+// sequences of 512 keys and Z = max_splits = 32, seven in eight blocks only exit).
 extern "C" __global__ void __launch_bounds__(DC_WARPS * 32, 2)
 attn_decode_split_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
                        const int* __restrict__ block_table, const int* __restrict__ seq_lens,
@@ -622,7 +629,7 @@ attn_decode_split_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__
   __shared__ float s_stats[DC_WARPS * DC_MAX_G * 2];
   __shared__ int s_pages[DC_SPLIT / PAGE];
   const int b = blockIdx.x;
-  if (b >= seqs || (long long)blockIdx.z * DC_SPLIT >= seq_lens[b]) return;
+  if (b >= seqs) return;
   const int* table_row = block_table + (long long)b * width;
   const int len = seq_lens[b];
   switch (nq == nk * (nq / nk) ? nq / nk : 0) {

@@ -243,8 +243,10 @@ def decode_reference(c) -> tuple[np.ndarray, np.ndarray]:
     return part, bits_f32(out).reshape(c.seqs, c.nq * c.hd)
 
 
-def run_decode(gpu: Gpu, c, repeats: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(partials, rows as bf16 bits) after each of `repeats` split + combine launches."""
+def run_decode(gpu: Gpu, c, repeats: int = 1,
+               blocks: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(partials, rows as bf16 bits) after each of `repeats` split + combine launches; the split
+    launch has `blocks` blocks per (sequence, kv head) (default: one per split)."""
     part0 = np.full((c.seqs, c.nq, c.max_splits, c.hd + 2), SENTINEL, np.float32)
     out0 = np.full((c.seqs, c.nq * c.hd), 0xFFFF, np.uint16)
     ptrs = [gpu.upload(a) for a in (c.qkv, c.kv, c.table, c.lens)]
@@ -252,7 +254,7 @@ def run_decode(gpu: Gpu, c, repeats: int = 1) -> list[tuple[np.ndarray, np.ndarr
     split, combine = decode_scalars(c)
     results = []
     for _ in range(repeats):
-        gpu.launch((c.seqs, c.nk, c.max_splits), 0, ptrs + [part] + split, SPLIT, 256)
+        gpu.launch((c.seqs, c.nk, blocks or c.max_splits), 0, ptrs + [part] + split, SPLIT, 256)
         gpu.launch((c.seqs, c.nq, 1), 0, [part, ptrs[3], out] + combine, COMBINE, 128)
         results.append((gpu.download(part, part0), gpu.download(out, out0)))
     gpu.free(*ptrs, part, out)
@@ -280,6 +282,21 @@ def test_decode_matches_the_reference(gpu, case):
     assert (rows[c.lens == 0] == 0).all(), "an empty sequence writes zeros"
     np.testing.assert_array_equal(part.view(np.uint32), part2.view(np.uint32))
     np.testing.assert_array_equal(rows, rows2)
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[4], DECODE_CASES[5]],
+                         ids=lambda c: "hd{}-q{}-k{}".format(*c[:3]))
+def test_fewer_split_blocks_loop_over_the_splits_with_the_same_bits(gpu, case):
+    """A split block takes splits z, z + Z, ... (the batched decode launches Z < max_splits):
+    with Z = 1, 3 and 8 every partial and row has the bits of a block per split."""
+    c = make_decode_case(*case)
+    (part, rows), = run_decode(gpu, c)
+    assert decode_errors(c, part, rows)[2], "a partial past a sequence's splits was written"
+    assert c.max_splits > 8  # 4100 keys: 33 splits, so every Z below loops
+    for blocks in (1, 3, 8):
+        (part_z, rows_z), = run_decode(gpu, c, blocks=blocks)
+        np.testing.assert_array_equal(part_z.view(np.uint32), part.view(np.uint32))
+        np.testing.assert_array_equal(rows_z, rows)
 
 
 def decode_timing(gpu: Gpu, keys: int, hd=128, nq=16, nk=8, seqs=1, repeats=50) -> float:

@@ -70,6 +70,20 @@ def test_small_config_shapes():
     assert c.max_seqs == 32  # decode_batch takes up to 32 sequences (issue 20)
 
 
+def test_the_batched_decode_launches_fewer_attention_blocks_than_splits():
+    """decode (one sequence) gets a split block per DECODE_SPLIT keys of max_context; the
+    batched decode 8 per (sequence, kv head) that loop (kernels/attention.cu), so 32 short
+    sequences do not launch 8192 blocks; a model with fewer splits keeps one per split."""
+    from kerncc.example.qwen import attn_decode_op
+
+    small, tiny = make_config("small"), make_config("tiny")
+    assert (small.decode_splits, small.decode_batch_blocks) == (32, 8)
+    assert tiny.decode_batch_blocks == tiny.decode_splits == 2
+    grid = lambda op: op["impl"]["launches"][0]["grid"]
+    assert grid(attn_decode_op(small, small.decode_splits)) == ["seqs", 8, 32]
+    assert grid(attn_decode_op(small, small.decode_batch_blocks)) == ["seqs", 8, 8]
+
+
 # ---- manifest structure --------------------------------------------------------------------
 
 

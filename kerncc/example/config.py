@@ -17,6 +17,9 @@ import attrs
 
 from kerncc.kernels.reference import DECODE_SPLIT
 
+# decode_batch's attention blocks per (sequence, kv head): QwenConfig.decode_batch_blocks
+DECODE_BATCH_BLOCKS = 8
+
 PAGE = 16  # KV block size: slots per page-table entry
 BOS_ID, EOS_ID = 0, 2  # the example tokenizer's <|endoftext|> and <|im_end|> (text.py)
 
@@ -81,6 +84,14 @@ class QwenConfig:
     def decode_splits(self) -> int:
         """Splits of DECODE_SPLIT keys that attn_decode needs to cover max_context keys."""
         return -(-self.max_context // DECODE_SPLIT)
+
+    @property
+    def decode_batch_blocks(self) -> int:
+        """Grid z of the batched decode's attention: blocks per (sequence, kv head), each taking
+        splits z, z + Z, ... (kernels/attention.cu). Fewer than `decode_splits` so that short
+        sequences do not launch mostly blocks that only exit: at 32 sequences of 512 keys a
+        block per split launches 8192 blocks, 7168 of them idle."""
+        return min(self.decode_splits, DECODE_BATCH_BLOCKS)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -138,17 +138,19 @@ def kernel_op(params: list[str], entry: str, scalars: list[str], consts: list[di
     return {"params": params, "impl": {"launches": [launch]}}
 
 
-def attn_decode_op(c: QwenConfig) -> dict:
+def attn_decode_op(c: QwenConfig, blocks: int) -> dict:
     """Flash-decoding in two launches (kernels/attention.cu): per (sequence, kv head, split of
     DECODE_SPLIT keys) the softmax partials of the G q heads go to the f32 workspace of param 5
-    (`attn_partials`), then per (sequence, q head) the splits are merged in order into out."""
+    (`attn_partials`), then per (sequence, q head) the splits are merged in order into out.
+    `blocks` split blocks per (sequence, kv head) each take every blocks-th split (the same
+    bits for any count)."""
     nq, nk, hd, splits = c.heads, c.kv_heads, c.head_dim, c.decode_splits
     params = [IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, OUT_F32, "i32"]
     split = kernel_launch(
         "attn_decode_split_bf16", [IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_F32] + ["i32"] * 6
         + ["f32"], [param(0), param(1), param(2), param(3), param(5), param(6), i32(nq), i32(nk),
                     i32(hd), i32(c.pages_per_seq), i32(splits), f32(1.0 / math.sqrt(hd))],
-        ["seqs", nk, splits], 256)
+        ["seqs", nk, blocks], 256)
     combine = kernel_launch(
         "attn_decode_combine_bf16", [IN_F32, IN_I32, OUT_BF16] + ["i32"] * 4,
         [param(5), param(3), param(4), param(6), i32(nq), i32(hd), i32(splits)], ["seqs", nq], 128)
@@ -258,7 +260,9 @@ def ops(c: QwenConfig) -> dict[str, dict]:
                                    "i32"], "attn_prefill_varlen_bf16", ["i32"] * 4 + ["f32"],
                                   attn, [ceil_div(rows, 64 // c.group), nk, "seqs"], 256,
                                   attn_prefill_smem(hd)),
-        "attn_decode": attn_decode_op(c),
+        # a block per split for one sequence (the most parallel); fewer, looping, for a batch
+        "attn_decode": attn_decode_op(c, c.decode_splits),
+        "attn_decode_batch": attn_decode_op(c, c.decode_batch_blocks),
         # silu_mul steps over its outputs 8 at a time when the sizes allow (kernels/
         # activation.cu); any grid is correct, this one has no idle threads.
         "silu_mul": kernel_op([IN_BF16, OUT_BF16, "i32"], "silu_mul_bf16", ["i32", "i32"],
@@ -413,8 +417,9 @@ def call(label: str, op: str, *args: dict) -> dict:
     return {"label": label, "op": op, "args": list(args)}
 
 
-def layer_calls(c: QwenConfig, i: int, prefill: bool) -> list[dict]:
-    """Layer i's calls; prefill and decode differ only in the attention op."""
+def layer_calls(c: QwenConfig, i: int, prefill: bool, batched: bool = False) -> list[dict]:
+    """Layer i's calls; prefill, decode and the batched decode differ only in the attention
+    op."""
     rows, pre = var("tokens"), f"l{i}."
 
     def w(name: str) -> dict:
@@ -425,7 +430,8 @@ def layer_calls(c: QwenConfig, i: int, prefill: bool) -> list[dict]:
                          buf("block_table"), buf("positions"), buf("cu_seqlens"),
                          buf("attn_out"), rows, var("seqs"))
     else:
-        attention = call(pre + "attention", "attn_decode", buf("qkv"), {"state": f"kv.{i}"},
+        attention = call(pre + "attention", "attn_decode_batch" if batched else "attn_decode",
+                         buf("qkv"), {"state": f"kv.{i}"},
                          buf("block_table"), buf("seq_lens"), buf("attn_out"),
                          buf("attn_partials"), var("seqs"))
     if c.qk_norm:
@@ -452,11 +458,11 @@ def layer_calls(c: QwenConfig, i: int, prefill: bool) -> list[dict]:
     return calls
 
 
-def forward_calls(c: QwenConfig, prefill: bool) -> list[dict]:
+def forward_calls(c: QwenConfig, prefill: bool, batched: bool = False) -> list[dict]:
     rows, seqs = var("tokens"), var("seqs")
     calls = [call("embed", "embed", buf("token_ids"), buf("embed.w"), buf("residual"), rows)]
     for i in range(c.layers):
-        calls += layer_calls(c, i, prefill)
+        calls += layer_calls(c, i, prefill, batched)
     # The last row of each sequence feeds the head: row cu_seqlens[s+1]-1 of a packed prefill
     # chunk, every row of a decode call.
     if prefill:
@@ -481,7 +487,7 @@ def programs(c: QwenConfig, casts: list[tuple[str, str, int]]) -> dict[str, dict
         "decode": {"batch": {"groups": 1, "rows": 1}, "graph": True,
                    "calls": forward_calls(c, False)},
         "decode_batch": {"batch": {"groups": c.max_seqs, "rows": 1}, "graph": True,
-                         "calls": forward_calls(c, False)},
+                         "calls": forward_calls(c, False, batched=True)},
         "load": {"once": True, "calls": [call("rope_table", "rope_table", buf("rope"))]},
     }
     if casts:

@@ -17,6 +17,8 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
            against the roofline of the bytes they must read (weights once + every sequence's KV).
   torch    the PyTorch reference's decode step (tests/bench/torch_ref.py), eager and eager
            captured in one CUDA graph, against the same roofline.
+  attention the batched decode at 32/8/2 sequences and 512-4096 tokens with the attention's split
+           blocks per (sequence, kv head) at max_splits (a block per split), 8 and 4.
   bitwise  whole vs 2 stages on one GPU (prompts x chunks, 9 tokens): identical bits.
   prefill  TTFT of 4096 tokens at chunks 2048 / 512, and the per-op GPU time of one 2048-row
            chunk at context 2048, against the bf16 tensor-core roofline.
@@ -130,43 +132,58 @@ def gemm_bench(cfg: dict) -> None:
                        .view(np.uint8))
         c = backend.allocate(32 * n * 4)
         site = backend._gemv_site(extern)
-        for m in (1, 8, 32):
-            results = {}
-            paths = ["cublas", "gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", "gemv_bf16_tn_mb1_u8"]
-            for path in paths if m <= 8 else paths[:2]:
-                def launch(wa, m=m, path=path):
-                    if path == "cublas":
-                        backend.blas.gemm(extern, a.ptr, wa.ptr, c.ptr, m, n, k)
-                    else:
-                        site(a.ptr, wa.ptr, c.ptr, m, n, k, backend.stream_handle)
-                gemv.NARROW_ENTRY, gemv.WIDE_MAX_TILES = (
-                    path if m <= 8 and path != "cublas" else "gemv_bf16_tn_mb1"), 0
-                for wa in ws:
-                    launch(wa)
-                reps = 4 * copies
-                with busy:
-                    start = backend.mark()
-                    for i in range(reps):
-                        launch(ws[i % copies])
-                    end = backend.mark()
-                results[path] = backend.elapsed_ms(start, end) * 1e3 / reps
-            row("gemm", f"{op} n={n} k={k} m={m}: us (weights TB/s) of " + " / ".join(
-                p.replace("gemv_bf16_tn_", "") for p in results),
-                " / ".join(f"{us:.1f} ({wbytes / us / 1e6:.2f})" for us in results.values()))
-            out[f"{op} m={m}"] = results
-        gemv.NARROW_ENTRY = "gemv_bf16_tn_mb1"
+        try:
+            gemm_shape(backend, busy, site, out, (op, n, k, extern), (a, c, ws, copies, wbytes))
+        finally:  # the policy is module state: a failure must not leave it changed
+            gemv.NARROW_ENTRY, gemv.WIDE_MAX_TILES = DEFAULT_POLICY[0], DEFAULT_POLICY[2]
         for wa in ws:
             backend.free(wa)
         backend.free(a), backend.free(c)
     RESULTS["gemm_us"] = out
 
 
-def decode_profile(chain: Chain, label: str) -> None:
+def gemm_shape(backend, busy, site, out: dict, shape: tuple, data: tuple) -> None:
+    """One GEMM shape at m = 1, 8, 32: cuBLAS against each GEMV kernel, one row each."""
+    op, n, k, extern = shape
+    a, c, ws, copies, wbytes = data
+    for m in (1, 8, 32):
+        results = {}
+        paths = ["cublas", "gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16"]
+        for path in paths if m <= 8 else paths[:2]:
+            def launch(wa, m=m, path=path):
+                if path == "cublas":
+                    backend.blas.gemm(extern, a.ptr, wa.ptr, c.ptr, m, n, k)
+                else:
+                    site(a.ptr, wa.ptr, c.ptr, m, n, k, backend.stream_handle)
+            gemv.NARROW_ENTRY, gemv.WIDE_MAX_TILES = (
+                path if m <= 8 and path != "cublas" else "gemv_bf16_tn_mb1"), 0
+            for wa in ws:
+                launch(wa)
+            reps = 4 * copies
+            with busy:
+                start = backend.mark()
+                for i in range(reps):
+                    launch(ws[i % copies])
+                end = backend.mark()
+            results[path] = backend.elapsed_ms(start, end) * 1e3 / reps
+        row("gemm", f"{op} n={n} k={k} m={m}: us (weights TB/s) of " + " / ".join(
+            p.replace("gemv_bf16_tn_", "") for p in results),
+            " / ".join(f"{us:.1f} ({wbytes / us / 1e6:.2f})" for us in results.values()))
+        out[f"{op} m={m}"] = results
+
+
+def decode_profile(chain: Chain, label: str, seqs: int = 1) -> None:
+    """Each launch of one decode step between events, summed per op: batch 1 (`decode`, after
+    a 512-token prompt) or `seqs` sequences of CONTEXT tokens (`decode_batch`)."""
     session, backend = chain.sessions[0], chain.sessions[0].backend
-    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
-    Generator(chain).generate(prompt, 2, 512)
-    env = dict(session.last_vars)
-    program = "decode"
+    if seqs == 1:
+        prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
+        Generator(chain).generate(prompt, 2, 512)
+        env, program = dict(session.last_vars), "decode"
+    else:
+        inputs, vars = batch_inputs(chain, seqs, CONTEXT)
+        chain.run("decode_batch", inputs, vars)
+        env, program = session._vars(vars), "decode_batch"
     backend.sync()
     busy = Busy(backend)
     originals = dict(session._launchers)
@@ -224,9 +241,8 @@ def decode_profile(chain: Chain, label: str) -> None:
                                                 "ops": {n: [counts[n], best[n]] for n in best}}
 
 
-def batch_step_ms(chain: Chain, seqs: int, context: int) -> float:
-    """One `decode_batch` step of `seqs` sequences at `context` tokens each: graph replays."""
-    session, backend = chain.sessions[0], chain.sessions[0].backend
+def batch_inputs(chain: Chain, seqs: int, context: int) -> tuple[dict, dict]:
+    """`decode_batch`'s inputs and vars for `seqs` sequences at `context` tokens each."""
     pages = -(-context // 16)
     table_width = chain.sessions[0].manifest.buffers["block_table"].shape[1]
     block_table = np.zeros((seqs, table_width), np.int32)
@@ -240,7 +256,13 @@ def batch_step_ms(chain: Chain, seqs: int, context: int) -> float:
         "seq_lens": np.full(seqs, context, np.int32),
         "block_table": block_table,
     }
-    vars = {"seqs": seqs, "tokens": seqs}
+    return inputs, {"seqs": seqs, "tokens": seqs}
+
+
+def batch_step_ms(chain: Chain, seqs: int, context: int) -> float:
+    """One `decode_batch` step of `seqs` sequences at `context` tokens each: graph replays."""
+    session, backend = chain.sessions[0], chain.sessions[0].backend
+    inputs, vars = batch_inputs(chain, seqs, context)
     chain.run("decode_batch", inputs, vars)  # captures the graph
     chain.run("decode_batch", inputs, vars)
     backend.sync()
@@ -272,11 +294,11 @@ def decode_rows(model: dict, cfg: dict, hbm: float) -> None:
         row("decode", f"decode batch 1, {label}: ms/token (Generator, host included), x roofline",
             f"{ms:.3f}, {ms / roof_ms:.2f}x")
         out[label] = ms
+        gms = graph_step_ms(chain)
+        row("decode", f"decode batch 1, {label}: graph replay per step (GPU only), ms, x "
+            "roofline", f"{gms:.3f}, {gms / roof_ms:.2f}x")
+        out[f"{label}, graph"] = gms
         if bundle == "whole":
-            gms = graph_step_ms(chain)
-            row("decode", f"decode batch 1, {label}: graph replay per step (GPU only), ms, x "
-                "roofline", f"{gms:.3f}, {gms / roof_ms:.2f}x")
-            out[f"{label}, graph"] = gms
             for seqs in (8, 32):
                 limit = chain.sessions[0].manifest.vars["seqs"].max
                 if seqs > limit:
@@ -299,30 +321,59 @@ BIG = 1 << 30
 POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n),
     # overlapping launches (PDL)
     ("cuBLAS only, no PDL", "whole", 0, DEFAULT_POLICY, False),
-    ("GEMV m<=8, no PDL", "whole", 8, DEFAULT_POLICY, False),
+    ("GEMV m<=8, no PDL (the default before this round)", "whole", 8, DEFAULT_POLICY, False),
     ("GEMV m<=8 + PDL (the default)", "whole", 8, DEFAULT_POLICY, True),
-    ("GEMV m<=8 + PDL, 8 warps at every n < 16384", "whole", 8,
-     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", 0, 16384), True),
-    ("GEMV m<=8 + PDL, 16 warps at every n < 16384", "whole", 8,
-     ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16", BIG, 16384), True),
-    ("GEMV m<=8 + PDL, the GEMV for the lm_head too", "whole", 8,
-     (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, BIG), True),
     ("cuBLAS only + PDL", "whole", 0, DEFAULT_POLICY, True),
+    ("2 stages on 1 GPU, GEMV m<=8, no PDL", "two", 8, DEFAULT_POLICY, False),
     ("2 stages on 1 GPU, GEMV m<=8 + PDL (the default)", "two", 8, DEFAULT_POLICY, True),
 ]
 
 
+def attention_blocks(model: dict, cfg: dict, hbm: float) -> None:
+    """The batched decode's step with Z split blocks per (sequence, kv head) (the grid z of
+    `attn_decode_batch`; the bits are the same for any Z): a block per split (Z = max_splits,
+    the code before), the default 8, and 4, at short and long contexts."""
+    from gpu_bench import kerncc
+
+    source = json.loads(Path(model["manifest"]).read_text())
+    splits = source["ops"]["attn_decode"]["impl"]["launches"][0]["grid"][2]
+    for blocks in (splits, 8, 4):
+        manifest = json.loads(json.dumps(source))
+        manifest["ops"]["attn_decode_batch"]["impl"]["launches"][0]["grid"][2] = blocks
+        variant = Path(model["manifest"]).with_name(f"model-z{blocks}.json")
+        variant.write_text(json.dumps(manifest))
+        bundle = variant.with_name(f"whole-z{blocks}")
+        if kerncc(["lower", str(variant), "-p", "emit", "-o", str(bundle)]) != 0:
+            raise RuntimeError(f"lowering the Z = {blocks} variant failed")
+        chain = chain_of(bundle, 8, True)
+        for seqs, context in ((32, 512), (8, 512), (8, 2048), (2, 4096)):
+            roof = (weight_bytes(cfg) + seqs * kv_bytes(cfg, context)) / (hbm * 1e12) * 1e3
+            ms = batch_step_ms(chain, seqs, context)
+            row("attention", f"decode {seqs} sequences x {context} tokens, {blocks} split "
+                f"blocks per (sequence, kv head): step ms, x roofline", f"{ms:.3f}, "
+                f"{ms / roof:.2f}x")
+            RESULTS.setdefault("attention_blocks", {})[f"{blocks} {seqs}x{context}"] = ms
+        del chain
+        gc.collect()
+
+
 def graph_step_ms(chain: Chain) -> float:
-    """The batch-1 `decode` graph (captured by the Generator), replayed back to back."""
-    session, backend = chain.sessions[0], chain.sessions[0].backend
-    key = next(k for k in session._graphs if k[0] == "decode")
-    graph = session._graphs[key]
+    """The batch-1 `decode` step's GPU time: every stage's graph (captured by the Generator)
+    replayed in order, with the hand-over copies between stages, back to back (one GPU)."""
+    backend = chain.sessions[0].backend
+    steps = []
+    for k, session in enumerate(chain.sessions):
+        key = next(g for g in session._graphs if g[0] == "decode")
+        env = {n: v for n, v in session.last_vars.items() if n in session.manifest.vars}
+        steps.append((k, env, session._graphs[key]))
     busy = Busy(backend)
     replays = 100
     with busy:
         start = backend.mark()
         for _ in range(replays):
-            backend.replay(graph)
+            for k, env, graph in steps:
+                chain._receive(k, env, 0)
+                chain.sessions[k].backend.replay(graph)
         end = backend.mark()
     return backend.elapsed_ms(start, end) / replays
 
@@ -489,9 +540,15 @@ def main() -> int:
                 with section(f"profile {label}"):
                     decode_profile(chain_of(model["whole"], max_m, False), label)
                 gc.collect()
+            with section("profile 32 sequences"):
+                decode_profile(chain_of(model["whole"], 8, False), "32 sequences", seqs=32)
+            gc.collect()
         if "decode" not in skip:
             with section("decode", limit=400):
                 decode_rows(model, cfg, hbm)
+        if "attention" not in skip:
+            with section("attention"):
+                attention_blocks(model, cfg, hbm)
         if "torch" not in skip:
             with section("torch"):
                 torch_graph(model, cfg, hbm)
