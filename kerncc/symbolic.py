@@ -82,6 +82,9 @@ class Machine:
     reads: dict[tuple[str, int], list[int]] = attrs.field(factory=dict)
     driven_regions: set[tuple[str, int]] = attrs.field(factory=set)
     driven_writes: set[str] = attrs.field(factory=set)
+    # fnv_parts results by their parts, shared by the machines of one check: a stage runs the
+    # whole's calls on the same values when the proof holds, so it hashes nothing anew.
+    hashes: dict[tuple[int, ...], int] = attrs.field(factory=dict)
 
     def seed_host(self) -> None:
         """Inputs, weights, sources, peers: what the host provides, one value per name."""
@@ -104,11 +107,17 @@ class Machine:
             self.reads[(program, index)] = reads
             self.driven_regions |= acc.regions
             self.driven_writes |= acc.buffer_writes
-        h = fnv_parts(parts + reads)
+        h = self._hash((*parts, *reads))
         self.origins.setdefault(h, Origin(program, index, call.label, self.stage))
         for a in acc.accesses:
             if a.writes:
-                self._write(a, fnv_parts([h, a.position]), h)
+                self._write(a, self._hash((h, a.position)), h)
+
+    def _hash(self, parts: tuple[int, ...]) -> int:
+        found = self.hashes.get(parts)
+        if found is None:
+            found = self.hashes[parts] = fnv_parts(list(parts))
+        return found
 
     def _read(self, a) -> int:
         if a.kind == "buffer":
@@ -155,8 +164,8 @@ class Proof:
                 "carries": self.carries, "state_regions": self.regions}
 
 
-def run_whole(whole: m.Manifest, driven: list[str]) -> Machine:
-    machine = Machine(whole)
+def run_whole(whole: m.Manifest, driven: list[str], hashes: dict | None = None) -> Machine:
+    machine = Machine(whole, hashes={} if hashes is None else hashes)
     machine.seed_host()
     for name in init_programs(whole):
         machine.run_program(name)
@@ -165,8 +174,10 @@ def run_whole(whole: m.Manifest, driven: list[str]) -> Machine:
     return machine
 
 
-def run_stages(stages: list[m.Manifest], driven: list[str]) -> list[Machine]:
-    machines = [Machine(s, stage=i) for i, s in enumerate(stages)]
+def run_stages(stages: list[m.Manifest], driven: list[str], hashes: dict | None = None
+               ) -> list[Machine]:
+    shared = {} if hashes is None else hashes
+    machines = [Machine(s, stage=i, hashes=shared) for i, s in enumerate(stages)]
     for machine in machines:
         machine.seed_host()
         for name in init_programs(machine.manifest):
@@ -192,8 +203,9 @@ def _hand_over(previous: Machine, machine: Machine) -> None:
 def check_stages(whole: m.Manifest, stages: list[m.Manifest]) -> Proof:
     """Raise KernccError naming every differing value, or return what was proved."""
     driven = whole.driven_programs()
-    expected = run_whole(whole, driven)
-    machines = run_stages(stages, driven)
+    hashes: dict[tuple[int, ...], int] = {}  # a pure function's results: sharing them is safe
+    expected = run_whole(whole, driven, hashes)
+    machines = run_stages(stages, driven, hashes)
     problems, counts = _compare(whole, expected, machines)
     if problems:
         raise KernccError(HEADLINE, problems)
