@@ -85,6 +85,9 @@ class Machine:
     # fnv_parts results by their parts, shared by the machines of one check: a stage runs the
     # whole's calls on the same values when the proof holds, so it hashes nothing anew.
     hashes: dict[tuple[int, ...], int] = attrs.field(factory=dict)
+    # Each call's identity parts (op, label, scalars) by the call object, shared the same way
+    # (stages hold the whole's Call objects); the entry holds the call, so its id stays its.
+    identities: dict[int, tuple[m.Call, tuple[int, int, int]]] = attrs.field(factory=dict)
 
     def seed_host(self) -> None:
         """Inputs, weights, sources, peers: what the host provides, one value per name."""
@@ -101,17 +104,24 @@ class Machine:
     def run_call(self, program: str, index: int, call: m.Call) -> None:
         op = self.manifest.ops.get(call.op)
         acc = call_access(call, op)
-        parts = [name_hash(call.op), name_hash(call.label or ""), _scalars_hash(call)]
         reads = [self._read(a) for a in acc.accesses if a.reads]
         if self.driving:
             self.reads[(program, index)] = reads
             self.driven_regions |= acc.regions
             self.driven_writes |= acc.buffer_writes
-        h = self._hash((*parts, *reads))
-        self.origins.setdefault(h, Origin(program, index, call.label, self.stage))
+        h = self._hash((*self._identity(call), *reads))
+        if h not in self.origins:
+            self.origins[h] = Origin(program, index, call.label, self.stage)
         for a in acc.accesses:
             if a.writes:
                 self._write(a, self._hash((h, a.position)), h)
+
+    def _identity(self, call: m.Call) -> tuple[int, int, int]:
+        found = self.identities.get(id(call))
+        if found is None or found[0] is not call:
+            parts = (name_hash(call.op), name_hash(call.label or ""), _scalars_hash(call))
+            found = self.identities[id(call)] = (call, parts)
+        return found[1]
 
     def _hash(self, parts: tuple[int, ...]) -> int:
         found = self.hashes.get(parts)
@@ -120,9 +130,10 @@ class Machine:
         return found
 
     def _read(self, a) -> int:
-        if a.kind == "buffer":
-            return self.buffers.get(a.name, name_hash("unset:" + a.name))
-        return self.regions.get(a.region, 0)
+        if a.kind != "buffer":
+            return self.regions.get(a.region, 0)
+        value = self.buffers.get(a.name)
+        return name_hash("unset:" + a.name) if value is None else value
 
     def _write(self, a, value: int, call_hash: int) -> None:
         self.origins.setdefault(value, self.origins[call_hash])
@@ -164,8 +175,9 @@ class Proof:
                 "carries": self.carries, "state_regions": self.regions}
 
 
-def run_whole(whole: m.Manifest, driven: list[str], hashes: dict | None = None) -> Machine:
-    machine = Machine(whole, hashes={} if hashes is None else hashes)
+def run_whole(whole: m.Manifest, driven: list[str], shared: Machine | None = None) -> Machine:
+    """The whole manifest run on one machine (`shared`: a machine whose memos it shares)."""
+    machine = _machine(whole, None, shared)
     machine.seed_host()
     for name in init_programs(whole):
         machine.run_program(name)
@@ -174,10 +186,10 @@ def run_whole(whole: m.Manifest, driven: list[str], hashes: dict | None = None) 
     return machine
 
 
-def run_stages(stages: list[m.Manifest], driven: list[str], hashes: dict | None = None
+def run_stages(stages: list[m.Manifest], driven: list[str], shared: Machine | None = None
                ) -> list[Machine]:
-    shared = {} if hashes is None else hashes
-    machines = [Machine(s, stage=i, hashes=shared) for i, s in enumerate(stages)]
+    """Each stage on its own machine, handing over between them (`shared`: as run_whole)."""
+    machines = [_machine(s, i, shared) for i, s in enumerate(stages)]
     for machine in machines:
         machine.seed_host()
         for name in init_programs(machine.manifest):
@@ -193,6 +205,13 @@ def run_stages(stages: list[m.Manifest], driven: list[str], hashes: dict | None 
     return machines
 
 
+def _machine(man: m.Manifest, stage: int | None, shared: Machine | None) -> Machine:
+    # The memos hold results of pure functions of their keys: sharing them is always safe.
+    if shared is None:
+        return Machine(man, stage=stage)
+    return Machine(man, stage=stage, hashes=shared.hashes, identities=shared.identities)
+
+
 def _hand_over(previous: Machine, machine: Machine) -> None:
     """Seed, by name, the arriving buffers (exported inputs/inouts) from the previous stage."""
     for name, buf in machine.manifest.buffers.items():
@@ -203,9 +222,8 @@ def _hand_over(previous: Machine, machine: Machine) -> None:
 def check_stages(whole: m.Manifest, stages: list[m.Manifest]) -> Proof:
     """Raise KernccError naming every differing value, or return what was proved."""
     driven = whole.driven_programs()
-    hashes: dict[tuple[int, ...], int] = {}  # a pure function's results: sharing them is safe
-    expected = run_whole(whole, driven, hashes)
-    machines = run_stages(stages, driven, hashes)
+    expected = run_whole(whole, driven)
+    machines = run_stages(stages, driven, shared=expected)
     problems, counts = _compare(whole, expected, machines)
     if problems:
         raise KernccError(HEADLINE, problems)
