@@ -8,16 +8,35 @@ omitted, launch `params`/`args` written only when the input spelled them, 2-spac
 from __future__ import annotations
 
 from json.encoder import encode_basestring as _encode_string  # the C one, as json.dumps uses
+from collections.abc import Callable
 from typing import Any
 
-from kerncc.analysis.cache import per_manifest
+from kerncc.analysis.cache import memo, per_manifest
 from kerncc.manifest import model as m
 
 
 @per_manifest
 def dumps(manifest: m.Manifest) -> str:
     """The canonical text, once per manifest object (cut hashes the whole's, emit digests it)."""
-    return indented_json(to_raw(manifest)) + "\n"
+    return indented_json(to_raw(manifest, call_json=_call_text)) + "\n"
+
+
+class _Written(str):
+    """JSON text already written at its place's indentation, put into the output as it is."""
+
+
+# Where a call sits in the canonical text: programs -> NAME -> calls -> [index], 4 levels in.
+CALL_NEWLINE = "\n" + "  " * 4
+
+
+def _call_text(c: m.Call) -> _Written:
+    # A call is three quarters of a manifest's text, and a stage holds the whole's Call
+    # objects (frozen, like everything in a manifest): each is written once, by identity.
+    def write() -> _Written:
+        parts: list[str] = []
+        _write(call(c), CALL_NEWLINE, parts)
+        return _Written("".join(parts))
+    return memo(c, "canonical json", write)
 
 
 def indented_json(value: Any) -> str:
@@ -74,6 +93,8 @@ def _write_item(head: str, item: Any, inner: str, parts: list[str]) -> None:
         parts.append(head + _encode_string(item))
     elif kind is int:
         parts.append(head + int.__repr__(item))
+    elif kind is _Written:
+        parts.append(head + item)
     else:
         parts.append(head)
         _write(item, inner, parts)
@@ -118,7 +139,8 @@ def sorted_map(items: dict, convert) -> dict:
     return {k: convert(items[k]) for k in sorted(items, key=sort_key)}
 
 
-def to_raw(man: m.Manifest) -> dict:
+def to_raw(man: m.Manifest, call_json: Callable[[m.Call], Any] | None = None) -> dict:
+    """The canonical JSON value (`call_json`: how a call is written, `call` by default)."""
     out: dict[str, Any] = {"schema_version": man.schema_version, "model": man.model}
     if man.topology is not None:
         out["topology"] = {"groups": sorted_map(man.topology, lambda v: v)}
@@ -131,7 +153,7 @@ def to_raw(man: m.Manifest) -> dict:
     out["buffers"] = sorted_map(man.buffers, buffer)
     out["modules"] = sorted_map(man.modules, lambda x: {"source": x.source, "sha256": x.sha256})
     out["ops"] = sorted_map(man.ops, op)
-    out["programs"] = sorted_map(man.programs, program)
+    out["programs"] = sorted_map(man.programs, lambda p: program(p, call_json or call))
     return out
 
 
@@ -321,14 +343,14 @@ def tensormap(t: m.TensorMap) -> dict:
     return out
 
 
-def program(p: m.Program) -> dict:
+def program(p: m.Program, call_json: Callable[[m.Call], Any] | None = None) -> dict:
     out: dict[str, Any] = {}
     if p.batch is not None:
         out["batch"] = batch(p.batch)
     for flag in ("once", "derive", "graph"):
         if getattr(p, flag):
             out[flag] = True
-    out["calls"] = [call(c) for c in p.calls]
+    out["calls"] = [(call_json or call)(c) for c in p.calls]
     return out
 
 
