@@ -126,7 +126,9 @@ def _peak(man: m.Manifest, accesses: Sequence[CallAccess], ins: list[frozenset[s
     workspaces = {b: sizes.get(b, 0) for b, buf in man.buffers.items() if buf.kind == "workspace"}
     names = frozenset(workspaces)
     for i, acc in enumerate(accesses):
-        live = (ins[i] | ins[i + 1] | acc.buffer_writes) & names
+        # Intersect first: a live set holds every weight read later (hundreds of names), the
+        # workspaces are a few, and `&` walks the smaller side.
+        live = (names & ins[i]) | (names & ins[i + 1]) | (names & acc.buffer_writes)
         total = sum(map(workspaces.__getitem__, live))
         if total > best:
             best, where = total, i
