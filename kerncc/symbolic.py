@@ -1,8 +1,11 @@
 """The symbolic interpreter: proves that a pipeline's stages, run in sequence, compute the whole.
 
 Every call is an uninterpreted function of (op, label, scalar args, what it reads): its result
-is a 64-bit FNV-1a hash of those parts (spec §3.9), written to every buffer and state region it
-writes (the buffer at argument position j gets hash([h, j])). A machine holds buffer values and
+is a 64-bit hash of those parts, written to every buffer and state region it writes (the
+buffer at argument position j gets hash([h, j])). kern's harness (spec §3.9) hashes with
+FNV-1a 64 byte by byte; the proof only asks of the hash that different inputs give different
+values, and a byte loop in Python was half of a 36-layer check, so this is BLAKE2b with 8-byte
+digests (as the cut id, passes/cut.py), over the same little-endian u64 parts. A machine holds buffer values and
 state-region values; it runs derive programs, then once programs (name order), then the driven
 programs one after another (name order), with buffers and states persisting.
 
@@ -17,6 +20,7 @@ where it was read.
 from __future__ import annotations
 
 import functools
+import hashlib
 import struct
 from typing import Any
 
@@ -29,24 +33,19 @@ from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
 from kerncc.ir import execution_order
 
 HEADLINE = "the stages do not compute the whole:"
-FNV_OFFSET = 0xCBF29CE484222325
-FNV_PRIME = 0x100000001B3
-MASK = 0xFFFFFFFFFFFFFFFF
 
 
-def fnv_parts(parts: list[int]) -> int:
-    """FNV-1a 64 over the little-endian bytes of u64 parts."""
-    h = FNV_OFFSET
-    for byte in struct.pack(f"<{len(parts)}Q", *parts):
-        h = ((h ^ byte) * FNV_PRIME) & MASK
-    return h
+def hash_parts(parts: list[int]) -> int:
+    """A 64-bit hash of u64 parts: BLAKE2b-64 over their little-endian bytes."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(parts)}Q", *parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @functools.lru_cache(maxsize=65536)
 def name_hash(text: str) -> int:
-    """kern's name_hash: the string's bytes, each widened to a u64 part (cached: op names,
-    labels and scalar reprs repeat every layer, and the byte loop dominated the check)."""
-    return fnv_parts(list(text.encode()))
+    """kern's name_hash: the parts are the string's bytes, each widened to a u64 (cached: op
+    names, labels and scalar reprs repeat every layer)."""
+    return hash_parts(list(text.encode()))
 
 
 @attrs.frozen
@@ -82,7 +81,7 @@ class Machine:
     reads: dict[tuple[str, int], list[int]] = attrs.field(factory=dict)
     driven_regions: set[tuple[str, int]] = attrs.field(factory=set)
     driven_writes: set[str] = attrs.field(factory=set)
-    # fnv_parts results by their parts, shared by the machines of one check: a stage runs the
+    # hash_parts results by their parts, shared by the machines of one check: a stage runs the
     # whole's calls on the same values when the proof holds, so it hashes nothing anew.
     hashes: dict[tuple[int, ...], int] = attrs.field(factory=dict)
     # Each call's identity parts (op, label, scalars) by the call object, shared the same way
@@ -126,7 +125,7 @@ class Machine:
     def _hash(self, parts: tuple[int, ...]) -> int:
         found = self.hashes.get(parts)
         if found is None:
-            found = self.hashes[parts] = fnv_parts(list(parts))
+            found = self.hashes[parts] = hash_parts(list(parts))
         return found
 
     def _read(self, a) -> int:
