@@ -132,8 +132,10 @@ def workspace_intervals(man: m.Manifest, program: str, whole_life: bool = False
     ins = live_ins(accesses)
     occupied: dict[str, list[int]] = {}
     for i, acc in enumerate(accesses):
-        held = acc.buffers if whole_life else acc.buffers | ins[i]
-        for name in sorted(held & workspaces):
+        # From the workspaces' side: a live set also holds every weight read later.
+        held = workspaces & acc.buffers if whole_life else (
+            (workspaces & acc.buffers) | (workspaces & ins[i]))
+        for name in sorted(held):
             occupied.setdefault(name, []).append(i)
     sizes = buffer_sizes(man)
     out = []
