@@ -30,7 +30,6 @@ input ends there); at a character no terminal matches, that character.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from collections.abc import Iterable
@@ -178,6 +177,8 @@ def caret_diagnostic(text: str, span: Span, message: str) -> Diagnostic:
 
 
 def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    import difflib  # only when a name is wrong: not on every lowering's path
+
     match = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean `{match[0]}`?)" if match else ""
 
