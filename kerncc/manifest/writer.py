@@ -32,11 +32,43 @@ CALL_NEWLINE = "\n" + "  " * 4
 def _call_text(c: m.Call) -> _Written:
     # A call is three quarters of a manifest's text, and a stage holds the whole's Call
     # objects (frozen, like everything in a manifest): each is written once, by identity.
-    def write() -> _Written:
+    return memo(c, "canonical json", lambda: _Written(_write_call(c)))
+
+
+# The indentation inside a call: its fields, each argument, an argument's fields.
+_FIELD = CALL_NEWLINE + "  "
+_ARG = _FIELD + "  "
+_ARG_FIELD = _ARG + "  "
+_POINTER_KEYS = {m.BufArg: '"buf": ', m.StateArg: '"state": '}
+
+
+def _write_call(c: m.Call) -> str:
+    """What `_write(call(c), CALL_NEWLINE, ...)` writes, spelled out for the common shapes
+    (string label and op; buffer, state and var arguments): the generic walk costs most of a
+    manifest's text. Any other value goes through the generic walk."""
+    if type(c.op) is not str or not (c.label is None or type(c.label) is str):
         parts: list[str] = []
         _write(call(c), CALL_NEWLINE, parts)
-        return _Written("".join(parts))
-    return memo(c, "canonical json", write)
+        return "".join(parts)
+    fields = [] if c.label is None else ['"label": ' + _encode_string(c.label)]
+    fields.append('"op": ' + _encode_string(c.op))
+    args = [_write_call_arg(a) for a in c.args]
+    fields.append('"args": [' + _ARG + ("," + _ARG).join(args) + _FIELD + "]" if args
+                  else '"args": []')
+    return "{" + _FIELD + ("," + _FIELD).join(fields) + CALL_NEWLINE + "}"
+
+
+def _write_call_arg(a: m.CallArg) -> str:
+    kind = type(a)
+    if kind is m.VarArg and type(a.name) is str:
+        return "{" + _ARG_FIELD + '"var": ' + _encode_string(a.name) + _ARG + "}"
+    key = _POINTER_KEYS.get(kind)
+    if key is None or type(a.name) is not str or not (a.offset is None or type(a.offset) is int):
+        parts: list[str] = []
+        _write(call_arg(a), _ARG, parts)
+        return "".join(parts)
+    offset = "" if a.offset is None else f',{_ARG_FIELD}"offset": {int.__repr__(a.offset)}'
+    return "{" + _ARG_FIELD + key + _encode_string(a.name) + offset + _ARG + "}"
 
 
 def indented_json(value: Any) -> str:
