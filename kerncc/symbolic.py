@@ -74,7 +74,9 @@ class Machine:
     stage: int | None = None
     buffers: dict[str, int] = attrs.field(factory=dict)
     regions: dict[tuple[str, int], int] = attrs.field(factory=dict)
-    origins: dict[int, Origin] = attrs.field(factory=dict)
+    # Each value's first origin as Origin's fields (program, call, label, stage): only an
+    # error names one, so the Origin is made then.
+    origins: dict[int, tuple[str, int, str | None, int | None]] = attrs.field(factory=dict)
     written_buffers: set[str] = attrs.field(factory=set)
     written_regions: set[tuple[str, int]] = attrs.field(factory=set)
     driving: bool = False
@@ -103,17 +105,16 @@ class Machine:
     def run_call(self, program: str, index: int, call: m.Call) -> None:
         op = self.manifest.ops.get(call.op)
         acc = call_access(call, op)
-        reads = [self._read(a) for a in acc.accesses if a.reads]
+        reads = [self._read(a) for a in acc.reading]
         if self.driving:
             self.reads[(program, index)] = reads
             self.driven_regions |= acc.regions
             self.driven_writes |= acc.buffer_writes
         h = self._hash((*self._identity(call), *reads))
         if h not in self.origins:
-            self.origins[h] = Origin(program, index, call.label, self.stage)
-        for a in acc.accesses:
-            if a.writes:
-                self._write(a, self._hash((h, a.position)), h)
+            self.origins[h] = (program, index, call.label, self.stage)
+        for a in acc.writing:
+            self._write(a, self._hash((h, a.position)), h)
 
     def _identity(self, call: m.Call) -> tuple[int, int, int]:
         found = self.identities.get(id(call))
@@ -147,7 +148,7 @@ class Machine:
         if value is None:
             return "nothing (never written)"
         found = self.origins.get(value)
-        return str(found) if found else "the host"
+        return str(Origin(*found)) if found else "the host"
 
 
 def _scalars_hash(call: m.Call) -> int:
