@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - the last line of defence: a bug, said plainly
         return internal_error(err, argv)
     finally:
-        gc.set_threshold(*before)  # as it was: main() may run inside another program
+        gc.unfreeze()  # as it was: main() may run inside another program
+        gc.set_threshold(*before)
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -138,13 +139,26 @@ def _verify_one(path: str, unsampled: bool, fmt: str, max_errors: int | None = N
             "protocol": protocol.summary_json(found) if found is not None else None}
 
 
+def _load(path: str) -> tuple:
+    """The input manifest and its locator (kerncc.source), frozen out of the cyclic collector.
+
+    A loaded manifest is a frozen tree that lives until the command ends; without gc.freeze
+    every older-generation collection of the work that follows (a lowering's analyses) walked
+    all of it again. main() unfreezes when the command ends.
+    """
+    from kerncc.source import load_with_locator
+
+    loaded = load_with_locator(path)
+    gc.freeze()
+    return loaded
+
+
 def _verify_file(path: str, unsampled: bool):
     """The verified manifest and its serving protocol (None without a driven program); every
     error at its line:col."""
-    from kerncc.source import load_with_locator
     from kerncc.verify import verify
 
-    manifest, locate = load_with_locator(path)
+    manifest, locate = _load(path)
     try:
         verified = verify(manifest)
         return verified, _protocol_of(verified, unsampled)
@@ -281,9 +295,8 @@ def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
     from kerncc.ir import IR
     from kerncc.pipeline import (instruments_from_args, pass_spec, resolve_pipeline,
                                  run_pipeline)
-    from kerncc.source import load_with_locator
 
-    manifest, locate = load_with_locator(args.file)
+    manifest, locate = _load(args.file)
     ir = _verified(IR.from_manifest(manifest, source=args.file), locate)
     text = ",".join(t for t in (spec, upto) if t and not (t == upto and spec and upto in spec))
     if not text:
