@@ -28,7 +28,7 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.manifest import writer
-from kerncc.analysis.access import call_access
+from kerncc.analysis.access import CallAccess, program_access
 from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
 from kerncc.ir import execution_order
 
@@ -98,13 +98,14 @@ class Machine:
 
     def run_program(self, name: str, first_index: int = 0) -> None:
         """Run a program; driven calls are numbered from `first_index` (their whole index)."""
-        self.driving = self.manifest.programs[name].driven
-        for index, call in enumerate(self.manifest.programs[name].calls):
-            self.run_call(name, first_index + index, call)
+        program = self.manifest.programs[name]
+        self.driving = program.driven
+        # The accesses through this manifest's ops, cached per manifest and program.
+        accesses = program_access(self.manifest, program)
+        for index, (call, acc) in enumerate(zip(program.calls, accesses)):
+            self.run_call(name, first_index + index, call, acc)
 
-    def run_call(self, program: str, index: int, call: m.Call) -> None:
-        op = self.manifest.ops.get(call.op)
-        acc = call_access(call, op)
+    def run_call(self, program: str, index: int, call: m.Call, acc: CallAccess) -> None:
         reads = [self._read(a) for a in acc.reading]
         if self.driving:
             self.reads[(program, index)] = reads
