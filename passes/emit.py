@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+from json.encoder import encode_basestring  # the C one, as json.dumps uses
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,17 @@ def _expanded(path: tuple) -> bool:
 # `json.dumps(x, ensure_ascii=False)` builds a new encoder per call; this one is built once
 # (the same class and options, so the same text), which halves a one-line item's cost. The plan
 # is built here from a manifest, a tree: no container can hold itself, so no circular check.
-_one_line = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
+_encode = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
+
+
+def _one_line(value: Any) -> str:
+    """`json.dumps(value, ensure_ascii=False)`; keys and numbers (most items) spelled here."""
+    kind = type(value)
+    if kind is str:
+        return encode_basestring(value)
+    if kind is int:
+        return int.__repr__(value)
+    return _encode(value)
 
 
 def pretty_json(value: Any, path: tuple = ()) -> str:
