@@ -5,9 +5,10 @@ is a 64-bit hash of those parts, written to every buffer and state region it wri
 buffer at argument position j gets hash([h, j])). kern's harness (spec §3.9) hashes with
 FNV-1a 64 byte by byte; the proof only asks of the hash that different inputs give different
 values, and a byte loop in Python was half of a 36-layer check, so this is BLAKE2b with 8-byte
-digests (as the cut id, passes/cut.py), over the same little-endian u64 parts. A machine holds buffer values and
-state-region values; it runs derive programs, then once programs (name order), then the driven
-programs one after another (name order), with buffers and states persisting.
+digests (as the cut id, passes/cut.py), over the same little-endian u64 parts. A machine holds
+buffer values and state-region values; it runs derive programs, then once programs (name
+order), then the driven programs one after another (name order), with buffers and states
+persisting.
 
 The whole manifest runs on one machine. The stages run on one machine each, fresh (each with
 its own, possibly sliced, derive and once programs); for each driven program, stage s runs its

@@ -3,11 +3,11 @@
 TorchInductor style: every line of every program function is decided in Python from the
 stage's launch records (plan.json's `programs`), then `render_stage` only lays them out
 between the module's fixed parts (no template engine: importing jinja2 cost more than
-rendering, on every `kerncc lower` and every bundle load). A launch becomes `rt.launch(site, grid, scalars)`: the grid evaluated from the vars
-(None for an extern), and the var-dependent scalars in argument order, pack fields in their
-listed order (pointers and constants are fixed at load, in the site's parameter block). A
-launch with `when` sits under `if lo <= v["var"] <= hi:`. The runtime evaluates `shared_mem`
-from the site's record.
+rendering, on every `kerncc lower` and every bundle load). A launch becomes
+`rt.launch(site, grid, scalars)`: the grid evaluated from the vars (None for an extern), and
+the var-dependent scalars in argument order, pack fields in their listed order (pointers and
+constants are fixed at load, in the site's parameter block). A launch with `when` sits under
+`if lo <= v["var"] <= hi:`. The runtime evaluates `shared_mem` from the site's record.
 """
 
 from __future__ import annotations

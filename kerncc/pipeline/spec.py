@@ -213,8 +213,9 @@ class _Token(NamedTuple):
     end: int
 
 
-_TOKEN = re.compile(r'''(?P<WS>[ \t\f\r\n]+)|(?P<WORD>[A-Za-z0-9_.\/:+@~-]+)|(?P<STRING>"(?:[^"\\]|\\.)*")
-                       |(?P<EQ>=)|(?P<LBRACE>\{)|(?P<RBRACE>\})|(?P<COMMA>,)''', re.DOTALL | re.VERBOSE)
+_TOKEN = re.compile("|".join((
+    r"(?P<WS>[ \t\f\r\n]+)", f"(?P<WORD>{_WORD.pattern})", r'(?P<STRING>"(?:[^"\\]|\\.)*")',
+    r"(?P<EQ>=)", r"(?P<LBRACE>\{)", r"(?P<RBRACE>\})", r"(?P<COMMA>,)")), re.DOTALL)
 _END = "$END"
 
 
