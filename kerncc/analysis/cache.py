@@ -5,9 +5,7 @@ verification, accesses, liveness, buffer sizes, dataflow graph) holds for as lon
 object lives. `per_manifest` memoizes a function of a manifest (and hashable extra arguments)
 by the manifest's *identity*: hashing or comparing a 36-layer manifest costs more than most
 analyses, and passes hand unchanged stages on as the same object. An entry dies with its
-manifest (a weak reference), so a long process does not keep old IRs alive. The same holds
-for the frozen parts a manifest is made of, which stages share with the whole: `memo` keys any
-weakly referenceable object (the canonical writer keeps each Call's text this way).
+manifest (a weak reference), so a long process does not keep old IRs alive.
 
 The memoized function stays reachable as `wrapper.compute`: a test may replace it to count how
 often an analysis really runs (tests/test_analysis_cache.py).

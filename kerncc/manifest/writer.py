@@ -11,7 +11,7 @@ from json.encoder import encode_basestring as _encode_string  # the C one, as js
 from collections.abc import Callable
 from typing import Any
 
-from kerncc.analysis.cache import memo, per_manifest
+from kerncc.analysis.cache import per_manifest
 from kerncc.manifest import model as m
 
 
@@ -31,8 +31,21 @@ CALL_NEWLINE = "\n" + "  " * 4
 
 def _call_text(c: m.Call) -> _Written:
     # A call is three quarters of a manifest's text, and a stage holds the whole's Call
-    # objects (frozen, like everything in a manifest): each is written once, by identity.
-    return memo(c, "canonical json", lambda: _Written(_write_call(c)))
+    # objects (frozen, like everything in a manifest): each is written once, by identity. The
+    # entry holds the call, so its id stays its own; a weak reference per call cost more than
+    # writing it (kerncc.analysis.access keeps call accesses the same way).
+    hit = _CALL_TEXTS.get(id(c))
+    if hit is not None and hit[0] is c:
+        return hit[1]
+    text = _Written(_write_call(c))
+    if len(_CALL_TEXTS) >= _CALL_TEXTS_LIMIT:
+        _CALL_TEXTS.clear()
+    _CALL_TEXTS[id(c)] = (c, text)
+    return text
+
+
+_CALL_TEXTS_LIMIT = 65536
+_CALL_TEXTS: dict[int, tuple[m.Call, _Written]] = {}
 
 
 # The indentation inside a call: its fields, each argument, an argument's fields.
