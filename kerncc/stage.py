@@ -163,4 +163,12 @@ def _program_vars(program: m.Program) -> set[str]:
         found |= {v for v in (b.span, b.context) if v is not None}
         if isinstance(b.rows, str):
             found.add(b.rows)
-    return found | {v for call in program.calls for arg in call.args for v in _arg_vars(arg)}
+    # Most arguments are buffers: test the two kinds that name vars rather than building an
+    # empty set for every argument of every call.
+    for call in program.calls:
+        for arg in call.args:
+            if isinstance(arg, m.VarArg):
+                found.add(arg.name)
+            elif isinstance(arg, m.ExprArg):
+                found.update(m.expr_vars(arg.expr))
+    return found

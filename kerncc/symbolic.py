@@ -1,10 +1,14 @@
 """The symbolic interpreter: proves that a pipeline's stages, run in sequence, compute the whole.
 
 Every call is an uninterpreted function of (op, label, scalar args, what it reads): its result
-is a 64-bit FNV-1a hash of those parts (spec §3.9), written to every buffer and state region it
-writes (the buffer at argument position j gets hash([h, j])). A machine holds buffer values and
-state-region values; it runs derive programs, then once programs (name order), then the driven
-programs one after another (name order), with buffers and states persisting.
+is a 64-bit hash of those parts, written to every buffer and state region it writes (the
+buffer at argument position j gets hash([h, j])). kern's harness (spec §3.9) hashes with
+FNV-1a 64 byte by byte; the proof only asks of the hash that different inputs give different
+values, and a byte loop in Python was half of a 36-layer check, so this is BLAKE2b with 8-byte
+digests (as the cut id, passes/cut.py), over the same little-endian u64 parts. A machine holds
+buffer values and state-region values; it runs derive programs, then once programs (name
+order), then the driven programs one after another (name order), with buffers and states
+persisting.
 
 The whole manifest runs on one machine. The stages run on one machine each, fresh (each with
 its own, possibly sliced, derive and once programs); for each driven program, stage s runs its
@@ -17,6 +21,7 @@ where it was read.
 from __future__ import annotations
 
 import functools
+import hashlib
 import struct
 from typing import Any
 
@@ -24,29 +29,24 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.manifest import writer
-from kerncc.analysis.access import call_access
+from kerncc.analysis.access import CallAccess, program_access
 from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
 from kerncc.ir import execution_order
 
 HEADLINE = "the stages do not compute the whole:"
-FNV_OFFSET = 0xCBF29CE484222325
-FNV_PRIME = 0x100000001B3
-MASK = 0xFFFFFFFFFFFFFFFF
 
 
-def fnv_parts(parts: list[int]) -> int:
-    """FNV-1a 64 over the little-endian bytes of u64 parts."""
-    h = FNV_OFFSET
-    for byte in struct.pack(f"<{len(parts)}Q", *parts):
-        h = ((h ^ byte) * FNV_PRIME) & MASK
-    return h
+def hash_parts(parts: list[int]) -> int:
+    """A 64-bit hash of u64 parts: BLAKE2b-64 over their little-endian bytes."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(parts)}Q", *parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @functools.lru_cache(maxsize=65536)
 def name_hash(text: str) -> int:
-    """kern's name_hash: the string's bytes, each widened to a u64 part (cached: op names,
-    labels and scalar reprs repeat every layer, and the byte loop dominated the check)."""
-    return fnv_parts(list(text.encode()))
+    """kern's name_hash: the parts are the string's bytes, each widened to a u64 (cached: op
+    names, labels and scalar reprs repeat every layer)."""
+    return hash_parts(list(text.encode()))
 
 
 @attrs.frozen
@@ -75,13 +75,21 @@ class Machine:
     stage: int | None = None
     buffers: dict[str, int] = attrs.field(factory=dict)
     regions: dict[tuple[str, int], int] = attrs.field(factory=dict)
-    origins: dict[int, Origin] = attrs.field(factory=dict)
+    # Each value's first origin as Origin's fields (program, call, label, stage): only an
+    # error names one, so the Origin is made then.
+    origins: dict[int, tuple[str, int, str | None, int | None]] = attrs.field(factory=dict)
     written_buffers: set[str] = attrs.field(factory=set)
     written_regions: set[tuple[str, int]] = attrs.field(factory=set)
     driving: bool = False
     reads: dict[tuple[str, int], list[int]] = attrs.field(factory=dict)
     driven_regions: set[tuple[str, int]] = attrs.field(factory=set)
     driven_writes: set[str] = attrs.field(factory=set)
+    # hash_parts results by their parts, shared by the machines of one check: a stage runs the
+    # whole's calls on the same values when the proof holds, so it hashes nothing anew.
+    hashes: dict[tuple[int, ...], int] = attrs.field(factory=dict)
+    # Each call's identity parts (op, label, scalars) by the call object, shared the same way
+    # (stages hold the whole's Call objects); the entry holds the call, so its id stays its.
+    identities: dict[int, tuple[m.Call, tuple[int, int, int]]] = attrs.field(factory=dict)
 
     def seed_host(self) -> None:
         """Inputs, weights, sources, peers: what the host provides, one value per name."""
@@ -91,29 +99,43 @@ class Machine:
 
     def run_program(self, name: str, first_index: int = 0) -> None:
         """Run a program; driven calls are numbered from `first_index` (their whole index)."""
-        self.driving = self.manifest.programs[name].driven
-        for index, call in enumerate(self.manifest.programs[name].calls):
-            self.run_call(name, first_index + index, call)
+        program = self.manifest.programs[name]
+        self.driving = program.driven
+        # The accesses through this manifest's ops, cached per manifest and program.
+        accesses = program_access(self.manifest, program)
+        for index, (call, acc) in enumerate(zip(program.calls, accesses)):
+            self.run_call(name, first_index + index, call, acc)
 
-    def run_call(self, program: str, index: int, call: m.Call) -> None:
-        op = self.manifest.ops.get(call.op)
-        acc = call_access(call, op)
-        parts = [name_hash(call.op), name_hash(call.label or ""), _scalars_hash(call)]
-        reads = [self._read(a) for a in acc.accesses if a.reads]
+    def run_call(self, program: str, index: int, call: m.Call, acc: CallAccess) -> None:
+        reads = [self._read(a) for a in acc.reading]
         if self.driving:
             self.reads[(program, index)] = reads
             self.driven_regions |= acc.regions
             self.driven_writes |= acc.buffer_writes
-        h = fnv_parts(parts + reads)
-        self.origins.setdefault(h, Origin(program, index, call.label, self.stage))
-        for a in acc.accesses:
-            if a.writes:
-                self._write(a, fnv_parts([h, a.position]), h)
+        h = self._hash((*self._identity(call), *reads))
+        if h not in self.origins:
+            self.origins[h] = (program, index, call.label, self.stage)
+        for a in acc.writing:
+            self._write(a, self._hash((h, a.position)), h)
+
+    def _identity(self, call: m.Call) -> tuple[int, int, int]:
+        found = self.identities.get(id(call))
+        if found is None or found[0] is not call:
+            parts = (name_hash(call.op), name_hash(call.label or ""), _scalars_hash(call))
+            found = self.identities[id(call)] = (call, parts)
+        return found[1]
+
+    def _hash(self, parts: tuple[int, ...]) -> int:
+        found = self.hashes.get(parts)
+        if found is None:
+            found = self.hashes[parts] = hash_parts(list(parts))
+        return found
 
     def _read(self, a) -> int:
-        if a.kind == "buffer":
-            return self.buffers.get(a.name, name_hash("unset:" + a.name))
-        return self.regions.get(a.region, 0)
+        if a.kind != "buffer":
+            return self.regions.get(a.region, 0)
+        value = self.buffers.get(a.name)
+        return name_hash("unset:" + a.name) if value is None else value
 
     def _write(self, a, value: int, call_hash: int) -> None:
         self.origins.setdefault(value, self.origins[call_hash])
@@ -128,7 +150,7 @@ class Machine:
         if value is None:
             return "nothing (never written)"
         found = self.origins.get(value)
-        return str(found) if found else "the host"
+        return str(Origin(*found)) if found else "the host"
 
 
 def _scalars_hash(call: m.Call) -> int:
@@ -155,8 +177,9 @@ class Proof:
                 "carries": self.carries, "state_regions": self.regions}
 
 
-def run_whole(whole: m.Manifest, driven: list[str]) -> Machine:
-    machine = Machine(whole)
+def run_whole(whole: m.Manifest, driven: list[str], shared: Machine | None = None) -> Machine:
+    """The whole manifest run on one machine (`shared`: a machine whose memos it shares)."""
+    machine = _machine(whole, None, shared)
     machine.seed_host()
     for name in init_programs(whole):
         machine.run_program(name)
@@ -165,8 +188,10 @@ def run_whole(whole: m.Manifest, driven: list[str]) -> Machine:
     return machine
 
 
-def run_stages(stages: list[m.Manifest], driven: list[str]) -> list[Machine]:
-    machines = [Machine(s, stage=i) for i, s in enumerate(stages)]
+def run_stages(stages: list[m.Manifest], driven: list[str], shared: Machine | None = None
+               ) -> list[Machine]:
+    """Each stage on its own machine, handing over between them (`shared`: as run_whole)."""
+    machines = [_machine(s, i, shared) for i, s in enumerate(stages)]
     for machine in machines:
         machine.seed_host()
         for name in init_programs(machine.manifest):
@@ -182,6 +207,13 @@ def run_stages(stages: list[m.Manifest], driven: list[str]) -> list[Machine]:
     return machines
 
 
+def _machine(man: m.Manifest, stage: int | None, shared: Machine | None) -> Machine:
+    # The memos hold results of pure functions of their keys: sharing them is always safe.
+    if shared is None:
+        return Machine(man, stage=stage)
+    return Machine(man, stage=stage, hashes=shared.hashes, identities=shared.identities)
+
+
 def _hand_over(previous: Machine, machine: Machine) -> None:
     """Seed, by name, the arriving buffers (exported inputs/inouts) from the previous stage."""
     for name, buf in machine.manifest.buffers.items():
@@ -193,7 +225,7 @@ def check_stages(whole: m.Manifest, stages: list[m.Manifest]) -> Proof:
     """Raise KernccError naming every differing value, or return what was proved."""
     driven = whole.driven_programs()
     expected = run_whole(whole, driven)
-    machines = run_stages(stages, driven)
+    machines = run_stages(stages, driven, shared=expected)
     problems, counts = _compare(whole, expected, machines)
     if problems:
         raise KernccError(HEADLINE, problems)

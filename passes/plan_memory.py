@@ -128,12 +128,13 @@ def workspace_intervals(man: m.Manifest, program: str, whole_life: bool = False
                         ) -> list[Interval]:
     """The live segments (or, with `whole_life`, the access range) of each workspace."""
     accesses = program_access(man, man.programs[program])
-    workspaces = {name for name, b in man.buffers.items() if b.kind == "workspace"}
-    ins = live_ins(accesses)
+    workspaces = frozenset(name for name, b in man.buffers.items() if b.kind == "workspace")
+    # The workspaces' liveness only: a full live set also holds every weight read later.
+    ins = live_ins(accesses, within=workspaces)
     occupied: dict[str, list[int]] = {}
     for i, acc in enumerate(accesses):
-        held = acc.buffers if whole_life else acc.buffers | ins[i]
-        for name in sorted(held & workspaces):
+        held = workspaces & acc.buffers if whole_life else (workspaces & acc.buffers) | ins[i]
+        for name in sorted(held):
             occupied.setdefault(name, []).append(i)
     sizes = buffer_sizes(man)
     out = []

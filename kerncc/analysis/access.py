@@ -53,6 +53,16 @@ class CallAccess:
     accesses: tuple[Access, ...]
 
     @cached_property
+    def reading(self) -> tuple[Access, ...]:
+        """The accesses that read, in argument order."""
+        return tuple(a for a in self.accesses if a.reads)
+
+    @cached_property
+    def writing(self) -> tuple[Access, ...]:
+        """The accesses that write, in argument order."""
+        return tuple(a for a in self.accesses if a.writes)
+
+    @cached_property
     def buffer_reads(self) -> frozenset[str]:
         return frozenset(a.name for a in self.accesses if a.kind == "buffer" and a.reads)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kerncc import manifest as m
 from kerncc.analysis.access import program_access
-from kerncc.analysis.liveness import buffer_sizes, crossings
+from kerncc.analysis.liveness import analyze_program, buffer_sizes
 from kerncc.diagnostics import KernccError
 
 
@@ -42,10 +42,12 @@ def _profile(whole: m.Manifest, driven: list[str]) -> tuple[list[int], list[int]
         accesses = program_access(whole, whole.programs[name])
         for i, acc in enumerate(accesses[:length]):
             costs[i] += sum(sizes.get(b, 0) for b in acc.buffers)
-        sets = crossings(accesses)
-        legal -= _illegal(whole, accesses, sets, length)
-        for a in list(crossing_bytes):
-            crossing_bytes[a] += sum(sizes.get(b, 0) for b in sets[a])
+        # The program's liveness (cached: the `liveness` pass has usually computed it) holds
+        # kern's crossing set at every index and its bytes at var max.
+        live = analyze_program(whole, name)
+        legal -= _illegal(whole, accesses, live.crossing, length)
+        for a in crossing_bytes:
+            crossing_bytes[a] += live.crossing_bytes[a]
     return costs, sorted(legal), crossing_bytes
 
 

@@ -138,27 +138,31 @@ def _add_accesses(graph: Dataflow, node: CallNode, accesses: Sequence[Access],
                   version: dict[Key, int]) -> None:
     # In argument order (so nodes appear as the call spells its args), but every read is of
     # the version before the call, and a call makes one new version per key it writes.
-    before = {_key(a): version.get(_key(a), 0) for a in accesses}
+    keys = [_key(a) for a in accesses]
+    before = {key: version.get(key, 0) for key in keys}
     # A write keeps the old bytes it does not cover unless the call overwrites the whole
     # buffer; when the call also reads the key, the read edge already says so.
-    covered = {_key(a) for a in accesses if a.kills or a.reads}
-    for acc in accesses:
-        key = _key(acc)
+    covered = {key for key, a in zip(keys, accesses) if a.kills or a.reads}
+    for key, acc in zip(keys, accesses):
+        old = key + (before[key],)
         if acc.reads:
-            _edge(graph, key + (before[key],), node, "read", acc)
+            _edge(graph, old, node, "read", acc)
         if not acc.writes:
             continue
         version[key] = before[key] + 1
         _edge(graph, node, key + (before[key] + 1,), "write", acc)
         if key not in covered:
-            _edge(graph, key + (before[key],), node, "partial", acc)
+            _edge(graph, old, node, "partial", acc)
 
 
 def _edge(graph: Dataflow, src: tuple, dst: tuple, access: str, acc: Access) -> None:
-    for end in (src, dst):
-        if end[0] != "call" and end not in graph:
-            graph.add_node(end, kind="value")
-    graph.add_edge(src, dst, access=access, direction=acc.direction, offset=acc.offset)
+    # The graph's add_node and add_edge, inlined: this runs for every access of every call.
+    value = dst if src[0] == "call" else src
+    if value not in graph.nodes:
+        graph.add_node(value, kind="value")
+    data = {"access": access, "direction": acc.direction, "offset": acc.offset}
+    graph._succ[src].append((dst, data))
+    graph._pred[dst].append((src, data))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,14 +45,18 @@ class Liveness:
     programs: dict[str, ProgramLiveness]
 
 
-def live_ins(accesses: Sequence[CallAccess], live_at_end: frozenset[str] = frozenset()
-             ) -> list[frozenset[str]]:
-    """live_in[i] for every call i, and live_in[n] = live_at_end, by one reverse scan."""
-    live = set(live_at_end)
+def live_ins(accesses: Sequence[CallAccess], live_at_end: frozenset[str] = frozenset(),
+             within: frozenset[str] | None = None) -> list[frozenset[str]]:
+    """live_in[i] for every call i, and live_in[n] = live_at_end, by one reverse scan.
+
+    `within`: only those buffers (each buffer's liveness is its own, so this is every set
+    intersected with `within`, without building the whole sets first).
+    """
+    live = set(live_at_end if within is None else live_at_end & within)
     out = [frozenset(live)]
     for acc in reversed(accesses):
         live -= acc.buffer_kills
-        live |= acc.buffer_reads
+        live |= acc.buffer_reads if within is None else acc.buffer_reads & within
         out.append(frozenset(live))
     out.reverse()
     return out
@@ -126,7 +130,9 @@ def _peak(man: m.Manifest, accesses: Sequence[CallAccess], ins: list[frozenset[s
     workspaces = {b: sizes.get(b, 0) for b, buf in man.buffers.items() if buf.kind == "workspace"}
     names = frozenset(workspaces)
     for i, acc in enumerate(accesses):
-        live = (ins[i] | ins[i + 1] | acc.buffer_writes) & names
+        # Intersect first: a live set holds every weight read later (hundreds of names), the
+        # workspaces are a few, and `&` walks the smaller side.
+        live = (names & ins[i]) | (names & ins[i + 1]) | (names & acc.buffer_writes)
         total = sum(map(workspaces.__getitem__, live))
         if total > best:
             best, where = total, i

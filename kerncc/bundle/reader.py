@@ -264,7 +264,7 @@ def stage_code(index: Index, files: StageFiles, man: m.Manifest, plan: dict[str,
     listing = files.texts.get("stage.py")
     if listing is None:
         return None
-    from kerncc.bundle.stage_py import render_stage  # jinja2: only for stages with stage.py
+    from kerncc.bundle.stage_py import render_stage
 
     code = render_stage(man, plan, stage_header(index, files))
     if code.encode() != listing:

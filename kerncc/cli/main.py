@@ -8,6 +8,7 @@ kerncc and says so, with the traceback only under KERNCC_DEBUG=1 (kerncc/config.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -27,6 +28,16 @@ EXIT_CODES = """exit status:
 `-` in place of a file reads standard input."""
 
 
+# Objects the cyclic collector's youngest generation takes before a collection (CPython: 700).
+# A command builds a manifest and its analyses, hundreds of thousands of small objects that
+# live until it ends and hold almost no cycles (lowering the 36-layer example leaves ~4000
+# cyclic objects in all); at 700 the collector walked them again and again, ~10% of a
+# lowering. Reference counting still frees everything acyclic at once. `serve` keeps
+# CPython's default: a long-lived server trades throughput for short pauses.
+GC_YOUNG_THRESHOLD = 50_000
+LONG_LIVED_COMMANDS = frozenset({"serve"})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse(parser, argv)
@@ -34,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     _apply_limits(args)
+    before = gc.get_threshold()
+    if args.command not in LONG_LIVED_COMMANDS:
+        gc.set_threshold(GC_YOUNG_THRESHOLD)
     try:
         return args.handler(args) or 0
     except KernccError as err:
@@ -47,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as err:  # noqa: BLE001 - the last line of defence: a bug, said plainly
         return internal_error(err, argv)
+    finally:
+        gc.unfreeze()  # as it was: main() may run inside another program
+        gc.set_threshold(*before)
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -122,13 +139,26 @@ def _verify_one(path: str, unsampled: bool, fmt: str, max_errors: int | None = N
             "protocol": protocol.summary_json(found) if found is not None else None}
 
 
+def _load(path: str) -> tuple:
+    """The input manifest and its locator (kerncc.source), frozen out of the cyclic collector.
+
+    A loaded manifest is a frozen tree that lives until the command ends; without gc.freeze
+    every older-generation collection of the work that follows (a lowering's analyses) walked
+    all of it again. main() unfreezes when the command ends.
+    """
+    from kerncc.source import load_with_locator
+
+    loaded = load_with_locator(path)
+    gc.freeze()
+    return loaded
+
+
 def _verify_file(path: str, unsampled: bool):
     """The verified manifest and its serving protocol (None without a driven program); every
     error at its line:col."""
-    from kerncc.source import load_with_locator
     from kerncc.verify import verify
 
-    manifest, locate = load_with_locator(path)
+    manifest, locate = _load(path)
     try:
         verified = verify(manifest)
         return verified, _protocol_of(verified, unsampled)
@@ -265,9 +295,8 @@ def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
     from kerncc.ir import IR
     from kerncc.pipeline import (instruments_from_args, pass_spec, resolve_pipeline,
                                  run_pipeline)
-    from kerncc.source import load_with_locator
 
-    manifest, locate = load_with_locator(args.file)
+    manifest, locate = _load(args.file)
     ir = _verified(IR.from_manifest(manifest, source=args.file), locate)
     text = ",".join(t for t in (spec, upto) if t and not (t == upto and spec and upto in spec))
     if not text:

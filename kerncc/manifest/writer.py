@@ -8,6 +8,7 @@ omitted, launch `params`/`args` written only when the input spelled them, 2-spac
 from __future__ import annotations
 
 from json.encoder import encode_basestring as _encode_string  # the C one, as json.dumps uses
+from collections.abc import Callable
 from typing import Any
 
 from kerncc.analysis.cache import per_manifest
@@ -17,7 +18,70 @@ from kerncc.manifest import model as m
 @per_manifest
 def dumps(manifest: m.Manifest) -> str:
     """The canonical text, once per manifest object (cut hashes the whole's, emit digests it)."""
-    return indented_json(to_raw(manifest)) + "\n"
+    return indented_json(to_raw(manifest, call_json=_call_text)) + "\n"
+
+
+class _Written(str):
+    """JSON text already written at its place's indentation, put into the output as it is."""
+
+
+# Where a call sits in the canonical text: programs -> NAME -> calls -> [index], 4 levels in.
+CALL_NEWLINE = "\n" + "  " * 4
+
+
+def _call_text(c: m.Call) -> _Written:
+    # A call is three quarters of a manifest's text, and a stage holds the whole's Call
+    # objects (frozen, like everything in a manifest): each is written once, by identity. The
+    # entry holds the call, so its id stays its own; a weak reference per call cost more than
+    # writing it (kerncc.analysis.access keeps call accesses the same way).
+    hit = _CALL_TEXTS.get(id(c))
+    if hit is not None and hit[0] is c:
+        return hit[1]
+    text = _Written(_write_call(c))
+    if len(_CALL_TEXTS) >= _CALL_TEXTS_LIMIT:
+        _CALL_TEXTS.clear()
+    _CALL_TEXTS[id(c)] = (c, text)
+    return text
+
+
+_CALL_TEXTS_LIMIT = 65536
+_CALL_TEXTS: dict[int, tuple[m.Call, _Written]] = {}
+
+
+# The indentation inside a call: its fields, each argument, an argument's fields.
+_FIELD = CALL_NEWLINE + "  "
+_ARG = _FIELD + "  "
+_ARG_FIELD = _ARG + "  "
+_POINTER_KEYS = {m.BufArg: '"buf": ', m.StateArg: '"state": '}
+
+
+def _write_call(c: m.Call) -> str:
+    """What `_write(call(c), CALL_NEWLINE, ...)` writes, spelled out for the common shapes
+    (string label and op; buffer, state and var arguments): the generic walk costs most of a
+    manifest's text. Any other value goes through the generic walk."""
+    if type(c.op) is not str or not (c.label is None or type(c.label) is str):
+        parts: list[str] = []
+        _write(call(c), CALL_NEWLINE, parts)
+        return "".join(parts)
+    fields = [] if c.label is None else ['"label": ' + _encode_string(c.label)]
+    fields.append('"op": ' + _encode_string(c.op))
+    args = [_write_call_arg(a) for a in c.args]
+    fields.append('"args": [' + _ARG + ("," + _ARG).join(args) + _FIELD + "]" if args
+                  else '"args": []')
+    return "{" + _FIELD + ("," + _FIELD).join(fields) + CALL_NEWLINE + "}"
+
+
+def _write_call_arg(a: m.CallArg) -> str:
+    kind = type(a)
+    if kind is m.VarArg and type(a.name) is str:
+        return "{" + _ARG_FIELD + '"var": ' + _encode_string(a.name) + _ARG + "}"
+    key = _POINTER_KEYS.get(kind)
+    if key is None or type(a.name) is not str or not (a.offset is None or type(a.offset) is int):
+        parts: list[str] = []
+        _write(call_arg(a), _ARG, parts)
+        return "".join(parts)
+    offset = "" if a.offset is None else f',{_ARG_FIELD}"offset": {int.__repr__(a.offset)}'
+    return "{" + _ARG_FIELD + key + _encode_string(a.name) + offset + _ARG + "}"
 
 
 def indented_json(value: Any) -> str:
@@ -74,6 +138,8 @@ def _write_item(head: str, item: Any, inner: str, parts: list[str]) -> None:
         parts.append(head + _encode_string(item))
     elif kind is int:
         parts.append(head + int.__repr__(item))
+    elif kind is _Written:
+        parts.append(head + item)
     else:
         parts.append(head)
         _write(item, inner, parts)
@@ -118,7 +184,8 @@ def sorted_map(items: dict, convert) -> dict:
     return {k: convert(items[k]) for k in sorted(items, key=sort_key)}
 
 
-def to_raw(man: m.Manifest) -> dict:
+def to_raw(man: m.Manifest, call_json: Callable[[m.Call], Any] | None = None) -> dict:
+    """The canonical JSON value (`call_json`: how a call is written, `call` by default)."""
     out: dict[str, Any] = {"schema_version": man.schema_version, "model": man.model}
     if man.topology is not None:
         out["topology"] = {"groups": sorted_map(man.topology, lambda v: v)}
@@ -131,7 +198,7 @@ def to_raw(man: m.Manifest) -> dict:
     out["buffers"] = sorted_map(man.buffers, buffer)
     out["modules"] = sorted_map(man.modules, lambda x: {"source": x.source, "sha256": x.sha256})
     out["ops"] = sorted_map(man.ops, op)
-    out["programs"] = sorted_map(man.programs, program)
+    out["programs"] = sorted_map(man.programs, lambda p: program(p, call_json or call))
     return out
 
 
@@ -321,14 +388,14 @@ def tensormap(t: m.TensorMap) -> dict:
     return out
 
 
-def program(p: m.Program) -> dict:
+def program(p: m.Program, call_json: Callable[[m.Call], Any] | None = None) -> dict:
     out: dict[str, Any] = {}
     if p.batch is not None:
         out["batch"] = batch(p.batch)
     for flag in ("once", "derive", "graph"):
         if getattr(p, flag):
             out[flag] = True
-    out["calls"] = [call(c) for c in p.calls]
+    out["calls"] = [(call_json or call)(c) for c in p.calls]
     return out
 
 

@@ -1,7 +1,7 @@
 """Pass pipelines: resolve a `-p` spec against the registry, then run it with instruments.
 
 The shape follows xDSL and MLIR (docs: STYLE.md). A spec such as
-`cut{at=218,290},slice-derive,emit{out=stages}` parses (grammar/pipeline.lark) into a
+`cut{at=218,290},slice-derive,emit{out=stages}` parses (kerncc.pipeline.spec) into a
 `PipelineSpec` that prints back to an equal spec. `resolve_pipeline` checks it against the
 registry (kerncc.passes) before anything runs: unknown passes and options, and values of the
 wrong type, are reported together, each with a caret under the text and a did-you-mean.

@@ -1,23 +1,41 @@
-"""The `-p` pipeline spec: its grammar's parse tree turned into values that print back.
+"""The `-p` pipeline spec: parsed into values that print back.
 
 `parse_pipeline("cut{at=218,290},slice-derive")` gives a `PipelineSpec` of `PassSpec`s (names,
 options, and the spans of the text they came from), which `str()` prints back to an equal
-spec. Syntax errors are `KernccError`s with a caret under the text (grammar/pipeline.lark);
-resolving names and options against the registry is kerncc.pipeline's job.
+spec. Syntax errors are `KernccError`s with a caret under the text; resolving names and
+options against the registry is kerncc.pipeline's job. The grammar (LALR(1)):
+
+    pipeline: [pass ("," pass)*]
+    pass: WORD [options]
+    options: "{" [item ("," item)*] "}"
+    item: WORD "=" [value]  -> keyed
+        | value             -> extra
+    value: WORD | STRING
+
+    WORD: /[A-Za-z0-9_.\/:+@~-]+/      STRING: a JSON string      whitespace: /[ \t\f\r\n]+/
+
+A comma separates both options and the items of one option's value list (`at=218,290`); one
+token of lookahead cannot tell those apart, so the grammar keeps a flat list of items, each
+`key=value` or one more value, and a bare item joins the option before it. `key=` with nothing
+after it is the empty list. WORD is every unquoted name and value: pass names, option keys,
+integers, true/false, labels (`l18.qkv_proj`) and paths (`/tmp/out`); printing reuses its
+pattern to decide when a string needs quotes.
+
+The parser is written out by hand (a state per position in the grammar) rather than built by
+lark: building lark's tables took longer than the rest of resolving a spec, on every
+`kerncc lower`. It reports what lark's LALR parser with its contextual lexer reported, word
+for word: at a token the position does not take, the terminals it takes (`$END` only when the
+input ends there); at a character no terminal matches, that character.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
-import importlib.resources
 import json
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
-import lark
 
 from kerncc.diagnostics import SOURCE_WINDOW, Diagnostic, KernccError, Location, source_window
 from kerncc.passes import pass_options
@@ -34,17 +52,12 @@ Span = tuple[int, int]  # [start, end) offsets into the spec text
 _INT_WORD = re.compile(r"-?[0-9]+")
 
 
-@functools.cache
-def _parser() -> lark.Lark:
-    grammar = (importlib.resources.files("kerncc.grammar") / "pipeline.lark").read_text()
-    return lark.Lark(grammar, start="pipeline", parser="lalr", propagate_positions=True,
-                     maybe_placeholders=True)
+# The grammar's WORD terminal, so printing quotes exactly what parsing would not read bare.
+_WORD = re.compile(r"[A-Za-z0-9_.\/:+@~-]+")
 
 
-@functools.cache
 def _word_pattern() -> re.Pattern[str]:
-    # The grammar's WORD terminal, so printing quotes exactly what parsing would not read bare.
-    return re.compile(_parser().get_terminal("WORD").pattern.to_regexp())
+    return _WORD
 
 
 def _classify_word(word: str) -> Scalar:
@@ -164,6 +177,8 @@ def caret_diagnostic(text: str, span: Span, message: str) -> Diagnostic:
 
 
 def _did_you_mean(word: str, choices: Iterable[str]) -> str:
+    import difflib  # only when a name is wrong: not on every lowering's path
+
     match = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean `{match[0]}`?)" if match else ""
 
@@ -173,22 +188,6 @@ _TERMINAL_WORDS = {
     "WORD": "a name", "STRING": "a quoted string", "EQ": "`=`", "LBRACE": "`{`",
     "COMMA": "`,`", "RBRACE": "`}`", "$END": "the end of the pipeline",
 }
-
-
-def _syntax_error(text: str, error: lark.exceptions.UnexpectedInput) -> KernccError:
-    if isinstance(error, lark.exceptions.UnexpectedCharacters):
-        offset = error.pos_in_stream
-        char = text[offset]
-        what = "unterminated string" if char == '"' else f"unexpected character `{char}`"
-        return _invalid(text, (offset, offset + 1), what)
-    token = getattr(error, "token", None)
-    if token is None or token.type == "$END":
-        found, span = "end of the pipeline", (len(text), len(text) + 1)
-    else:
-        found, span = f"`{token}`", (token.start_pos, token.end_pos)
-    expected = [word for name, word in _TERMINAL_WORDS.items()
-                if name in getattr(error, "expected", ())]
-    return _invalid(text, span, f"unexpected {found}" + _expected(expected))
 
 
 def _expected(words: list[str]) -> str:
@@ -204,67 +203,180 @@ def _invalid(text: str, span: Span, message: str) -> KernccError:
 
 
 # ---------------------------------------------------------------------------------------------
+# Tokens: every terminal starts with a character no other one starts with, so the one that can
+# match at a position is known from its first character.
+
+class _Token(NamedTuple):
+    type: str  # WORD, STRING, EQ, LBRACE, RBRACE, COMMA
+    text: str
+    start: int
+    end: int
+
+
+_TOKEN = re.compile("|".join((
+    r"(?P<WS>[ \t\f\r\n]+)", f"(?P<WORD>{_WORD.pattern})", r'(?P<STRING>"(?:[^"\\]|\\.)*")',
+    r"(?P<EQ>=)", r"(?P<LBRACE>\{)", r"(?P<RBRACE>\})", r"(?P<COMMA>,)")), re.DOTALL)
+_END = "$END"
+
+
+class _Tokens:
+    """The tokens of a spec, one at a time, each checked against what its position takes."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.pos = 0
+
+    def take(self, allowed: frozenset[str]) -> _Token | None:
+        """The next token, whose type must be in `allowed` (`$END` in it: None at the end)."""
+        found = self._next()
+        if found is None:
+            if _END not in allowed:
+                raise _unexpected(self.text, None, allowed)
+            return None
+        if found.type not in allowed:
+            # A terminal the position does not take: what it takes, but never the end (the
+            # contextual lexer's words for it).
+            raise _unexpected(self.text, found, allowed - {_END})
+        return found
+
+    def _next(self) -> _Token | None:
+        while self.pos < len(self.text):
+            match = _TOKEN.match(self.text, self.pos)
+            if match is None:
+                offset = self.pos
+                char = self.text[offset]
+                what = "unterminated string" if char == '"' else f"unexpected character `{char}`"
+                raise _invalid(self.text, (offset, offset + 1), what)
+            self.pos = match.end()
+            if match.lastgroup != "WS":
+                return _Token(match.lastgroup, match.group(), match.start(), match.end())
+        return None
+
+
+def _unexpected(text: str, token: _Token | None, expected: Iterable[str]) -> KernccError:
+    if token is None:
+        found, span = "end of the pipeline", (len(text), len(text) + 1)
+    else:
+        found, span = f"`{token.text}`", (token.start, token.end)
+    words = [word for name, word in _TERMINAL_WORDS.items() if name in expected]
+    return _invalid(text, span, f"unexpected {found}" + _expected(words))
+
+
+# What each position of the grammar takes next.
+_START = frozenset({"WORD", _END})                 # a pipeline's first pass, or nothing
+_AFTER_NAME = frozenset({"LBRACE", "COMMA", _END})  # a pass's name: its options, or the next
+_AFTER_LBRACE = frozenset({"WORD", "STRING", "RBRACE"})
+_AFTER_ITEM_WORD = frozenset({"EQ", "COMMA", "RBRACE"})  # `key=`, or a bare value
+_AFTER_EQ = frozenset({"WORD", "STRING", "COMMA", "RBRACE"})
+_AFTER_VALUE = frozenset({"COMMA", "RBRACE"})
+_AFTER_ITEM_COMMA = frozenset({"WORD", "STRING"})
+_AFTER_OPTIONS = frozenset({"COMMA", _END})
+_AFTER_PASS_COMMA = frozenset({"WORD"})
+
+
+class _Item(NamedTuple):
+    """One item inside braces: `key=value` (keyed; value None for `key=`) or a bare value."""
+
+    key: _Token | None
+    equals: _Token | None
+    value: _Token | None
+
+
+class _Pass(NamedTuple):
+    name: _Token
+    items: list[_Item]
+    end: int  # the end of its last token: the name, or the closing brace
+
+
+# ---------------------------------------------------------------------------------------------
 # Parsing: text -> PipelineSpec.
 
 def parse_pipeline(text: str) -> PipelineSpec:
     """Parse a pipeline spec; a syntax error raises KernccError with a caret."""
-    try:
-        tree = _parser().parse(text)
-    except lark.exceptions.UnexpectedInput as error:
-        raise _syntax_error(text, error) from None
-    passes = [_pass_from_tree(text, node) for node in tree.children if node is not None]
+    # Syntax first, over the whole text; then values (a bad string, a bare first item), so a
+    # syntax error anywhere is the one reported.
+    passes = [_pass_spec(text, p) for p in _parse(_Tokens(text))]
     return PipelineSpec(tuple(passes), text)
 
 
-def _pass_from_tree(text: str, node: lark.Tree) -> PassSpec:
-    name, options = node.children
-    items = [] if options is None else [i for i in options.children if i is not None]
-    grouped = _group_items(text, items)
+def _parse(tokens: _Tokens) -> list[_Pass]:
+    passes: list[_Pass] = []
+    name = tokens.take(_START)
+    while name is not None:
+        token = tokens.take(_AFTER_NAME)
+        items: list[_Item] = []
+        end = name.end
+        if token is not None and token.type == "LBRACE":
+            items, end = _options(tokens)
+            token = tokens.take(_AFTER_OPTIONS)
+        passes.append(_Pass(name, items, end))
+        name = None if token is None else tokens.take(_AFTER_PASS_COMMA)
+    return passes
+
+
+def _options(tokens: _Tokens) -> tuple[list[_Item], int]:
+    """The items after `{`, through `}`; and the end of the `}`."""
+    items: list[_Item] = []
+    token = tokens.take(_AFTER_LBRACE)
+    while token.type != "RBRACE":
+        item, token = _item(tokens, token)
+        items.append(item)
+        if token.type == "COMMA":
+            token = tokens.take(_AFTER_ITEM_COMMA)
+    return items, token.end
+
+
+def _item(tokens: _Tokens, first: _Token) -> tuple[_Item, _Token]:
+    """The item starting at `first`, and the token after it (`,` or `}`)."""
+    if first.type == "STRING":
+        return _Item(None, None, first), tokens.take(_AFTER_VALUE)
+    after = tokens.take(_AFTER_ITEM_WORD)
+    if after.type != "EQ":
+        return _Item(None, None, first), after
+    value = tokens.take(_AFTER_EQ)
+    if value.type in ("COMMA", "RBRACE"):  # `key=`: the empty list
+        return _Item(first, after, None), value
+    return _Item(first, after, value), tokens.take(_AFTER_VALUE)
+
+
+def _pass_spec(text: str, p: _Pass) -> PassSpec:
+    grouped = _group_items(text, p.items)
     return PassSpec(
-        str(name), tuple((key, values) for key, values, _ in grouped),
-        span=(node.meta.start_pos, node.meta.end_pos),
-        name_span=(name.start_pos, name.end_pos),
+        p.name.text, tuple((key, values) for key, values, _ in grouped),
+        span=(p.name.start, p.end), name_span=(p.name.start, p.name.end),
         option_spans=tuple(spans for _, _, spans in grouped))
 
 
-def _group_items(text: str, items: list[lark.Tree]) -> list[tuple[str, list, tuple[Span, Span]]]:
+def _group_items(text: str, items: list[_Item]) -> list[tuple[str, list, tuple[Span, Span]]]:
     """Options from the flat item list: each bare item joins the option before it."""
     grouped: list[tuple[str, list, tuple[Span, Span]]] = []
     for item in items:
-        if item.data == "keyed":
+        if item.key is not None:
             grouped.append(_keyed_item(text, item))
             continue
         if not grouped:
-            raise _item_error(text, item, "expected `key=value`")
+            raise _invalid(text, (item.value.start, item.value.end), "expected `key=value`")
         key, values, (key_span, value_span) = grouped[-1]
-        value, span = _value(text, item.children[0])
+        value, span = _value(text, item.value)
         start = value_span[0] if values else span[0]
         grouped[-1] = (key, values + [value], (key_span, (start, span[1])))
     return grouped
 
 
-def _keyed_item(text: str, item: lark.Tree) -> tuple[str, list, tuple[Span, Span]]:
-    key, equals, value_node = item.children
-    key_span = (key.start_pos, key.end_pos)
-    if value_node is None:  # `key=`: the empty list
-        return str(key), [], (key_span, (equals.end_pos, equals.end_pos))
-    value, value_span = _value(text, value_node)
-    return str(key), [value], (key_span, value_span)
+def _keyed_item(text: str, item: _Item) -> tuple[str, list, tuple[Span, Span]]:
+    key, equals = item.key, item.equals
+    key_span = (key.start, key.end)
+    if item.value is None:  # `key=`: the empty list
+        return key.text, [], (key_span, (equals.end, equals.end))
+    value, value_span = _value(text, item.value)
+    return key.text, [value], (key_span, value_span)
 
 
-def _value(text: str, node: lark.Tree) -> tuple[Scalar, Span]:
-    token = node.children[0]
-    span = (token.start_pos, token.end_pos)
+def _value(text: str, token: _Token) -> tuple[Scalar, Span]:
+    span = (token.start, token.end)
     if token.type == "WORD":
-        return _classify_word(str(token)), span
+        return _classify_word(token.text), span
     try:
-        return json.loads(str(token), strict=False), span
+        return json.loads(token.text, strict=False), span
     except json.JSONDecodeError as error:
         raise _invalid(text, span, f"bad string: {error.msg}") from None
-
-
-def _item_error(text: str, item: lark.Tree, message: str) -> KernccError:
-    token = item.children[0].children[0]
-    return _invalid(text, (token.start_pos, token.end_pos), message)
-
-
