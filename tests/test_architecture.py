@@ -88,6 +88,17 @@ def test_the_graph_reader_sees_lazy_imports(tmp_path: Path) -> None:
     assert ("kerncc.manifest.reader", "kerncc.manifest.model") in import_graph().edges
 
 
+def test_every_source_compiles_without_a_warning() -> None:
+    """An invalid escape in a string (a docstring's regex) is a SyntaxWarning at import on
+    Python 3.12 and an error later; compiled here with warnings as errors, every module."""
+    import warnings
+
+    for module, path in sorted(source_modules().items()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text(), str(path), "exec")
+
+
 def test_the_top_level_is_small() -> None:
     top = sorted(p.name for p in (ROOT / "kerncc").glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top

@@ -1,4 +1,4 @@
-"""The `-p` pipeline spec: parsed into values that print back.
+r"""The `-p` pipeline spec: parsed into values that print back.
 
 `parse_pipeline("cut{at=218,290},slice-derive")` gives a `PipelineSpec` of `PassSpec`s (names,
 options, and the spans of the text they came from), which `str()` prints back to an equal
