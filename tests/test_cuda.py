@@ -94,7 +94,8 @@ def test_graph_replay_equals_eager(bundles):
 @pytest.mark.parametrize("graphs", [True, False])
 def test_overlapping_launches_give_the_same_bits(bundles, graphs):
     """Programmatic dependent launch (each kernel waits for the one before it in-kernel)
-    changes when blocks start, never what they compute: the same bits with it off."""
+    changes when blocks start, never what they compute: the same bits with it off. Only
+    launches captured into graphs overlap; launched one by one they stay plain."""
     chains = {}
     for pdl in (True, False):
         chain = Chain(bundles["two"], backend="cuda", graphs=graphs)
@@ -106,7 +107,8 @@ def test_overlapping_launches_give_the_same_bits(bundles, graphs):
         tokens2, logits2 = serve(chains[False], prompt, 64)
         assert tokens == tokens2
         np.testing.assert_array_equal(logits.view(np.uint32), logits2.view(np.uint32))
-    assert sum(b.overlapped for b in chains[True].backends) > 0  # it really overlapped
+    overlapped = sum(b.overlapped for b in chains[True].backends)
+    assert overlapped > 0 if graphs else overlapped == 0  # the graphs really overlapped
     assert sum(b.overlapped for b in chains[False].backends) == 0
 
 

@@ -13,12 +13,15 @@ What lives where (gpu/NOTES.md has the measurements behind each choice):
 
 Programmatic dependent launch (PDL): a kernel of kerncc's own library (its module's sha256 is
 one `kernels/cubins.json` marks `"waits"`: every entry begins with `griddepcontrol.wait`) is
-launched with programmatic stream serialization when the operation just before it on the
-stream is a kernel this backend launched, so its launch and its blocks' start overlap that
-kernel's drain (a decode step: 1.47 -> 1.32 ms, docs/benchmarks.md). After anything else on
-the stream (a copy, an event, cuBLAS, another library, the start of a run or of a capture)
-the next launch is a plain one: the overlap is asked for only where the wait is known to cover
-it. Numerics do not change (the same kernels in the same order). `KERNCC_PDL=0` turns it off.
+launched with programmatic stream serialization while a CUDA graph is captured, when the
+operation just before it on the stream is a kernel this backend launched: in the graph its
+launch and its blocks' start overlap that kernel's drain (a decode step: 1.45 -> 1.32 ms,
+docs/benchmarks.md). After anything else on the stream (a copy, an event, cuBLAS, another
+library, the start of a run or of a capture) the next launch is a plain one: the overlap is
+asked for only where the wait is known to cover it. Launches issued one by one stay plain:
+there `cuLaunchKernelEx` cost more host time than the overlap gave back (serving at 32
+sequences, 4.0-4.3 against 5.0 thousand tokens/s). Numerics do not change (the same kernels
+in the same order). `KERNCC_PDL=0` turns it off.
 
 Every driver call is checked (cuda.bindings returns its CUresult; it does not raise) and a
 failure is a `BackendError` naming the call; the Session adds program, call, op and launch.
@@ -172,6 +175,7 @@ class CudaBackend(Backend):
         self.launches = 0
         self.pdl = PDL  # may be switched per backend (benchmarks compare both in one run)
         self.after_kernel = False  # the stream's last operation is a kernel launched here
+        self.capturing = False  # launches go into a CUDA graph (the only place they overlap)
         self.overlapped = 0  # launches made with programmatic stream serialization
 
     def __repr__(self) -> str:
@@ -406,7 +410,7 @@ class CudaBackend(Backend):
             a, w, c, m, n, k = (next(values) if isinstance(v, VarScalar) else v for v in fixed)
             m, n, k = int(m), int(n), int(k)
             if small is not None and gemv.usable(m, n, k, a, w, c):
-                overlap = self.pdl and self.after_kernel
+                overlap = self.pdl and self.capturing and self.after_kernel
                 small(a, w, c, m, n, k, self._launch_stream, overlap)
                 self.overlapped += overlap
                 self.after_kernel = True
@@ -447,6 +451,7 @@ class CudaBackend(Backend):
         builder = self.stream.create_graph_builder()
         builder.begin_building()
         self.after_kernel = False  # a graph's first kernel overlaps nothing
+        self.capturing = True
         try:
             self._launch_stream = builder.stream.handle
             if self.blas is not None:
@@ -465,7 +470,7 @@ class CudaBackend(Backend):
 
     def _restore_stream(self) -> None:
         self._launch_stream = self.stream_handle
-        self.after_kernel = False
+        self.after_kernel = self.capturing = False
         if self.blas is not None:
             self.blas.set_stream(int(self.stream_handle))
 
@@ -560,7 +565,7 @@ class _KernelLaunch:
         if gx <= 0 or gy <= 0 or gz <= 0:
             return  # nothing to cover
         b, backend = self.block, self.backend
-        if self.waits and backend.pdl and backend.after_kernel:
+        if self.waits and backend.pdl and backend.capturing and backend.after_kernel:
             self._launch_overlapping(grid, shared)
             backend.overlapped += 1
         else:
