@@ -18,7 +18,7 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
   torch    the PyTorch reference's decode step (tests/bench/torch_ref.py), eager and eager
            captured in one CUDA graph, against the same roofline.
   attention the batched decode at 32/8/2 sequences and 512-4096 tokens with the attention's split
-           blocks per (sequence, kv head) at max_splits (a block per split), 8 and 4.
+           blocks per (sequence, kv head) at max_splits (a block per split), 16, 8 and 4.
   bitwise  whole vs 2 stages on one GPU (prompts x chunks, 9 tokens): identical bits.
   prefill  TTFT of 4096 tokens at chunks 2048 / 512, and the per-op GPU time of one 2048-row
            chunk at context 2048, against the bf16 tensor-core roofline.
@@ -332,12 +332,13 @@ POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max t
 def attention_blocks(model: dict, cfg: dict, hbm: float) -> None:
     """The batched decode's step with Z split blocks per (sequence, kv head) (the grid z of
     `attn_decode_batch`; the bits are the same for any Z): a block per split (Z = max_splits,
-    the code before), the default 8, and 4, at short and long contexts."""
+    the code before), 16, the default 8, and 4, at short and long contexts, one sequence too
+    (what `decode`'s grid would give)."""
     from gpu_bench import kerncc
 
     source = json.loads(Path(model["manifest"]).read_text())
     splits = source["ops"]["attn_decode"]["impl"]["launches"][0]["grid"][2]
-    for blocks in (splits, 8, 4):
+    for blocks in (splits, 16, 8, 4):
         manifest = json.loads(json.dumps(source))
         manifest["ops"]["attn_decode_batch"]["impl"]["launches"][0]["grid"][2] = blocks
         variant = Path(model["manifest"]).with_name(f"model-z{blocks}.json")
@@ -346,7 +347,7 @@ def attention_blocks(model: dict, cfg: dict, hbm: float) -> None:
         if kerncc(["lower", str(variant), "-p", "emit", "-o", str(bundle)]) != 0:
             raise RuntimeError(f"lowering the Z = {blocks} variant failed")
         chain = chain_of(bundle, 8, True)
-        for seqs, context in ((32, 512), (8, 512), (8, 2048), (2, 4096)):
+        for seqs, context in ((32, 512), (8, 512), (8, 2048), (2, 4096), (1, 512), (1, 4096)):
             roof = (weight_bytes(cfg) + seqs * kv_bytes(cfg, context)) / (hbm * 1e12) * 1e3
             ms = batch_step_ms(chain, seqs, context)
             row("attention", f"decode {seqs} sequences x {context} tokens, {blocks} split "
