@@ -1,6 +1,8 @@
 """Build the kernel library's cubins: one module per `kernels/*.cu` and `kernels/*_nb.py` file.
 
-CUDA C: `nvcc -cubin -arch=sm_90 -O3` on every `.cu` source. Numba-CUDA (kerncc[build]): every
+CUDA C: `nvcc -cubin -arch=sm_90 -O3` on every `.cu` source; a source named `*_sm90a.cu` uses
+Hopper's architecture-specific instructions (wgmma) and is built for sm_90a instead
+(`-gencode=arch=compute_90a,code=sm_90a`), a cubin only H100/H200-class GPUs load. Numba-CUDA (kerncc[build]): every
 entry a `<name>_nb.py` module registers in its `ENTRIES` is compiled to PTX with
 `numba.cuda.compile(..., output="ptx", cc=(9, 0))` (no GPU needed), its mangled entry name
 replaced by the registered one (so manifests name it like an extern "C" kernel), and the PTX
@@ -31,6 +33,8 @@ from pathlib import Path
 
 KERNELS_DIR = Path(__file__).resolve().parent
 NVCC_FLAGS = ["-cubin", "-arch=sm_90", "-O3"]
+SM90A_SUFFIX = "_sm90a"
+SM90A_FLAGS = ["-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3"]
 PTXAS_FLAGS = ["-arch=sm_90", "-O3"]
 NUMBA_SUFFIX = "_nb"
 KINDS = ("cuda", "numba")
@@ -72,8 +76,14 @@ def check_waits(source: Path) -> None:
                              "(kernels/common.cuh)")
 
 
+def nvcc_flags(source: Path) -> list[str]:
+    """sm_90a for `*_sm90a.cu` sources (wgmma needs the architecture-specific target), else
+    sm_90."""
+    return SM90A_FLAGS if source.stem.endswith(SM90A_SUFFIX) else NVCC_FLAGS
+
+
 def compile_module(nvcc: str, source: Path, out: Path) -> None:
-    cmd = [nvcc, *NVCC_FLAGS, "-o", str(out), str(source)]
+    cmd = [nvcc, *nvcc_flags(source), "-o", str(out), str(source)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"nvcc failed for {source.name} (repro: {' '.join(cmd)}):\n{done.stderr}")

@@ -414,6 +414,8 @@ EXTERNS: dict[str, Callable[..., None]] = {
 
 # Numba-CUDA twins (kernels/*_nb.py): the same ABI and bits as their CUDA C entries.
 KERNELS["silu_mul_bf16_nb"] = KERNELS["silu_mul_bf16"]
+# the wgmma kernel (attention_sm90a.cu) computes what the mma.sync one does (bf16 tolerance)
+KERNELS["attn_prefill_varlen_sm90a_bf16"] = KERNELS["attn_prefill_varlen_bf16"]
 KERNELS["embedding_gather_bf16_nb"] = KERNELS["embedding_gather_bf16"]
 
 

@@ -205,6 +205,29 @@ def attn_prefill_smem(hd: int) -> int:
     return 576 * (2 * hd + 16)
 
 
+# attn_prefill_varlen_sm90a_bf16 (kernels/attention_sm90a.cu): head dim 128 only, 128 (row, q
+# head) pairs a block, its dynamic shared memory WG_SMEM: 1024 bytes of alignment slack, Q
+# (32 KB), three stages of K and V tiles (64 KB each), two ints.
+SM90A_PREFILL_HD = 128
+SM90A_PREFILL_SMEM = 1024 + 32768 + 3 * 65536 + 16
+
+
+def attn_prefill_op(c: QwenConfig) -> dict:
+    """The packed prefill's attention: sequence s's rows are [cu_seqlens[s], cu_seqlens[s+1]),
+    grid z = s. Head dim 128 runs on Hopper's wgmma (attention_sm90a.cu, 128 pairs a block);
+    other head dims on the mma.sync kernel (attention.cu, 64 pairs a block). Both compute the
+    same function (the numpy reference is one), not the same bits."""
+    nq, nk, hd = c.heads, c.kv_heads, c.head_dim
+    params = [IN_BF16, IN_STATE, IN_I32, IN_I32, IN_I32, OUT_BF16, "i32", "i32"]
+    consts = [i32(nq), i32(nk), i32(hd), i32(c.pages_per_seq), f32(1.0 / math.sqrt(hd))]
+    if hd == SM90A_PREFILL_HD:
+        return kernel_op(params, "attn_prefill_varlen_sm90a_bf16", ["i32"] * 4 + ["f32"], consts,
+                         [ceil_div("tokens", 128 // c.group), nk, "seqs"], 256,
+                         SM90A_PREFILL_SMEM)
+    return kernel_op(params, "attn_prefill_varlen_bf16", ["i32"] * 4 + ["f32"], consts,
+                     [ceil_div("tokens", 64 // c.group), nk, "seqs"], 256, attn_prefill_smem(hd))
+
+
 def gemm_op(c_param: str, extern: str, n: int, k: int) -> dict:
     """(A, W, C, m) → extern (A, W, C, m, n, k) with n, k fixed by the model."""
     params = [IN_BF16, IN_BF16, c_param, "i32"]
@@ -234,7 +257,6 @@ def sorted_map(items: dict) -> dict:
 def ops(c: QwenConfig) -> dict[str, dict]:
     nq, nk, hd, eps = c.heads, c.kv_heads, c.head_dim, f32(c.eps)
     heads = [i32(nq), i32(nk), i32(hd)]
-    attn = heads + [i32(c.pages_per_seq), f32(1.0 / math.sqrt(hd))]
     rows = "tokens"
     return {
         # embed and silu_mul have Numba-CUDA twins (embedding_gather_bf16_nb, silu_mul_bf16_nb:
@@ -255,11 +277,7 @@ def ops(c: QwenConfig) -> dict[str, dict]:
                                     ["i32"] * 3 + ["f32"], heads + [eps],
                                     [ceil_div(mul(rows, nq + 2 * nk), 4)], 128)}
            if c.qk_norm else {"rope_kv": rope_kv_op(c)}),
-        # a packed chunk: sequence s's rows are [cu_seqlens[s], cu_seqlens[s+1]), grid z = s
-        "attn_prefill": kernel_op([IN_BF16, IN_STATE, IN_I32, IN_I32, IN_I32, OUT_BF16, "i32",
-                                   "i32"], "attn_prefill_varlen_bf16", ["i32"] * 4 + ["f32"],
-                                  attn, [ceil_div(rows, 64 // c.group), nk, "seqs"], 256,
-                                  attn_prefill_smem(hd)),
+        "attn_prefill": attn_prefill_op(c),
         # a block per split for one sequence (the most parallel); fewer, looping, for a batch
         "attn_decode": attn_decode_op(c, c.decode_splits),
         "attn_decode_batch": attn_decode_op(c, c.decode_batch_blocks),
