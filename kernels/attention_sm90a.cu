@@ -6,22 +6,27 @@
 // holds [K: nk*hd | V: nk*hd] bf16 at byte s*4*nk*hd; key j of sequence z lives in slot
 // block_table[z*width + j/16]*16 + j%16. Row r of a chunk attends to keys 0..positions[r].
 //
-// A block serves kv head blockIdx.y and 128 (row, q head) pairs of sequence blockIdx.z: 128/G
+// A block serves 128 (row, q head) pairs of one kv head of sequence blockIdx.z: 128/G
 // consecutive rows times the G q heads of that kv head (pair p = row_in_block * G +
-// head_in_group). Its two warpgroups own pairs 0-63 and 64-127; both walk every key tile of
-// 128 keys from key 0 up to the block's last position, in order:
+// head_in_group). It has three warpgroups. Warpgroup 0 copies key tiles of 128 keys (K and V,
+// from key 0 up to the block's last position) into a ring of three shared-memory stages with
+// cp.async, each stage's arrival and release tracked by an mbarrier pair. Warpgroups 1 and 2
+// compute, 64 pairs each (the block's slabs of 16 pairs alternate between them), walking every
+// tile in order:
 //   S = Q K^T   8 x wgmma m64n128k16 (Q and K from shared memory)
 //   online softmax on S in f32 (scale folded into log2, ex2.approx), P rounded to bf16
 //   O += P V    8 x wgmma m64n128k16 (P from registers, V from shared memory, N-major)
-// Tiles are staged by cp.async (every thread of the block, a tile ahead) into shared memory
-// in the 128-byte swizzled layout the tensor cores read: a tile is two halves of 64 dims, each
-// [128 keys][128 bytes], 16-byte chunk c of key j at chunk c ^ (j % 8). Keys past the block's
-// last position are zero-filled and every key past a row's position is masked, so a row's sums
-// run over the same tiles in the same order whatever chunk it comes in (batch invariance), and
-// launches repeat bit for bit (no atomics). Blocks are taken last rows first: under the causal
-// mask the last rows have the most keys.
+// software-pipelined by a tile (a step issues S of tile it and P V of tile it-1, and runs the
+// softmax while P V runs), and taking turns to issue (named barriers 1, 2), so one warpgroup's
+// softmax overlaps the other's matrix work. setmaxnreg moves registers from the copier (40)
+// to the two computing warpgroups (232). Tiles sit in the 128-byte swizzled layout the tensor
+// cores read: two halves of 64 dims, each [128 keys][128 bytes], 16-byte chunk c of key j at
+// chunk c ^ (j % 8). Keys past the block's last position are zero-filled and every key past a
+// row's position is masked, so a row's sums run over the same tiles in the same order whatever
+// chunk it comes in (batch invariance), and launches repeat bit for bit (no atomics). Blocks
+// start longest first: under the causal mask the last rows have the most keys.
 // Limits: hd == 128, 64 % G == 0.
-// grid (ceil(rows / (128/G)), nk, seqs), block (256), dynamic shared memory WG_SMEM bytes.
+// grid (ceil(rows / (128/G)), nk, seqs), block (384), dynamic shared memory WG_SMEM bytes.
 #include <type_traits>
 
 #include "tc.cuh"
@@ -30,14 +35,15 @@
 #define WG_HD 128
 #define WG_BM 128  // pairs per block, 64 per warpgroup
 #define WG_BN 128  // keys per tile
-#define WG_THREADS 256
-#define WG_K_STAGES 2  // K of tiles it, it+1
-#define WG_V_STAGES 3  // V of tiles it-1 (P V in flight), it, it+1
+#define WG_THREADS 384  // warpgroup 0 copies the tiles, 1 and 2 compute
+#define WG_CONSUMERS 256
+#define WG_STAGES 3  // K and V of tiles it-1 (P V in flight), it, it+1
 #define WG_HALF_Q (64 * 128)           // bytes of one warpgroup's Q, half of the dims
 #define WG_Q_BYTES (WG_BM * WG_HD * 2)  // 32768
 #define WG_TILE_BYTES (WG_BN * WG_HD * 2)  // K or V of one tile: 32768
-// 1024 bytes of slack to align the swizzle atoms, Q, the K and V rings, two ints of block state
-#define WG_SMEM (1024 + WG_Q_BYTES + (WG_K_STAGES + WG_V_STAGES) * WG_TILE_BYTES + 16)
+// 1024 bytes of slack to align the swizzle atoms, Q, the stages (K then V), the stages' full
+// and empty barriers, the block's last position
+#define WG_SMEM (1024 + WG_Q_BYTES + WG_STAGES * 2 * WG_TILE_BYTES + 64)
 
 // Byte offset of 16-byte chunk `ch` (0..15, dims 8ch..8ch+7) of row `row` in a swizzled
 // [rows][128 dims] bf16 tile of `rows` rows.
@@ -51,7 +57,9 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t addr, uint32_t lbo, uint32_
          ((uint64_t)((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
@@ -67,6 +75,25 @@ __device__ __forceinline__ void pin(uint32_t& r) { asm volatile("" : "+r"(r) :: 
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+// Named barriers 1 and 2 order the two compute warpgroups' wgmma issue; 3 is theirs alone.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
 
 // d (64 x 128 f32, the m64n128 accumulator fragments) = [d +] A B^T; A [64 x 16] and B
 // [128 x 16] K-major in shared memory.
@@ -74,15 +101,22 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b,
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
+      " %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -92,15 +126,22 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63},"
+      " {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
@@ -112,7 +153,8 @@ __device__ __forceinline__ float tree_max(const float (&s)[64]) {
   float v[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j)
-    v[j] = fmaxf(fmaxf(s[4 * j + E], s[4 * j + E + 1]), fmaxf(s[4 * j + 32 + E], s[4 * j + 33 + E]));
+    v[j] = fmaxf(fmaxf(s[4 * j + E], s[4 * j + E + 1]),
+                 fmaxf(s[4 * j + 32 + E], s[4 * j + 33 + E]));
   const float a = fmaxf(fmaxf(v[0], v[4]), fmaxf(v[2], v[6]));
   const float b = fmaxf(fmaxf(v[1], v[5]), fmaxf(v[3], v[7]));
   return fmaxf(a, b);
@@ -137,35 +179,84 @@ __device__ __forceinline__ void attn_prefill_wg(const bf16* __restrict__ qkv,
                                                 int nq, int nk, float scale, int kvh,
                                                 uint8_t* base) {
   const int G = nq / nk;
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;  // fragment row (and row + 8), column pair
+  const int tid = threadIdx.x, role = tid >> 7, lane = tid & 31;
   const long long qkv_stride = (long long)(nq + 2 * nk) * WG_HD;
   const long long slot_bytes = 4LL * nk * WG_HD;
   uint8_t* sq = base;
-  uint8_t* k_ring = base + WG_Q_BYTES;
-  uint8_t* v_ring = k_ring + WG_K_STAGES * WG_TILE_BYTES;
-  int* s_state = reinterpret_cast<int*>(v_ring + WG_V_STAGES * WG_TILE_BYTES);  // wg last pos
-
-  // The block's 8 slabs of 16 pairs alternate between the warpgroups: warp q of warpgroup w
-  // owns slab 2q + w, so both warpgroups reach the block's last position and walk the same
-  // tiles (no warpgroup has a tile to skip, so no wgmma sits behind a branch).
-  // Q: pair p's 16 chunks into row 16q + p % 16 of its warpgroup's swizzled [64][128] tile
-  // (zeros past the chunk), copied with tile 0.
-  const uint32_t q_smem = smem_u32(sq);
-#pragma unroll
-  for (int i = 0; i < WG_BM * 16 / WG_THREADS; ++i) {
-    const int c = tid + i * WG_THREADS, p = c >> 4, ch = c & 15, r = row0 + p / G;
-    const int slab = p >> 4, wg_row = 16 * (slab >> 1) + (p & 15);
-    const bool on = r < len;
-    const bf16* src = on ? qkv + r * qkv_stride + (kvh * G + p % G) * WG_HD + ch * 8 : qkv;
-    cp_async16(q_smem + (slab & 1) * (WG_Q_BYTES / 2) + sw128(wg_row, ch, 64), src, on);
-  }
-  if (tid < 32) {  // warp 0: the block's last position
+  uint8_t* stages = base + WG_Q_BYTES;  // stage s: K at s * 2 tiles, V after it
+  const uint32_t bars = smem_u32(stages + WG_STAGES * 2 * WG_TILE_BYTES);
+  const uint32_t full = bars, empty = bars + 8 * WG_STAGES;  // 8-byte mbarriers
+  int* s_state = reinterpret_cast<int*>(stages + WG_STAGES * 2 * WG_TILE_BYTES + 48);
+  if (tid < 32) {  // warp 0: the barriers, the block's last position
+    if (lane < WG_STAGES) {
+      mbar_init(full + 8 * lane, 128);            // every copying thread, once a tile
+      mbar_init(empty + 8 * lane, WG_CONSUMERS);  // every computing thread, once a tile
+    }
     int mx = -1;
     for (int r = row0 + lane; r < min(len, row0 + WG_BM / G); r += 32) mx = max(mx, positions[r]);
     mx = __reduce_max_sync(FULL_MASK, mx);
     if (lane == 0) s_state[0] = mx;
   }
+  __syncthreads();
+  const int kend = s_state[0] + 1;  // keys the block needs: 0 .. its last position
+  const int ntiles = (kend + WG_BN - 1) / WG_BN;
+
+  if (role == 0) {
+    // The copying warpgroup. Thread p copies 16-byte chunk p % 16 of the K and V rows of keys
+    // p/16 + 8i (i < 16) of a tile: one page-table entry per two keys of its, and one swizzled
+    // offset (the key's row % 8 is p/16 for every i) + i rows of 8. A tile's copies complete
+    // on its stage's full barrier one tile later (cp.async groups retire in order); a stage is
+    // refilled once both compute warpgroups have released it (its empty barrier).
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    const int l_key = (tid >> 4) & 7, l_ch = tid & 15;
+    const uint32_t l_off = sw128(l_key, l_ch, WG_BN);
+    const uint8_t* l_src = kv + l_key * slot_bytes + (long long)kvh * WG_HD * 2 + l_ch * 16;
+    const long long page_bytes = PAGE * slot_bytes, v_delta = (long long)nk * WG_HD * 2;
+    for (int tile = 0; tile < ntiles; ++tile) {
+      const int st = tile % WG_STAGES;
+      if (tile >= WG_STAGES) mbar_wait(empty + 8 * st, (tile / WG_STAGES - 1) & 1);
+      const uint32_t dk = smem_u32(stages + st * 2 * WG_TILE_BYTES) + l_off;
+      const int* pages = table + tile * (WG_BN / PAGE);
+#pragma unroll 4
+      for (int i = 0; i < 16; ++i) {
+        const int key = tile * WG_BN + 8 * i + l_key;
+        const bool on = key < kend;  // pages past it need not exist
+        const uint8_t* src =
+            on ? l_src + pages[i >> 1] * page_bytes + (i & 1) * 8 * slot_bytes : kv;
+        cp_async16(dk + i * 8 * 128, src, on);
+        cp_async16(dk + WG_TILE_BYTES + i * 8 * 128, on ? src + v_delta : kv, on);
+      }
+      cp_async_commit();
+      if (tile > 0) {
+        cp_async_wait<1>();
+        fence_proxy_async();
+        mbar_arrive(full + 8 * ((tile - 1) % WG_STAGES));
+      }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    mbar_arrive(full + 8 * ((ntiles - 1) % WG_STAGES));
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int ctid = tid - 128, wg = ctid >> 7, warp = (ctid >> 5) & 3;
+  const int g = lane >> 2, t = lane & 3;  // fragment row (and row + 8), column pair
+
+  // The block's 8 slabs of 16 pairs alternate between the warpgroups: warp q of warpgroup w
+  // owns slab 2q + w, so both warpgroups reach the block's last position and walk the same
+  // tiles (no warpgroup has a tile to skip, so no wgmma sits behind a branch).
+  // Q: pair p's 16 chunks into row 16q + p % 16 of its warpgroup's swizzled [64][128] tile
+  // (zeros past the chunk).
+  const uint32_t q_smem = smem_u32(sq);
+#pragma unroll
+  for (int i = 0; i < WG_BM * 16 / WG_CONSUMERS; ++i) {
+    const int c = ctid + i * WG_CONSUMERS, p = c >> 4, ch = c & 15, r = row0 + p / G;
+    const int slab = p >> 4, wg_row = 16 * (slab >> 1) + (p & 15);
+    const bool on = r < len;
+    const bf16* src = on ? qkv + r * qkv_stride + (kvh * G + p % G) * WG_HD + ch * 8 : qkv;
+    cp_async16(q_smem + (slab & 1) * (WG_Q_BYTES / 2) + sw128(wg_row, ch, 64), src, on);
+  }
+  cp_async_commit();
   const int pair0 = 16 * (2 * warp + wg);  // this warp's first pair
   int pos[2];  // positions of this thread's fragment rows g and g+8; -1 past the chunk
 #pragma unroll
@@ -174,29 +265,10 @@ __device__ __forceinline__ void attn_prefill_wg(const bf16* __restrict__ qkv,
     pos[h] = r < len ? positions[r] : -1;
   }
   const int wmin = __reduce_min_sync(FULL_MASK, min(pos[0], pos[1]));
-  __syncthreads();
-  const int kend = s_state[0] + 1;  // keys the block needs: 0 .. its last position
-  const int ntiles = (kend + WG_BN - 1) / WG_BN;
-
-  // A thread copies 16-byte chunk tid % 16 of the K and V rows of keys tid/16 + 16i (i < 8) of
-  // a tile: key tid/16 of the tile's page i. So it reads one page-table entry per page, and its
-  // chunks land at one swizzled offset (the key's row % 8 is the same for every i) + i rows of 16.
-  const int l_key = tid >> 4, l_ch = tid & 15;
-  const uint32_t l_off = sw128(l_key, l_ch, WG_BN);
-  const uint8_t* l_src = kv + l_key * slot_bytes + (long long)kvh * WG_HD * 2 + l_ch * 16;
-  const long long page_bytes = PAGE * slot_bytes, v_delta = (long long)nk * WG_HD * 2;
-  auto load_tile = [&](int tile) {
-    const uint32_t dk = smem_u32(k_ring + (tile % WG_K_STAGES) * WG_TILE_BYTES) + l_off;
-    const uint32_t dv = smem_u32(v_ring + (tile % WG_V_STAGES) * WG_TILE_BYTES) + l_off;
-    const int* pages = table + tile * (WG_BN / PAGE);
-#pragma unroll
-    for (int i = 0; i < WG_BN / PAGE; ++i) {
-      const bool on = tile * WG_BN + PAGE * i + l_key < kend;  // pages past it need not exist
-      const uint8_t* src = on ? l_src + pages[i] * page_bytes : kv;
-      cp_async16(dk + i * PAGE * 128, src, on);
-      cp_async16(dv + i * PAGE * 128, on ? src + v_delta : kv, on);
-    }
-  };
+  cp_async_wait<0>();
+  fence_proxy_async();
+  bar_sync(3, WG_CONSUMERS);  // Q is in
+  if (wg == 1) bar_arrive(1, WG_CONSUMERS);  // warpgroup 0 issues first
 
   const float scale2 = scale * LOG2E;
   float o[64], s[64];
@@ -210,8 +282,8 @@ __device__ __forceinline__ void attn_prefill_wg(const bf16* __restrict__ qkv,
     for (int e = 0; e < 4; ++e) pa[kk][e] = 0u;
   // Descriptor bases; an offset inside shared memory adds offset / 16 to the address field.
   const uint64_t q_desc = wg_desc(q_smem + wg * (WG_Q_BYTES / 2), 16, 1024);
-  const uint64_t k_desc = wg_desc(smem_u32(k_ring), 16, 1024);
-  const uint64_t v_desc = wg_desc(smem_u32(v_ring), WG_BN * 128, 1024);
+  const uint64_t k_desc = wg_desc(smem_u32(stages), 16, 1024);
+  const uint64_t v_desc = wg_desc(smem_u32(stages) + WG_TILE_BYTES, WG_BN * 128, 1024);
 
   // Software-pipelined by one tile: step `it` issues S = Q K_it^T and then O += P V_{it-1} (the
   // P of the step before), stages tile it+1 while the tensor cores work, and runs the softmax
@@ -222,12 +294,11 @@ __device__ __forceinline__ void attn_prefill_wg(const bf16* __restrict__ qkv,
   auto step = [&](auto with_scores, auto with_pv, int it) {
     constexpr bool SCORES = decltype(with_scores)::value, PV = decltype(with_pv)::value;
     const int k0 = it * WG_BN;
+    if constexpr (SCORES) mbar_wait(full + 8 * (it % WG_STAGES), (it / WG_STAGES) & 1);
+    bar_sync(1 + wg, WG_CONSUMERS);  // this warpgroup's turn to issue
+    wg_fence();
     if constexpr (SCORES) {
-      cp_async_wait<0>();  // this thread's copies of tile `it` have landed
-      fence_proxy_async();
-      __syncthreads();  // ... everyone's; and tile it-1's S, tile it-2's P V are done
-      wg_fence();
-      const uint64_t k_at = k_desc + (it % WG_K_STAGES) * (WG_TILE_BYTES / 16);
+      const uint64_t k_at = k_desc + (it % WG_STAGES) * (2 * WG_TILE_BYTES / 16);
 #pragma unroll
       for (int kk = 0; kk < WG_HD / 16; ++kk)
         wgmma_ss(s, q_desc + ((kk >> 2) * WG_HALF_Q + (kk & 3) * 32) / 16,
@@ -235,15 +306,15 @@ __device__ __forceinline__ void attn_prefill_wg(const bf16* __restrict__ qkv,
       wg_commit();
     }
     if constexpr (PV) {
-      if constexpr (!SCORES) wg_fence();
-      const uint64_t v_at = v_desc + ((it + WG_V_STAGES - 1) % WG_V_STAGES) * (WG_TILE_BYTES / 16);
+      const uint64_t v_at =
+          v_desc + ((it + WG_STAGES - 1) % WG_STAGES) * (2 * WG_TILE_BYTES / 16);
 #pragma unroll
       for (int kk = 0; kk < WG_BN / 16; ++kk) wgmma_rs(o, pa[kk], v_at + kk * 16 * 128 / 16);
       wg_commit();
     }
+    // the other's turn (warpgroup 1 gives none after its last step: nobody waits for it)
+    if (SCORES || wg == 0) bar_arrive(2 - wg, WG_CONSUMERS);
     if constexpr (SCORES) {
-      if (it + 1 < ntiles) load_tile(it + 1);  // into the K of tile it-1, the V of tile it-2
-      cp_async_commit();
       if constexpr (PV) wg_wait1(); else wg_wait0();  // S has landed (P V may still run)
 #pragma unroll
       for (int i = 0; i < 64; ++i) pin(s[i]);
@@ -267,10 +338,14 @@ __device__ __forceinline__ void attn_prefill_wg(const bf16* __restrict__ qkv,
 #pragma unroll
         for (int j = 0; j < WG_BN / 8; ++j)
 #pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], scale2, -ms));
+          for (int e = 2 * h; e < 2 * h + 2; ++e)
+            s[4 * j + e] = fast_exp2(fmaf(s[4 * j + e], scale2, -ms));
         l[h] = l[h] * corr[h] + (h ? tree_sum<2>(s) : tree_sum<0>(s));
       }
-      if constexpr (PV) wg_wait0();  // P V of the tile before has landed: O and old P are free
+      if constexpr (PV) {
+        wg_wait0();  // P V of the tile before has landed: O and the old P are free
+        mbar_arrive(empty + 8 * ((it + WG_STAGES - 1) % WG_STAGES));  // and tile it-1's stage
+      }
 #pragma unroll
       for (int i = 0; i < 64; ++i) pin(o[i]);
 #pragma unroll
@@ -297,12 +372,9 @@ __device__ __forceinline__ void attn_prefill_wg(const bf16* __restrict__ qkv,
   };
   using yes = std::true_type;
   using no = std::false_type;
-  load_tile(0);
-  cp_async_commit();
   step(yes{}, no{}, 0);
   for (int it = 1; it < ntiles; ++it) step(yes{}, yes{}, it);
   step(no{}, yes{}, ntiles);
-  cp_async_wait<0>();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // whole-row sums, the same order on the quad's 4 lanes
     l[h] += __shfl_xor_sync(FULL_MASK, l[h], 1);
@@ -333,7 +405,9 @@ attn_prefill_varlen_sm90a_bf16(const bf16* __restrict__ qkv, const uint8_t* __re
                                float scale) {
   pdl_begin();
   extern __shared__ __align__(1024) uint8_t wg_smem[];
-  if (hd != WG_HD || (64 % (nq / nk)) != 0 || gridDim.y != (unsigned)nk || dynamic_smem_bytes() < (uint32_t)WG_SMEM) __trap();
+  if (hd != WG_HD || (64 % (nq / nk)) != 0 || gridDim.y != (unsigned)nk ||
+      blockDim.x != WG_THREADS || dynamic_smem_bytes() < (uint32_t)WG_SMEM)
+    __trap();  // a launch it was not written for (a wrong block would wait forever)
   const int seq = blockIdx.z;
   if (seq >= seqs) return;
   const int start = cu_seqlens[seq], len = min(cu_seqlens[seq + 1], rows) - start;

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from test_attention_cuda import Gpu, bits_f32, make_case, reference
 
-from kerncc.example.qwen import SM90A_PREFILL_SMEM, attn_prefill_smem
+from kerncc.example.qwen import SM90A_PREFILL_BLOCK, SM90A_PREFILL_SMEM, attn_prefill_smem
 from kerncc.kernels import library
 
 pytestmark = pytest.mark.gpu
@@ -66,10 +66,11 @@ def gpu() -> WgGpu:
     return WgGpu()
 
 
-def geometry(entry: str, rows: int, nq: int, nk: int, seqs: int) -> tuple[tuple, int]:
-    pairs = 128 if entry == WG else 64
-    shared = SM90A_PREFILL_SMEM if entry == WG else attn_prefill_smem(128)
-    return (-(-rows // (pairs // (nq // nk))), nk, seqs), shared
+def geometry(entry: str, rows: int, nq: int, nk: int, seqs: int) -> tuple[tuple, int, int]:
+    """grid, dynamic shared memory, block threads."""
+    if entry == WG:
+        return (-(-rows // (128 // (nq // nk))), nk, seqs), SM90A_PREFILL_SMEM, SM90A_PREFILL_BLOCK
+    return (-(-rows // (64 // (nq // nk))), nk, seqs), attn_prefill_smem(128), 256
 
 
 def pack(parts: list) -> dict:
@@ -96,13 +97,13 @@ def launch(gpu: WgGpu, entry: str, chunk: dict, repeats: int = 1, extra_rows: in
     sentinel = np.full((rows + extra_rows, nq * 128), 0xFFFF, np.uint16)
     ptrs = [gpu.upload(chunk[k]) for k in ("qkv", "kv", "table", "positions", "cu_seqlens")]
     out = gpu.upload(sentinel)
-    grid, shared = geometry(entry, rows, nq, nk, chunk["seqs"])
+    grid, shared, block = geometry(entry, rows, nq, nk, chunk["seqs"])
     args = ptrs + [out, ctypes.c_int32(rows), ctypes.c_int32(chunk["seqs"]), ctypes.c_int32(nq),
                    ctypes.c_int32(nk), ctypes.c_int32(128), ctypes.c_int32(chunk["width"]),
                    ctypes.c_float(chunk["scale"])]
     results = []
     for _ in range(repeats):
-        gpu.launch(grid, shared, args, entry=entry)
+        gpu.launch(grid, shared, args, entry=entry, block=block)
         results.append(gpu.download(out, sentinel))
     ms = None
     if timed:
@@ -110,7 +111,7 @@ def launch(gpu: WgGpu, entry: str, chunk: dict, repeats: int = 1, extra_rows: in
         a, b = gpu.check(cu.cuEventCreate(0)), gpu.check(cu.cuEventCreate(0))
         gpu.check(cu.cuEventRecord(a, gpu.stream))
         for _ in range(timed):
-            gpu.launch(grid, shared, args, entry=entry)
+            gpu.launch(grid, shared, args, entry=entry, block=block)
         gpu.check(cu.cuEventRecord(b, gpu.stream))
         gpu.check(cu.cuEventSynchronize(b))
         ms = gpu.check(cu.cuEventElapsedTime(a, b)) / timed

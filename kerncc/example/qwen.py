@@ -206,10 +206,12 @@ def attn_prefill_smem(hd: int) -> int:
 
 
 # attn_prefill_varlen_sm90a_bf16 (kernels/attention_sm90a.cu): head dim 128 only, 128 (row, q
-# head) pairs a block, its dynamic shared memory WG_SMEM: 1024 bytes of alignment slack, Q
-# (32 KB), three stages of K and V tiles (64 KB each), two ints.
+# head) pairs a block of three warpgroups (one copies, two compute), its dynamic shared memory
+# WG_SMEM: 1024 bytes of alignment slack, Q (32 KB), three stages of K and V tiles (64 KB
+# each), the stages' mbarriers and the block's last position (64 bytes).
 SM90A_PREFILL_HD = 128
-SM90A_PREFILL_SMEM = 1024 + 32768 + 3 * 65536 + 16
+SM90A_PREFILL_BLOCK = 384
+SM90A_PREFILL_SMEM = 1024 + 32768 + 3 * 65536 + 64
 
 
 def attn_prefill_op(c: QwenConfig) -> dict:
@@ -222,8 +224,8 @@ def attn_prefill_op(c: QwenConfig) -> dict:
     consts = [i32(nq), i32(nk), i32(hd), i32(c.pages_per_seq), f32(1.0 / math.sqrt(hd))]
     if hd == SM90A_PREFILL_HD:
         return kernel_op(params, "attn_prefill_varlen_sm90a_bf16", ["i32"] * 4 + ["f32"], consts,
-                         [ceil_div("tokens", 128 // c.group), nk, "seqs"], 256,
-                         SM90A_PREFILL_SMEM)
+                         [ceil_div("tokens", 128 // c.group), nk, "seqs"],
+                         SM90A_PREFILL_BLOCK, SM90A_PREFILL_SMEM)
     return kernel_op(params, "attn_prefill_varlen_bf16", ["i32"] * 4 + ["f32"], consts,
                      [ceil_div("tokens", 64 // c.group), nk, "seqs"], 256, attn_prefill_smem(hd))
 
