@@ -262,7 +262,8 @@ def test_rmsnorm_last(gpu, cols):
     close_bf16(gpu.download(y, want), want)
 
 
-@pytest.mark.parametrize("rows, nq, nk, hd", [(21, 16, 8, 128), (7, 4, 2, 16), (5, 3, 1, 20),
+@pytest.mark.parametrize("rows, nq, nk, hd", [(21, 16, 8, 128), (300, 16, 8, 128), (1, 16, 8, 128),
+                                              (7, 4, 2, 16), (5, 3, 1, 20),
                                               (4, 2, 2, 256)])
 @pytest.mark.parametrize("shift", SHIFTS)
 def test_qk_norm_rope_kv_is_the_three_kernels_in_one(gpu, rows, nq, nk, hd, shift):
@@ -295,6 +296,12 @@ def test_qk_norm_rope_kv_is_the_three_kernels_in_one(gpu, rows, nq, nk, hd, shif
     gpu.launch("kv_cache", "kv_write_bf16", -(-rows * nk * hd // 256), 256,
                [split_qkv, slot_ptr, split_kv, *ints])
     got_qkv, got_kv = gpu.download(fused_qkv, qkv), gpu.download(fused_kv, kv)
+    # a quarter of the grid: 4 items a warp (the warps stride over the items)
+    strided_qkv, strided_kv = gpu.upload(qkv, shift), gpu.upload(kv)
+    gpu.launch("qk_rope_kv", "qk_norm_rope_kv_bf16", -(-rows * (nq + 2 * nk) // 16), 128,
+               [strided_qkv, *common, strided_kv, *ints, ctypes.c_float(eps)])
+    assert np.array_equal(gpu.download(strided_qkv, qkv), got_qkv), "4 items a warp differ"
+    assert np.array_equal(gpu.download(strided_kv, kv), got_kv), "4 items a warp differ (kv)"
     assert np.array_equal(got_qkv, gpu.download(split_qkv, qkv)), "qkv differs from the three"
     assert np.array_equal(got_kv, gpu.download(split_kv, kv)), "kv differs from the three"
     close_bf16(got_qkv, want_qkv, ulps=2)  # a norm's rounding, then rope's

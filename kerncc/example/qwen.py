@@ -273,7 +273,8 @@ def ops(c: QwenConfig) -> dict[str, dict]:
                                  "add_rmsnorm_bf16", ["i32", "f32"], [i32(c.hidden), eps],
                                  [rows], norm_block(c.hidden)),
         # q/k head norms, rope and the KV-cache write of a layer in one launch
-        # (kernels/qk_rope_kv.cu): a warp per (row, head) over all nq + 2*nk heads
+        # (kernels/qk_rope_kv.cu): warps stride over the (row, head) items of all nq + 2*nk
+        # heads (any grid is correct); this grid gives each warp one
         **({"qk_rope_kv": kernel_op([INOUT_BF16, IN_BF16, IN_I32, IN_F32, IN_I32,
                                      INOUT_STATE, "i32"], "qk_norm_rope_kv_bf16",
                                     ["i32"] * 3 + ["f32"], heads + [eps],
