@@ -1,6 +1,6 @@
 """Decode and prefill against the H200's limits (issue 20), side by side in one run.
 
-    python tests/bench/decode_bench.py [--out DIR] [--layers 24] [--skip gemm,profile,...]
+    python tests/bench/decode_bench.py [--out DIR] [--layers 24] [--skip gemm,profile,...] [--defaults-only]
 
 Builds the `small` example (24 layers, hidden 2048; `--layers` for a quicker look) whole and
 cut at the middle layer, then measures, each section guarded so a failure leaves the rest:
@@ -20,8 +20,9 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
   attention the batched decode at 32/8/2 sequences and 512-4096 tokens with the attention's split
            blocks per (sequence, kv head) at max_splits (a block per split), 16, 8 and 4.
   bitwise  whole vs 2 stages on one GPU (prompts x chunks, 9 tokens): identical bits.
-  prefill  TTFT of 4096 tokens at chunks 2048 / 512, and the per-op GPU time of one 2048-row
-           chunk at context 2048, against the bf16 tensor-core roofline.
+  prefill  TTFT of 4096 tokens at chunks 2048 / 1024 / 512 with the wgmma prefill attention
+           (the default) and the mma.sync one, alternating, and the per-op GPU time of one
+           2048-row chunk at context 2048, against the bf16 tensor-core roofline.
 The table is printed last and written with everything else to --out (results.json).
 """
 
@@ -279,13 +280,15 @@ def batch_step_ms(chain: Chain, seqs: int, context: int) -> float:
     return backend.elapsed_ms(start, end) / replays
 
 
-def decode_rows(model: dict, cfg: dict, hbm: float) -> None:
+def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False) -> None:
     roof_ms = (weight_bytes(cfg) + kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
     row("decode", f"roofline batch 1 (weights {weight_bytes(cfg) / 1e9:.2f} GB + KV of "
         f"{CONTEXT} tokens at {hbm:.2f} TB/s), ms", f"{roof_ms:.3f}")
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     out = {}
     for label, bundle, max_m, policy, pdl in POLICIES:
+        if defaults_only and "(the default)" not in label:
+            continue
         gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = policy
         chain = chain_of(model[bundle], max_m, pdl)
         generator = Generator(chain)
@@ -483,25 +486,52 @@ def prefill_flops(cfg: dict, tokens: int) -> float:
     return cfg["num_hidden_layers"] * (per_token * tokens + causal) + 2 * v * h
 
 
+def mma_sync_bundle(model: dict, cfg: dict) -> Path:
+    """The small model lowered with the mma.sync prefill attention (attention.cu) in place of
+    the wgmma one (attention_sm90a.cu), the default before it."""
+    from gpu_bench import kerncc
+
+    from kerncc.example.qwen import attn_prefill_smem, ceil_div
+    from kerncc.kernels import library
+
+    manifest = json.loads(Path(model["manifest"]).read_text())
+    launch = manifest["ops"]["attn_prefill"]["impl"]["launches"][0]
+    group = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    launch.update(module=library.module_of("attn_prefill_varlen_bf16"),
+                  entry="attn_prefill_varlen_bf16", shared_mem=attn_prefill_smem(cfg["head_dim"]),
+                  block=[256, 1, 1])
+    launch["grid"][0] = ceil_div("tokens", 64 // group)
+    manifest["modules"].pop("attention_sm90a")  # a module nothing launches is an error
+    variant = Path(model["manifest"]).with_name("model-mma-sync.json")
+    variant.write_text(json.dumps(manifest))
+    bundle = variant.with_name("whole-mma-sync")
+    if kerncc(["lower", str(variant), "-p", "emit", "-o", str(bundle)]) != 0:
+        raise RuntimeError("lowering the mma.sync variant failed")
+    return bundle
+
+
 def prefill_rows(model: dict, cfg: dict) -> None:
+    """TTFT of a 4096-token prompt with the wgmma prefill attention (the default) and with the
+    mma.sync one, alternating, PDL on (the default) for both."""
     tokens = 4096
     roof = prefill_flops(cfg, tokens) / (TC_TFLOPS * 1e12) * 1e3
     row("prefill", f"prefill roofline, TTFT {tokens} ({prefill_flops(cfg, tokens) / 1e12:.1f} "
         f"TFLOP at {TC_TFLOPS:.0f} TFLOP/s), ms", f"{roof:.1f}")
     prompt = [int(t) for t in np.random.default_rng(4).integers(1, 32000, tokens)]
-    for pdl in (False, True):
-        chain = chain_of(model["whole"], 8, pdl)
-        how = "+ PDL (the default)" if pdl else "no PDL"
-        for chunk in (2048, 1024, 512):
+    chains = {"wgmma attention (the default)": chain_of(model["whole"], 8, True),
+              "mma.sync attention (before)": chain_of(mma_sync_bundle(model, cfg), 8, True)}
+    for chunk in (2048, 1024, 512):
+        for how, chain in chains.items():
             ms = ttft(chain, prompt, chunk) * 1e3
             row("prefill", f"prefill TTFT {tokens}, chunk {chunk}, {how}: ms, x roofline",
                 f"{ms:.1f}, {ms / roof:.2f}x")
             RESULTS.setdefault("ttft_ms", {}).setdefault(how, {})[chunk] = ms
-        del chain
-        gc.collect()
+    del chains
+    gc.collect()
     gemv.MAX_M = 8
-    prefill_profile(Chain(model["whole"], backend="cuda", token_capacity=CAPACITY,
-                          graphs="off"), 2048, 2048)
+    chain = Chain(model["whole"], backend="cuda", token_capacity=CAPACITY, graphs="off")
+    for context in (0, 2048):  # the 4096-token prompt's two chunks
+        prefill_profile(chain, context, 2048)
 
 
 # ---------------------------------------------------------------------------------- main
@@ -512,6 +542,8 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT") or "decode-bench")
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
     parser.add_argument("--skip", default="")
+    parser.add_argument("--defaults-only", action="store_true",
+                        help="decode: only the default policies (whole and 2 stages)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -546,7 +578,7 @@ def main() -> int:
             gc.collect()
         if "decode" not in skip:
             with section("decode", limit=400):
-                decode_rows(model, cfg, hbm)
+                decode_rows(model, cfg, hbm, args.defaults_only)
         if "attention" not in skip:
             with section("attention"):
                 attention_blocks(model, cfg, hbm)
