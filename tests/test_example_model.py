@@ -84,6 +84,32 @@ def test_the_batched_decode_launches_fewer_attention_blocks_than_splits():
     assert grid(attn_decode_op(small, small.decode_batch_blocks)) == ["seqs", 8, 8]
 
 
+
+def test_head_dim_128_prefills_on_the_wgmma_kernel_and_others_on_mma_sync():
+    """attention_sm90a.cu serves head dim 128 only (128 pairs a block of 384 threads, its
+    shared memory as the kernel's WG_SMEM); the tiny model's head dim 16 keeps attention.cu's
+    kernel (64 pairs a block of 256). Both name the packed-prefill contract's params, and the
+    numpy reference answers to either entry."""
+    from kerncc.example.qwen import (SM90A_PREFILL_BLOCK, SM90A_PREFILL_SMEM, attn_prefill_op,
+                                     attn_prefill_smem)
+    from kerncc.kernels import library
+    from kerncc.kernels.reference import KERNELS
+
+    small, tiny = make_config("small"), make_config("tiny")
+    wg = attn_prefill_op(small)["impl"]["launches"][0]
+    mma = attn_prefill_op(tiny)["impl"]["launches"][0]
+    assert (wg["entry"], wg["module"]) == ("attn_prefill_varlen_sm90a_bf16", "attention_sm90a")
+    assert wg["grid"] == [{"ceil_div": ["tokens", 128 // small.group]}, small.kv_heads, "seqs"]
+    assert (wg["block"], wg["shared_mem"]) == ([SM90A_PREFILL_BLOCK, 1, 1], SM90A_PREFILL_SMEM)
+    assert SM90A_PREFILL_SMEM <= 227 * 1024  # an H200 block's dynamic shared memory limit
+    assert (mma["entry"], mma["module"]) == ("attn_prefill_varlen_bf16", "attention")
+    assert mma["grid"] == [{"ceil_div": ["tokens", 64 // tiny.group]}, tiny.kv_heads, "seqs"]
+    assert (mma["block"], mma["shared_mem"]) == ([256, 1, 1], attn_prefill_smem(tiny.head_dim))
+    assert wg["params"] == mma["params"]
+    source = (Path(library.__file__).parent / "attention_sm90a.cu").read_text()
+    assert f"#define WG_THREADS {SM90A_PREFILL_BLOCK}" in source
+    assert KERNELS["attn_prefill_varlen_sm90a_bf16"] is KERNELS["attn_prefill_varlen_bf16"]
+
 # ---- manifest structure --------------------------------------------------------------------
 
 

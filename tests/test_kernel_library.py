@@ -60,3 +60,15 @@ def test_every_cuda_c_module_waits_and_no_numba_module_claims_to():
     for source in sorted(build.KERNELS_DIR.glob("*.cu")):
         build.check_waits(source)  # the committed sources keep the shape the index claims
         assert index[source.stem]["waits"]
+
+
+def test_only_sm90a_sources_build_for_sm90a():
+    """wgmma and setmaxnreg exist only on the architecture-specific target, whose cubins load
+    only on compute capability 9.0; every other module stays plain sm_90."""
+    assert build.nvcc_flags(Path("attention_sm90a.cu")) == build.SM90A_FLAGS
+    assert "-gencode=arch=compute_90a,code=sm_90a" in build.SM90A_FLAGS
+    for name in ("attention.cu", "sm90a_helpers.cu", "gemv.cu"):
+        assert build.nvcc_flags(Path(name)) == build.NVCC_FLAGS
+    assert "-arch=sm_90" in build.NVCC_FLAGS
+    sm90a = {n for n in library.index() if n.endswith(build.SM90A_SUFFIX)}
+    assert sm90a == {"attention_sm90a"}
