@@ -278,12 +278,12 @@ __device__ __forceinline__ void attn_prefill_wg(const bf16* __restrict__ qkv,
   const uint64_t k_desc = wg_desc(smem_u32(stages), 16, 1024);
   const uint64_t v_desc = wg_desc(smem_u32(stages) + WG_TILE_BYTES, WG_BN * 128, 1024);
 
-  // Software-pipelined by one tile: step `it` issues S = Q K_it^T and then O += P V_{it-1} (the
-  // P of the step before), stages tile it+1 while the tensor cores work, and runs the softmax
-  // of S while they still work on P V; only the rescale of O waits for them. K of tiles it and
-  // it+1 and V of tiles it-1, it, it+1 are in shared memory, so one barrier a step orders the
-  // copies against the reads. The first step has no P V, the last (it = ntiles) only P V: the
-  // flags are compile-time, so no wgmma or wait is behind a branch (ptxas would serialize).
+  // Software-pipelined by one tile: step `it` waits for tile it's stage to fill, issues (in its
+  // turn) S = Q K_it^T and then O += P V_{it-1} (the P of the step before), and runs the
+  // softmax of S while the tensor cores still work on P V; only the rescale of O waits for
+  // them, and then tile it-1's stage is released to the copier. The first step has no P V,
+  // the last (it = ntiles) only P V: the flags are compile-time, so no wgmma or wait is behind
+  // a branch (ptxas would serialize every wgmma).
   auto step = [&](auto with_scores, auto with_pv, int it) {
     constexpr bool SCORES = decltype(with_scores)::value, PV = decltype(with_pv)::value;
     const int k0 = it * WG_BN;
