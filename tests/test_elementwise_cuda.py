@@ -62,10 +62,12 @@ class Gpu:
         self.check(self.cu.cuMemcpyDtoH(out.ctypes.data, self.cu.CUdeviceptr(ptr), out.nbytes))
         return out
 
-    def launch(self, module: str, entry: str, grid: int, block: int, args: list) -> None:
+    def launch(self, module: str, entry: str, grid: int | tuple[int, int], block: int,
+               args: list) -> None:
         slots = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_uint64(a) for a in args]
         table = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
-        self.check(self.cu.cuLaunchKernel(self.function(module, entry), grid, 1, 1, block, 1, 1,
+        x, y = grid if isinstance(grid, tuple) else (grid, 1)
+        self.check(self.cu.cuLaunchKernel(self.function(module, entry), x, y, 1, block, 1, 1,
                                           0, 0, ctypes.addressof(table), 0))
 
     def close(self) -> None:
@@ -285,7 +287,7 @@ def test_qk_norm_rope_kv_is_the_three_kernels_in_one(gpu, rows, nq, nk, hd, shif
     ints = [ctypes.c_int32(rows), ctypes.c_int32(nq), ctypes.c_int32(nk), ctypes.c_int32(hd)]
     common = [gpu.upload(w), gpu.upload(positions), gpu.upload(table), gpu.upload(slots)]
     fused_qkv, fused_kv = gpu.upload(qkv, shift), gpu.upload(kv)
-    gpu.launch("qk_rope_kv", "qk_norm_rope_kv_bf16", -(-rows * (nq + 2 * nk) // 4), 128,
+    gpu.launch("qk_rope_kv", "qk_norm_rope_kv_bf16", rows, 256,  # the example's geometry
                [fused_qkv, *common, fused_kv, *ints, ctypes.c_float(eps)])
     split_qkv, split_kv = gpu.upload(qkv, shift), gpu.upload(kv)
     w_ptr, pos_ptr, table_ptr, slot_ptr = common
@@ -296,12 +298,17 @@ def test_qk_norm_rope_kv_is_the_three_kernels_in_one(gpu, rows, nq, nk, hd, shif
     gpu.launch("kv_cache", "kv_write_bf16", -(-rows * nk * hd // 256), 256,
                [split_qkv, slot_ptr, split_kv, *ints])
     got_qkv, got_kv = gpu.download(fused_qkv, qkv), gpu.download(fused_kv, kv)
-    # a quarter of the grid: 4 items a warp (the warps stride over the items)
-    strided_qkv, strided_kv = gpu.upload(qkv, shift), gpu.upload(kv)
-    gpu.launch("qk_rope_kv", "qk_norm_rope_kv_bf16", -(-rows * (nq + 2 * nk) // 16), 128,
-               [strided_qkv, *common, strided_kv, *ints, ctypes.c_float(eps)])
-    assert np.array_equal(gpu.download(strided_qkv, qkv), got_qkv), "4 items a warp differ"
-    assert np.array_equal(gpu.download(strided_kv, kv), got_kv), "4 items a warp differ (kv)"
+    # other geometries: the decode step's (a head a warp, a row over several blocks), fewer
+    # blocks than rows (blocks stride over rows, warps over items), 4-warp blocks (8 heads a
+    # warp at head dim 128), one warp, an item a warp, a row's heads over 3 blocks of a warp
+    for grid, block in (((rows, -(-(nq + 2 * nk) // 4)), 128), (-(-rows // 3), 256),
+                        (rows, 128), (2, 32), (-(-rows * (nq + 2 * nk) // 4), 128),
+                        ((-(-rows // 2), 3), 32)):
+        other_qkv, other_kv = gpu.upload(qkv, shift), gpu.upload(kv)
+        gpu.launch("qk_rope_kv", "qk_norm_rope_kv_bf16", grid, block,
+                   [other_qkv, *common, other_kv, *ints, ctypes.c_float(eps)])
+        assert np.array_equal(gpu.download(other_qkv, qkv), got_qkv), (grid, block)
+        assert np.array_equal(gpu.download(other_kv, kv), got_kv), (grid, block, "kv")
     assert np.array_equal(got_qkv, gpu.download(split_qkv, qkv)), "qkv differs from the three"
     assert np.array_equal(got_kv, gpu.download(split_kv, kv)), "kv differs from the three"
     close_bf16(got_qkv, want_qkv, ulps=2)  # a norm's rounding, then rope's

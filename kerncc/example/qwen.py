@@ -138,6 +138,12 @@ def kernel_op(params: list[str], entry: str, scalars: list[str], consts: list[di
     return {"params": params, "impl": {"launches": [launch]}}
 
 
+def qk_rope_kv_op(c: QwenConfig, grid: list[Any], block: int) -> dict:
+    return kernel_op([INOUT_BF16, IN_BF16, IN_I32, IN_F32, IN_I32, INOUT_STATE, "i32"],
+                     "qk_norm_rope_kv_bf16", ["i32"] * 3 + ["f32"],
+                     [i32(c.heads), i32(c.kv_heads), i32(c.head_dim), f32(c.eps)], grid, block)
+
+
 def attn_decode_op(c: QwenConfig, blocks: int) -> dict:
     """Flash-decoding in two launches (kernels/attention.cu): per (sequence, kv head, split of
     DECODE_SPLIT keys) the softmax partials of the G q heads go to the f32 workspace of param 5
@@ -258,7 +264,6 @@ def sorted_map(items: dict) -> dict:
 
 def ops(c: QwenConfig) -> dict[str, dict]:
     nq, nk, hd, eps = c.heads, c.kv_heads, c.head_dim, f32(c.eps)
-    heads = [i32(nq), i32(nk), i32(hd)]
     rows = "tokens"
     return {
         # embed and silu_mul have Numba-CUDA twins (embedding_gather_bf16_nb, silu_mul_bf16_nb:
@@ -273,12 +278,11 @@ def ops(c: QwenConfig) -> dict[str, dict]:
                                  "add_rmsnorm_bf16", ["i32", "f32"], [i32(c.hidden), eps],
                                  [rows], norm_block(c.hidden)),
         # q/k head norms, rope and the KV-cache write of a layer in one launch
-        # (kernels/qk_rope_kv.cu): warps stride over the (row, head) items of all nq + 2*nk
-        # heads (any grid is correct); this grid gives each warp one
-        **({"qk_rope_kv": kernel_op([INOUT_BF16, IN_BF16, IN_I32, IN_F32, IN_I32,
-                                     INOUT_STATE, "i32"], "qk_norm_rope_kv_bf16",
-                                    ["i32"] * 3 + ["f32"], heads + [eps],
-                                    [ceil_div(mul(rows, nq + 2 * nk), 4)], 128)}
+        # (kernels/qk_rope_kv.cu; any grid is correct): for a prefill chunk a block of 8 warps
+        # per row (at head dim 128 a warp takes 4 of the row's heads, sharing its table row
+        # and KV slot); for a decode step's few rows a warp per head, a row over several blocks
+        **({"qk_rope_kv": qk_rope_kv_op(c, [rows, 1], 256),
+            "qk_rope_kv_step": qk_rope_kv_op(c, [rows, -(-(nq + 2 * nk) // 4)], 128)}
            if c.qk_norm else {"rope_kv": rope_kv_op(c)}),
         "attn_prefill": attn_prefill_op(c),
         # a block per split for one sequence (the most parallel); fewer, looping, for a batch
@@ -456,7 +460,8 @@ def layer_calls(c: QwenConfig, i: int, prefill: bool, batched: bool = False) -> 
                          buf("block_table"), buf("seq_lens"), buf("attn_out"),
                          buf("attn_partials"), var("seqs"))
     if c.qk_norm:
-        rope = call(pre + "qk_rope_kv", "qk_rope_kv", buf("qkv"), w("qk_norm"),
+        rope = call(pre + "qk_rope_kv", "qk_rope_kv" if prefill else "qk_rope_kv_step",
+                    buf("qkv"), w("qk_norm"),
                     buf("positions"), buf("rope"), buf("slot_mapping"), {"state": f"kv.{i}"},
                     rows)
     else:
