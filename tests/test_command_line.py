@@ -231,10 +231,11 @@ def test_run_summarises_and_streams(tiny, capsys) -> None:
     assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4"]) == 0
     out, err = capsys.readouterr()
     assert out.endswith("\n") and len(out.splitlines()[-1].split()) == 4
-    assert "ran 5 programs" in err and "prefill 1 run of 2 rows, decode 4 runs of 1 row" in err
+    # the whole prompt in one chunk, which hands back the first token; the last is never fed
+    assert "ran 4 programs" in err and "prefill 1 run of 3 rows, decode 3 runs of 1 row" in err
     assert "×" not in err
     assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4", "-v"]) == 0
-    assert "prefill×2 decode×1 decode×1 decode×1 decode×1" in capsys.readouterr().err
+    assert "prefill×3 decode×1 decode×1 decode×1" in capsys.readouterr().err
     assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4", "--quiet"]) == 0
     quiet_out, quiet_err = capsys.readouterr()
     assert quiet_out == out and quiet_err == ""

@@ -114,7 +114,8 @@ def test_the_readme_command_from_a_shell(tmp_path):
     tokens = [int(t) for t in done.stdout.strip().splitlines()[-1].split()]
     oracle = Oracle(tmp_path / "model" / "model.safetensors")
     assert tokens == oracle.greedy([1, 2, 3], 4)
-    assert np.load(logits).shape == (5, oracle.config.vocab)  # a prefill chunk, 4 one-row steps
+    # the prefill chunk's (its last row gives the first token), then 3 one-row steps
+    assert np.load(logits).shape == (4, oracle.config.vocab)
 
 
 @pytest.mark.parametrize("flag, value", [("--max-new", "0"), ("--max-new", "-1"),

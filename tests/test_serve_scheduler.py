@@ -4,6 +4,8 @@ Properties: every item respects the forwards' bounds and the page tables' width;
 never granted twice nor leaked (the pool balances at every step and is full again at the end);
 every sequence finishes (nothing starves or deadlocks), whatever the pool size, the depth of
 the pipeline and the arrival order; a preempted sequence is recomputed from its known tokens.
+With a chunk program that hands back tokens, no known token goes through a one-row call and
+every token comes from the call that fed the token before it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def loads(draw):
         decode_groups=draw(st.integers(1, 4)),
         chunk=Bounds(rows=draw(st.integers(1, 8)), seqs=draw(st.integers(2, 4)) if packed else 1,
                      context=draw(st.integers(table * STRIDE, 40))),
-        max_running=draw(st.integers(1, 5)))
+        max_running=draw(st.integers(1, 5)), chunk_emits=draw(st.booleans()))
     width = limits.pages_per_seq * STRIDE
     requests = draw(st.lists(st.tuples(st.integers(1, width - 1), st.integers(1, width - 1)),
                              min_size=1, max_size=8))
@@ -59,13 +61,14 @@ def test_a_simulated_engine_finishes_everything_without_leaking_pages(load):
     limits, requests, pages, arrivals, depth = load
     pool = KVPool(pages)
     state = sch.State((), (), pages)
-    targets, generated, fed = {}, {}, {}
+    targets, generated, fed, prompts = {}, {}, {}, {}
     inflight: deque[sch.Item] = deque()
     pending = list(enumerate(requests))
     for tick in range(5000):
         while pending and arrivals[pending[0][0]] <= tick:
             seq_id, (prompt, max_new) = pending.pop(0)
             targets[seq_id] = prompt + max_new
+            prompts[seq_id] = prompt
             generated[seq_id] = 0
             state = sch.add(state, seq_id, prompt)
         if len(inflight) < depth:
@@ -85,11 +88,19 @@ def test_a_simulated_engine_finishes_everything_without_leaking_pages(load):
                 break
             continue
         item = inflight.popleft()
+        assert set(item.emits) <= {i for i, _, _ in item.parts}
         for seq_id, start, rows in item.parts:
             if not any(s.id == seq_id for s in state.running):
                 continue  # preempted after issue: its result is dropped
             fed.setdefault(seq_id, []).append((start, rows))
-            token = item.kind == "decode"
+            token = seq_id in item.emits
+            seq = next(s for s in state.running if s.id == seq_id)
+            assert token == (item.kind == "decode" or (limits.chunk_emits
+                                                       and start + rows == seq.tokens))
+            if limits.chunk_emits and item.kind == "decode":
+                assert start >= prompts[seq_id], "a prompt token went through a one-row call"
+            if token:
+                assert start + rows == seq.tokens, "a token from a call short of the last"
             state = sch.landed(state, seq_id, token)
             seq = next(s for s in state.running if s.id == seq_id)
             if token and seq.tokens == targets[seq_id]:
@@ -142,3 +153,25 @@ def test_packed_prefill_takes_several_sequences_in_one_call():
     plan = sch.schedule(state, one)
     assert [i.parts for i in plan.items if i.kind == "chunk"] == [
         ((0, 0, 3),), ((1, 0, 3),), ((2, 0, 2),)]
+
+
+def test_a_chunk_that_hands_back_tokens_feeds_the_whole_prompt():
+    """With chunk tokens the chunk takes every prompt token and hands back the first token of
+    the sequences it finishes: no one-row call in the step, and the next step decodes them."""
+    limits = sch.Limits(stride=16, pages_per_seq=4, decode_groups=4,
+                        chunk=Bounds(8, 3, 64), max_running=4, chunk_emits=True)
+    state = sch.State(tuple(sch.Seq(i, 4) for i in range(4)), (), 16)
+    plan = sch.schedule(state, limits)
+    assert [(i.kind, i.parts, i.emits) for i in plan.items] == [
+        ("chunk", ((0, 0, 4), (1, 0, 4)), (0, 1))]
+    state = sch.apply(state, plan)
+    assert [(s.cached, s.primed, s.decoding) for s in state.running[:2]] == [(4, True, True)] * 2
+    plan = sch.schedule(state, limits)  # 2 and 3 prefill; 0 and 1 wait for their tokens
+    assert [(i.kind, i.parts, i.emits) for i in plan.items] == [
+        ("chunk", ((2, 0, 4), (3, 0, 4)), (2, 3))]
+    state = sch.apply(state, plan)
+    for seq_id in (0, 1):
+        state = sch.landed(state, seq_id, token=True)
+    plan = sch.schedule(state, limits)
+    assert [(i.kind, i.parts, i.emits) for i in plan.items] == [
+        ("decode", ((0, 4, 1), (1, 4, 1)), (0, 1))]

@@ -262,9 +262,10 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 RUN_DESCRIPTION = """Serve a prompt: chunked prefill, then greedy decode.
 
-The prompt minus its last token goes through the chunk program in chunks of up to --chunk rows
-(a row is one token of one sequence); the last token goes through the one-row program, whose
-token is the first generated; each further token is fed back one row at a time. Generated
+The prompt goes through the chunk program in chunks of up to --chunk rows (a row is one token
+of one sequence); the last chunk hands back the first generated token (a chunk program that
+hands back none: the prompt minus its last token in chunks, the last one through the one-row
+program); each further token is fed back one row at a time. Generated
 tokens stream to stdout as they come; the last line on stdout is all of them, space separated.
 Progress and the summary go to stderr."""
 

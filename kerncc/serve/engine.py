@@ -32,7 +32,7 @@ import numpy as np
 from kerncc import protocol as proto
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
-from kerncc.runtime.generate import INPUT_FILLS, LOGITS, Generator
+from kerncc.runtime.generate import INPUT_FILLS, LOGITS, Generator, chunk_tokens, slots
 from kerncc.runtime.memory import numpy_dtype
 from kerncc.runtime.session import Session
 from kerncc.serve import sampling_hook
@@ -144,7 +144,8 @@ class Engine:
         return sch.Limits(stride=self.stride, pages_per_seq=self.width or self.pool.pages,
                           decode_groups=decode_groups,
                           chunk=Bounds(chunk_rows, seqs, context),
-                          max_running=max(1, config.max_running))
+                          max_running=max(1, config.max_running),
+                          chunk_emits=chunk is not None and chunk_tokens(self.protocol))
 
     @property
     def capacity(self) -> int:
@@ -309,9 +310,8 @@ class Engine:
         inputs = self._inputs(item, requests)
         longest = max(start + n for _, start, n in item.parts)
         vars = self.protocol.vars(groups, rows, rows, longest)
-        wanted = {forward.emits} if forward.emits else set()
-        if item.kind == "decode" and (self.keep_logits or
-                                      any(r.sampler is not None for r in requests)):
+        wanted = {forward.emits} if forward.emits and item.emits else set()
+        if item.emits and (self.keep_logits or any(r.sampler is not None for r in requests)):
             wanted.add(LOGITS)
         try:
             if isinstance(self.runner, Chain):
@@ -350,29 +350,25 @@ class Engine:
         return inputs
 
     def _fill_values(self, f: proto.Filled, item: sch.Item, requests: list[Request]
-                     ) -> list[int]:
+                     ) -> list[int] | np.ndarray:
         parts = [(r.tokens, start, n) for r, (_, start, n) in zip(requests, item.parts)]
         if f.fill == "token":
             if f.axis == "groups":
                 return [tokens[start] for tokens, start, _ in parts]
             return [t for tokens, start, n in parts for t in tokens[start:start + n]]
         if f.fill == "position":
-            return [p for _, start, n in parts for p in range(start, start + n)]
+            return np.concatenate([np.arange(start, start + n) for _, start, n in parts])
         if f.fill == "valid":
             return [1] * sum(n for _, _, n in parts)
         if f.fill == "slot":
-            return [self._slot(r.id, p) for r, (_, start, n) in zip(requests, item.parts)
-                    for p in range(start, start + n)]
+            return np.concatenate([slots(self.pool.held(r.id), self.stride, start, start + n)
+                                   for r, (_, start, n) in zip(requests, item.parts)])
         if f.fill == "seq_len":
             return [start + n for _, start, n in parts]
         if f.fill == "cu_seqlens":
             ends = list(itertools.accumulate(n for _, _, n in parts))
             return [0] + ends + [ends[-1]] * (f.axis.n - 1 - len(ends))  # type: ignore[union-attr]
         return [0]  # span_at: no run in a plain call
-
-    def _slot(self, seq_id: int, position: int) -> int:
-        pages = self.pool.held(seq_id)
-        return pages[position // self.stride] * self.stride + position % self.stride
 
     # ------------------------------------------------------------------------ collecting
 
@@ -381,21 +377,23 @@ class Engine:
             outputs = flight.pending.result()
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, flight.forward, flight.requests) from None
-        live = [(r, part) for r, part in zip(flight.requests, flight.item.parts)
-                if self.requests.get(r.id) is r]
-        if flight.item.kind == "chunk":
-            for request, _ in live:
+        item = flight.item
+        for request in flight.requests:  # the chunk parts that hand back no token
+            if request.id not in item.emits and self.requests.get(request.id) is request:
                 self.state = sch.landed(self.state, request.id, token=False)
+        if not item.emits:
             return
+        # a row of the outputs per sequence of the call (a chunk's: its last row's token)
         drawn = sampling_hook.tokens(outputs, flight.forward.emits, LOGITS,
-                                     [r.sampler for r in flight.requests],
+                                     [r.sampler if r.id in item.emits else None
+                                      for r in flight.requests],
                                      [len(r.generated) for r in flight.requests])
         now = time.perf_counter()
         rows = np.asarray(outputs[LOGITS]).reshape(len(drawn), -1) \
             if self.keep_logits and LOGITS in outputs else None
         for i, request in enumerate(flight.requests):
-            if self.requests.get(request.id) is not request:
-                continue  # cancelled while in flight
+            if self.requests.get(request.id) is not request or request.id not in item.emits:
+                continue  # cancelled while in flight, or a chunk part short of its last token
             if rows is not None:
                 request.logits.append(rows[i].copy())
             self._add_token(request, drawn[i], now)

@@ -6,15 +6,23 @@ issue) and `apply(state, plan)` the state after it; the engine keeps the token i
 ids beside it. Per sequence: `tokens` known (prompt plus generated), `cached` of them fed (KV
 written or being written), `pages` held, `inflight` items not yet collected.
 
-kern-serve's order (spec §6.1): all but the last known token go through the chunk program,
-the last one through a one-row step, whose token is the next. So a step holds
+The order of the feeding depends on the chunk program (`Limits.chunk_emits`):
+* it hands back a token (spec §3.10: a chunk program whose last calls write the `tokens`
+  output hands back the first token): every known token goes through chunks, and the chunk
+  part that feeds a sequence's last known token hands back its next token; from then on the
+  sequence goes one row at a time. The first token costs no one-row step.
+* it does not (kern-serve's order, spec §6.1): all but the last known token go through the
+  chunk program, the last one through a one-row step, whose token is the next.
+So a step holds
 * chunk items: the running sequences with prefill rows to go, packed by `pack()` (spec §6.2)
   when the chunk program takes several sequences (a `cu_seqlens` fill), else one sequence per
-  call; either way at most `chunk.rows` rows per step, so decodes are never starved;
+  call; either way at most `chunk.rows` rows per step, so decodes are never starved; an item
+  lists in `emits` the sequences whose token it hands back;
 * decode items, after them: every running sequence with only its last token to feed and no
-  one-row call in flight (a chunk in flight is fine: calls run in issue order), oldest first,
-  `decode_groups` per call (the protocol's multi-sequence forward). A sequence whose prefill
-  ends in this step's chunk decodes in this step.
+  call in flight that will hand it a token (a chunk in flight that does not is fine: calls run
+  in issue order), oldest first, `decode_groups` per call (the protocol's multi-sequence
+  forward). Without chunk tokens, a sequence whose prefill ends in this step's chunk decodes
+  in this step.
 
 Pages (`stride` tokens each) are granted oldest first as items need them. When the pool runs
 dry the newest running sequence with nothing in flight is preempted (its pages freed, its
@@ -48,16 +56,20 @@ class Seq:
     cached: int = 0
     pages: int = 0
     inflight: int = 0
-    decoding: bool = False  # a one-row call is in flight: its token is not known yet
+    decoding: bool = False  # a call that hands it a token is in flight: that token is unknown
+    # chunk tokens: its known tokens went through chunks up to the last one, whose chunk
+    # handed (or will hand) back the next token; later tokens go one row at a time
+    primed: bool = False
 
-    @property
-    def prefill_left(self) -> int:
+    def prefill_left(self, chunk_emits: bool) -> int:
+        if chunk_emits:
+            return 0 if self.primed else self.tokens - self.cached
         return max(0, self.tokens - 1 - self.cached)
 
-    @property
-    def decodable(self) -> bool:
+    def decodable(self, chunk_emits: bool) -> bool:
         # A chunk still in flight is fine: calls run in issue order on every stage.
-        return self.cached == self.tokens - 1 and not self.decoding
+        return ((self.primed or not chunk_emits) and self.cached == self.tokens - 1
+                and not self.decoding)
 
 
 @attrs.frozen
@@ -69,6 +81,7 @@ class Limits:
     decode_groups: int  # most sequences of one decode call
     chunk: Bounds  # one chunk call: rows, sequences (1: one-sequence chunks), context
     max_running: int
+    chunk_emits: bool = False  # the chunk program hands back each sequence's next token
 
 
 @attrs.frozen
@@ -77,6 +90,7 @@ class Item:
 
     kind: Literal["decode", "chunk"]
     parts: tuple[tuple[int, int, int], ...]
+    emits: tuple[int, ...] = ()  # seq ids it hands a token to (every part of a decode item)
 
 
 @attrs.frozen
@@ -143,7 +157,8 @@ def schedule(state: State, limits: Limits) -> Plan:
     """One step's plan (see the module docstring for the rules)."""
     draft = _Draft(state, limits.stride)
     _admit(draft, limits)
-    # Chunks first: a sequence whose prefill ends in this step's chunk decodes in this step.
+    # Chunks first: without chunk tokens, a sequence whose prefill ends in this step's chunk
+    # decodes in this step.
     items = _chunk_items(draft, limits)
     items += _decode_items(draft, limits)
     return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
@@ -165,40 +180,48 @@ def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
     ready: list[tuple[int, int, int]] = []
     for seq_id in list(draft.order):
         seq = draft.seqs.get(seq_id)
-        if seq is None or not seq.decodable:
+        if seq is None or not seq.decodable(limits.chunk_emits):
             continue  # preempted by an older one this step, or not ready
         if not draft.grant(seq_id, seq.tokens):
             continue
         draft.busy.add(seq_id)
         ready.append((seq_id, seq.cached, 1))
     groups = limits.decode_groups
-    return [Item("decode", tuple(ready[i:i + groups])) for i in range(0, len(ready), groups)]
+    return [Item("decode", tuple(ready[i:i + groups]), tuple(p[0] for p in ready[i:i + groups]))
+            for i in range(0, len(ready), groups)]
 
 
 def _chunk_items(draft: _Draft, limits: Limits) -> list[Item]:
     budget = limits.chunk.rows
     items: list[Item] = []
     while budget > 0:
-        candidates = [draft.seqs[i] for i in draft.order if draft.seqs[i].prefill_left > 0]
+        emits = limits.chunk_emits
+        candidates = [draft.seqs[i] for i in draft.order if draft.seqs[i].prefill_left(emits)]
         bounds = attrs.evolve(limits.chunk, rows=budget)
-        plan = pack([Waiting(s.cached, s.prefill_left) for s in candidates], bounds)
-        parts = _granted(draft, [(candidates[i], n) for i, n in plan])
+        plan = pack([Waiting(s.cached, s.prefill_left(emits)) for s in candidates], bounds)
+        parts = _granted(draft, [(candidates[i], n) for i, n in plan], emits)
         if not parts:
             break
-        items.append(Item("chunk", tuple(parts)))
+        tokens = tuple(i for i, start, n in parts if emits and start + n == draft.seqs[i].tokens)
+        items.append(Item("chunk", tuple(parts), tokens))
         budget -= sum(n for _, _, n in parts)
     return items
 
 
-def _granted(draft: _Draft, planned: Iterable[tuple[Seq, int]]) -> list[tuple[int, int, int]]:
+def _granted(draft: _Draft, planned: Iterable[tuple[Seq, int]], chunk_emits: bool
+             ) -> list[tuple[int, int, int]]:
     """The planned parts whose pages could be granted, up to the first that could not; each
-    granted part advances its sequence's `cached` in the draft."""
+    granted part advances its sequence's `cached` in the draft (and primes it when the part
+    feeds its last known token and the chunk hands back the next)."""
     parts = []
     for seq, n in planned:
         if seq.id not in draft.seqs or not draft.grant(seq.id, seq.cached + n):
             break
         current = draft.seqs[seq.id]
-        draft.seqs[seq.id] = attrs.evolve(current, cached=current.cached + n)
+        last = chunk_emits and current.cached + n == current.tokens
+        draft.seqs[seq.id] = attrs.evolve(current, cached=current.cached + n,
+                                          primed=current.primed or last,
+                                          decoding=current.decoding or last)
         draft.busy.add(seq.id)
         parts.append((seq.id, seq.cached, n))
     return parts
@@ -220,8 +243,10 @@ def apply(state: State, plan: Plan) -> State:
     for item in plan.items:
         for seq_id, start, rows in item.parts:
             seq = seqs[seq_id]
+            token = seq_id in item.emits
             seqs[seq_id] = attrs.evolve(seq, cached=start + rows, inflight=seq.inflight + 1,
-                                        decoding=seq.decoding or item.kind == "decode")
+                                        decoding=seq.decoding or token,
+                                        primed=seq.primed or (token and item.kind == "chunk"))
     return State(tuple(waiting), tuple(seqs[s.id] for s in running),
                  state.free + freed - taken)
 

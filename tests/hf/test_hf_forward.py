@@ -57,18 +57,19 @@ def test_logits_match_float32_forward(tmp_path, case):
     folder = write_model(tmp_path / case, family, seed=len(case), **options)
     done = import_model(folder, max_tokens=32, max_seqs=2, max_context=128)
     tokens, logits = run(done.path, PROMPT, NEW)
-    # The driver's runs: the prompt minus its last token in one chunk (its last row is
-    # position len-2), then one row per token: positions len-2 ... len-2+NEW.
+    # The driver's runs: the whole prompt in one chunk (its last row, position len-1, gives
+    # the first token), then one row per token but the last: positions len ... len-2+NEW.
     sequence = PROMPT + tokens[:-1]
-    expected = forward(folder, sequence)[len(PROMPT) - 2:]
+    expected = forward(folder, sequence)[len(PROMPT) - 1:]
+    assert len(expected) == NEW
     assert logits.shape == expected.shape
     scale = np.abs(expected).max()
     error = np.abs(logits - expected).max() / scale
     assert error < TOLERANCE, f"{case}: max |diff| / max |logit| = {error:.4f}"
     assert np.abs(expected).std() > 0.1 * scale  # not a degenerate (flat) model
     for row, token in enumerate(tokens):
-        best = np.sort(expected[row + 1])[-2:]
-        if token != int(np.argmax(expected[row + 1])):
+        best = np.sort(expected[row])[-2:]
+        if token != int(np.argmax(expected[row])):
             assert best[1] - best[0] < NEAR_TIE * scale, f"{case}: token {row} differs"
 
 
@@ -76,11 +77,11 @@ def test_the_scaled_rope_matters(tmp_path):
     """The llama3 table is in use: without the scaling the logits move past tolerance."""
     folder = write_model(tmp_path / "m", "llama", rope_scaling=LLAMA3, seed=3)
     done = import_model(folder, max_tokens=32, max_seqs=2, max_context=128)
-    _, logits = run(done.path, PROMPT, 2)
+    tokens, logits = run(done.path, PROMPT, 2)  # rows: positions len-1 (the chunk's), len
     config = json.loads((folder / "config.json").read_text())
     config["rope_scaling"] = None
     (folder / "config.json").write_text(json.dumps(config))
-    unscaled = forward(folder, PROMPT + [0])[len(PROMPT) - 2:len(PROMPT)]
+    unscaled = forward(folder, PROMPT + tokens[:1])[len(PROMPT) - 1:]
     error = np.abs(logits[:2] - unscaled).max() / np.abs(unscaled).max()
     assert error > TOLERANCE
 
