@@ -340,12 +340,7 @@ class Generator:
                 rows = min(chunk, len(seq.tokens) - seq.cached)
                 last = seq.cached + rows == len(seq.tokens)
                 token = self._feed(seq, rows, self.chunk_program, record, wait=last)
-            if getattr(self, "_sampling", None) is not None:
-                return self._sample()
-            if token is None:
-                raise KernccError.single(f"program `{self.chunk_program.name}` hands back no "
-                                         "token: nothing to decode with")
-            return token
+            return self._next(token, self.chunk_program)
         if self.chunk_program is None:
             chunk = 1
         while seq.cached < len(seq.tokens) - 1:
@@ -356,7 +351,11 @@ class Generator:
 
     def _one_row(self, seq: Served, record: _Record) -> int:
         forward = self.step_program or self.chunk_program
-        token = self._feed(seq, 1, forward, record)
+        return self._next(self._feed(seq, 1, forward, record), forward)
+
+    def _next(self, token: int | None, forward: proto.Forward) -> int:
+        """The next token after the call of `forward` just collected: sampled from its logits,
+        or the token it handed back."""
         if getattr(self, "_sampling", None) is not None:
             return self._sample()
         if token is None:

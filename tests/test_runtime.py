@@ -166,6 +166,22 @@ def test_derive_ran_at_load_and_cannot_run_again(bundle_dir, model):
     assert "convert" not in session.programs
 
 
+def test_the_first_token_comes_from_the_last_chunk_when_the_chunk_hands_one_back(whole):
+    """The example's prefill writes next_tokens: the whole prompt goes through chunks and no
+    one-row step feeds a prompt token. kern-serve's order (the prompt's last token through
+    the one-row program), kept for chunk programs that hand back nothing, gives the same
+    tokens here."""
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    generator = Generator(whole)
+    assert generator.chunk_emits
+    ours = generator.generate(prompt, 4, chunk=3)
+    assert ours.steps == [("prefill", 3), ("prefill", 3), ("prefill", 1)] + [("decode", 1)] * 3
+    generator.chunk_emits = False
+    kern = generator.generate(prompt, 4, chunk=3)
+    assert kern.steps == [("prefill", 3), ("prefill", 3)] + [("decode", 1)] * 4
+    assert ours.tokens == kern.tokens
+
+
 def test_token_capacity_covers_every_sequence_at_the_context_bound(whole):
     # seqs <= 4, block_table [seqs, 16] at 16 tokens per page.
     assert default_token_capacity(whole.manifest) == 4 * 16 * 16
