@@ -4,7 +4,7 @@
 
 Builds the `small` example (24 layers, hidden 2048; `--layers` for a quicker look) whole and
 cut at the middle layer, then measures, each section guarded so a failure leaves the rest:
-  gemm     each decode GEMM shape of the model at m = 1, 8, 32: cuBLAS against kerncc's GEMV
+  gemm     each decode GEMM shape of the model at m = 1, 8, 16, 32: cuBLAS against kerncc's GEMV
            kernels (kernels/gemv.cu), events around back-to-back launches over rotating
            weight copies (more bytes than the L2 holds), as achieved weight bandwidth.
   copy     the HBM ceiling: a large device-to-device copy (bytes read + written).
@@ -144,10 +144,10 @@ def gemm_bench(cfg: dict) -> None:
 
 
 def gemm_shape(backend, busy, site, out: dict, shape: tuple, data: tuple) -> None:
-    """One GEMM shape at m = 1, 8, 32: cuBLAS against each GEMV kernel, one row each."""
+    """One GEMM shape at m = 1, 8, 16, 32: cuBLAS against each GEMV kernel, one row each."""
     op, n, k, extern = shape
     a, c, ws, copies, wbytes = data
-    for m in (1, 8, 32):
+    for m in (1, 8, 16, 32):
         results = {}
         paths = ["cublas", "gemv_bf16_tn_mb1", "gemv_bf16_tn_mb1_w16"]
         for path in paths if m <= 8 else paths[:2]:
