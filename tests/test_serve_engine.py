@@ -186,3 +186,8 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_it_is_batched_with(whol
     assert serve([prompts[3], *prompts[4:7]]) == alone
     greedy = Generator(whole).generate(prompts[3], 8).tokens
     assert alone != greedy, "a temperature of 0.8 changes something in 8 tokens"
+    # the Generator draws the first token from the same chunk's logits with the same counter
+    from kerncc.runtime.sampling import SamplingParams
+
+    native = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    assert Generator(whole).generate(prompts[3], 8, sampling=native).tokens == alone
