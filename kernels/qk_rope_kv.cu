@@ -4,9 +4,9 @@
 #include "rope.cuh"
 
 // Head dim 128, aligned: a block takes rows (blockIdx.x, + gridDim.x, ...), and the W warps of
-// the gridDim.y blocks of a row (warp w of block y: w' = y * warps + w) take its heads w',
-// w' + W, ... QK_HEADS_PER_WARP at a time, each head held in registers (4
-// elements a lane) for the whole of norm -> rope -> KV write. What every head of a row shares
+// the gridDim.y blocks of a row (warp w of block y: w' = y * warps + w) take its heads w', w' +
+// W, ... QK_HEADS_PER_WARP at a time, each head held in registers (4 elements a lane)
+// for the whole of norm -> rope -> KV write. What every head of a row shares
 // is read once per warp: the norm weights once per launch, the position, table row and KV slot
 // once per row; all of a batch's x loads go out before any use, so a warp waits about one
 // memory latency for QK_HEADS_PER_WARP heads. The expressions are those of norm_row_v<4>,
