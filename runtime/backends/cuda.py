@@ -526,11 +526,20 @@ class _KernelLaunch:
             ctypes.memmove(base + at, data, len(data))
         self.table = (ctypes.c_void_p * max(len(slots), 1))(*[base + at for at, _ in slots])
         self.params = ctypes.addressof(self.table) if slots else 0
+        self.shared_allowed = 48 * 1024  # dynamic shared memory a launch may take unasked
         shared = site.shared_mem
-        if isinstance(shared, int) and shared > 48 * 1024:
+        if isinstance(shared, int):
+            self._allow_shared(shared)
+
+    def _allow_shared(self, shared: int) -> None:
+        """Raise the kernel's dynamic shared memory limit to `shared` bytes when it is over
+        the default (at prepare for a constant amount, at the launch that first needs more
+        for one that depends on vars)."""
+        if shared > self.shared_allowed:
             check(cu.cuFuncSetAttribute(
-                fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared), f"cuFuncSetAttribute({site.entry}, {shared} bytes of shared memory)")
+                self.fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared), f"cuFuncSetAttribute({self.site.entry}, {shared} bytes of shared memory)")
+            self.shared_allowed = shared
 
     def _check_params(self, sizes: list[int]) -> None:
         """The kernel's own parameter sizes (from the cubin) against plan.json's arguments."""
@@ -564,6 +573,8 @@ class _KernelLaunch:
         gx, gy, gz = grid
         if gx <= 0 or gy <= 0 or gz <= 0:
             return  # nothing to cover
+        if shared > self.shared_allowed:
+            self._allow_shared(shared)
         b, backend = self.block, self.backend
         if self.waits and backend.pdl and backend.capturing and backend.after_kernel:
             self._launch_overlapping(grid, shared)
