@@ -260,6 +260,9 @@ class Executor:
         op = self.m["ops"][call["op"]]
         values = [self.value(a, t, env) for a, t in zip(call["args"], op["params"])]
         for launch in op["impl"]["launches"]:
+            when = launch.get("when")
+            if when and not when.get("min", 0) <= env[when["var"]] <= when.get("max", 1 << 64):
+                continue  # spec 1.8: a launch does nothing outside its `when`
             params = launch.get("params", op["params"])
             args = launch.get("args", [{"param": i} for i in range(len(params))])
             launch_values = [values[a["param"]] if "param" in a else self.value(a, t, env)
