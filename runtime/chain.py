@@ -97,6 +97,19 @@ class Chain:
                                 {"stage": k, "item": item, "program": program, "rows": rows})
         return pending
 
+    def stage_inputs(self, inputs: Mapping[str, Any],
+                     vars: Mapping[str, int] | None = None) -> None:
+        """`Session.stage_inputs` on every stage that takes some of `inputs` (each on its own
+        stream, after the items issued to it so far). Stages of this process only: the
+        placements' chains (runtime/placement) send inputs with each item."""
+        inputs, vars = dict(inputs), dict(vars or {})
+        self._check_names(inputs, vars)
+        for session in self.sessions:
+            host = {n: v for n, v in inputs.items() if n in session.stage.host_inputs}
+            if host:
+                session.stage_inputs(host, {n: v for n, v in vars.items()
+                                            if n in session.manifest.vars})
+
     def _check_names(self, inputs: dict, vars: dict) -> None:
         taken = {n for s in self.bundle.stages for n in s.host_inputs}
         known_vars = {v for s in self.sessions for v in s.manifest.vars}

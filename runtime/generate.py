@@ -315,8 +315,9 @@ class Generator:
         record = _Record()
         self._sampling = None if sampling is None or sampling.greedy else sampling.resolved()
         self._generated = 0
+        self._staged = False
         try:
-            token = self._prefill(seq, chunk, record)
+            token = self._prefill(seq, chunk, record, stage=max_new > 1)
             generated: list[int] = []
             while len(generated) < max_new:
                 generated.append(token)
@@ -327,19 +328,21 @@ class Generator:
                 if stop is not None and stop(token):
                     break
                 if len(generated) < max_new:
-                    token = self._one_row(seq, record)
+                    token = self._one_row(seq, record, stage=len(generated) + 1 < max_new)
         finally:
             self.pool.give_back(seq.pages)
         return Generation(generated, record.stacked(), record.steps)
 
-    def _prefill(self, seq: Served, chunk: int, record: _Record) -> int:
+    def _prefill(self, seq: Served, chunk: int, record: _Record, stage: bool) -> int:
         """The prompt in chunks, the last chunk's token; or, when the chunk program hands back
-        none, all but the last prompt token in chunks and the last one as a step: its token."""
+        none, all but the last prompt token in chunks and the last one as a step: its token.
+        `stage`: a decode step follows (see _feed)."""
         if self.chunk_emits:
             while seq.cached < len(seq.tokens):
                 rows = min(chunk, len(seq.tokens) - seq.cached)
                 last = seq.cached + rows == len(seq.tokens)
-                token = self._feed(seq, rows, self.chunk_program, record, wait=last)
+                token = self._feed(seq, rows, self.chunk_program, record, wait=last,
+                                   stage_next=last and stage)
             return self._next(token, self.chunk_program)
         if self.chunk_program is None:
             chunk = 1
@@ -347,11 +350,14 @@ class Generator:
             rows = min(chunk, len(seq.tokens) - 1 - seq.cached)
             # Chunks are only issued: on GPUs the next chunk goes in while this one runs.
             self._feed(seq, rows, self.chunk_program or self.step_program, record, wait=False)
-        return self._one_row(seq, record)
+        return self._one_row(seq, record, stage)
 
-    def _one_row(self, seq: Served, record: _Record) -> int:
+    def _one_row(self, seq: Served, record: _Record, stage: bool = False) -> int:
+        """One decode step; `stage`: another follows unless a stop token ends generation."""
         forward = self.step_program or self.chunk_program
-        return self._next(self._feed(seq, 1, forward, record), forward)
+        staged, self._staged = self._staged, False
+        return self._next(self._feed(seq, 1, forward, record, staged=staged, stage_next=stage),
+                          forward)
 
     def _next(self, token: int | None, forward: proto.Forward) -> int:
         """The next token after the call of `forward` just collected: sampled from its logits,
@@ -388,10 +394,15 @@ class Generator:
                                      f"({f.dtype}: {low}..{high})")
 
     def _feed(self, seq: Served, rows: int, forward: proto.Forward, record: _Record,
-              wait: bool = True) -> int | None:
+              wait: bool = True, staged: bool = False, stage_next: bool = False) -> int | None:
+        """Issue `rows` rows of the sequence through `forward`; with `wait`, its token.
+        `staged`: every input but the tokens is already written (_stage_step). `stage_next`:
+        once this call is issued, write the next step's inputs but its token while it runs, so
+        between two steps the host only writes one token (on one H200 that cut a batch-1
+        decode step from 1.45 to 1.2 ms, host included: docs/benchmarks.md)."""
         start, end = seq.cached, seq.cached + rows
         self._reserve(seq, end)
-        inputs = self._inputs(seq, start, end)
+        inputs = self._inputs(seq, start, end, "tokens" if staged else "all")
         vars = self.protocol.vars(1, rows, rows, end)
         wanted = {LOGITS} | ({forward.emits} if forward.emits else set())
         if isinstance(self.runner, Chain):
@@ -400,6 +411,8 @@ class Generator:
             pending = self.runner.submit(forward.name, inputs, vars, outputs=wanted)
         seq.cached = end
         record.add(forward.name, rows, pending)
+        if stage_next:
+            self._stage_step(seq)
         if not wait:
             return None
         outputs = pending.result()
@@ -415,12 +428,33 @@ class Generator:
         if needed > 0:
             seq.pages += self.pool.take(needed)
 
-    def _inputs(self, seq: Served, start: int, end: int) -> dict[str, np.ndarray]:
+    def _stage_step(self, seq: Served) -> None:
+        """Write the next one-row step's inputs but its token (Session.stage_inputs), where the
+        runner can: it runs after the call just issued, whose token it needs. Nothing is staged when
+        the step could not be taken anyway (a full page table or cache): the step itself then
+        says why, if it comes (a stop token may end generation first)."""
+        if type(self.runner) not in (Session, Chain):
+            return  # a placement's chain (stages in other processes) sends inputs per call
+        end = seq.cached + 1
+        try:
+            self._reserve(seq, end)
+            self.runner.stage_inputs(self._inputs(seq, seq.cached, end, "rest"),
+                                     self.protocol.vars(1, 1, 1, end))
+        except KernccError:
+            return
+        self._staged = True
+
+    def _inputs(self, seq: Served, start: int, end: int, part: str = "all"
+                ) -> dict[str, np.ndarray]:
+        """The inputs of rows [start, end): "all", only the "tokens" (fill `token`), or the
+        "rest" (every other fill and the page tables)."""
         inputs: dict[str, np.ndarray] = {}
         for f in self.protocol.fills:
-            if f.fill in INPUT_FILLS:
+            if f.fill in INPUT_FILLS and (part == "all" or (f.fill == "token") == (part == "tokens")):
                 values = self._fill_values(f, seq, start, end)
                 inputs[f.name] = np.asarray(values, dtype=numpy_dtype(f.dtype))
+        if part == "tokens":
+            return inputs
         for t in self.protocol.page_tables:
             row = seq.pages + [0] * (t.width - len(seq.pages))
             inputs[t.name] = np.asarray([row], dtype=np.int32)

@@ -255,8 +255,7 @@ class Session:
         self.backend.activate()
         self._check_program(program)
         env = self._vars(vars or {})
-        for name, value in (inputs or {}).items():
-            self._write_host(name, value, env)
+        self._write_inputs(inputs or {}, env)
         self._execute(program, env)
         self.last_vars = env
         written = self._written(program)
@@ -264,6 +263,20 @@ class Session:
             wanted = set(outputs or ())
             written = [name for name in written if name in wanted]
         return Pending({name: self._read_async(name, env) for name in written})
+
+    def stage_inputs(self, inputs: Mapping[str, Any],
+                     vars: Mapping[str, int] | None = None) -> None:
+        """Write host inputs of a run to come, checked as `submit` checks them, ordered after
+        everything issued so far (on a GPU the host goes on: the copies wait on the stream for
+        the runs before them). A later `submit` that does not name an input runs on the bytes
+        staged here: a driver writes what it already knows of the next step while this one
+        runs, and only the rest (the token this step hands back) once it is known."""
+        self.backend.activate()
+        self._write_inputs(inputs, self._vars(vars or {}))
+
+    def _write_inputs(self, inputs: Mapping[str, Any], env: dict[str, int]) -> None:
+        for name, value in inputs.items():
+            self._write_host(name, value, env)
 
     def _check_program(self, program: str) -> None:
         if program in self._derived:

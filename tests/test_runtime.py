@@ -182,6 +182,48 @@ def test_the_first_token_comes_from_the_last_chunk_when_the_chunk_hands_one_back
     assert ours.tokens == kern.tokens
 
 
+def test_decode_steps_stage_all_but_the_token_while_the_step_before_runs(whole, bundle_dir,
+                                                                         monkeypatch):
+    """Once a call is issued the Generator writes the next step's positions, slots, lengths
+    and page table (Session/Chain.stage_inputs), so the step itself sends only its token; the
+    tokens and logits are those of a run that writes every input with its step."""
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    for runner in (whole, Chain(bundle_dir)):
+        calls: list[tuple] = []
+        real_submit, real_stage = runner.submit, runner.stage_inputs
+
+        def submit(program, inputs=None, vars=None, *args, **kwargs):
+            calls.append(("submit", program, sorted(inputs or {})))
+            return real_submit(program, inputs, vars, *args, **kwargs)
+
+        def stage(inputs, vars=None):
+            calls.append(("stage", sorted(inputs)))
+            return real_stage(inputs, vars)
+
+        monkeypatch.setattr(runner, "submit", submit)
+        monkeypatch.setattr(runner, "stage_inputs", stage)
+        staged = Generator(runner).generate(prompt, 5, chunk=4)
+        rest = ["block_table", "cu_seqlens", "positions", "seq_lens", "slot_mapping"]
+        # two chunks (the last hands back token 1), then a step for each of tokens 2 to 5,
+        # each staged after the call before it
+        assert calls == [("submit", "prefill", sorted(rest + ["token_ids"]))] * 2 + [
+            ("stage", rest), ("submit", "decode", ["token_ids"])] * 4
+        monkeypatch.setattr(Generator, "_stage_step", lambda self, seq: None)
+        plain = Generator(runner).generate(prompt, 5, chunk=4)
+        monkeypatch.undo()
+        assert staged.tokens == plain.tokens
+        np.testing.assert_array_equal(staged.logits, plain.logits)
+
+
+def test_no_step_past_the_last_is_staged(whole):
+    """A request that fills the page table to its last slot runs: the Generator stages the
+    next step only when generation may still need it."""
+    limit = 16 * 16  # block_table [seqs, 16], 16 tokens a page
+    prompt = [int(t) for t in np.random.default_rng(5).integers(1, 256, limit - 3)]
+    result = Generator(whole).generate(prompt, 3, chunk=64)
+    assert len(result.tokens) == 3
+
+
 def test_token_capacity_covers_every_sequence_at_the_context_bound(whole):
     # seqs <= 4, block_table [seqs, 16] at 16 tokens per page.
     assert default_token_capacity(whole.manifest) == 4 * 16 * 16
