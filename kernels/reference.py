@@ -417,6 +417,8 @@ KERNELS["silu_mul_bf16_nb"] = KERNELS["silu_mul_bf16"]
 # the wgmma kernel (attention_sm90a.cu) computes what the mma.sync one does (bf16 tolerance)
 KERNELS["attn_prefill_varlen_sm90a_bf16"] = KERNELS["attn_prefill_varlen_bf16"]
 KERNELS["embedding_gather_bf16_nb"] = KERNELS["embedding_gather_bf16"]
+# the decode split on tensor cores (attention.cu) computes what the CUDA-core one does
+KERNELS["attn_decode_split_tc_bf16"] = KERNELS["attn_decode_split_bf16"]
 
 
 def sample_f32(launch: Any, logits, params, tokens, n, stride, vocab) -> None:

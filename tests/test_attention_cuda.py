@@ -27,6 +27,7 @@ pytestmark = pytest.mark.gpu
 
 ENTRY = "attn_prefill_bf16"
 SPLIT, COMBINE = "attn_decode_split_bf16", "attn_decode_combine_bf16"
+SPLIT_TC = "attn_decode_split_tc_bf16"  # hd % 32 == 0, on tensor cores
 PAGE = 16
 
 # (hd, nq, nk, start, rows): chunk rows [start, start + rows) of one sequence.
@@ -61,7 +62,7 @@ class Gpu:
         image = np.frombuffer(library.cubin_path("attention").read_bytes(), dtype=np.uint8)
         self.module = self.check(cu.cuModuleLoadData(image.ctypes.data))
         self.fns = {name: self.check(cu.cuModuleGetFunction(self.module, name.encode()))
-                    for name in (ENTRY, SPLIT, COMBINE)}
+                    for name in (ENTRY, SPLIT, SPLIT_TC, COMBINE)}
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.check(cu.cuFuncSetAttribute(self.fns[ENTRY], attr, attn_prefill_smem(128)))
         self.stream = self.check(cu.cuStreamCreate(0))
@@ -193,13 +194,14 @@ def timing(gpu: Gpu, hd=128, nq=16, nk=8, start=7680, rows=512, repeats=20) -> f
     return ms / 1e3 / repeats
 
 
-# ---- decode: attn_decode_split_bf16 then attn_decode_combine_bf16 ---------------------------
+# ---- decode: attn_decode_split_bf16 (or _tc_bf16) then attn_decode_combine_bf16 ----------
 
 # (hd, nq, nk, seq_lens): one decode batch, a row per sequence.
 DECODE_CASES = [
     (128, 16, 8, [1, 17, 256, 300, 4100]), (128, 16, 8, [8448]), (16, 4, 2, [1, 17, 256, 300]),
     (64, 8, 8, [0, 17, 300, 4100]), (128, 32, 4, [256, 4100, 1]), (80, 8, 2, [300, 4100, 17]),
     (32, 16, 2, [17, 4100]), (128, 8, 8, [4100, 255]), (112, 4, 1, [257]),
+    (128, 16, 4, [17, 300, 2049]), (96, 8, 4, [130, 1]),  # head groups of 4 and 2 on mma
 ]
 SENTINEL = -12345.0  # partials past a sequence's splits keep it
 
@@ -243,10 +245,11 @@ def decode_reference(c) -> tuple[np.ndarray, np.ndarray]:
     return part, bits_f32(out).reshape(c.seqs, c.nq * c.hd)
 
 
-def run_decode(gpu: Gpu, c, repeats: int = 1,
-               blocks: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+def run_decode(gpu: Gpu, c, repeats: int = 1, blocks: int | None = None,
+               split_entry: str = SPLIT) -> list[tuple[np.ndarray, np.ndarray]]:
     """(partials, rows as bf16 bits) after each of `repeats` split + combine launches; the split
-    launch has `blocks` blocks per (sequence, kv head) (default: one per split)."""
+    launch (of `split_entry`) has `blocks` blocks per (sequence, kv head) (default: one per
+    split)."""
     part0 = np.full((c.seqs, c.nq, c.max_splits, c.hd + 2), SENTINEL, np.float32)
     out0 = np.full((c.seqs, c.nq * c.hd), 0xFFFF, np.uint16)
     ptrs = [gpu.upload(a) for a in (c.qkv, c.kv, c.table, c.lens)]
@@ -254,7 +257,8 @@ def run_decode(gpu: Gpu, c, repeats: int = 1,
     split, combine = decode_scalars(c)
     results = []
     for _ in range(repeats):
-        gpu.launch((c.seqs, c.nk, blocks or c.max_splits), 0, ptrs + [part] + split, SPLIT, 256)
+        gpu.launch((c.seqs, c.nk, blocks or c.max_splits), 0, ptrs + [part] + split,
+                   split_entry, 256)
         gpu.launch((c.seqs, c.nq, 1), 0, [part, ptrs[3], out] + combine, COMBINE, 128)
         results.append((gpu.download(part, part0), gpu.download(out, out0)))
     gpu.free(*ptrs, part, out)
@@ -269,11 +273,17 @@ def decode_errors(c, part: np.ndarray, rows: np.ndarray) -> tuple[float, float, 
     return error(rows, want_rows), part_err, bool((part[~live] == SENTINEL).all())
 
 
-@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "hd{}-q{}-k{}-lens{}".format(
-    *c[:3], "-".join(map(str, c[3]))))
-def test_decode_matches_the_reference(gpu, case):
+SPLIT_ENTRIES = [(SPLIT, case) for case in DECODE_CASES] + [
+    (SPLIT_TC, case) for case in DECODE_CASES if case[0] % 32 == 0]
+
+
+@pytest.mark.parametrize("entry,case", SPLIT_ENTRIES, ids=lambda x: x.removeprefix(
+    "attn_decode_split_").removesuffix("_bf16") or "cuda-cores" if isinstance(x, str) else
+    "hd{}-q{}-k{}-lens{}".format(*x[:3], "-".join(map(str, x[3]))))
+def test_decode_matches_the_reference(gpu, entry, case):
+    """Both split kernels against the one reference (the tensor-core one where hd % 32 == 0)."""
     c = make_decode_case(*case)
-    (part, rows), (part2, rows2) = run_decode(gpu, c, repeats=2)
+    (part, rows), (part2, rows2) = run_decode(gpu, c, repeats=2, split_entry=entry)
     row_err, part_err, untouched = decode_errors(c, part, rows)
     assert np.isfinite(bits_f32(rows)).all()
     assert row_err <= 1e-2  # the rows round once to bf16
@@ -284,17 +294,20 @@ def test_decode_matches_the_reference(gpu, case):
     np.testing.assert_array_equal(rows, rows2)
 
 
-@pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[4], DECODE_CASES[5]],
-                         ids=lambda c: "hd{}-q{}-k{}".format(*c[:3]))
-def test_fewer_split_blocks_loop_over_the_splits_with_the_same_bits(gpu, case):
+@pytest.mark.parametrize("entry,case", [(SPLIT, DECODE_CASES[0]), (SPLIT, DECODE_CASES[4]),
+                                        (SPLIT, DECODE_CASES[5]), (SPLIT_TC, DECODE_CASES[0]),
+                                        (SPLIT_TC, DECODE_CASES[4]), (SPLIT_TC, DECODE_CASES[3])],
+                         ids=lambda x: x.removeprefix("attn_decode_split_") if isinstance(x, str)
+                         else "hd{}-q{}-k{}".format(*x[:3]))
+def test_fewer_split_blocks_loop_over_the_splits_with_the_same_bits(gpu, entry, case):
     """A split block takes splits z, z + Z, ... (the batched decode launches Z < max_splits):
     with Z = 1, 3 and 8 every partial and row has the bits of a block per split."""
     c = make_decode_case(*case)
-    (part, rows), = run_decode(gpu, c)
+    (part, rows), = run_decode(gpu, c, split_entry=entry)
     assert decode_errors(c, part, rows)[2], "a partial past a sequence's splits was written"
     assert c.max_splits > 8  # 4100 keys: 33 splits, so every Z below loops
     for blocks in (1, 3, 8):
-        (part_z, rows_z), = run_decode(gpu, c, blocks=blocks)
+        (part_z, rows_z), = run_decode(gpu, c, blocks=blocks, split_entry=entry)
         np.testing.assert_array_equal(part_z.view(np.uint32), part.view(np.uint32))
         np.testing.assert_array_equal(rows_z, rows)
 

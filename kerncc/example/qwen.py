@@ -152,8 +152,11 @@ def attn_decode_op(c: QwenConfig, blocks: int) -> dict:
     bits for any count)."""
     nq, nk, hd, splits = c.heads, c.kv_heads, c.head_dim, c.decode_splits
     params = [IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_BF16, OUT_F32, "i32"]
+    # head dims of 32, 64, 96, 128 on tensor cores, others on CUDA cores: the same function
+    # and partials, not the same bits
+    entry = "attn_decode_split_tc_bf16" if hd % 32 == 0 else "attn_decode_split_bf16"
     split = kernel_launch(
-        "attn_decode_split_bf16", [IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_F32] + ["i32"] * 6
+        entry, [IN_BF16, IN_STATE, IN_I32, IN_I32, OUT_F32] + ["i32"] * 6
         + ["f32"], [param(0), param(1), param(2), param(3), param(5), param(6), i32(nq), i32(nk),
                     i32(hd), i32(c.pages_per_seq), i32(splits), f32(1.0 / math.sqrt(hd))],
         ["seqs", nk, blocks], 256)
