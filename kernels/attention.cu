@@ -710,7 +710,9 @@ __device__ __forceinline__ void attn_decode_split_tc(const bf16* __restrict__ qk
   write_split_partial<HD, G>(part, nq, max_splits, split, s_stats, s_acc);
 }
 
-template <int G>
+// The split loop of one block at head dim hd: on CUDA cores (attn_decode_split), or with TC on
+// tensor cores (attn_decode_split_tc, hd % 32 == 0).
+template <int G, bool TC>
 __device__ __forceinline__ void attn_decode_split_hd(int hd, const bf16* qkv, const uint8_t* kv,
                                                      const int* table_row, int len, float* part,
                                                      int nq, int nk, int max_splits, float scale,
@@ -719,11 +721,19 @@ __device__ __forceinline__ void attn_decode_split_hd(int hd, const bf16* qkv, co
   switch (hd) {
 #define DC_CASE(HD)                                                                        \
   case HD:                                                                                 \
-    for (int split = blockIdx.z; split < max_splits && split * DC_SPLIT < len;             \
-         split += gridDim.z) {                                                             \
-      attn_decode_split<HD, G>(qkv, kv, table_row, len, split, part, nq, nk, max_splits,   \
-                               scale, s_pages, s_q, s_stats, s_acc);                       \
-      __syncthreads(); /* the shared staging is the next split's */                        \
+    if constexpr (TC && HD % 32 != 0) {                                                    \
+      __trap(); /* the tensor-core kernel takes hd % 32 == 0 */                            \
+    } else {                                                                               \
+      for (int split = blockIdx.z; split < max_splits && split * DC_SPLIT < len;           \
+           split += gridDim.z) {                                                           \
+        if constexpr (TC)                                                                  \
+          attn_decode_split_tc<HD, G>(qkv, kv, table_row, len, split, part, nq, nk,        \
+                                      max_splits, scale, s_pages, s_q, s_stats, s_acc);    \
+        else                                                                               \
+          attn_decode_split<HD, G>(qkv, kv, table_row, len, split, part, nq, nk,           \
+                                   max_splits, scale, s_pages, s_q, s_stats, s_acc);       \
+        __syncthreads(); /* the shared staging is the next split's */                      \
+      }                                                                                    \
     }                                                                                      \
     break;
     DC_CASE(16) DC_CASE(32) DC_CASE(48) DC_CASE(64) DC_CASE(80) DC_CASE(96) DC_CASE(112)
@@ -731,6 +741,37 @@ __device__ __forceinline__ void attn_decode_split_hd(int hd, const bf16* qkv, co
 #undef DC_CASE
     default:
       __trap();  // hd must be a multiple of 16 up to 128
+  }
+}
+
+// The body of both split entries (after pdl_begin): a block's shared staging, its sequence,
+// the head group's kernel.
+template <bool TC>
+__device__ __forceinline__ void attn_decode_split_entry(const bf16* __restrict__ qkv,
+                                                        const uint8_t* __restrict__ kv,
+                                                        const int* __restrict__ block_table,
+                                                        const int* __restrict__ seq_lens,
+                                                        float* __restrict__ part, int seqs, int nq,
+                                                        int nk, int hd, int width,
+                                                        int max_splits, float scale) {
+  __shared__ __align__(16) float s_acc[DC_WARPS * DC_MAX_G * DC_MAX_HD];
+  __shared__ uint4 s_q[DC_MAX_G * DC_MAX_HD / 8];
+  __shared__ float s_stats[DC_WARPS * DC_MAX_G * 2];
+  __shared__ int s_pages[DC_SPLIT / PAGE];
+  const int b = blockIdx.x;
+  if (b >= seqs) return;
+  const int* table_row = block_table + (long long)b * width;
+  const int len = seq_lens[b];
+  switch (nq == nk * (nq / nk) ? nq / nk : 0) {
+#define DC_GROUP(G)                                                                           \
+  case G:                                                                                     \
+    attn_decode_split_hd<G, TC>(hd, qkv, kv, table_row, len, part, nq, nk, max_splits, scale, \
+                                s_pages, s_q, s_stats, s_acc);                                \
+    break;
+    DC_GROUP(1) DC_GROUP(2) DC_GROUP(4) DC_GROUP(8)
+#undef DC_GROUP
+    default:
+      __trap();  // nq/nk must be 1, 2, 4 or 8
   }
 }
 
@@ -746,80 +787,22 @@ attn_decode_split_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__
                        float* __restrict__ part, int seqs, int nq, int nk, int hd, int width,
                        int max_splits, float scale) {
   pdl_begin();
-  __shared__ __align__(16) float s_acc[DC_WARPS * DC_MAX_G * DC_MAX_HD];
-  __shared__ uint4 s_q[DC_MAX_G * DC_MAX_HD / 8];
-  __shared__ float s_stats[DC_WARPS * DC_MAX_G * 2];
-  __shared__ int s_pages[DC_SPLIT / PAGE];
-  const int b = blockIdx.x;
-  if (b >= seqs) return;
-  const int* table_row = block_table + (long long)b * width;
-  const int len = seq_lens[b];
-  switch (nq == nk * (nq / nk) ? nq / nk : 0) {
-#define DC_GROUP(G)                                                                           \
-  case G:                                                                                     \
-    attn_decode_split_hd<G>(hd, qkv, kv, table_row, len, part, nq, nk, max_splits, scale,     \
-                            s_pages, s_q, s_stats, s_acc);                                    \
-    break;
-    DC_GROUP(1) DC_GROUP(2) DC_GROUP(4) DC_GROUP(8)
-#undef DC_GROUP
-    default:
-      __trap();  // nq/nk must be 1, 2, 4 or 8
-  }
+  attn_decode_split_entry<false>(qkv, kv, block_table, seq_lens, part, seqs, nq, nk, hd, width,
+                                 max_splits, scale);
 }
 
 // attn_decode_split_bf16's function on tensor cores (attn_decode_split_tc above), for hd a
 // multiple of 32 up to 128; the same ABI, grid and partials, other bits. Two blocks a
 // multiprocessor, as the CUDA-core kernel: measured on an H200 (docs/benchmarks.md), bounds of
 // three and four blocks (80 and 64 registers) made it 3-18% slower.
-template <int G>
-__device__ __forceinline__ void attn_decode_split_tc_hd(int hd, const bf16* qkv, const uint8_t* kv,
-                                                        const int* table_row, int len,
-                                                        float* part, int nq, int nk,
-                                                        int max_splits, float scale, int* s_pages,
-                                                        uint4* s_q, float* s_stats,
-                                                        float* s_acc) {
-  switch (hd) {
-#define DC_CASE(HD)                                                                        \
-  case HD:                                                                                 \
-    for (int split = blockIdx.z; split < max_splits && split * DC_SPLIT < len;             \
-         split += gridDim.z) {                                                             \
-      attn_decode_split_tc<HD, G>(qkv, kv, table_row, len, split, part, nq, nk,            \
-                                  max_splits, scale, s_pages, s_q, s_stats, s_acc);        \
-      __syncthreads(); /* the shared staging is the next split's */                        \
-    }                                                                                      \
-    break;
-    DC_CASE(32) DC_CASE(64) DC_CASE(96) DC_CASE(128)
-#undef DC_CASE
-    default:
-      __trap();  // hd must be a multiple of 32 up to 128
-  }
-}
-
 extern "C" __global__ void __launch_bounds__(DC_WARPS * 32, 2)
 attn_decode_split_tc_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
                           const int* __restrict__ block_table, const int* __restrict__ seq_lens,
                           float* __restrict__ part, int seqs, int nq, int nk, int hd, int width,
                           int max_splits, float scale) {
   pdl_begin();
-  __shared__ __align__(16) float s_acc[DC_WARPS * DC_MAX_G * DC_MAX_HD];
-  __shared__ uint4 s_q[DC_MAX_G * DC_MAX_HD / 8];
-  __shared__ float s_stats[DC_WARPS * DC_MAX_G * 2];
-  __shared__ int s_pages[DC_SPLIT / PAGE];
-  const int b = blockIdx.x;
-  if (b >= seqs) return;
-  const int* table_row = block_table + (long long)b * width;
-  const int len = seq_lens[b];
-  switch (nq == nk * (nq / nk) ? nq / nk : 0) {
-#define DC_GROUP(G)                                                                           \
-  case G:                                                                                     \
-    attn_decode_split_tc_hd<G>(hd, qkv, kv, table_row, len, part, nq, nk, max_splits, scale,  \
-                               s_pages, s_q, s_stats, s_acc);                                 \
-    break;
-    DC_GROUP(1) DC_GROUP(2) DC_GROUP(4) DC_GROUP(8)
-#undef DC_GROUP
-    default:
-      __trap();  // nq/nk must be 1, 2, 4 or 8
-  }
+  attn_decode_split_entry<true>(qkv, kv, block_table, seq_lens, part, seqs, nq, nk, hd, width,
+                                max_splits, scale);
 }
 
 // grid (seqs, nq), block (128): thread d writes dim d of q head blockIdx.y (hd <= 128). Each
