@@ -121,10 +121,18 @@ def check(name: str, buf: m.Buffer, array: np.ndarray, env: dict[str, int],
     if buf.domain is None or array.size == 0:
         return
     values = _comparable(array)
+    low = high = None  # the extremes, taken once: most checks pass on them alone
     for side, limit, why in _limits(buf, env, index_rows):
-        bad = values < limit if side == "min" else values > limit
-        if not bad.any():
-            continue
+        if side == "min":
+            low = values.min() if low is None else low
+            if not low < limit:
+                continue
+            bad = values < limit
+        else:
+            high = values.max() if high is None else high
+            if not high > limit:
+                continue
+            bad = values > limit
         index, value = _first(array, bad)
         word = "below" if side == "min" else "above"
         message = f"element {index} is {value}, {word} {limit}: {why}"
