@@ -655,10 +655,14 @@ __device__ __forceinline__ void attn_decode_split_tc(const bf16* __restrict__ qk
   const bool odd = g & 1;
   float pb[4];
   {
-    const float a0 = __shfl_sync(FULL_MASK, pr[0], src_a), a1 = __shfl_sync(FULL_MASK, pr[1], src_a);
-    const float b0 = __shfl_sync(FULL_MASK, pr[0], src_b), b1 = __shfl_sync(FULL_MASK, pr[1], src_b);
-    const float a2 = __shfl_sync(FULL_MASK, pr[2], src_a), a3 = __shfl_sync(FULL_MASK, pr[3], src_a);
-    const float b2 = __shfl_sync(FULL_MASK, pr[2], src_b), b3 = __shfl_sync(FULL_MASK, pr[3], src_b);
+    const float a0 = __shfl_sync(FULL_MASK, pr[0], src_a);
+    const float a1 = __shfl_sync(FULL_MASK, pr[1], src_a);
+    const float b0 = __shfl_sync(FULL_MASK, pr[0], src_b);
+    const float b1 = __shfl_sync(FULL_MASK, pr[1], src_b);
+    const float a2 = __shfl_sync(FULL_MASK, pr[2], src_a);
+    const float a3 = __shfl_sync(FULL_MASK, pr[3], src_a);
+    const float b2 = __shfl_sync(FULL_MASK, pr[2], src_b);
+    const float b3 = __shfl_sync(FULL_MASK, pr[3], src_b);
     pb[0] = odd ? a1 : a0;  // key 2t
     pb[1] = odd ? b1 : b0;  // key 2t + 1
     pb[2] = odd ? a3 : a2;  // key 2t + 8

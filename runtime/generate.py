@@ -399,7 +399,7 @@ class Generator:
         `staged`: every input but the tokens is already written (_stage_step). `stage_next`:
         once this call is issued, write the next step's inputs but its token while it runs, so
         between two steps the host only writes one token (on one H200 that cut a batch-1
-        decode step from 1.45 to 1.2 ms, host included: docs/benchmarks.md)."""
+        decode step from 1.45 to 1.31 ms, host included: docs/benchmarks.md)."""
         start, end = seq.cached, seq.cached + rows
         self._reserve(seq, end)
         inputs = self._inputs(seq, start, end, "tokens" if staged else "all")
@@ -450,7 +450,8 @@ class Generator:
         "rest" (every other fill and the page tables)."""
         inputs: dict[str, np.ndarray] = {}
         for f in self.protocol.fills:
-            if f.fill in INPUT_FILLS and (part == "all" or (f.fill == "token") == (part == "tokens")):
+            wanted = part == "all" or (f.fill == "token") == (part == "tokens")
+            if f.fill in INPUT_FILLS and wanted:
                 values = self._fill_values(f, seq, start, end)
                 inputs[f.name] = np.asarray(values, dtype=numpy_dtype(f.dtype))
         if part == "tokens":
