@@ -54,6 +54,41 @@ def test_prompts_served_together_give_each_prompt_alone(whole, prompts, alone, c
         assert engine.packed > 0, "prefill chunks packed several sequences"
 
 
+def test_decode_calls_send_only_what_the_device_does_not_hold(model, prompts, monkeypatch):
+    """While a decode call runs the engine stages the same sequences' next positions, slots
+    and lengths; a call sends only the inputs that differ from what the device holds (at
+    steady decode: the tokens). The tokens and logits are those of an engine that sends every
+    input with every call, as sequences join, finish and take pages."""
+    from kerncc.serve import engine as engine_module
+
+    runner = Chain(lower_to_bundle(model))
+    sent: list[tuple[str, tuple]] = []
+    real_submit, real_stage = runner.submit, runner.stage_inputs
+
+    def submit(program, inputs=None, vars=None, *args, **kwargs):
+        sent.append((program, tuple(sorted(inputs or {}))))
+        return real_submit(program, inputs, vars, *args, **kwargs)
+
+    def stage(inputs, vars=None):
+        sent.append(("stage", tuple(sorted(inputs))))
+        return real_stage(inputs, vars)
+
+    monkeypatch.setattr(runner, "submit", submit)
+    monkeypatch.setattr(runner, "stage_inputs", stage)
+    config = dict(chunk=8, max_running=3, logits=True)
+    staged, _ = serve_prompts(runner, prompts, MAX_NEW, **config)
+    decodes = [names for program, names in sent if program.startswith("decode")]
+    # decode calls after decode calls of the same sequences send their tokens alone; after a
+    # prefill chunk (it writes the same input buffers) a decode call sends what changed
+    assert ("token_ids",) in decodes, "steady decode calls send the tokens alone"
+    assert any(program == "stage" for program, _ in sent)
+    monkeypatch.setattr(engine_module, "_plain_inputs", lambda sessions: frozenset())
+    plain, _ = serve_prompts(runner, prompts, MAX_NEW, **config)
+    assert [r.generated for r in staged] == [r.generated for r in plain]
+    for a, b in zip(staged, plain):
+        np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
+
+
 def test_a_cut_bundle_serves_the_same_batch_as_the_whole(model, whole, prompts, tmp_path):
     target = tmp_path / "two"
     assert main(["lower", str(model), "-p", "cut{at=12},slice-derive,emit", "-o",

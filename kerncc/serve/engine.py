@@ -125,6 +125,15 @@ class Engine:
         self._ids = itertools.count()
         self._stopping = False
         self.vocab = self._vocab()
+        # The host inputs the device holds ({name: (vars, array)}, in stream order), for those
+        # only the host writes (kind `input` in every stage: no op may write one): a call sends
+        # only the inputs that differ, and a decode call stages the next one's (_stage_next).
+        # Local runners only (a placement's chain sends inputs with each item), and only when
+        # every stage runs every forward (a Chain writes a stage's inputs only when it runs).
+        local = type(runner) in (Session, Chain) and all(
+            f.name in s.sites for f in self.protocol.forwards for s in self.sessions)
+        self._plain = _plain_inputs(self.sessions) if local else frozenset()
+        self._held: dict[str, tuple[tuple, np.ndarray]] = {}
 
     # ------------------------------------------------------------------------ limits
 
@@ -313,18 +322,61 @@ class Engine:
         wanted = {forward.emits} if forward.emits and item.emits else set()
         if item.emits and (self.keep_logits or any(r.sampler is not None for r in requests)):
             wanted.add(LOGITS)
+        send = self._unheld(inputs, vars)
         try:
             if isinstance(self.runner, Chain):
-                pending = self.runner.submit(forward.name, inputs, vars, rows=rows,
+                pending = self.runner.submit(forward.name, send, vars, rows=rows,
                                              outputs=wanted)
             else:
-                pending = self.runner.submit(forward.name, inputs, vars, outputs=wanted)
+                pending = self.runner.submit(forward.name, send, vars, outputs=wanted)
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
+            self._held.clear()  # some inputs may be written, others not
             raise _item_error(err, forward, requests) from None
+        self._hold(inputs, vars)
+        if item.kind == "decode":
+            self._stage_next(item, requests)
         self.calls[forward.name] += 1
         self.rows[forward.name] += rows
         self.packed += item.kind == "chunk" and groups > 1
         return _Flight(item, forward, pending, requests)
+
+    def _unheld(self, inputs: dict[str, np.ndarray], vars: dict[str, int]
+                ) -> dict[str, np.ndarray]:
+        """The inputs the device does not hold yet at these vars (all but `_plain` ones)."""
+        key = tuple(sorted(vars.items()))
+        return {name: array for name, array in inputs.items()
+                if not (name in self._plain and name in self._held
+                        and self._held[name][0] == key
+                        and np.array_equal(self._held[name][1], array))}
+
+    def _hold(self, inputs: dict[str, np.ndarray], vars: dict[str, int]) -> None:
+        key = tuple(sorted(vars.items()))
+        for name, array in inputs.items():
+            if name in self._plain:
+                self._held[name] = (key, array)
+
+    def _stage_next(self, item: sch.Item, requests: list[Request]) -> None:
+        """While a decode call runs, write the inputs (but the tokens) the same sequences'
+        next decode call will take, if none of them needs a page more for it: between two
+        steps the host then sends the tokens only. Whatever the next call turns out to be
+        (a sequence ended or got a page, a chunk came in), `_unheld` sends what differs."""
+        if not self._plain:
+            return
+        held = {seq_id: len(self.pool.held(seq_id)) * self.stride for seq_id, _, _ in item.parts}
+        if any(start + n >= held[seq_id] for seq_id, start, n in item.parts):
+            return
+        nxt = sch.Item("decode", tuple((seq_id, start + n, 1) for seq_id, start, n in item.parts),
+                       item.emits)
+        groups, longest = len(nxt.parts), max(start + 1 for _, start, _ in nxt.parts)
+        vars = self.protocol.vars(groups, groups, groups, longest)
+        staged = {name: array for name, array in self._inputs(nxt, requests, tokens=False).items()
+                  if name in self._plain}
+        try:
+            self.runner.stage_inputs(self._unheld(staged, vars), vars)
+        except KernccError:
+            self._held.clear()  # some may be written; the next call sends everything
+            return
+        self._hold(staged, vars)
 
     def _forward(self, kind: str, groups: int) -> proto.Forward:
         if kind == "decode":
@@ -335,10 +387,12 @@ class Engine:
             raise KernccError.single(f"no program takes {groups} sequences of a {kind} call")
         return found
 
-    def _inputs(self, item: sch.Item, requests: list[Request]) -> dict[str, np.ndarray]:
+    def _inputs(self, item: sch.Item, requests: list[Request], tokens: bool = True
+                ) -> dict[str, np.ndarray]:
+        """The inputs of a call (`tokens`: with the fed tokens, else without them)."""
         inputs: dict[str, np.ndarray] = {}
         for f in self.protocol.fills:
-            if f.fill in INPUT_FILLS:
+            if f.fill in INPUT_FILLS and (tokens or f.fill != "token"):
                 values = self._fill_values(f, item, requests)
                 inputs[f.name] = np.asarray(values, dtype=numpy_dtype(f.dtype))
         for t in self.protocol.page_tables:
@@ -425,6 +479,15 @@ class Engine:
             why = message if request in touched else f"the engine stopped: {message}"
             self._end(request, "error", why)
         self.inflight.clear()
+
+
+def _plain_inputs(sessions: Sequence[Session]) -> frozenset[str]:
+    """Host inputs of kind `input` in every stage that takes them (no op writes one)."""
+    kinds: dict[str, set[str]] = {}
+    for s in sessions:
+        for name in s.stage.host_inputs:
+            kinds.setdefault(name, set()).add(s.manifest.buffers[name].kind)
+    return frozenset(name for name, found in kinds.items() if found == {"input"})
 
 
 def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
