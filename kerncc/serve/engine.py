@@ -239,6 +239,7 @@ class Engine:
 
     def run_forever(self, idle: float = 0.05) -> None:
         """Serve until `stop` (or a fault, after which every request has been failed)."""
+        self._held.clear()  # the runner may have run other work since the engine last served
         while not self._stopping or self.requests:
             self._wake.clear()  # before the tick: a command queued during it wakes the wait
             if not self.tick():
@@ -248,6 +249,7 @@ class Engine:
 
     def run_until_idle(self) -> None:
         """Serve what was submitted until nothing is left (the command line's loop)."""
+        self._held.clear()  # the runner may have run other work since the engine last served
         while self.tick():
             pass
         if self.fault is not None:
