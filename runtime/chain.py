@@ -47,6 +47,7 @@ class Chain:
         self.bundle = open_bundle(bundle)
         stages = len(self.bundle.stages)
         self.backends = _stage_backends(backend, devices, stages)
+        self._owns_backends = isinstance(backend, str)  # made here, so closed here
         self.backend = self.backends[0]
         # One pool of page ids serves every stage, so every stage gets the same capacity.
         self.token_capacity = token_capacity or max(
@@ -146,6 +147,24 @@ class Chain:
         for backend in dict.fromkeys(self.backends):
             backend.activate()
             backend.sync()
+
+    def close(self) -> None:
+        """Give back the device memory of the backends this chain made (a backend passed in
+        stays its caller's): on the cuda backend its weights, states and buffers, pinned host
+        buffers and modules. A chain nobody holds does the same when it is collected; close
+        says when. Using the chain after it is an error. `with Chain(...) as chain:` closes at
+        the end of the block."""
+        if self._owns_backends:
+            for backend in dict.fromkeys(self.backends):
+                close = getattr(backend, "close", None)
+                if close is not None:
+                    close()
+
+    def __enter__(self) -> Chain:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def programs(self) -> list[str]:

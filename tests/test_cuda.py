@@ -112,6 +112,44 @@ def test_overlapping_launches_give_the_same_bits(bundles, graphs):
     assert sum(b.overlapped for b in chains[False].backends) == 0
 
 
+
+def test_a_closed_or_dropped_chain_gives_its_device_memory_back(bundles):
+    """A chain's weights, KV states and buffers live on the GPU: close() (or the end of a
+    `with` block) gives them back at once, and so does dropping the chain, so a process that
+    loads bundle after bundle does not run out of memory. A closed chain refuses work."""
+    import gc
+
+    from cuda.bindings import driver as cu
+
+    def used() -> int:
+        _, free, total = cu.cuMemGetInfo()
+        return total - free
+
+    def loaded() -> Chain:  # the states alone: 2 layers x 65536 tokens x 128 bytes = 16 MiB
+        chain = Chain(bundles["two"], backend="cuda", token_capacity=1 << 16)
+        serve(chain, PROMPTS[3], 64)
+        return chain
+
+    loaded().close()  # the context, cuBLAS and the module loader's own state stay
+    gc.collect()
+    base = used()
+    chain = loaded()
+    held = used() - base
+    assert held >= 16 << 20
+    chain.close()
+    assert used() - base < held // 4
+    with pytest.raises(Exception, match="closed"):
+        serve(chain, PROMPTS[0], 5)
+    chain.close()  # twice is fine
+    with loaded() as scoped:
+        assert used() - base >= held // 2
+    assert used() - base < held // 4 and scoped.backends[0].closed
+    dropped = loaded()
+    assert used() - base >= held // 2
+    del dropped
+    gc.collect()
+    assert used() - base < held // 4
+
 def test_cuda_agrees_with_the_cpu_references(bundles):
     gpu = Chain(bundles["whole"], backend="cuda")
     cpu = Chain(bundles["whole"], backend="cpu")

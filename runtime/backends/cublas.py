@@ -68,6 +68,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     vp, i = ctypes.c_void_p, ctypes.c_int
     lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
     lib.cublasSetStream_v2.argtypes = [vp, vp]
+    lib.cublasDestroy_v2.argtypes = [vp]
     lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
     lib.cublasGemmEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i]
     for name in ("cublasCreate_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2",
@@ -94,6 +95,12 @@ class Blas:
         self._betas = {0.0: ctypes.c_float(0.0), 1.0: ctypes.c_float(1.0)}
         self.stream = -1
         self.set_stream(stream)
+
+    def close(self) -> None:
+        """Destroy the handle (its device memory goes back); the Blas is unusable after."""
+        if self.handle:
+            self.lib.cublasDestroy_v2(self.handle)
+            self.handle = ctypes.c_void_p()
 
     def set_stream(self, stream: int) -> None:
         if stream == self.stream:

@@ -37,6 +37,7 @@ import functools
 import os
 import struct
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,9 @@ SLOTS = 32
 PARAM_ALIGN = 16
 SCALAR_FORMATS = {"i32": ("<i", -2**31, 2**31 - 1), "i64": ("<q", -2**63, 2**63 - 1),
                   "u8": ("<B", 0, 255), "f32": ("<f", None, None)}
-_active: list[Any] = [None]  # the backend whose context is current on this thread
+# the backend whose context is current on this thread, weakly: a backend nobody holds is
+# collected, and gives its device memory back (CudaBackend.close)
+_active: list[Any] = [None]
 PDL = os.environ.get("KERNCC_PDL", "1") != "0"
 
 
@@ -123,11 +126,48 @@ class Download:
 
     def result(self) -> np.ndarray:
         if self._value is None:
+            if self._backend.closed:
+                raise BackendError(f"the cuda backend of device {self._backend.index} was "
+                                   "closed before this download was read")
             self._event.sync()
             self._value = np.empty(self._nbytes, dtype=np.uint8)
             ctypes.memmove(self._value.ctypes.data, self._host, self._nbytes)  # one copy
             self._backend._pinned_release(self._host, self._nbytes, self._event)
         return self._value
+
+
+@attrs.define(eq=False)
+class _Held:
+    """What a CudaBackend gives back on close or collection: device allocations, pinned host
+    buffers, loaded modules, the cuBLAS handle, all in the backend's context."""
+
+    ctx: Any
+    allocations: list
+    pinned: list
+    modules: dict
+    blas: Any = None
+
+    def release(self) -> None:
+        try:
+            check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        except BackendError:
+            return  # the context is gone: so is everything it held
+        _active[0] = None
+        cu.cuCtxSynchronize()  # nothing in flight may still use what is freed below
+        for allocation in self.allocations:
+            if allocation.ptr:
+                cu.cuMemFree(cu.CUdeviceptr(allocation.ptr))
+                allocation.ptr = 0
+        self.allocations.clear()
+        for host in self.pinned:
+            cu.cuMemFreeHost(host)
+        self.pinned.clear()
+        for module in self.modules.values():
+            cu.cuModuleUnload(module)
+        self.modules.clear()
+        if self.blas is not None:
+            self.blas.close()
+            self.blas = None
 
 
 class CudaBackend(Backend):
@@ -150,7 +190,7 @@ class CudaBackend(Backend):
         self.device = Device(device)
         self.device.set_current()
         self.ctx = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        _active[0] = self
+        _active[0] = weakref.ref(self)
         self.stream = self.device.create_stream(options=StreamOptions(nonblocking=True))
         self.stream_handle = self.stream.handle
         self._launch_stream = self.stream_handle  # the capture stream while capturing
@@ -158,12 +198,19 @@ class CudaBackend(Backend):
         self._loaded: dict[str, Any] = {}  # module sha256 -> CUmodule
         self._functions: dict[tuple[str, str | None], Any] = {}
         self._allocations: list[Allocation] = []
+        self._pinned_all: list[int] = []  # every pinned host buffer, free or lent
+        # what close() (or the collector) gives back; it must not hold the backend itself
+        self._held: _Held | None = _Held(self.ctx, self._allocations, self._pinned_all,
+                                         self._loaded)
+        self._finalizer = weakref.finalize(self, self._held.release)
+        self._finalizer.atexit = False  # at exit the process gives everything back
         self._workspace = self.allocate(32 << 20)
         self.blas: Blas | None = None
         self._gemv: gemv.Gemv | bool | None = None  # loaded at the first GEMM site
         self._blas_error: str | None = None
         try:
             self.blas = Blas(int(self.stream_handle), self._workspace.ptr)
+            self._held.blas = self.blas
         except (CublasError, OSError) as err:
             self._blas_error = str(err)
         self._slots = [self._pinned(SLOT_BYTES) for _ in range(SLOTS)]
@@ -185,11 +232,32 @@ class CudaBackend(Backend):
 
     def activate(self) -> None:
         """Make this device's context current (a no-op when it already is)."""
-        if _active[0] is not self:
+        current = _active[0]
+        if current is None or current() is not self:
+            if self._held is None:
+                raise BackendError(f"the cuda backend of device {self.index} is closed")
             # The device's primary context, taken once by cuda.core at construction; the
             # driver call alone is the cheapest switch (cuBLAS follows the current context).
             check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-            _active[0] = self
+            _active[0] = weakref.ref(self)
+
+    def close(self) -> None:
+        """Give back what this backend holds once its stream is done: its device memory, its
+        pinned host buffers, its modules and its cuBLAS handle. After it, every use of the
+        backend is an error (a download taken before stays readable). A backend nobody holds
+        any more does the same when it is collected, so a dropped Chain frees its GPU."""
+        if self._held is None:
+            return
+        self.activate()
+        self.stream.sync()
+        self._finalizer()
+        self._held = None
+        if _active[0] is not None and _active[0]() is self:
+            _active[0] = None
+
+    @property
+    def closed(self) -> bool:
+        return self._held is None
 
     # ------------------------------------------------------------------------ memory
 
@@ -204,12 +272,13 @@ class CudaBackend(Backend):
         return allocation
 
     def free(self, allocation: Any) -> None:
-        if not isinstance(allocation, Allocation) or allocation.ptr == 0:
+        if not isinstance(allocation, Allocation) or allocation.ptr == 0 or self.closed:
             return
         self.activate()
         self.stream.sync()
         check(cu.cuMemFree(cu.CUdeviceptr(allocation.ptr)), "cuMemFree")
         allocation.ptr = 0
+        self._allocations.remove(allocation)
 
     def pointer(self, allocation: Allocation, offset: int) -> int:
         if not 0 <= offset <= allocation.nbytes:
@@ -221,7 +290,9 @@ class CudaBackend(Backend):
         return int(pointer)
 
     def _pinned(self, nbytes: int) -> int:
-        return int(check(cu.cuMemAllocHost(nbytes), f"cuMemAllocHost({nbytes} bytes)"))
+        host = int(check(cu.cuMemAllocHost(nbytes), f"cuMemAllocHost({nbytes} bytes)"))
+        self._pinned_all.append(host)
+        return host
 
     def stream_joined(self) -> None:
         self.after_kernel = False
