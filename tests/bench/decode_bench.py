@@ -1,6 +1,7 @@
 """Decode and prefill against the H200's limits (issue 20), side by side in one run.
 
     python tests/bench/decode_bench.py [--out DIR] [--layers 24] [--skip gemm,profile,...] [--defaults-only]
+        [--ablate]
 
 Builds the `small` example (24 layers, hidden 2048; `--layers` for a quicker look) whole and
 cut at the middle layer, then measures, each section guarded so a failure leaves the rest:
@@ -20,6 +21,9 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
   attention the batched decode at 32/8/2 sequences and 512-4096 tokens with the attention's split
            blocks per (sequence, kv head) at max_splits (a block per split), 16, 8 and 4.
   bitwise  whole vs 2 stages on one GPU (prompts x chunks, 9 tokens): identical bits.
+  ablate   (only with --ablate) the batch-1 decode graph and an 8-sequence step with each
+           kind of layer launch left out in turn (ABLATIONS): what each kernel costs the step
+           inside the graph, overlap included.
   prefill  TTFT of 4096 tokens at chunks 2048 / 1024 / 512 with the wgmma prefill attention
            (the default) and the mma.sync one, alternating, and the per-op GPU time of one
            2048-row chunk at context 2048, against the bf16 tensor-core roofline.
@@ -332,6 +336,70 @@ POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max t
 ]
 
 
+# What `ablate` leaves out of every layer, by call label (kerncc/example/qwen.py
+# layer_call_names), and which launches of the call (None: all of them).
+ABLATIONS = {
+    "the attention's combine": [("attention", 1)],
+    "the attention's split": [("attention", 0)],
+    "the attention": [("attention", None)],
+    "qk_rope_kv": [("qk_rope_kv", None)],
+    "post_norm": [("post_norm", None)],
+    "input_norm": [("input_norm", None)],
+    "act": [("act", None)],
+    "o_proj": [("o_proj", None)],
+    "qkv_proj": [("qkv_proj", None)],
+    "down_proj": [("down_proj", None)],
+    "gate_up_proj": [("gate_up_proj", None)],
+    "every small kernel (the GEMVs stay)": [
+        (n, None) for n in ("attention", "qk_rope_kv", "post_norm", "input_norm", "act")],
+    "every GEMV (the small kernels stay)": [
+        (n, None) for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")],
+}
+
+
+def ablate(model: dict, cfg: dict, rounds: int = 2) -> None:
+    """What each kernel costs inside the decode graph: the batch-1 `decode` graph and an
+    8-sequence `decode_batch` step with the named launches of every layer left out (their
+    sites launch nothing, so the results are wrong and only the time counts), rounds
+    alternating with the whole step. A saving is what the kernel costs the step, overlap
+    included: at most what fusing it away could give."""
+    from kerncc.runtime.backends import cuda
+
+    layers = cfg["num_hidden_layers"]
+    prepare, skip = cuda.CudaBackend.prepare, set()
+
+    def prepare_skipping(backend, site):
+        name = (site.label or "").split(".", 1)[-1]
+        if (name, site.launch) in skip or (name, None) in skip:
+            return lambda grid, shared, scalars: None
+        return prepare(backend, site)
+
+    variants = {"nothing": [], **ABLATIONS}
+    times: dict[str, dict[int, list[float]]] = {v: {1: [], 8: []} for v in variants}
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
+    cuda.CudaBackend.prepare = prepare_skipping
+    try:
+        for r in range(rounds):
+            for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
+                skip.clear()
+                skip.update(variants[name])
+                with chain_of(model["whole"], 8, True) as chain:
+                    Generator(chain).generate(prompt, 4, 512)  # captures the decode graph
+                    times[name][1].append(graph_step_ms(chain))
+                    times[name][8].append(batch_step_ms(chain, 8, CONTEXT))
+                gc.collect()
+    finally:
+        cuda.CudaBackend.prepare = prepare
+    base = {n: statistics.median(times["nothing"][n]) for n in (1, 8)}
+    for name, got in times.items():
+        ms = {n: statistics.median(got[n]) for n in (1, 8)}
+        saved = {n: (base[n] - ms[n]) / layers * 1e3 for n in (1, 8)}
+        row("ablate", f"decode graph without {name}: batch 1 ms, us a layer saved; 8 "
+            f"sequences ms, us a layer saved", f"{ms[1]:.4f}, {saved[1]:.2f}; {ms[8]:.4f}, "
+            f"{saved[8]:.2f}")
+        RESULTS.setdefault("ablate", {})[name] = {"batch 1": got[1], "8 sequences": got[8]}
+
+
 def attention_blocks(model: dict, cfg: dict, hbm: float) -> None:
     """The batched decode's step with Z split blocks per (sequence, kv head) (the grid z of
     `attn_decode_batch`; the bits are the same for any Z): a block per split (Z = max_splits,
@@ -544,6 +612,8 @@ def main() -> int:
     parser.add_argument("--skip", default="")
     parser.add_argument("--defaults-only", action="store_true",
                         help="decode: only the default policies (whole and 2 stages)")
+    parser.add_argument("--ablate", action="store_true",
+                        help="also the ablation of the decode graph (about a minute)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -576,6 +646,9 @@ def main() -> int:
             with section("profile 32 sequences"):
                 decode_profile(chain_of(model["whole"], 8, False), "32 sequences", seqs=32)
             gc.collect()
+        if args.ablate:
+            with section("ablate", limit=400):
+                ablate(model, cfg)
         if "decode" not in skip:
             with section("decode", limit=400):
                 decode_rows(model, cfg, hbm, args.defaults_only)
