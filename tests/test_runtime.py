@@ -490,3 +490,27 @@ def test_a_submit_does_not_re_derive_the_programs_writes(whole, monkeypatch):
     for _ in range(3):
         outputs = whole.submit("prefill", inputs, vars).result()
     assert calls == [] and outputs  # the same outputs, no analysis
+
+
+def test_a_chain_closes_only_the_backends_it_made(bundle_dir):
+    """Chain.close (and the end of a `with` block) closes the backends the chain made from a
+    name and leaves a backend object passed in to its caller; on the cpu backend closing
+    holds nothing to give back, so the chain still runs (the cuda backend's release is
+    tests/test_cuda.py's)."""
+    closed = []
+
+    class Recording(CpuBackend):
+        def close(self) -> None:
+            closed.append(self)
+
+    mine = Recording()
+    with Chain(bundle_dir, backend=mine) as chain:
+        assert len(Generator(chain).generate([3, 1, 4], 2, 64).tokens) == 2
+    assert closed == []  # the caller's backend stays open
+    made = Chain(bundle_dir, backend="cpu")
+    made.backends[0].close = lambda: closed.append("made")
+    with made:
+        pass
+    assert closed == ["made"]
+    made.close()
+    assert closed == ["made", "made"]  # each close closes what the chain made, nothing else

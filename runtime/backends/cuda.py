@@ -278,7 +278,8 @@ class CudaBackend(Backend):
         self.stream.sync()
         check(cu.cuMemFree(cu.CUdeviceptr(allocation.ptr)), "cuMemFree")
         allocation.ptr = 0
-        self._allocations.remove(allocation)
+        if allocation in self._allocations:
+            self._allocations.remove(allocation)
 
     def pointer(self, allocation: Allocation, offset: int) -> int:
         if not 0 <= offset <= allocation.nbytes:
