@@ -150,6 +150,33 @@ def test_a_closed_or_dropped_chain_gives_its_device_memory_back(bundles):
     gc.collect()
     assert used() - base < held // 4
 
+
+def test_downloads_dropped_unread_give_their_pinned_buffers_back():
+    """A download nobody reads keeps its pinned host buffer only until its copy has landed:
+    the next download takes it again, so a caller that drops downloads does not grow pinned
+    memory without bound, and a read download still gives its bytes."""
+    import gc
+
+    from kerncc.runtime.backends.cuda import CudaBackend
+
+    backend = CudaBackend(0)
+    try:
+        data = np.arange(3000, dtype=np.float32)
+        allocation = backend.allocate(data.nbytes)
+        backend.upload(allocation, 0, data)
+        backend.download(allocation, 0, data.nbytes)  # one buffer of this size in the pool
+        pinned = len(backend._pinned_all)
+        for _ in range(50):
+            backend.download_async(allocation, 0, data.nbytes)  # dropped at once
+            gc.collect()
+            backend.sync()
+        assert len(backend._pinned_all) == pinned
+        got = backend.download_async(allocation, 0, data.nbytes).result()
+        assert np.array_equal(got.view(np.float32), data)
+    finally:
+        backend.close()
+
+
 def test_cuda_agrees_with_the_cpu_references(bundles):
     gpu = Chain(bundles["whole"], backend="cuda")
     cpu = Chain(bundles["whole"], backend="cpu")

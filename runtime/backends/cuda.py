@@ -123,6 +123,9 @@ class Download:
     def __init__(self, backend: CudaBackend, host: int, nbytes: int, event: Any) -> None:
         self._backend, self._host, self._nbytes, self._event = backend, host, nbytes, event
         self._value: np.ndarray | None = None
+        # dropped unread, its pinned buffer goes back to the pool once the copy has landed
+        self._unread = weakref.finalize(self, backend._pinned_dropped, host, nbytes, event)
+        self._unread.atexit = False
 
     def result(self) -> np.ndarray:
         if self._value is None:
@@ -132,6 +135,7 @@ class Download:
             self._event.sync()
             self._value = np.empty(self._nbytes, dtype=np.uint8)
             ctypes.memmove(self._value.ctypes.data, self._host, self._nbytes)  # one copy
+            self._unread.detach()
             self._backend._pinned_release(self._host, self._nbytes, self._event)
         return self._value
 
@@ -218,6 +222,7 @@ class CudaBackend(Backend):
         self._slot_used = [False] * SLOTS
         self._next_slot = 0
         self._pinned_free: dict[int, list[int]] = {}
+        self._pinned_landing: list[tuple[int, int, Any]] = []  # dropped downloads' buffers
         self._landings: dict[tuple[int, int], _Landing] = {}
         self.launches = 0
         self.pdl = PDL  # may be switched per backend (benchmarks compare both in one run)
@@ -344,6 +349,7 @@ class CudaBackend(Backend):
         return Download(self, host, nbytes, event)
 
     def _pinned_take(self, nbytes: int) -> int:
+        self._pinned_reclaim()
         size = max(1 << 12, 1 << (max(nbytes, 1) - 1).bit_length())
         free = self._pinned_free.setdefault(size, [])
         return free.pop() if free else self._pinned(size)
@@ -351,6 +357,20 @@ class CudaBackend(Backend):
     def _pinned_release(self, host: int, nbytes: int, event: Any) -> None:
         size = max(1 << 12, 1 << (max(nbytes, 1) - 1).bit_length())
         self._pinned_free.setdefault(size, []).append(host)
+
+    def _pinned_dropped(self, host: int, nbytes: int, event: Any) -> None:
+        """A download was dropped unread: its buffer is free once its copy has landed (the
+        next take looks). After close the buffer is already gone."""
+        if not self.closed:
+            self._pinned_landing.append((host, nbytes, event))
+
+    def _pinned_reclaim(self) -> None:
+        landing, self._pinned_landing = self._pinned_landing, []
+        for host, nbytes, event in landing:
+            if event.is_done:
+                self._pinned_release(host, nbytes, event)
+            else:
+                self._pinned_landing.append((host, nbytes, event))
 
     def copy(self, source: Allocation, source_offset: int, target: Allocation,
              target_offset: int, nbytes: int) -> None:
