@@ -27,13 +27,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
-// The widest loads a row allows, for a block stepping V * blockDim.x elements at a time.
-__device__ __forceinline__ int block_width(int cols, uintptr_t addresses) {
-  if (cols % 8 == 0 && addresses % 16 == 0) return 8;
-  if (cols % 4 == 0 && addresses % 8 == 0) return 4;
-  return 2;
-}
-
 // residual += x over one row (each thread's own elements, read back by squares and scale
 // at the same width, so no barrier is needed between them).
 template <int V>

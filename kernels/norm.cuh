@@ -86,6 +86,14 @@ __device__ __forceinline__ int width(int cols, uintptr_t addresses) {
   return 2;
 }
 
+// The widest loads a row allows, for a block stepping V * (its threads) elements at a time
+// (norm.cu's block kernels, persist.cu's norm tasks).
+__device__ __forceinline__ int block_width(int cols, uintptr_t addresses) {
+  if (cols % 8 == 0 && addresses % 16 == 0) return 8;
+  if (cols % 4 == 0 && addresses % 8 == 0) return 4;
+  return 2;
+}
+
 __device__ __forceinline__ uintptr_t bits(const void* a, const void* b, const void* c) {
   return reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) |
          reinterpret_cast<uintptr_t>(c);
