@@ -12,6 +12,10 @@ import json
 from pathlib import Path
 
 KERNELS_DIR = Path(__file__).resolve().parent
+# Entries no manifest may name: a backend launches them itself, with arguments no plan could
+# give safely (persist_run_bf16's phase table holds raw device pointers:
+# runtime/backends/persist.py). They have no numpy reference; both backends refuse them.
+INTERNAL = frozenset({"persist_run_bf16"})
 
 
 @functools.cache
@@ -22,6 +26,11 @@ def index() -> dict[str, dict]:
 
 def cubin_path(module: str) -> Path:
     return KERNELS_DIR / index()[module]["file"]
+
+
+def is_internal(entry: str, module: str | None) -> bool:
+    """Whether `entry` of the module with sha256 `module` is one of the library's INTERNAL."""
+    return entry in INTERNAL and module == index()[module_of(entry)]["sha256"]
 
 
 def module_of(entry: str) -> str:
