@@ -131,6 +131,13 @@ class Backend(abc.ABC):
 
         return kernel
 
+    def join_runs(self, programs: Mapping[str, Sequence[Site]],
+                  launchers: dict[int, Launcher]) -> dict[int, Launcher]:
+        """The launchers a Session issues with, given each program's sites in order: a backend
+        may let a stretch of consecutive sites go out as one launch that computes the same bits
+        (cuda: runtime/backends/persist.py). The default issues each site as prepared."""
+        return launchers
+
     def stream_joined(self) -> None:
         """Work other than this backend's own launches may have joined its stream (a new run,
         another library): the next launch must not overlap what came before it."""

@@ -54,7 +54,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
     raise ImportError(f"{_err} (install kerncc[cuda])") from None
 
 from kerncc.kernels import library
-from kerncc.runtime.backends import gemv
+from kerncc.runtime.backends import gemv, persist
 from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
 from kerncc.runtime.backends.probe import cuda_devices
 from kerncc.runtime.launch import Pack, Site, VarScalar
@@ -229,6 +229,9 @@ class CudaBackend(Backend):
         self.after_kernel = False  # the stream's last operation is a kernel launched here
         self.capturing = False  # launches go into a CUDA graph (the only place they overlap)
         self.overlapped = 0  # launches made with programmatic stream serialization
+        self.persist = persist.ENABLED  # runs of decode launches as one persistent kernel
+        self.persisted = 0  # persistent launches made
+        self._persistent: persist.PersistentKernel | bool | None = None  # loaded at first use
 
     def __repr__(self) -> str:
         return f"CudaBackend(device {self.index}: {self.device.name})"
@@ -471,6 +474,9 @@ class CudaBackend(Backend):
         return fn
 
     def check_kernel(self, entry: str, module: str | None) -> None:
+        if library.is_internal(entry, module):
+            raise BackendError(f"kernel `{entry}` is the backend's own (a run of launches it "
+                               "forms itself); a manifest cannot launch it")
         self._function(entry, module)
 
     def check_extern(self, name: str) -> None:
@@ -512,6 +518,24 @@ class CudaBackend(Backend):
             self.launches += 1
 
         return launch
+
+    def join_runs(self, programs: Mapping[str, Sequence[Site]],
+                  launchers: dict[int, Callable]) -> dict[int, Callable]:
+        """Runs of decode launches as one persistent kernel when `persist` is on
+        (runtime/backends/persist.py)."""
+        kernel = self._persistent_kernel() if self.persist else None
+        return launchers if kernel is None else persist.join(kernel, programs, launchers)
+
+    def _persistent_kernel(self) -> persist.PersistentKernel | None:
+        if self._persistent is None:
+            try:
+                sha = library.index()[persist.MODULE]["sha256"]
+                self.add_modules({sha: library.cubin_path(persist.MODULE)})
+                self._persistent = persist.PersistentKernel(
+                    self, check, self._function(persist.ENTRY, sha))
+            except (BackendError, KeyError, OSError):
+                self._persistent = False  # no persist cubin: every site goes as prepared
+        return self._persistent or None
 
     def _gemv_site(self, name: str) -> gemv.GemvSite | None:
         """The GEMV kernels' launcher for extern `name`, or None when they are off or their

@@ -1,0 +1,125 @@
+"""Persistent decode runs on the GPU (marked `gpu`: skipped without a CUDA driver).
+
+kernels/persist.cu takes a decode layer's o_proj, post_norm, gate_up, act, down and the next
+layer's input_norm and qkv as one launch (runtime/backends/persist.py). What must hold: the same
+bits as the launches one by one, at batch 1 and batched, eagerly and in CUDA graphs, whole and
+in 2 stages; the runs really went out persistent; a program whose launches it cannot take
+(prefill) is untouched. The model is the tiny example widened to hidden 2048 and 16 heads of
+128, the smallest where the GEMV kernels take every GEMM whole (k a multiple of 2048).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kerncc.cli.main import main
+from kerncc.example import generate
+from kerncc.runtime import Chain
+from kerncc.runtime.generate import Generator
+from kerncc.serve.engine import serve_prompts
+
+pytestmark = pytest.mark.gpu
+
+WIDE = {"hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128, "intermediate": 2048,
+        "max_seqs": 8}
+PROMPTS = [[7], [3, 1, 4], list(range(5, 22)), [(i * 37) % 250 + 1 for i in range(64)],
+           [(i * 11) % 200 + 3 for i in range(65)]]
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("wide")
+    model, _ = generate(root / "model", "tiny", **WIDE)
+    out = {}
+    for name, pipeline in (("whole", "emit"),
+                           ("two", "cut{at-label=l1.input_norm},slice-derive,emit")):
+        assert main(["lower", str(model), "-p", pipeline, "-o", str(root / name)]) == 0
+        out[name] = root / name
+    return out
+
+
+def chain(bundle, persist: bool, graphs: bool = True) -> Chain:
+    from kerncc.runtime.backends.cuda import CudaBackend
+
+    backend = CudaBackend(0)
+    backend.persist = persist  # read when a Session loads
+    return Chain(bundle, backend=backend, graphs=graphs)
+
+
+def generated(c: Chain, prompt: list[int], chunk: int = 64):
+    result = Generator(c).generate(prompt, 9, chunk)
+    return result.tokens, result.logits
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("bundle", ["whole", "two"])
+def test_persistent_runs_give_the_launches_bits(bundles, bundle, graphs):
+    on, off = chain(bundles[bundle], True, graphs), chain(bundles[bundle], False, graphs)
+    try:
+        for prompt in PROMPTS:
+            tokens, logits = generated(on, prompt)
+            tokens2, logits2 = generated(off, prompt)
+            assert np.abs(logits).max() > 0
+            assert tokens == tokens2, prompt
+            np.testing.assert_array_equal(logits.view(np.uint32), logits2.view(np.uint32))
+        assert on.backend.persisted > 0, "the decode runs went out as persistent launches"
+        assert off.backend.persisted == 0
+    finally:
+        close(on, off)
+
+
+@pytest.mark.parametrize("running", [3, 8])
+def test_batched_decode_through_persistent_runs_gives_the_launches_bits(bundles, running):
+    prompts = [[(i * (13 + s)) % 251 + 1 for i in range(9 + 7 * s)] for s in range(running)]
+    on, off = chain(bundles["whole"], True), chain(bundles["whole"], False)
+    try:
+        requests, engine = serve_prompts(on, prompts, 12, chunk=32, logits=True)
+        requests2, _ = serve_prompts(off, prompts, 12, chunk=32, logits=True)
+        assert engine.calls["decode_batch"] > 0
+        for r, r2 in zip(requests, requests2):
+            assert r.generated == r2.generated
+            for a, b in zip(r.logits, r2.logits):
+                np.testing.assert_array_equal(np.asarray(a).view(np.uint32),
+                                              np.asarray(b).view(np.uint32))
+        assert on.backend.persisted > 0
+    finally:
+        close(on, off)
+
+
+def test_prefill_goes_launch_by_launch(bundles):
+    """A 64-row chunk's GEMMs are cuBLAS's (m > 8): its runs go launch by launch, and only the
+    decode steps after it go persistent."""
+    on = chain(bundles["whole"], True)
+    try:
+        prompt = [(i * 7) % 250 + 1 for i in range(64)]
+        assert len(generated_n(on, prompt, 1)) == 1  # the prefill's own token only
+        assert on.backend.persisted == 0
+        generated_n(on, prompt, 3)
+        assert on.backend.persisted > 0
+    finally:
+        close(on)
+
+
+def generated_n(c: Chain, prompt: list[int], max_new: int) -> list[int]:
+    return Generator(c).generate(prompt, max_new, 64).tokens
+
+
+def close(*chains: Chain) -> None:
+    for c in chains:
+        c.close()
+        c.backend.close()  # made here, passed in: the chain leaves it open
+
+
+def test_no_manifest_can_launch_the_persistent_kernel():
+    from kerncc.kernels import library
+    from kerncc.runtime.backends import persist
+    from kerncc.runtime.backends.base import BackendError
+    from kerncc.runtime.backends.cuda import CudaBackend
+
+    backend = CudaBackend(0)
+    try:
+        with pytest.raises(BackendError, match="a manifest cannot launch it"):
+            backend.check_kernel(persist.ENTRY, library.index()[persist.MODULE]["sha256"])
+    finally:
+        backend.close()
