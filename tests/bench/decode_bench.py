@@ -13,7 +13,8 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
            a busy stream, summed per op, for cuBLAS only and with the GEMV kernels.
   decode   ms/token at batch 1 (Generator, 32 steps, 512-token prompt, host included) and the
            decode graph's replay (GPU only) for each entry of POLICIES (cuBLAS only, the
-           default GEMV choice, an alternative, 2 stages on the same GPU); and the batched
+           default GEMV choice, an alternative, the opt-in persistent runs, 2 stages on the
+           same GPU; --defaults-only: the defaults and the persistent runs); and the batched
            step at 8 and 32 sequences (graph replays of `decode_batch`, 512 tokens each), all
            against the roofline of the bytes they must read (weights once + every sequence's KV).
   torch    the PyTorch reference's decode step (tests/bench/torch_ref.py), eager and eager
@@ -49,7 +50,7 @@ from gpu_bench import (RESULTS, TABLE, Busy, build, decode_step_s, row, say,  # 
                        section, ttft)
 
 from kerncc.runtime import Chain  # noqa: E402
-from kerncc.runtime.backends import gemv  # noqa: E402
+from kerncc.runtime.backends import gemv, persist  # noqa: E402
 from kerncc.runtime.generate import Generator, Served, _Record  # noqa: E402
 
 HBM_TBS = 4.0  # the ceiling measured in `copy` replaces this when that section runs
@@ -58,11 +59,16 @@ CAPACITY = 32 * 1024  # tokens of KV per chain: 32 sequences of 1024, or one 8k 
 CONTEXT = 512
 
 
-def chain_of(bundle: Path, max_m: int, pdl: bool = True) -> Chain:
+def chain_of(bundle: Path, max_m: int, pdl: bool = True, runs: bool = False) -> Chain:
     """A cuda chain with GEMV kernels up to m = max_m, with or without overlapping launches
-    (programmatic dependent launch, runtime/backends/cuda.py)."""
+    (programmatic dependent launch, runtime/backends/cuda.py), with or without persistent
+    runs (runtime/backends/persist.py; decided as the stages load)."""
     gemv.MAX_M = max_m
-    chain = Chain(bundle, backend="cuda", token_capacity=CAPACITY)
+    before, persist.ENABLED = persist.ENABLED, runs
+    try:
+        chain = Chain(bundle, backend="cuda", token_capacity=CAPACITY)
+    finally:
+        persist.ENABLED = before
     for backend in chain.backends:
         backend.pdl = pdl
     return chain
@@ -290,11 +296,11 @@ def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False)
         f"{CONTEXT} tokens at {hbm:.2f} TB/s), ms", f"{roof_ms:.3f}")
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     out = {}
-    for label, bundle, max_m, policy, pdl in POLICIES:
-        if defaults_only and "(the default)" not in label:
+    for label, bundle, max_m, policy, pdl, runs in POLICIES:
+        if defaults_only and "(the default)" not in label and "(persistent" not in label:
             continue
         gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = policy
-        chain = chain_of(model[bundle], max_m, pdl)
+        chain = chain_of(model[bundle], max_m, pdl, runs)
         generator = Generator(chain)
         step = decode_step_s(lambda p, n: generator.generate(p, n, 512).tokens, prompt)
         ms = step * 1e3
@@ -326,13 +332,18 @@ def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False)
 DEFAULT_POLICY = (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N)
 BIG = 1 << 30
 POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n),
-    # overlapping launches (PDL)
-    ("cuBLAS only, no PDL", "whole", 0, DEFAULT_POLICY, False),
-    ("GEMV m<=8, no PDL (the default before this round)", "whole", 8, DEFAULT_POLICY, False),
-    ("GEMV m<=8 + PDL (the default)", "whole", 8, DEFAULT_POLICY, True),
-    ("cuBLAS only + PDL", "whole", 0, DEFAULT_POLICY, True),
-    ("2 stages on 1 GPU, GEMV m<=8, no PDL", "two", 8, DEFAULT_POLICY, False),
-    ("2 stages on 1 GPU, GEMV m<=8 + PDL (the default)", "two", 8, DEFAULT_POLICY, True),
+    # overlapping launches (PDL), persistent runs (KERNCC_PERSIST)
+    ("cuBLAS only, no PDL", "whole", 0, DEFAULT_POLICY, False, False),
+    ("GEMV m<=8, no PDL (the default before this round)", "whole", 8, DEFAULT_POLICY, False,
+     False),
+    ("GEMV m<=8 + PDL (the default)", "whole", 8, DEFAULT_POLICY, True, False),
+    ("GEMV m<=8 + PDL + persistent runs (persistent, opt-in)", "whole", 8, DEFAULT_POLICY, True,
+     True),
+    ("cuBLAS only + PDL", "whole", 0, DEFAULT_POLICY, True, False),
+    ("2 stages on 1 GPU, GEMV m<=8, no PDL", "two", 8, DEFAULT_POLICY, False, False),
+    ("2 stages on 1 GPU, GEMV m<=8 + PDL (the default)", "two", 8, DEFAULT_POLICY, True, False),
+    ("2 stages on 1 GPU, GEMV m<=8 + PDL + persistent runs (persistent, opt-in)", "two", 8,
+     DEFAULT_POLICY, True, True),
 ]
 
 
