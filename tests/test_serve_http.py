@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -162,6 +164,9 @@ def test_a_stop_string_ends_the_text_before_it(base):
     ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
     ({"prompt": "héllo", "max_tokens": 3}, 400, "prompt"),
     ({"prompt": [1, 2], "echo": True}, 400, "echo"),
+    (b"[" * 100_000, 400, None),
+    (b'{"prompt": "\xed\xa0\x80"}', 400, None),  # a surrogate, UTF-8-encoded
+    pytest.param(b'{"prompt": "abc", "model": "\\ud800"}', 400, "model", id="lone-surrogate"),
 ])
 def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(base, body, status,
                                                                          param):
@@ -206,6 +211,47 @@ def test_text_needs_a_tokenizer(chain):
         chat = httpx.post(f"{url}/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
         assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+
+
+def test_a_lone_surrogate_is_refused_before_the_tokenizer_sees_it(chain, model):
+    # JSON may escape half a UTF-16 pair; the tokenizers library then raises a TypeError.
+    pytest.importorskip("tokenizers")
+    from kerncc.hf.tokenizer import TextCodec
+
+    with serving(chain, text=TextCodec.from_dir(model.parent)) as (url, _):
+        answer = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "a\\ud800"}',
+                            timeout=10)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "prompt"
+        assert "/prompt" in answer.json()["error"]["message"]
+        chat = httpx.post(f"{url}/v1/chat/completions", content=b'{"messages": [{"role": '
+                          b'"user", "content": "\\udfff"}]}', timeout=10)
+        assert chat.status_code == 400, chat.text
+        assert "/messages/0/content" in chat.json()["error"]["message"]
+        assert complete(url, prompt="hello", max_tokens=2).status_code == 200
+
+
+def test_a_body_cut_short_by_the_client_logs_no_traceback(chain):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("uvicorn.error")  # after uvicorn set its logging up
+    try:
+        with serving(chain) as (url, _):
+            log.addHandler(handler)
+            port = int(url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Length: 1000\r\n\r\n{\"prompt\": [1,")
+                time.sleep(0.2)
+            for _ in range(50):  # bounded (1 s): the server hears the disconnect
+                if records:
+                    break
+                time.sleep(0.02)
+            assert complete(url, prompt=[1, 2], max_tokens=2).status_code == 200
+    finally:
+        log.removeHandler(handler)
+    assert not records, records[0].getMessage()
 
 
 class Gated:

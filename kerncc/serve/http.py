@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from typing import Any
 
 import attrs
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -40,6 +42,7 @@ from kerncc.serve.metrics import Metrics
 from kerncc.serve.text import Text
 
 MAX_BODY = 4 << 20
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 MAX_STOPS = 4
 DEFAULT_MAX_TOKENS = 16
 POLL = 0.25  # seconds between checks that a non-streaming client is still there
@@ -369,14 +372,62 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
 
 async def _body(http: HttpRequest) -> Any:
     raw = b""
-    async for chunk in http.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
+        async for chunk in http.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+    except ClientDisconnect:  # nobody hears this answer; it only keeps a traceback out of logs
+        raise ApiError(400, "the client went away before the end of its request body") from None
+    return _json(raw)
+
+
+def _json(raw: bytes) -> Any:
+    try:  # strictly: json.loads(bytes) would let UTF-8-encoded surrogates through
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"the request body is not UTF-8 JSON: {err}") from None
+    try:
+        body = json.loads(text)
+    except ValueError as err:
         raise ApiError(400, f"the request body is not JSON: {err}") from None
+    except RecursionError:  # json's decoder recurses once per level of [ or {
+        raise ApiError(400, "the request body nests arrays or objects too deeply") from None
+    # Decoded strictly, the text holds no surrogate: only a \u escape can make one.
+    pointer = _unpaired(body) if SURROGATE_ESCAPE.search(raw) else None
+    if pointer is not None:
+        raise ApiError(400, f"{pointer}: the string is not Unicode text: it holds half of a "
+                       "UTF-16 surrogate pair (an escape such as \\ud800 without its partner)",
+                       pointer.split("/")[1] or None)
+    return body
+
+
+def _unpaired(body: Any) -> str | None:
+    """The JSON pointer of a string (or key) of `body` holding a lone surrogate, or None:
+    JSON may escape one, but no tokenizer and no UTF-8 answer can carry it."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        pointer, value = stack.pop()
+        if isinstance(value, str) and not _is_text(value):
+            return pointer or "/"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{pointer}/{key.encode('utf-8', 'backslashreplace').decode()}"
+                if not _is_text(key):
+                    return where
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{pointer}/{i}", item) for i, item in enumerate(value)
+                         if isinstance(item, (str, list, dict)))
+    return None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
