@@ -164,6 +164,11 @@ def test_a_stop_string_ends_the_text_before_it(base):
     ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
     ({"prompt": "héllo", "max_tokens": 3}, 400, "prompt"),
     ({"prompt": [1, 2], "echo": True}, 400, "echo"),
+    ({"prompt": [1, 2], "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1, 2], "top_k": -1}, 400, "top_k"),
+    (b'{"prompt": [1, 2], "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+    (b'{"prompt": [1, 2], "top_p": 1' + b"0" * 400 + b"}", 400, "top_p"),
+    (b'{"prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
     (b"[" * 100_000, 400, None),
     (b'{"prompt": "\xed\xa0\x80"}', 400, None),  # a surrogate, UTF-8-encoded
     pytest.param(b'{"prompt": "abc", "model": "\\ud800"}', 400, "model", id="lone-surrogate"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import threading
 import time
@@ -126,13 +127,7 @@ class Server:
             raise ApiError(400, err.headline, "messages" if chat else "prompt") from None
         max_new = _field(body, "max_completion_tokens" if chat and "max_tokens" not in body
                          else "max_tokens", int, DEFAULT_MAX_TOKENS)
-        params = sampling_hook.Params(
-            temperature=float(_field(body, "temperature", float, 0.0)),
-            top_k=_field(body, "top_k", int, 0), top_p=float(_field(body, "top_p", float, 1.0)),
-            seed=_field(body, "seed", int, None))
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
-            raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= 0",
-                           "temperature")
+        params = _params(body)
         options = body.get("stream_options") or {}
         return Ask(prompt, max_new, params, self._stops(body.get("stop")),
                    bool(_field(body, "stream", bool, False)),
@@ -198,6 +193,21 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _params(body: dict) -> sampling_hook.Params:
+    """The sampling fields, each checked on its own (an error names the one that is off)."""
+    temperature = _field(body, "temperature", float, 0.0)
+    top_p = _field(body, "top_p", float, 1.0)
+    top_k = _field(body, "top_k", int, 0)
+    if temperature < 0:
+        raise ApiError(400, "`temperature` must be >= 0 (0 is greedy)", "temperature")
+    if not 0 < top_p <= 1:
+        raise ApiError(400, "`top_p` must be in (0, 1] (1 is off)", "top_p")
+    if top_k < 0:
+        raise ApiError(400, "`top_k` must be >= 0 (0 is off)", "top_k")
+    return sampling_hook.Params(temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=_field(body, "seed", int, None))
+
+
 def _field(body: dict, name: str, kind: type, default: Any) -> Any:
     value = body.get(name, default)
     if value is None:
@@ -210,7 +220,19 @@ def _field(body: dict, name: str, kind: type, default: Any) -> Any:
         ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
     if not ok:
         raise ApiError(400, f"`{name}` must be {what}", name)
-    return value
+    return _finite(name, value) if kind is float else value
+
+
+def _finite(name: str, value: int | float) -> float:
+    """`value` as a float; an integer too large for one (JSON has no bound) or 1e400 (inf)
+    is refused, as is a NaN or Infinity literal (which Python's json reads)."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ApiError(400, f"`{name}` must be a finite number", name)
+    return number
 
 
 class _Bridge:
