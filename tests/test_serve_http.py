@@ -164,6 +164,8 @@ def test_a_stop_string_ends_the_text_before_it(base):
     ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
     ({"prompt": "héllo", "max_tokens": 3}, 400, "prompt"),
     ({"prompt": [1, 2], "echo": True}, 400, "echo"),
+    ({"prompt": [1, 2], "logprobs": 0}, 400, "logprobs"),  # 0: the chosen tokens' logprobs
+    ({"prompt": [1, 2], "best_of": True}, 400, "best_of"),
     ({"prompt": [1, 2], "top_p": 0}, 400, "top_p"),
     ({"prompt": [1, 2], "top_k": -1}, 400, "top_k"),
     (b'{"prompt": [1, 2], "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),

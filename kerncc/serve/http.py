@@ -118,9 +118,7 @@ class Server:
         n = _field(body, "n", int, 1)
         if n != 1:
             raise ApiError(400, "only n = 1 is served", "n")
-        for unserved in ("echo", "logprobs", "best_of", "suffix"):
-            if body.get(unserved) not in (None, False, 1 if unserved == "best_of" else None):
-                raise ApiError(400, f"`{unserved}` is not served", unserved)
+        _refuse_unserved(body)
         try:
             prompt = self._chat_prompt(body) if chat else self._prompt(body.get("prompt"))
         except KernccError as err:  # the tokenizer or chat template refused the text
@@ -191,6 +189,18 @@ class Server:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _refuse_unserved(body: dict) -> None:
+    """Fields asking for what the server does not do. Only their off values pass: `logprobs`
+    0 asks for the chosen tokens' logprobs (and `best_of` true is no count), so they may
+    not be taken for null and answered without."""
+    for name in ("echo", "logprobs", "best_of", "suffix"):
+        value = body.get(name)
+        if value is None or value is False or (name == "best_of" and _is_int(value)
+                                               and value == 1):
+            continue
+        raise ApiError(400, f"`{name}` is not served", name)
 
 
 def _params(body: dict) -> sampling_hook.Params:
