@@ -161,6 +161,7 @@ def test_a_stop_string_ends_the_text_before_it(base):
     ({"prompt": [1, 2], "n": 2}, 400, "n"),
     ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
     ({"prompt": [1, 2], "stop": 5}, 400, "stop"),
+    ({"prompt": "abc", "stop": ["a", "b" * 5000]}, 400, "stop"),  # would stall the event loop
     ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
     ({"prompt": "héllo", "max_tokens": 3}, 400, "prompt"),
     ({"prompt": [1, 2], "echo": True}, 400, "echo"),

@@ -6,9 +6,10 @@ blocks), and its tokens come back through a per-request asyncio queue fed from t
 thread, so the event loop never waits on the engine.
 
 Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids;
-max_tokens, temperature, top_p, top_k, seed, stop, stream, n = 1), POST /v1/chat/completions
-(when the tokenizer has a chat template), GET /v1/models, GET /health (200, or 503 after a
-fault or while stopping), GET /metrics (Prometheus text). Errors are OpenAI's shape,
+max_tokens, temperature, top_p, top_k, seed, stop (up to 4 strings of up to 256 characters),
+stream, n = 1), POST /v1/chat/completions (when the tokenizer has a chat template),
+GET /v1/models, GET /health (200, or 503 after a fault or while stopping), GET /metrics
+(Prometheus text). Errors are OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request, 404 for an unknown
 model or route, 413 for a body past 4 MiB, 429 at once when the queue is full, 500 when a stage
 failed (the message names the stage and program), 503 when the engine does not admit. A client
@@ -45,6 +46,9 @@ from kerncc.serve.text import Text
 MAX_BODY = 4 << 20
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 MAX_STOPS = 4
+# Matching holds back up to a stop's length and costs its square per token on the event loop
+# (a 40,000-character stop took 43 ms a token, blocking every other request).
+MAX_STOP_CHARS = 256
 DEFAULT_MAX_TOKENS = 16
 POLL = 0.25  # seconds between checks that a non-streaming client is still there
 
@@ -162,6 +166,10 @@ class Server:
                 or len(stops) > MAX_STOPS:
             raise ApiError(400, f"`stop` must be a string or up to {MAX_STOPS} strings",
                            "stop")
+        long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise ApiError(400, f"a `stop` string of {len(long)} characters: at most "
+                           f"{MAX_STOP_CHARS} are served", "stop")
         if stops and self.text is None:
             raise ApiError(400, "model has no tokenizer: `stop` strings cannot be matched",
                            "stop", "no_tokenizer")
