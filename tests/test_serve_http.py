@@ -239,6 +239,14 @@ def test_a_lone_surrogate_is_refused_before_the_tokenizer_sees_it(chain, model):
         assert complete(url, prompt="hello", max_tokens=2).status_code == 200
 
 
+def test_a_wrong_method_gets_405_in_openai_shape(base):
+    answer = httpx.get(f"{base}/v1/completions", timeout=10)
+    assert answer.status_code == 405
+    assert "POST" in answer.headers["allow"]
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
 def test_a_body_cut_short_by_the_client_logs_no_traceback(chain):
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)

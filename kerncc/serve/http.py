@@ -32,6 +32,7 @@ from typing import Any
 
 import attrs
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -60,9 +61,9 @@ class ApiError(Exception):
                  code: str | None = None, kind: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error",
-                             413: "invalid_request_error", 429: "rate_limit_error",
-                             503: "service_unavailable"}.get(status, "server_error")
+        self.kind = kind or {404: "not_found_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -399,15 +400,23 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
         return Response(server.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def not_found(http: HttpRequest, exc: Exception) -> Response:
-        return ApiError(404, f"no route {http.method} {http.url.path}").response()
+    async def http_error(http: HttpRequest, exc: Exception) -> Response:
+        """Starlette's own refusals (no route, a method the route does not take), in
+        OpenAI's shape like every other error."""
+        assert isinstance(exc, HTTPException)
+        message = f"no route {http.method} {http.url.path}" if exc.status_code == 404 \
+            else f"{http.method} {http.url.path}: {exc.detail}"
+        response = ApiError(exc.status_code, message).response()
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error})
 
 
 async def _body(http: HttpRequest) -> Any:
