@@ -247,6 +247,14 @@ def test_a_wrong_method_gets_405_in_openai_shape(base):
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
 
 
+def test_chat_names_max_completion_tokens_when_that_was_given(base):
+    answer = httpx.post(f"{base}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 0}, timeout=10)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "max_completion_tokens"
+
+
 def test_a_body_cut_short_by_the_client_logs_no_traceback(chain):
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)

@@ -83,6 +83,7 @@ class Ask:
     stops: tuple[str, ...]
     stream: bool
     usage_in_stream: bool
+    max_field: str = "max_tokens"  # the field that gave max_new (chat's may be another)
 
 
 class Server:
@@ -128,13 +129,14 @@ class Server:
             prompt = self._chat_prompt(body) if chat else self._prompt(body.get("prompt"))
         except KernccError as err:  # the tokenizer or chat template refused the text
             raise ApiError(400, err.headline, "messages" if chat else "prompt") from None
-        max_new = _field(body, "max_completion_tokens" if chat and "max_tokens" not in body
-                         else "max_tokens", int, DEFAULT_MAX_TOKENS)
+        max_field = "max_completion_tokens" if chat and "max_tokens" not in body \
+            else "max_tokens"
+        max_new = _field(body, max_field, int, DEFAULT_MAX_TOKENS)
         params = _params(body)
         options = body.get("stream_options") or {}
         return Ask(prompt, max_new, params, self._stops(body.get("stop")),
                    bool(_field(body, "stream", bool, False)),
-                   isinstance(options, dict) and bool(options.get("include_usage")))
+                   isinstance(options, dict) and bool(options.get("include_usage")), max_field)
 
     def _prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -193,6 +195,8 @@ class Server:
             pointer = err.diagnostics[0].location.pointer if err.diagnostics else ""
             parts = pointer.strip("/").split("/")
             param = parts[-1] if parts[0] == "sampling" else parts[0]  # /sampling/seed: seed
+            if param == "max_tokens":  # the engine's word for whichever field the client used
+                param = ask.max_field
             raise ApiError(400, err.headline, param or None) from None
 
 
