@@ -278,6 +278,19 @@ def test_a_body_cut_short_by_the_client_logs_no_traceback(chain):
     assert not records, records[0].getMessage()
 
 
+@pytest.mark.parametrize("make", [False, True], ids=["missing", "without-tokenizer-json"])
+def test_serve_refuses_a_tokenizer_folder_without_a_tokenizer(model, tmp_path, make):
+    folder = tmp_path / "tokenizer"
+    if make:
+        folder.mkdir()
+    done = subprocess.run([sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",
+                           "--backend", "cpu", "--tokenizer", str(folder)],
+                          capture_output=True, text=True, timeout=60)  # else it serves on
+    assert done.returncode == 1, done.stderr
+    assert f"--tokenizer {folder}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 class Gated:
     """A runner whose calls wait until the test opens the gate (the engine stays busy)."""
 
