@@ -246,7 +246,7 @@ def _field(body: dict, name: str, kind: type, default: Any) -> Any:
     return _finite(name, value) if kind is float else value
 
 
-def _finite(name: str, value: int | float) -> float:
+def _finite(name: str, value: float) -> float:
     """`value` as a float; an integer too large for one (JSON has no bound) or 1e400 (inf)
     is refused, as is a NaN or Infinity literal (which Python's json reads)."""
     try:
