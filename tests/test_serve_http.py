@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -159,9 +161,20 @@ def test_a_stop_string_ends_the_text_before_it(base):
     ({"prompt": [1, 2], "n": 2}, 400, "n"),
     ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
     ({"prompt": [1, 2], "stop": 5}, 400, "stop"),
+    ({"prompt": "abc", "stop": ["a", "b" * 5000]}, 400, "stop"),  # would stall the event loop
     ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
     ({"prompt": "héllo", "max_tokens": 3}, 400, "prompt"),
     ({"prompt": [1, 2], "echo": True}, 400, "echo"),
+    ({"prompt": [1, 2], "logprobs": 0}, 400, "logprobs"),  # 0: the chosen tokens' logprobs
+    ({"prompt": [1, 2], "best_of": True}, 400, "best_of"),
+    ({"prompt": [1, 2], "top_p": 0}, 400, "top_p"),
+    ({"prompt": [1, 2], "top_k": -1}, 400, "top_k"),
+    (b'{"prompt": [1, 2], "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+    (b'{"prompt": [1, 2], "top_p": 1' + b"0" * 400 + b"}", 400, "top_p"),
+    (b'{"prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
+    (b"[" * 100_000, 400, None),
+    (b'{"prompt": "\xed\xa0\x80"}', 400, None),  # a surrogate, UTF-8-encoded
+    pytest.param(b'{"prompt": "abc", "model": "\\ud800"}', 400, "model", id="lone-surrogate"),
 ])
 def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(base, body, status,
                                                                          param):
@@ -206,6 +219,77 @@ def test_text_needs_a_tokenizer(chain):
         chat = httpx.post(f"{url}/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, timeout=10)
         assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+
+
+def test_a_lone_surrogate_is_refused_before_the_tokenizer_sees_it(chain, model):
+    # JSON may escape half a UTF-16 pair; the tokenizers library then raises a TypeError.
+    pytest.importorskip("tokenizers")
+    from kerncc.hf.tokenizer import TextCodec
+
+    with serving(chain, text=TextCodec.from_dir(model.parent)) as (url, _):
+        answer = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "a\\ud800"}',
+                            timeout=10)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "prompt"
+        assert "/prompt" in answer.json()["error"]["message"]
+        chat = httpx.post(f"{url}/v1/chat/completions", content=b'{"messages": [{"role": '
+                          b'"user", "content": "\\udfff"}]}', timeout=10)
+        assert chat.status_code == 400, chat.text
+        assert "/messages/0/content" in chat.json()["error"]["message"]
+        assert complete(url, prompt="hello", max_tokens=2).status_code == 200
+
+
+def test_a_wrong_method_gets_405_in_openai_shape(base):
+    answer = httpx.get(f"{base}/v1/completions", timeout=10)
+    assert answer.status_code == 405
+    assert "POST" in answer.headers["allow"]
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+def test_chat_names_max_completion_tokens_when_that_was_given(base):
+    answer = httpx.post(f"{base}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 0}, timeout=10)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "max_completion_tokens"
+
+
+def test_a_body_cut_short_by_the_client_logs_no_traceback(chain):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("uvicorn.error")  # after uvicorn set its logging up
+    try:
+        with serving(chain) as (url, _):
+            log.addHandler(handler)
+            port = int(url.rsplit(":", 1)[1])
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Length: 1000\r\n\r\n{\"prompt\": [1,")
+                time.sleep(0.2)
+            for _ in range(50):  # bounded (1 s): the server hears the disconnect
+                if records:
+                    break
+                time.sleep(0.02)
+            assert complete(url, prompt=[1, 2], max_tokens=2).status_code == 200
+    finally:
+        log.removeHandler(handler)
+    assert not records, records[0].getMessage()
+
+
+@pytest.mark.parametrize("make", [False, True], ids=["missing", "without-tokenizer-json"])
+def test_serve_refuses_a_tokenizer_folder_without_a_tokenizer(model, tmp_path, make):
+    folder = tmp_path / "tokenizer"
+    if make:
+        folder.mkdir()
+    # bounded: before the fix the server started and served on
+    done = subprocess.run([sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",
+                           "--backend", "cpu", "--tokenizer", str(folder)],
+                          capture_output=True, text=True, check=False, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"--tokenizer {folder}" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 class Gated:

@@ -11,6 +11,7 @@ import argparse
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from kerncc import config
 from kerncc.cli import placement
@@ -27,23 +28,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KernccError.single("`kerncc serve` needs the serve extra: "
                                  "pip install 'kerncc[serve]'") from None
     from kerncc.lower import open_target
-    from kerncc.serve import text
     from kerncc.serve.engine import Config, Engine
     from kerncc.serve.http import Server, create_app
 
     if args.devices and args.backend != "cuda":
         raise KernccError.single("--devices needs --backend cuda")
+    if args.tokenizer and not Path(args.tokenizer).is_dir():
+        raise KernccError.single(f"--tokenizer {args.tokenizer}: no such folder")
     bundle = open_target(args.target, args.pipeline)
     weights = args.weights or bundle.checkpoint
     if weights is not None and not Path(weights).exists():
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
+    folders = [Path(args.tokenizer)] if args.tokenizer else \
+        [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
+    codec = _tokenizer(folders, args.tokenizer)  # before the stages start: nothing to undo
     chain = placement.make(args, bundle, checkpoint=weights)  # thread, process or ray
     engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
                                   chunk=args.chunk))
     model = bundle.stages[0].manifest.model
-    folders = [Path(args.tokenizer)] if args.tokenizer else \
-        [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
-    server = Server(engine, model, text.load(folders))
+    server = Server(engine, model, codec)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
@@ -54,6 +57,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _Uvicorn(uv, server).run(sockets=[sock])
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _tokenizer(folders: list[Path | None], given: str | None) -> Any:
+    """The first folder's tokenizer; one named by --tokenizer must be there (a flag the
+    server ignored would leave text prompts refused with no word of why)."""
+    from kerncc.serve import text
+
+    found = text.load(folders)
+    if found is not None or not given:
+        return found
+    if text.TextCodec is None:
+        raise KernccError.single(f"--tokenizer {given}: text needs the Hugging Face "
+                                 "`tokenizers` library: pip install 'kerncc[hf]'")
+    raise KernccError.single(f"--tokenizer {given}: no tokenizer.json in that folder")
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -6,9 +6,10 @@ blocks), and its tokens come back through a per-request asyncio queue fed from t
 thread, so the event loop never waits on the engine.
 
 Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids;
-max_tokens, temperature, top_p, top_k, seed, stop, stream, n = 1), POST /v1/chat/completions
-(when the tokenizer has a chat template), GET /v1/models, GET /health (200, or 503 after a
-fault or while stopping), GET /metrics (Prometheus text). Errors are OpenAI's shape,
+max_tokens, temperature, top_p, top_k, seed, stop (up to 4 strings of up to 256 characters),
+stream, n = 1), POST /v1/chat/completions (when the tokenizer has a chat template),
+GET /v1/models, GET /health (200, or 503 after a fault or while stopping), GET /metrics
+(Prometheus text). Errors are OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request, 404 for an unknown
 model or route, 413 for a body past 4 MiB, 429 at once when the queue is full, 500 when a stage
 failed (the message names the stage and program), 503 when the engine does not admit. A client
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 import threading
 import time
 import uuid
@@ -29,6 +32,8 @@ from typing import Any
 
 import attrs
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -40,7 +45,11 @@ from kerncc.serve.metrics import Metrics
 from kerncc.serve.text import Text
 
 MAX_BODY = 4 << 20
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 MAX_STOPS = 4
+# Matching holds back up to a stop's length and costs its square per token on the event loop
+# (a 40,000-character stop took 43 ms a token, blocking every other request).
+MAX_STOP_CHARS = 256
 DEFAULT_MAX_TOKENS = 16
 POLL = 0.25  # seconds between checks that a non-streaming client is still there
 
@@ -52,9 +61,9 @@ class ApiError(Exception):
                  code: str | None = None, kind: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {400: "invalid_request_error", 404: "not_found_error",
-                             413: "invalid_request_error", 429: "rate_limit_error",
-                             503: "service_unavailable"}.get(status, "server_error")
+        self.kind = kind or {404: "not_found_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -74,6 +83,7 @@ class Ask:
     stops: tuple[str, ...]
     stream: bool
     usage_in_stream: bool
+    max_field: str = "max_tokens"  # the field that gave max_new (chat's may be another)
 
 
 class Server:
@@ -114,26 +124,19 @@ class Server:
         n = _field(body, "n", int, 1)
         if n != 1:
             raise ApiError(400, "only n = 1 is served", "n")
-        for unserved in ("echo", "logprobs", "best_of", "suffix"):
-            if body.get(unserved) not in (None, False, 1 if unserved == "best_of" else None):
-                raise ApiError(400, f"`{unserved}` is not served", unserved)
+        _refuse_unserved(body)
         try:
             prompt = self._chat_prompt(body) if chat else self._prompt(body.get("prompt"))
         except KernccError as err:  # the tokenizer or chat template refused the text
             raise ApiError(400, err.headline, "messages" if chat else "prompt") from None
-        max_new = _field(body, "max_completion_tokens" if chat and "max_tokens" not in body
-                         else "max_tokens", int, DEFAULT_MAX_TOKENS)
-        params = sampling_hook.Params(
-            temperature=float(_field(body, "temperature", float, 0.0)),
-            top_k=_field(body, "top_k", int, 0), top_p=float(_field(body, "top_p", float, 1.0)),
-            seed=_field(body, "seed", int, None))
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0:
-            raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= 0",
-                           "temperature")
+        max_field = "max_completion_tokens" if chat and "max_tokens" not in body \
+            else "max_tokens"
+        max_new = _field(body, max_field, int, DEFAULT_MAX_TOKENS)
+        params = _params(body)
         options = body.get("stream_options") or {}
         return Ask(prompt, max_new, params, self._stops(body.get("stop")),
                    bool(_field(body, "stream", bool, False)),
-                   isinstance(options, dict) and bool(options.get("include_usage")))
+                   isinstance(options, dict) and bool(options.get("include_usage")), max_field)
 
     def _prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -166,6 +169,10 @@ class Server:
                 or len(stops) > MAX_STOPS:
             raise ApiError(400, f"`stop` must be a string or up to {MAX_STOPS} strings",
                            "stop")
+        long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise ApiError(400, f"a `stop` string of {len(long)} characters: at most "
+                           f"{MAX_STOP_CHARS} are served", "stop")
         if stops and self.text is None:
             raise ApiError(400, "model has no tokenizer: `stop` strings cannot be matched",
                            "stop", "no_tokenizer")
@@ -188,11 +195,40 @@ class Server:
             pointer = err.diagnostics[0].location.pointer if err.diagnostics else ""
             parts = pointer.strip("/").split("/")
             param = parts[-1] if parts[0] == "sampling" else parts[0]  # /sampling/seed: seed
+            if param == "max_tokens":  # the engine's word for whichever field the client used
+                param = ask.max_field
             raise ApiError(400, err.headline, param or None) from None
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _refuse_unserved(body: dict) -> None:
+    """Fields asking for what the server does not do. Only their off values pass: `logprobs`
+    0 asks for the chosen tokens' logprobs (and `best_of` true is no count), so they may
+    not be taken for null and answered without."""
+    for name in ("echo", "logprobs", "best_of", "suffix"):
+        value = body.get(name)
+        if value is None or value is False or (name == "best_of" and _is_int(value)
+                                               and value == 1):
+            continue
+        raise ApiError(400, f"`{name}` is not served", name)
+
+
+def _params(body: dict) -> sampling_hook.Params:
+    """The sampling fields, each checked on its own (an error names the one that is off)."""
+    temperature = _field(body, "temperature", float, 0.0)
+    top_p = _field(body, "top_p", float, 1.0)
+    top_k = _field(body, "top_k", int, 0)
+    if temperature < 0:
+        raise ApiError(400, "`temperature` must be >= 0 (0 is greedy)", "temperature")
+    if not 0 < top_p <= 1:
+        raise ApiError(400, "`top_p` must be in (0, 1] (1 is off)", "top_p")
+    if top_k < 0:
+        raise ApiError(400, "`top_k` must be >= 0 (0 is off)", "top_k")
+    return sampling_hook.Params(temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=_field(body, "seed", int, None))
 
 
 def _field(body: dict, name: str, kind: type, default: Any) -> Any:
@@ -207,7 +243,19 @@ def _field(body: dict, name: str, kind: type, default: Any) -> Any:
         ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
     if not ok:
         raise ApiError(400, f"`{name}` must be {what}", name)
-    return value
+    return _finite(name, value) if kind is float else value
+
+
+def _finite(name: str, value: float) -> float:
+    """`value` as a float; an integer too large for one (JSON has no bound) or 1e400 (inf)
+    is refused, as is a NaN or Infinity literal (which Python's json reads)."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ApiError(400, f"`{name}` must be a finite number", name)
+    return number
 
 
 class _Bridge:
@@ -356,27 +404,83 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
         return Response(server.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def not_found(http: HttpRequest, exc: Exception) -> Response:
-        return ApiError(404, f"no route {http.method} {http.url.path}").response()
+    async def http_error(http: HttpRequest, exc: Exception) -> Response:
+        """Starlette's own refusals (no route, a method the route does not take), in
+        OpenAI's shape like every other error."""
+        assert isinstance(exc, HTTPException)
+        message = f"no route {http.method} {http.url.path}" if exc.status_code == 404 \
+            else f"{http.method} {http.url.path}: {exc.detail}"
+        response = ApiError(exc.status_code, message).response()
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error})
 
 
 async def _body(http: HttpRequest) -> Any:
     raw = b""
-    async for chunk in http.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
+        async for chunk in http.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+    except ClientDisconnect:  # nobody hears this answer; it only keeps a traceback out of logs
+        raise ApiError(400, "the client went away before the end of its request body") from None
+    return _json(raw)
+
+
+def _json(raw: bytes) -> Any:
+    try:  # strictly: json.loads(bytes) would let UTF-8-encoded surrogates through
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ApiError(400, f"the request body is not UTF-8 JSON: {err}") from None
+    try:
+        body = json.loads(text)
+    except ValueError as err:
         raise ApiError(400, f"the request body is not JSON: {err}") from None
+    except RecursionError:  # json's decoder recurses once per level of [ or {
+        raise ApiError(400, "the request body nests arrays or objects too deeply") from None
+    # Decoded strictly, the text holds no surrogate: only a \u escape can make one.
+    pointer = _unpaired(body) if SURROGATE_ESCAPE.search(raw) else None
+    if pointer is not None:
+        raise ApiError(400, f"{pointer}: the string is not Unicode text: it holds half of a "
+                       "UTF-16 surrogate pair (an escape such as \\ud800 without its partner)",
+                       pointer.split("/")[1] or None)
+    return body
+
+
+def _unpaired(body: Any) -> str | None:
+    """The JSON pointer of a string (or key) of `body` holding a lone surrogate, or None:
+    JSON may escape one, but no tokenizer and no UTF-8 answer can carry it."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        pointer, value = stack.pop()
+        if isinstance(value, str) and not _is_text(value):
+            return pointer or "/"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{pointer}/{key.encode('utf-8', 'backslashreplace').decode()}"
+                if not _is_text(key):
+                    return where
+                stack.append((where, item))
+        elif isinstance(value, list):
+            stack.extend((f"{pointer}/{i}", item) for i, item in enumerate(value)
+                         if isinstance(item, (str, list, dict)))
+    return None
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
