@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -158,15 +159,21 @@ _KINDS = {"int": "a whole number", "posint": "a positive whole number", "number"
           "object": "an object", "list": "a list"}
 
 
+def _finite(value: Any) -> bool:
+    """A JSON number that converts to a finite float (a 400-digit integer does not: float()
+    of it raises OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) if isinstance(value, float) else abs(value) <= sys.float_info.max
+
+
 def _is(kind: str, value: Any) -> bool:
     is_int = isinstance(value, int) and not isinstance(value, bool)
     checks = {
         "int": is_int and value >= 0,
         "posint": is_int and value > 0,
-        "number": isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value),
-        "posnumber": isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value) and value > 0,
+        "number": _finite(value),
+        "posnumber": _finite(value) and value > 0,
         "bool": isinstance(value, bool),
         "str": isinstance(value, str),
         "int_list": (is_int and value >= 0) or (isinstance(value, list) and all(
@@ -227,12 +234,14 @@ def _architecture(f: _Fields) -> tuple[str, str]:
     """The architecture, from `architectures` (or, where a bare config has none, from
     `model_type`)."""
     by_type = {family: name for name, family in ARCHITECTURES.items()}
-    if f.raw.get("architectures") is None and f.raw.get("model_type") in by_type:
-        return by_type[f.raw["model_type"]], f.raw["model_type"]
+    model_type = f.raw.get("model_type")
+    if f.raw.get("architectures") is None and isinstance(model_type, str) \
+            and model_type in by_type:
+        return by_type[model_type], model_type
     names = f.get("architectures", "list")
     if names is None:
         return "", ""
-    known = [n for n in names if n in ARCHITECTURES]
+    known = [n for n in names if isinstance(n, str) and n in ARCHITECTURES]  # any JSON value
     if len(names) != 1 or not known:
         f.problem(f"architectures {json.dumps(names)} is not one of "
                   f"{', '.join(ARCHITECTURES)}", "architectures")

@@ -209,7 +209,8 @@ def _template(directory: Path, config: dict) -> tuple[str | None, Path | None]:
     if value is None:
         return None, None
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        named = {t.get("name"): t.get("template") for t in value
+                 if isinstance(t, dict) and isinstance(t.get("name"), str)}
         value = named.get("default")
     if not isinstance(value, str):
         raise _file_error(where, "`chat_template` must be a string or a list with a `default` "

@@ -18,7 +18,7 @@ from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError
 from kerncc.hf.importer import import_model
 
-from .models import write_model
+from .models import config_json, write_model
 
 
 def within(seconds: float, fn):
@@ -59,3 +59,38 @@ def test_a_config_json_that_never_ends_is_refused(tmp_path):
     outcome = within(10, lambda: import_model(folder))
     assert isinstance(outcome, KernccError) and "config.json" in str(outcome)
     assert "not a regular file" in str(outcome)
+
+
+@pytest.mark.parametrize("field", ["rms_norm_eps", "rope_theta"])
+def test_a_number_too_large_for_a_float_names_the_field(tmp_path, field):
+    folder = write_model(tmp_path / "m", "llama")
+    text = json.dumps(config_json("llama"))[:-1] + f', "{field}": ' + "9" * 400 + "}"
+    (folder / "config.json").write_text(text)
+    with pytest.raises(KernccError, match=f"field `{field}` must be a positive finite number"):
+        import_model(folder)
+
+
+@pytest.mark.parametrize("changes", [
+    {"architectures": [["LlamaForCausalLM"]]},
+    {"architectures": [{"name": "LlamaForCausalLM"}]},
+    {"architectures": None, "model_type": ["llama"]},
+    {"architectures": None, "model_type": {"llama": 1}},
+])
+def test_architectures_of_any_json_type_are_refused_by_name(tmp_path, changes):
+    folder = write_model(tmp_path / "m", "llama")
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(changes)
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(KernccError, match="architectures"):
+        import_model(folder)
+
+
+def test_a_chat_template_list_with_odd_names_is_refused_by_name(tmp_path):
+    from kerncc.example import generate
+    from kerncc.hf.tokenizer import TextCodec
+
+    generate(tmp_path, "tiny")
+    templates = [{"name": ["default"], "template": "x"}, {"name": {"a": 1}, "template": "y"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    with pytest.raises(KernccError, match="`chat_template` must be a string or a list"):
+        TextCodec.from_dir(tmp_path)
