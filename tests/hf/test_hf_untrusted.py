@@ -94,3 +94,23 @@ def test_a_chat_template_list_with_odd_names_is_refused_by_name(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
     with pytest.raises(KernccError, match="`chat_template` must be a string or a list"):
         TextCodec.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model-00001-of-00002.safetensors",
+                                  "model.safetensors.index.json", "tokenizer.json", "notes.txt"])
+def test_the_output_never_replaces_a_file_that_is_not_a_manifest(tmp_path, capsys, name):
+    folder = write_model(tmp_path / "m", "qwen3", shards=2)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "notes.txt").write_text("mine")
+    before = (folder / name).read_bytes()
+    assert main(["import", str(folder), "-o", str(folder / name), "--max-context", "64"]) == 1
+    err = capsys.readouterr().err
+    assert name in err and "not a kern manifest" in err and "Traceback" not in err
+    assert (folder / name).read_bytes() == before
+
+
+def test_a_second_import_replaces_the_first_manifest(tmp_path):
+    folder = write_model(tmp_path / "m", "llama")
+    import_model(folder, max_context=64)
+    assert import_model(folder, max_context=128).manifest["buffers"]["rope"]["shape"][0] == 128
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
