@@ -114,3 +114,94 @@ def test_a_second_import_replaces_the_first_manifest(tmp_path):
     import_model(folder, max_context=64)
     assert import_model(folder, max_context=128).manifest["buffers"]["rope"]["shape"][0] == 128
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
+
+
+HOSTILE_TEMPLATES = {
+    "nested-loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                    "{% endfor %}",
+    "macro-in-loops": "{% macro f() %}{% endmacro %}{% for i in range(100000) %}"
+                      "{% for j in range(100000) %}{{ f() }}{% endfor %}{% endfor %}",
+    "output-flood": "{% for i in range(100000) %}{% for j in range(100000) %}xxxxxxxx"
+                    "{% endfor %}{% endfor %}",
+    "repeat": "{{ 'x' * 4000000000 }}",
+    "repeat-list": "{{ ([0] * 4000000000)|length }}",
+    "power": "{{ (7 ** 10000000000)|string|length }}",
+    "wide-filter": "{{ 'x'|center(4000000000) }}",
+    "wide-method": "{{ 'x'.ljust(4000000000) }}",
+    "wide-format": "{{ '{:4000000000}'.format('x') }}",
+    "nested-format": "{{ '{:{}}'.format('x', 4000000000) }}",
+    "star-width": "{{ '%*s' % (4000000000, 'x') }}",
+    "format-filter": "{{ '%4000000000s'|format('x') }}",
+    "percent-width": "{{ '%4000000000s' % 'x' }}",
+}
+
+
+@pytest.mark.parametrize("template", HOSTILE_TEMPLATES.values(), ids=HOSTILE_TEMPLATES.keys())
+def test_a_hostile_chat_template_is_stopped_and_named(tmp_path, template):
+    """Rendering is bounded in time and memory: a template that would loop for hours or build
+    gigabytes is an error naming chat_template.jinja, within seconds."""
+    from kerncc.example import generate
+    from kerncc.hf.tokenizer import TextCodec
+
+    generate(tmp_path, "tiny")
+    (tmp_path / "chat_template.jinja").write_text(template)
+
+    def render():
+        return TextCodec.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+    outcome = within(20, render)
+    assert isinstance(outcome, KernccError), outcome
+    assert "chat_template.jinja" in str(outcome) and "limit" in str(outcome)
+
+
+def test_templates_of_published_models_stay_within_the_bounds(tmp_path):
+    """The bounds are far past real use: a long conversation with tools renders."""
+    from kerncc.example import generate
+    from kerncc.hf.tokenizer import TextCodec
+
+    generate(tmp_path, "tiny")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for t in tools %}"
+        "{{ t|tojson }}{% endfor %}{% endfor %}{{ '=' * 80 }}{{ 2 ** 10 }}")
+    messages = [{"role": "user", "content": "word " * 200}] * 500
+    text = TextCodec.from_dir(tmp_path).apply_chat_template(
+        messages, tools=[{"name": f"tool{i}"} for i in range(20)])
+    assert text.endswith("=" * 80 + "1024") and len(text) > 500 * 1000
+
+
+def test_large_numbers_are_no_width(tmp_path):
+    """Only widths are bounded: a timestamp formats, prints and compares as usual."""
+    from kerncc.example import generate
+    from kerncc.hf.tokenizer import TextCodec
+
+    generate(tmp_path, "tiny")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ '%d' % stamp }} {{ stamp|string }} {{ '{}'.format(stamp) }} {{ '%s-%s' % (stamp, 1) }}"
+        " {{ '%5s'|format('x') }}|{{ 'ab'.ljust(4) }}|")
+    text = TextCodec.from_dir(tmp_path).apply_chat_template([], stamp=1_700_000_000)
+    assert text == "1700000000 1700000000 1700000000 1700000000-1     x|ab  |"
+
+
+DOUBLING = {
+    "concat": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+              "{% endfor %}{{ ns.s|length }}",
+    "plus": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}"
+            "{% endfor %}{{ ns.s|length }}",
+    "join": "{% set ns = namespace(s='x') %}{% for i in range(64) %}"
+            "{% set ns.s = [ns.s, ns.s]|join %}{% endfor %}{{ ns.s|length }}",
+    "replace": "{% set ns = namespace(s='xx') %}{% for i in range(8) %}"
+               "{% set ns.s = ns.s|replace('x', ns.s) %}{% endfor %}{{ ns.s|length }}",
+    "macro": "{% macro d(s, n) %}{% if n %}{{ d(s ~ s, n - 1) }}{% else %}{{ s|length }}"
+             "{% endif %}{% endmacro %}{{ d('x', 64) }}",
+}
+
+
+@pytest.mark.parametrize("template", DOUBLING.values(), ids=DOUBLING.keys())
+def test_a_template_doubling_a_string_is_stopped(tmp_path, template):
+    from kerncc.example import generate
+    from kerncc.hf.tokenizer import TextCodec
+
+    generate(tmp_path, "tiny")
+    (tmp_path / "chat_template.jinja").write_text(template)
+    outcome = within(20, lambda: TextCodec.from_dir(tmp_path).apply_chat_template([]))
+    assert isinstance(outcome, KernccError) and "limit" in str(outcome), outcome
