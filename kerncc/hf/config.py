@@ -86,7 +86,10 @@ class HFConfig:
         tokens = max_tokens or self.serving.get("max_tokens") or min(2048, context)
         seqs = max_seqs or self.serving.get("max_seqs") or min(8, tokens)
         problems = []
-        if context % PAGE or context < PAGE:
+        if max_context is None and context < PAGE:  # the user gave no --max-context to blame
+            problems.append(f"max_position_embeddings {self.max_position_embeddings} is shorter "
+                            f"than one page of {PAGE} positions, the least kerncc serves")
+        elif context % PAGE or context < PAGE:
             problems.append(f"--max-context {context} is not a positive multiple of {PAGE}")
         if context > self.max_position_embeddings:
             problems.append(f"--max-context {context} exceeds max_position_embeddings "
@@ -294,6 +297,11 @@ def _rope(f: _Fields) -> tuple[float, Llama3Rope | None]:
         ("high_freq_factor", "posnumber"),
         ("original_max_position_embeddings", "posint"))]
     if None in values:
+        return theta, None
+    original, limit = values[3], LIMITS["max_position_embeddings"]
+    if original > limit:  # the once program passes it to its kernel as an i32
+        f.problem(f"original_max_position_embeddings {original} is past kerncc's limit of "
+                  f"{limit}", *where, "original_max_position_embeddings")
         return theta, None
     if values[0] <= 0 or values[2] <= values[1]:
         f.problem("llama3 rope scaling needs factor > 0 and high_freq_factor > low_freq_factor",

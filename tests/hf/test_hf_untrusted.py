@@ -205,3 +205,21 @@ def test_a_template_doubling_a_string_is_stopped(tmp_path, template):
     (tmp_path / "chat_template.jinja").write_text(template)
     outcome = within(20, lambda: TextCodec.from_dir(tmp_path).apply_chat_template([]))
     assert isinstance(outcome, KernccError) and "limit" in str(outcome), outcome
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"max_position_embeddings": 8}, "max_position_embeddings 8 is shorter than one page"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 10**30}},
+     "original_max_position_embeddings 1000000000000000000000000000000 is past kerncc's limit"),
+])
+def test_sizes_past_what_kerncc_serves_name_the_config_field(tmp_path, changes, message):
+    """Not the builder's or the verifier's view of it (`--max-context 0`, a launch argument
+    that is not an i32)."""
+    folder = write_model(tmp_path / "m", "llama")
+    raw = json.loads((folder / "config.json").read_text())
+    raw.update(changes)
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(KernccError, match=message) as err:
+        import_model(folder)
+    assert "config.json" in str(err.value) and "--max-context 0" not in str(err.value)
