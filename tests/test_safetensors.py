@@ -201,3 +201,22 @@ def test_corrupted_files_raise_only_kerncc_errors(tmp_path: Path, flips) -> None
             read()
         except KernccError:
             pass
+
+
+def test_a_header_length_past_the_file_allocates_nothing(tmp_path: Path) -> None:
+    """A 16-byte file claiming a 99 MB header is refused before that much is read (or held)."""
+    import tracemalloc
+
+    from kerncc.hf.checkpoint import read_header
+
+    path = tmp_path / "liar.safetensors"
+    path.write_bytes(struct.pack("<Q", 99_000_000) + b"{}      ")
+    for read in [*_both_readers(path), lambda: read_header(path)]:
+        tracemalloc.start()
+        try:
+            with pytest.raises(KernccError, match="exceeds the file"):
+                read()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20

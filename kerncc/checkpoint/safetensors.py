@@ -264,7 +264,8 @@ def _read_prefix(path: str | os.PathLike) -> tuple[bytes, int]:
             head = f.read(8)
             if len(head) == 8:
                 (n,) = struct.unpack("<Q", head)
-                head += f.read(min(n, _MAX_HEADER + 1))
+                # Never more than the file holds: a length that lies must not size a buffer.
+                head += f.read(min(n, _MAX_HEADER + 1, max(size - 8, 0)))
     except OSError as exc:
         raise _error(path, f"cannot read: {exc.strerror or exc}") from None
     return head, size

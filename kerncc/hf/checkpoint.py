@@ -62,6 +62,9 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER:
                 raise _error(path, f"header length {n} is past the {_MAX_HEADER}-byte limit")
+            size = os.fstat(f.fileno()).st_size
+            if 8 + n > size:  # checked before reading: a length that lies must not size a buffer
+                raise _error(path, f"header length {n} exceeds the file ({size} bytes)")
             raw = f.read(n)
     except OSError as exc:
         raise _error(path, f"cannot read: {exc.strerror or exc}") from None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,10 @@ class HFConfig:
         tokens = max_tokens or self.serving.get("max_tokens") or min(2048, context)
         seqs = max_seqs or self.serving.get("max_seqs") or min(8, tokens)
         problems = []
-        if context % PAGE or context < PAGE:
+        if max_context is None and context < PAGE:  # the user gave no --max-context to blame
+            problems.append(f"max_position_embeddings {self.max_position_embeddings} is shorter "
+                            f"than one page of {PAGE} positions, the least kerncc serves")
+        elif context % PAGE or context < PAGE:
             problems.append(f"--max-context {context} is not a positive multiple of {PAGE}")
         if context > self.max_position_embeddings:
             problems.append(f"--max-context {context} exceeds max_position_embeddings "
@@ -158,15 +162,21 @@ _KINDS = {"int": "a whole number", "posint": "a positive whole number", "number"
           "object": "an object", "list": "a list"}
 
 
+def _finite(value: Any) -> bool:
+    """A JSON number that converts to a finite float (a 400-digit integer does not: float()
+    of it raises OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) if isinstance(value, float) else abs(value) <= sys.float_info.max
+
+
 def _is(kind: str, value: Any) -> bool:
     is_int = isinstance(value, int) and not isinstance(value, bool)
     checks = {
         "int": is_int and value >= 0,
         "posint": is_int and value > 0,
-        "number": isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value),
-        "posnumber": isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value) and value > 0,
+        "number": _finite(value),
+        "posnumber": _finite(value) and value > 0,
         "bool": isinstance(value, bool),
         "str": isinstance(value, str),
         "int_list": (is_int and value >= 0) or (isinstance(value, list) and all(
@@ -178,19 +188,38 @@ def _is(kind: str, value: Any) -> bool:
 
 
 def read_json(path: Path, what: str) -> Any:
-    """A JSON file's value; unreadable or malformed is a KernccError naming the file."""
+    """A JSON file's value; unreadable or malformed is a KernccError naming the file.
+
+    Read as untrusted: a regular file only (a FIFO would block, /dev/zero never end), at most
+    `--max-file-size` bytes, and whatever the parser refuses (nesting past the recursion limit,
+    an integer of more digits than Python converts) is an error, not a traceback."""
+    from kerncc.files import FileRefused, read_regular
+
+    if not path.exists() and not path.is_symlink():
+        raise KernccError.single(f"{path}: no {what} (expected {path.name})")
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise KernccError.single(f"{path}: no {what} (expected {path.name})") from None
-    except (OSError, UnicodeDecodeError) as err:
+        text = read_regular(path, what).decode("utf-8")
+    except FileRefused as err:
+        raise KernccError(f"{path}: cannot read {what}", [Diagnostic(
+            err.headline, Location("", file=str(path)))]) from None
+    except UnicodeDecodeError as err:
         raise KernccError.single(f"{path}: cannot read {what}: {err}") from None
+    return parse_json(path, text, what)
+
+
+def parse_json(path: Path, text: str, what: str) -> Any:
+    """The value of JSON `text` read from `path`; a refusal names the file (and the line)."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
         diag = Diagnostic(f"not JSON: {err.msg}", Location("", file=str(path), line=err.lineno,
                                                            column=err.colno))
-        raise KernccError(f"{path}: bad {what}", [diag]) from None
+    except RecursionError:
+        diag = Diagnostic("not JSON kerncc reads: nested too deeply", Location("", file=str(path)))
+    except ValueError as err:  # an integer of more digits than Python converts
+        diag = Diagnostic(f"not JSON kerncc reads: {str(err).split(';')[0]}",
+                          Location("", file=str(path)))
+    raise KernccError(f"{path}: bad {what}", [diag]) from None
 
 
 def token_ids(value: Any) -> tuple[int, ...]:
@@ -208,12 +237,14 @@ def _architecture(f: _Fields) -> tuple[str, str]:
     """The architecture, from `architectures` (or, where a bare config has none, from
     `model_type`)."""
     by_type = {family: name for name, family in ARCHITECTURES.items()}
-    if f.raw.get("architectures") is None and f.raw.get("model_type") in by_type:
-        return by_type[f.raw["model_type"]], f.raw["model_type"]
+    model_type = f.raw.get("model_type")
+    if f.raw.get("architectures") is None and isinstance(model_type, str) \
+            and model_type in by_type:
+        return by_type[model_type], model_type
     names = f.get("architectures", "list")
     if names is None:
         return "", ""
-    known = [n for n in names if n in ARCHITECTURES]
+    known = [n for n in names if isinstance(n, str) and n in ARCHITECTURES]  # any JSON value
     if len(names) != 1 or not known:
         f.problem(f"architectures {json.dumps(names)} is not one of "
                   f"{', '.join(ARCHITECTURES)}", "architectures")
@@ -266,6 +297,11 @@ def _rope(f: _Fields) -> tuple[float, Llama3Rope | None]:
         ("high_freq_factor", "posnumber"),
         ("original_max_position_embeddings", "posint"))]
     if None in values:
+        return theta, None
+    original, limit = values[3], LIMITS["max_position_embeddings"]
+    if original > limit:  # the once program passes it to its kernel as an i32
+        f.problem(f"original_max_position_embeddings {original} is past kerncc's limit of "
+                  f"{limit}", *where, "original_max_position_embeddings")
         return theta, None
     if values[0] <= 0 or values[2] <= values[1]:
         f.problem("llama3 rope scaling needs factor > 0 and high_freq_factor > low_freq_factor",

@@ -7,8 +7,9 @@ with the right shape and a dtype the manifest can bind (bf16 as is; f16 and f32 
 `source` buffers that the derive program casts at load), and builds the manifest with the
 example's builder (kerncc.example.qwen.manifest): the weights bind the Hugging Face tensor
 names, so the checkpoint is never rewritten or copied. The manifest is verified before it is
-written (atomically: a temporary file renamed into place), so a refused import writes
-nothing.
+written (atomically: a temporary file, fsynced, renamed into place), so a refused import
+writes nothing; an existing output is replaced only when it is a kern manifest (an earlier
+import), never the checkpoint, config.json or any other file of the user's.
 
 The checkpoint is found beside the manifest (kerncc.checkpoint.shards.checkpoint_beside): the default
 output DIR/model.json is what `kerncc run` and `kerncc lower ... emit` find without
@@ -19,12 +20,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import attrs
 
+from kerncc.atomic import write_text_atomic
 from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
 from kerncc.example.checkpoint import hf as layer_tensor
 from kerncc.example.config import QwenConfig
@@ -108,16 +108,30 @@ def _verified(raw: dict) -> None:
     verify(reader.from_raw(raw))
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+MAX_MANIFEST = 1 << 26  # far past any imported manifest; a larger file is not one of ours
+
+
+def _is_manifest(path: Path) -> bool:
+    """Whether the file at `path` holds a kern manifest (what an earlier import wrote)."""
+    from kerncc.files import FileRefused, read_regular
+
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        if path.stat().st_size > MAX_MANIFEST:  # a checkpoint shard is not read to find out
+            return False
+        raw = json.loads(read_regular(path, "output", MAX_MANIFEST))
+    except (OSError, FileRefused, ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and "schema_version" in raw and "programs" in raw
+
+
+def _check_output(path: Path) -> None:
+    """The output may be new or an earlier manifest; anything else there is the user's (the
+    checkpoint, config.json, their notes) and is never replaced."""
+    if path.is_dir():
+        raise KernccError.single(f"-o `{path}` is a directory; give the manifest's file name")
+    if (path.exists() or path.is_symlink()) and not _is_manifest(path):
+        raise KernccError.single(f"`{path}` exists and is not a kern manifest; refusing to "
+                                 "overwrite it (give another -o, or remove it)")
 
 
 def build(directory: str | Path, max_tokens: int | None = None, max_seqs: int | None = None,
@@ -149,11 +163,10 @@ def import_model(directory: str | Path, output: str | Path | None = None,
     (default DIR/model.json)."""
     raw, hf, c, table = build(directory, max_tokens, max_seqs, max_context)
     path = Path(output) if output is not None else Path(directory) / "model.json"
-    if path.is_dir():
-        raise KernccError.single(f"-o `{path}` is a directory; give the manifest's file name")
+    _check_output(path)
     text = json.dumps(raw, indent=2, ensure_ascii=False) + "\n"
     try:
-        _write_atomically(path, text)
+        write_text_atomic(path, text)
     except OSError as err:
         raise KernccError.single(f"cannot write `{path}`: {err.strerror or err}") from None
     beside = path.resolve().parent == table.reference.resolve().parent

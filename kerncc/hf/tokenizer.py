@@ -18,15 +18,19 @@ no tokenizer.json. The API, used by `kerncc run` and the serving engine:
 Chat templates render as transformers renders them: jinja2's immutable sandbox with
 trim_blocks and lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that keeps
 non-ASCII, and `bos_token` / `eos_token` (and the other special tokens) as variables. Nothing
-in a model folder is executed beyond the sandboxed template. Every problem (a tokenizer.json
+in a model folder is executed beyond the sandboxed template, and a render is bounded (steps,
+output, the sizes of what it builds: MAX_STEPS, MAX_TEXT), so a hostile template is an error
+within seconds, not a hang or a process out of memory. Every problem (a tokenizer.json
 or template that does not parse, ids past the model's vocabulary) is a KernccError naming the
 file.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -164,12 +168,13 @@ class TextCodec:
             raise KernccError.single(f"{self.directory}: the tokenizer has no chat template "
                                      f"({TOKENIZER_CONFIG} `chat_template` or {TEMPLATE_FILE})")
         try:
-            return self._compiled.render(**{**self.specials, **variables},
-                                         messages=[dict(m) for m in messages],
-                                         add_generation_prompt=add_generation_prompt)
+            return _render(self._compiled, {**self.specials, **variables,
+                                            "messages": [dict(m) for m in messages],
+                                            "add_generation_prompt": add_generation_prompt})
         except Exception as err:  # noqa: BLE001 - raise_exception, or any bad expression
             where = self.template_file or self.directory / TOKENIZER_CONFIG
-            raise _file_error(where, f"the chat template failed: {err}", "/chat_template"
+            why = str(err) or type(err).__name__  # a MemoryError says nothing by itself
+            raise _file_error(where, f"the chat template failed: {why}", "/chat_template"
                               ) from None
 
 
@@ -209,7 +214,8 @@ def _template(directory: Path, config: dict) -> tuple[str | None, Path | None]:
     if value is None:
         return None, None
     if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        named = {t.get("name"): t.get("template") for t in value
+                 if isinstance(t, dict) and isinstance(t.get("name"), str)}
         value = named.get("default")
     if not isinstance(value, str):
         raise _file_error(where, "`chat_template` must be a string or a list with a `default` "
@@ -235,11 +241,200 @@ def _generation_extension() -> type:
     return Generation
 
 
-def _compile(template: str, where: Path | None) -> Any:
-    from jinja2 import TemplateError
+# Bounds on one render, far past any published template (they loop over messages and tools and
+# write at most a few MB), so that a hostile one cannot hang the process or fill its memory.
+MAX_STEPS = 1_000_000  # loop iterations and calls of one render
+MAX_TEXT = 1 << 24  # characters of the output, of a repetition, or of a width given to a call
+MAX_POWER_BITS = 1 << 16  # bits of an integer power
+# Where a template can ask for a width: %-formats (`%9s`, `%.9s`, `%*s`), str.format specs
+# (`{:9}`), the str methods and the filters that pad to a width or repeat to a count.
+_PERCENT_WIDTH = re.compile(r"%[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
+_FORMAT_WIDTH = re.compile(r"\{[^{}]*:[^{}\d]*(\d*)(?:\.(\d*))?")
+WIDE_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+WIDE_FILTERS = frozenset({"center", "indent", "batch", "slice", "format"})
+
+
+class TemplateLimit(Exception):
+    """A render went past one of the bounds above."""
+
+
+class _Budget:
+    """The steps left to one render; the bounded template calls `loop` on every for loop."""
+
+    def __init__(self) -> None:
+        self.steps = MAX_STEPS
+
+    def tick(self) -> None:
+        self.steps -= 1
+        if self.steps < 0:
+            raise TemplateLimit(f"it took more than {MAX_STEPS} steps (loop iterations and "
+                                "calls), kerncc's limit")
+
+    def loop(self, iterable: Any) -> Iterator[Any]:
+        for item in iterable:
+            self.tick()
+            yield item
+
+    def concat(self, *parts: Any) -> str:
+        """`a ~ b`, refused before it joins more than MAX_TEXT characters."""
+        texts = [str(p) for p in parts]
+        if sum(map(len, texts)) > MAX_TEXT:
+            raise TemplateLimit(f"it built a value of more than {MAX_TEXT} items, kerncc's "
+                                "limit")
+        return "".join(texts)
+
+
+def _check_size(value: Any) -> Any:
+    """What an operation made, refused when past MAX_TEXT: step by step a template can only
+    double what it holds (`s ~ s`, `s + s`, `[s, s]|join`), so checking every result bounds
+    the memory of a render to a small multiple of MAX_TEXT."""
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_TEXT:
+        raise TemplateLimit(f"it built a value of more than {MAX_TEXT} items, kerncc's limit")
+    return value
+
+
+def _check_widths(widths: Iterable[Any]) -> None:
+    """A width past MAX_TEXT would be allocated before anything could look at the result."""
+    if any(isinstance(w, int) and not isinstance(w, bool) and w > MAX_TEXT for w in widths):
+        raise TemplateLimit(f"a width past {MAX_TEXT} characters, kerncc's limit")
+
+
+def _format_widths(pattern: re.Pattern[str], text: str, values: Any) -> list[Any]:
+    """The widths a format string asks for; a `*` takes its width from the values."""
+    specs = [w for m in pattern.finditer(text) for w in m.groups() if w]
+    star = [] if "*" not in specs else list(values) if isinstance(values, tuple) else [values]
+    return [int(w) for w in specs if w != "*"] + star
+
+
+def _check_replace(text: Any, old: Any, new: Any) -> None:
+    """`replace` can multiply a string by len(new) in one step: its size is known first."""
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str) and old \
+            and len(text) + text.count(old) * (len(new) - len(old)) > MAX_TEXT:
+        raise TemplateLimit(f"a replace making more than {MAX_TEXT} characters, kerncc's limit")
+
+
+def _check_call(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """What a str method is asked to make (`'x'.ljust(n)`, `s.replace(a, b)`), before it runs."""
+    owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+    if not isinstance(owner, str):
+        return
+    if name == "replace" and len(args) >= 2:
+        _check_replace(owner, args[0], args[1])
+    elif name in WIDE_METHODS:
+        _check_widths([*args, *kwargs.values()])
+
+
+def _bounded_format(text: str, wrapped: Any) -> Any:
+    """str.format as the sandbox wraps it, its widths checked first: those written in the
+    string (`{:9}`) and, where a spec nests a field (`{:{}}`), any number it is given."""
+    _check_widths(_format_widths(_FORMAT_WIDTH, text, ()))
+
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        if ":{" in text:
+            values = [*args, *kwargs.values()]
+            _check_widths(values + [v for a in values if isinstance(a, dict) for v in a.values()])
+        return wrapped(*args, **kwargs)
+
+    return bounded
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Refuse `*`, `**` and `%` whose result would be past the bounds, before computing it."""
+    if operator == "*":
+        for seq, count in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
+                    and len(seq) * count > MAX_TEXT:
+                raise TemplateLimit(f"a repetition past {MAX_TEXT} items, kerncc's limit")
+    elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
+            and abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
+        raise TemplateLimit(f"a power past {MAX_POWER_BITS} bits, kerncc's limit")
+    elif operator == "%" and isinstance(left, str):
+        _check_widths(_format_widths(_PERCENT_WIDTH, left, right))
+
+
+def _bounded_filter(name: str, fn: Any) -> Any:
+    """The filter with its widths checked first (see WIDE_FILTERS) and its result after."""
+    passes = getattr(fn, "jinja_pass_arg", None)  # a context comes first, before the value
+
+    @functools.wraps(fn)  # keeps jinja's pass_context / pass_eval_context marks
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        value = list(args[1:] if passes else args)
+        if name == "format" and value and isinstance(value[0], str):
+            _check_widths(_format_widths(_PERCENT_WIDTH, value[0], tuple(value[1:])))
+        elif name == "replace" and len(value) >= 3:
+            _check_replace(*value[:3])
+        elif name in WIDE_FILTERS:
+            _check_widths([*value[1:], *kwargs.values()])
+        return _check_size(fn(*args, **kwargs))
+
+    return bounded
+
+
+def _environment() -> Any:
+    """jinja2's immutable sandbox, bounded: every call counts a step, widths are checked
+    before a str method or filter pads to them, and `*`, `**` and `%` are checked before they
+    run (and so are never folded at compile time)."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    _Generation = _generation_extension()
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return _check_size(super().call_binop(context, operator, left, right))
+
+        def wrap_str_format(self, value: Any) -> Any:
+            wrapped = super().wrap_str_format(value)
+            return None if wrapped is None else _bounded_format(value.__self__, wrapped)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            budget = __context.get(_BUDGET)
+            if isinstance(budget, _Budget):
+                budget.tick()
+            _check_call(__obj, args, kwargs)
+            return _check_size(super().call(__context, __obj, *args, **kwargs))
+
+    env = Bounded(trim_blocks=True, lstrip_blocks=True,
+                  extensions=["jinja2.ext.loopcontrols", _generation_extension()])
+    env.filters = {name: _bounded_filter(name, fn) for name, fn in env.filters.items()}
+    return env
+
+
+_BUDGET = "_kerncc_budget"
+
+
+def _through_budget(tree: Any) -> Any:
+    """Every `for` of the parsed template iterates through the render's budget, and every
+    `~` joins through it."""
+    from jinja2 import nodes
+
+    def budget(method: str) -> Any:
+        return nodes.Getattr(nodes.Name(_BUDGET, "load"), method, "load")
+
+    for loop in tree.find_all(nodes.For):
+        loop.iter = nodes.Call(budget("loop"), [loop.iter], [], None, None)
+    for concat in list(tree.find_all(nodes.Concat)):
+        parts = concat.nodes
+        concat.__class__ = nodes.Call  # in place: the parent still points at this node
+        concat.node, concat.args, concat.kwargs = budget("concat"), parts, []
+        concat.dyn_args = concat.dyn_kwargs = None
+        del concat.nodes
+    return tree
+
+
+def _render(compiled: Any, variables: dict[str, Any]) -> str:
+    """The template's text, stopped at MAX_TEXT characters of output."""
+    parts, size = [], 0
+    for part in compiled.generate(**variables, **{_BUDGET: _Budget()}):
+        size += len(part)
+        if size > MAX_TEXT:
+            raise TemplateLimit(f"its output passed {MAX_TEXT} characters, kerncc's limit")
+        parts.append(part)
+    return "".join(parts)
+
+
+def _compile(template: str, where: Path | None) -> Any:
+    from jinja2 import TemplateError
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
@@ -252,13 +447,12 @@ def _compile(template: str, where: Path | None) -> Any:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols", _Generation])
+    env = _environment()
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     try:
-        return env.from_string(template)
+        return env.from_string(_through_budget(env.parse(template)))
     except TemplateError as err:
         line = getattr(err, "lineno", None)
         raise KernccError(f"{where}: the chat template does not parse", [Diagnostic(
