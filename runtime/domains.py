@@ -22,6 +22,12 @@ from kerncc.diagnostics import Diagnostic, KernccError, Location
 IndexRows = Callable[[str, dict[str, int]], "int | None"]
 
 
+def is_whole(value: Any) -> bool:
+    """Whether `value` is a whole number: a Python or numpy integer, never a bool (True is 1
+    to Python, but a flag passed where a count belongs is a mistake)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _shape_text(shape: Any) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 

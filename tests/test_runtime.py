@@ -514,3 +514,47 @@ def test_a_chain_closes_only_the_backends_it_made(bundle_dir):
     assert closed == ["made"]
     made.close()
     assert closed == ["made", "made"]  # each close closes what the chain made, nothing else
+
+# ---- arguments of the library API -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("1,2,3", "prompt"), ([1.5, 2], r"prompt position 0: 1\.5 is not a whole number"),
+    (["a"], "prompt position 0"), (np.array([[1, 2, 3]]), "one list of token ids"),
+    ([True, 2], "prompt position 0"), (None, "the prompt is empty")])
+def test_generate_refuses_a_prompt_that_is_not_token_ids(bundle_dir, prompt, match):
+    """A float id was truncated (1.5 ran as 1), a string or a 2-D array failed inside numpy or
+    Python's comparisons."""
+    gen = Generator(Chain(bundle_dir))
+    with pytest.raises(KernccError, match=match):
+        gen.generate(prompt, 2)
+    assert len(gen.pool.free) == gen.pool.pages
+
+
+def test_generate_takes_a_numpy_prompt(bundle_dir):
+    """`if not prompt` on an array of several ids raised numpy's "truth value is ambiguous"."""
+    gen = Generator(Chain(bundle_dir))
+    listed = gen.generate([3, 1, 4], 3).tokens
+    assert gen.generate(np.array([3, 1, 4], np.int64), 3).tokens == listed
+    assert gen.generate((3, 1, 4), 3).tokens == listed
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_new": float("nan")}, "max_new nan: expected a whole number"),
+    ({"max_new": 2.5}, "max_new 2.5: expected a whole number"),
+    ({"max_new": "2"}, "max_new '2': expected a whole number"),
+    ({"max_new": None}, "max_new None: expected a whole number"),
+    ({"max_new": True}, "max_new True: expected a whole number"),
+    ({"max_new": 2, "chunk": 0}, r"chunk 0 is outside \[1, 64\]"),
+    ({"max_new": 2, "chunk": 1.5}, "chunk 1.5: expected a whole number"),
+    ({"max_new": 2, "chunk": "2"}, "chunk '2': expected a whole number"),
+    ({"max_new": 2, "sampling": {"temperature": 1.0}}, "sampling: expected SamplingParams"),
+    ({"max_new": 2, "stop": 5}, "stop: expected a function"),
+    ({"max_new": 2, "on_token": "print"}, "on_token: expected a function")])
+def test_generate_refuses_arguments_of_the_wrong_kind(bundle_dir, kwargs, match):
+    """max_new nan generated nothing, 2.5 generated three tokens, chunk 0 meant the default;
+    the rest failed as TypeError or AttributeError from deep inside."""
+    gen = Generator(Chain(bundle_dir))
+    with pytest.raises(KernccError, match=match):
+        gen.generate([3, 1, 4], **kwargs)
+    assert len(gen.pool.free) == gen.pool.pages
