@@ -54,7 +54,11 @@ def _located(name: str, what: str, message: str, ptr: str = "") -> KernccError:
 def host_array(name: str, buf: m.Buffer, value: Any, env: dict[str, int],
                dtype: np.dtype) -> np.ndarray:
     """`value` as the buffer's dtype, checked to have its shape at `env`."""
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as err:  # a ragged list, an object numpy cannot take
+        raise _located(name, "is not an array", f"numpy cannot make an array of the value: "
+                       f"{err}") from None
     dims = tuple(buf.dims_at(env))
     if array.shape != dims:
         declared = "[" + ", ".join(str(d) for d in buf.shape) + "]"

@@ -283,6 +283,9 @@ class Generator:
     """Chunked prefill and greedy decode of one sequence at a time on a Session or Chain."""
 
     def __init__(self, runner: Session | Chain) -> None:
+        if not isinstance(runner, (Session, Chain)):
+            raise KernccError.single(f"Generator: expected a Session or a Chain, got "
+                                     f"{type(runner).__name__}")
         self.runner = runner
         self.sessions = sessions_of(runner)
         self.protocol = chain_protocol([s.manifest for s in self.sessions])
