@@ -39,7 +39,10 @@ def _env_text(buf: m.Buffer, env: dict[str, int]) -> str:
 
 def vars_from_shape(buf: m.Buffer, value: Any) -> dict[str, int]:
     """The var values an array's shape implies for a buffer (for `write` without vars)."""
-    shape = np.shape(value)
+    try:
+        shape = np.shape(value)
+    except (ValueError, TypeError):  # a ragged list: host_array names it
+        return {}
     if len(shape) != len(buf.shape):
         return {}
     return {d: int(n) for d, n in zip(buf.shape, shape) if isinstance(d, str)}

@@ -293,7 +293,7 @@ class Session:
         and the token, not an inout buffer of megabytes a chunk)."""
         self.backend.activate()
         self._check_program(program)
-        env = self._vars(as_mapping(vars, "vars"))
+        env = self._vars(vars)
         self._write_inputs(as_mapping(inputs, "inputs"), env)
         self._execute(program, env)
         self.last_vars = env
@@ -311,7 +311,7 @@ class Session:
         staged here: a driver writes what it already knows of the next step while this one
         runs, and only the rest (the token this step hands back) once it is known."""
         self.backend.activate()
-        self._write_inputs(as_mapping(inputs, "inputs"), self._vars(as_mapping(vars, "vars")))
+        self._write_inputs(as_mapping(inputs, "inputs"), self._vars(vars))
 
     def _write_inputs(self, inputs: Mapping[str, Any], env: dict[str, int]) -> None:
         for name, value in inputs.items():
@@ -326,9 +326,9 @@ class Session:
             raise KernccError.single(f"stage {self.stage.index} has no program `{program}` "
                                      f"(it has {known})")
 
-    def _vars(self, given: Mapping[str, int]) -> dict[str, int]:
+    def _vars(self, given: Mapping[str, int] | None) -> dict[str, int]:
         env = {name: 1 for name in self.manifest.vars}
-        for name, value in given.items():
+        for name, value in as_mapping(given, "vars").items():
             var = self.manifest.vars.get(name)
             if var is None:
                 raise KernccError.single(f"var `{name}` is not a var of stage "
@@ -462,7 +462,7 @@ class Session:
     def write(self, name: str, array: Any, vars: Mapping[str, int] | None = None) -> None:
         """Write buffer `name` (shape at `vars`, default: read off the array's shape)."""
         buf = self._buffer(name)
-        given = dict(vars) if vars is not None else domains.vars_from_shape(buf, array)
+        given = vars if vars is not None else domains.vars_from_shape(buf, array)
         env = self._vars(given)
         self._store(name, buf, array, env)
 

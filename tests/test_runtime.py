@@ -623,3 +623,14 @@ def test_session_and_chain_arguments_are_checked(bundle_dir):
     for runner in ("bundle", None):
         with pytest.raises(KernccError, match="expected a Session or a Chain"):
             Generator(runner)
+
+
+def test_read_and_write_check_their_vars_and_values(whole):
+    """Session.read/write with vars that were no mapping failed as AttributeError or
+    TypeError, and write of a ragged list as numpy's ValueError."""
+    with pytest.raises(KernccError, match="vars: expected a mapping"):
+        whole.read("positions", [3])
+    with pytest.raises(KernccError, match="vars: expected a mapping"):
+        whole.write("positions", [7, 8, 9], [3])
+    with pytest.raises(KernccError, match="input `positions` is not an array"):
+        whole.write("positions", [[7], [8, 9]])
