@@ -23,7 +23,8 @@ from kerncc.runtime.backends import make_backend
 from kerncc.runtime.backends.base import Backend
 from kerncc.runtime.bundle import Bundle
 from kerncc.runtime.memory import default_token_capacity
-from kerncc.runtime.session import Pending, Session, open_backend, open_bundle
+from kerncc.runtime.session import (Pending, Session, as_mapping, check_token_capacity,
+                                    open_backend, open_bundle)
 from kerncc.runtime.trace import Timeline
 from kerncc.runtime.weights import CheckpointLike
 
@@ -45,6 +46,10 @@ class Chain:
                  graphs: bool | str = "auto", trace: Timeline | None = None,
                  allow_nonfinite: bool = False) -> None:
         self.bundle = open_bundle(bundle)
+        check_token_capacity(token_capacity)
+        if trace is not None and not isinstance(trace, Timeline):
+            raise KernccError.single(f"trace: expected a Timeline or None, got "
+                                     f"{type(trace).__name__}")
         stages = len(self.bundle.stages)
         self.backends = _stage_backends(backend, devices, stages)
         self._owns_backends = isinstance(backend, str)  # made here, so closed here
@@ -78,7 +83,8 @@ class Chain:
                outputs: bool | Collection[str] = True) -> Pending:
         """Issue `program` on every stage in order without waiting; `result()` waits for the
         last stage's `outputs` (see Session.submit)."""
-        inputs, vars = dict(inputs or {}), dict(vars or {})
+        inputs, vars = dict(as_mapping(inputs, "inputs")), dict(as_mapping(vars, "vars"))
+        self._check_program(program)
         self._check_names(inputs, vars)
         item, self.items = self.items, self.items + 1
         pending = Pending({})
@@ -103,13 +109,20 @@ class Chain:
         """`Session.stage_inputs` on every stage that takes some of `inputs` (each on its own
         stream, after the items issued to it so far). Stages of this process only: the
         placements' chains (runtime/placement) send inputs with each item."""
-        inputs, vars = dict(inputs), dict(vars or {})
+        inputs, vars = dict(as_mapping(inputs, "inputs")), dict(as_mapping(vars, "vars"))
         self._check_names(inputs, vars)
         for session in self.sessions:
             host = {n: v for n, v in inputs.items() if n in session.stage.host_inputs}
             if host:
                 session.stage_inputs(host, {n: v for n, v in vars.items()
                                             if n in session.manifest.vars})
+
+    def _check_program(self, program: str) -> None:
+        """Some stage has `program` (a stage without it is skipped: with none, all were)."""
+        if isinstance(program, str) and any(program in s.sites for s in self.sessions):
+            return
+        raise KernccError.single(f"no stage of the bundle has program `{program}` (programs: "
+                                 f"{', '.join(self.programs)})")
 
     def _check_names(self, inputs: dict, vars: dict) -> None:
         taken = {n for s in self.bundle.stages for n in s.host_inputs}

@@ -22,6 +22,12 @@ from kerncc.diagnostics import Diagnostic, KernccError, Location
 IndexRows = Callable[[str, dict[str, int]], "int | None"]
 
 
+def is_whole(value: Any) -> bool:
+    """Whether `value` is a whole number: a Python or numpy integer, never a bool (True is 1
+    to Python, but a flag passed where a count belongs is a mistake)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def _shape_text(shape: Any) -> str:
     return "[" + ", ".join(str(int(d)) for d in shape) + "]"
 
@@ -33,7 +39,10 @@ def _env_text(buf: m.Buffer, env: dict[str, int]) -> str:
 
 def vars_from_shape(buf: m.Buffer, value: Any) -> dict[str, int]:
     """The var values an array's shape implies for a buffer (for `write` without vars)."""
-    shape = np.shape(value)
+    try:
+        shape = np.shape(value)
+    except (ValueError, TypeError):  # a ragged list: host_array names it
+        return {}
     if len(shape) != len(buf.shape):
         return {}
     return {d: int(n) for d, n in zip(buf.shape, shape) if isinstance(d, str)}
@@ -48,7 +57,11 @@ def _located(name: str, what: str, message: str, ptr: str = "") -> KernccError:
 def host_array(name: str, buf: m.Buffer, value: Any, env: dict[str, int],
                dtype: np.dtype) -> np.ndarray:
     """`value` as the buffer's dtype, checked to have its shape at `env`."""
-    array = np.asarray(value)
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as err:  # a ragged list, an object numpy cannot take
+        raise _located(name, "is not an array", f"numpy cannot make an array of the value: "
+                       f"{err}") from None
     dims = tuple(buf.dims_at(env))
     if array.shape != dims:
         declared = "[" + ", ".join(str(d) for d in buf.shape) + "]"

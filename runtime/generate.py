@@ -31,6 +31,7 @@ from kerncc import protocol as proto
 from kerncc.analysis.access import call_access
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
+from kerncc.runtime.domains import is_whole
 from kerncc.runtime.memory import default_token_capacity, numpy_dtype
 from kerncc.runtime.sampling import SamplingParams
 from kerncc.runtime.session import Session
@@ -198,6 +199,35 @@ def _domain_highs(man: m.Manifest, name: str) -> list[tuple[int, str]]:
     return found
 
 
+def token_ids(prompt: Any, name: str = "prompt") -> list[int]:
+    """`prompt` as a list of ints: a sequence or a 1-D array of whole numbers. Anything else
+    is refused here, by position, rather than truncated (1.5 ran as 1) or failing in numpy."""
+    if prompt is None:
+        return []
+    if isinstance(prompt, (str, bytes)):
+        raise KernccError.single(f"{name}: expected token ids, got the text {prompt!r} "
+                                 "(encode it first)")
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            raise KernccError.single(f"{name}: expected one list of token ids, got an array "
+                                     f"of shape {list(prompt.shape)}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, Sequence):
+        raise KernccError.single(f"{name}: expected a list of token ids, got "
+                                 f"{type(prompt).__name__}")
+    for position, token in enumerate(prompt):
+        if not is_whole(token):
+            raise KernccError.single(f"{name} position {position}: {token!r} is not a whole "
+                                     "number (a token id)")
+    return [int(t) for t in prompt]
+
+
+def check_whole(value: Any, name: str) -> None:
+    """Refuse a count that is not a whole number (nan, 2.5, "2", None, True)."""
+    if not is_whole(value):
+        raise KernccError.single(f"{name} {value!r}: expected a whole number")
+
+
 def check_request(limits: Limits, prompt: Sequence[int], max_new: int, *,
                   max_new_name: str = "max_new", prompt_name: str = "prompt") -> None:
     """Refuse a request that cannot finish, before any work: the ids past the vocabulary (at
@@ -205,6 +235,7 @@ def check_request(limits: Limits, prompt: Sequence[int], max_new: int, *,
     `max_new_name` and `prompt_name` are what the caller calls them (`--max-new`)."""
     if not prompt:
         raise KernccError.single(f"{prompt_name}: the prompt is empty")
+    check_whole(max_new, max_new_name)
     if max_new < 1:
         raise KernccError.single(f"{max_new_name} {max_new}: generate at least 1 token")
     for position, token in enumerate(prompt):
@@ -252,6 +283,9 @@ class Generator:
     """Chunked prefill and greedy decode of one sequence at a time on a Session or Chain."""
 
     def __init__(self, runner: Session | Chain) -> None:
+        if not isinstance(runner, (Session, Chain)):
+            raise KernccError.single(f"Generator: expected a Session or a Chain, got "
+                                     f"{type(runner).__name__}")
         self.runner = runner
         self.sessions = sessions_of(runner)
         self.protocol = chain_protocol([s.manifest for s in self.sessions])
@@ -303,15 +337,19 @@ class Generator:
         counter (sequence 0, step = tokens generated so far)). `on_token` sees each token as
         soon as it is known (to stream it); `stop(token)` then ends generation by returning
         True (an eos token: it stays the last of the tokens)."""
+        prompt = token_ids(prompt)
         if not prompt:
             raise KernccError.single("the prompt is empty")
-        chunk = chunk or self.max_chunk
+        _check_callbacks(sampling, stop, on_token)
+        if chunk is None:
+            chunk = self.max_chunk
+        check_whole(chunk, "chunk")
         if not 1 <= chunk <= self.max_chunk:
             raise KernccError.single(f"chunk {chunk} is outside [1, {self.max_chunk}] "
                                      f"(`{self.protocol.rows.var}` <= {self.max_chunk})")
         check_request(self.limits, prompt, max_new)
         self._check_tokens(prompt)
-        seq = Served([int(t) for t in prompt])
+        seq = Served(list(prompt))
         record = _Record()
         self._sampling = None if sampling is None or sampling.greedy else sampling.resolved()
         self._generated = 0
@@ -479,6 +517,17 @@ class Generator:
             return [0] + [rows] * (f.axis.n - 1)  # type: ignore[union-attr]
         return [0]  # span_at: no run in a plain call
 
+
+
+def _check_callbacks(sampling: Any, stop: Any, on_token: Any) -> None:
+    """generate's optional arguments are of their kind (else they fail mid-run, deep inside)."""
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise KernccError.single(f"sampling: expected SamplingParams or None, got "
+                                 f"{type(sampling).__name__}")
+    for name, function in (("stop", stop), ("on_token", on_token)):
+        if function is not None and not callable(function):
+            raise KernccError.single(f"{name}: expected a function of a token or None, got "
+                                     f"{type(function).__name__}")
 
 
 def slots(pages: Sequence[int], stride: int, start: int, end: int) -> np.ndarray:

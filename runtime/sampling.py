@@ -30,6 +30,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.kernels.sampling_ref import PARAM_WORDS, sample_row
 
 U64_MAX = 2**64 - 1
+F32_MAX = float(np.finfo(np.float32).max)  # the kernel's parameters are f32
 MODULE, ENTRY = "sampling_nb", "sample_f32"
 THREADS = 1024  # the kernel's block (a power of two up to 1024)
 
@@ -67,6 +68,8 @@ class SamplingParams:
         if _is_int(t) or isinstance(t, (float, np.floating)):
             if not math.isfinite(t) or t < 0:
                 raise _refuse("temperature", t, "must be a finite number >= 0 (0 is greedy)")
+            if t > F32_MAX:  # it would be inf in the kernel: every token equally likely
+                raise _refuse("temperature", t, f"must fit float32 (at most {F32_MAX:.6g})")
         else:
             raise _refuse("temperature", t, "must be a number")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -100,6 +103,15 @@ def pack(rows: Sequence[int], params: Sequence[SamplingParams],
         words[b, :10] = [row, floats[0], top_k, floats[1], seed & 0xFFFFFFFF, seed >> 32,
                          sequence & 0xFFFFFFFF, sequence >> 32, step & 0xFFFFFFFF, step >> 32]
     return words
+
+
+def _listed(value: Any, name: str) -> list:
+    """`value` as a list: a sequence or a 1-D array (None, a number or a string is refused)."""
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise KernccError.single(f"sample: {name}: expected a list, got {type(value).__name__}")
+    return list(value)
 
 
 def check_request(rows: Sequence[int], params: Sequence[SamplingParams],
@@ -145,7 +157,8 @@ def sample(session: Any, buffer: str, rows: Sequence[int], params: Sequence[Samp
     if buf.dtype != "f32" or len(dims) != 2:
         raise KernccError.single(f"sample: buffer `{buffer}` is {buf.dtype} of {len(dims)} "
                                  "dims; sampling reads f32 logits [rows, vocab]")
-    rows = [r for r in rows]
+    rows, params = _listed(rows, "rows"), _listed(params, "params")
+    counters = _listed(counters, "counters")
     check_request(rows, params, counters, dims[0], buffer)
     if not rows:
         return np.zeros(0, dtype=np.int32)

@@ -58,11 +58,46 @@ def cdiv(a: int, b: int) -> int:
 
 
 def open_bundle(bundle: Bundle | str | os.PathLike) -> Bundle:
-    return bundle if isinstance(bundle, Bundle) else Bundle.open(bundle)
+    if isinstance(bundle, Bundle):
+        return bundle
+    if not isinstance(bundle, (str, os.PathLike)):
+        raise KernccError.single(f"bundle: expected a Bundle or the path of a bundle directory, "
+                                 f"got {type(bundle).__name__}")
+    return Bundle.open(bundle)
 
 
 def open_backend(backend: str | Backend) -> Backend:
-    return make_backend(backend) if isinstance(backend, str) else backend
+    if isinstance(backend, str):
+        return make_backend(backend)
+    if not isinstance(backend, Backend):
+        raise KernccError.single(f"backend: expected a backend name or object, got "
+                                 f"{type(backend).__name__}")
+    return backend
+
+
+def check_token_capacity(token_capacity: int | None) -> None:
+    """None (the default capacity) or at least one token: 0 used to mean the default, and a
+    negative count failed as an allocation of negative bytes."""
+    if token_capacity is None:
+        return
+    if not domains.is_whole(token_capacity) or token_capacity < 1:
+        raise KernccError.single(f"token_capacity {token_capacity!r}: expected a whole number "
+                                 "of at least 1, or None for the default")
+
+
+def as_mapping(value: Any, name: str) -> Mapping:
+    """`inputs` or `vars` of a run: a mapping by name, or None for none."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise KernccError.single(f"{name}: expected a mapping by name, got "
+                                 f"{type(value).__name__}")
+    return value
+
+
+def _var_value(value: Any) -> bool:
+    """A var's value: a whole number (an integral float such as 3.0 is taken too)."""
+    return domains.is_whole(value) or (isinstance(value, float) and value.is_integer())
 
 
 class Session:
@@ -74,14 +109,18 @@ class Session:
                  graphs: bool | str = "auto", allow_nonfinite: bool = False) -> None:
         self.bundle = open_bundle(bundle)
         self.allow_nonfinite = allow_nonfinite  # load NaN and infinite weights unrefused
+        if not domains.is_whole(stage):
+            raise KernccError.single(f"stage {stage!r}: expected a whole number")
         if not 0 <= stage < len(self.bundle.stages):
             raise KernccError.single(f"the bundle has {len(self.bundle.stages)} stages; "
                                      f"there is no stage {stage}")
         self.stage: Stage = self.bundle.stages[stage]
         self.manifest = self.stage.manifest
+        policy = graph_policy(graphs)  # a typo is refused on every backend, not only on cuda
+        check_token_capacity(token_capacity)
         self.backend = open_backend(backend)
         self.backend.activate()
-        self.graphs = graph_policy(graphs) if self.backend.graphs else "off"
+        self.graphs = policy if self.backend.graphs else "off"
         self._graphs: dict[tuple, Any] = {}
         self._seen: dict[tuple, int] = {}
         self.token_capacity = token_capacity or default_token_capacity(self.manifest)
@@ -254,8 +293,8 @@ class Session:
         and the token, not an inout buffer of megabytes a chunk)."""
         self.backend.activate()
         self._check_program(program)
-        env = self._vars(vars or {})
-        self._write_inputs(inputs or {}, env)
+        env = self._vars(vars)
+        self._write_inputs(as_mapping(inputs, "inputs"), env)
         self._execute(program, env)
         self.last_vars = env
         written = self._written(program)
@@ -272,7 +311,7 @@ class Session:
         staged here: a driver writes what it already knows of the next step while this one
         runs, and only the rest (the token this step hands back) once it is known."""
         self.backend.activate()
-        self._write_inputs(inputs, self._vars(vars or {}))
+        self._write_inputs(as_mapping(inputs, "inputs"), self._vars(vars))
 
     def _write_inputs(self, inputs: Mapping[str, Any], env: dict[str, int]) -> None:
         for name, value in inputs.items():
@@ -282,20 +321,22 @@ class Session:
         if program in self._derived:
             raise KernccError.single(f"program `{program}` is a derive program: it ran inside "
                                      "loading and cannot run again")
-        if program not in self.sites:
+        if not isinstance(program, str) or program not in self.sites:
             known = ", ".join(f"`{p}`" for p in self.programs)
             raise KernccError.single(f"stage {self.stage.index} has no program `{program}` "
                                      f"(it has {known})")
 
-    def _vars(self, given: Mapping[str, int]) -> dict[str, int]:
+    def _vars(self, given: Mapping[str, int] | None) -> dict[str, int]:
         env = {name: 1 for name in self.manifest.vars}
-        for name, value in given.items():
+        for name, value in as_mapping(given, "vars").items():
             var = self.manifest.vars.get(name)
             if var is None:
                 raise KernccError.single(f"var `{name}` is not a var of stage "
                                          f"{self.stage.index} (its vars: "
                                          f"{', '.join(sorted(self.manifest.vars)) or 'none'})")
-            if isinstance(value, bool) or int(value) != value or not 1 <= value <= var.max:
+            if not _var_value(value):
+                raise KernccError.single(f"var `{name}` = {value!r} is not a whole number")
+            if not 1 <= value <= var.max:
                 raise KernccError.single(f"var `{name}` = {value} is outside [1, {var.max}]")
             env[name] = int(value)
         return env
@@ -421,7 +462,7 @@ class Session:
     def write(self, name: str, array: Any, vars: Mapping[str, int] | None = None) -> None:
         """Write buffer `name` (shape at `vars`, default: read off the array's shape)."""
         buf = self._buffer(name)
-        given = dict(vars) if vars is not None else domains.vars_from_shape(buf, array)
+        given = vars if vars is not None else domains.vars_from_shape(buf, array)
         env = self._vars(given)
         self._store(name, buf, array, env)
 

@@ -403,3 +403,68 @@ def test_every_command_reports_its_own_usage(argv: list[str], capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith(f"usage: kerncc {argv[0]}") and "unrecognized arguments: --bogus" in err
 
+
+
+# --------------------------------------------------------------------------- run: bad flags
+
+
+def test_sampling_flags_are_refused_where_they_would_be_ignored(tiny, capsys) -> None:
+    """Several prompts are served greedily, and greedy decoding reads no top-k, top-p or seed:
+    those flags were silently dropped (the run printed greedy tokens as if it had sampled)."""
+    base = ["run", str(tiny), "--max-new", "2"]
+    assert main([*base, "--prompt", "1,2", "--prompt", "3", "--temperature", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "--temperature 1.0" in err and "give one --prompt" in err
+    assert out == "" and "loaded" not in err
+    for flag, value in (("--top-k", "5"), ("--top-p", "0.5"), ("--seed", "3")):
+        assert main([*base, "--prompt", "1,2", flag, value]) == 1
+        out, err = capsys.readouterr()
+        assert f"{flag} {value}" in err and "--temperature" in err, err
+        assert out == "" and "loaded" not in err
+    assert main([*base, "--prompt", "1,2", "--temperature", "1", "--top-k", "5",
+                 "--seed", "3"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("several", [False, True])
+@pytest.mark.parametrize("flag", ["--trace", "--logits"])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(
+        tiny, tmp_path, capsys, flag, several) -> None:
+    """A path under a file failed only after the whole run (its tokens printed, then exit 1),
+    and with several prompts as an internal error (exit 3) from the trace's mkdir."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    target = blocker / "deeper" / "out"
+    prompts = ["--prompt", "1,2"] + (["--prompt", "3"] if several else [])
+    code = main(["run", str(tiny), *prompts, "--max-new", "1", flag, str(target)])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    assert f"{flag} `{target}`" in err and f"`{blocker}` is not a directory" in err
+    assert out == "" and "loaded" not in err
+    assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("failure, code", [(OSError(28, "No space left on device"), 1),
+                                           (KeyboardInterrupt(), 130)])
+def test_logits_are_written_whole_or_not_at_all(tiny, tmp_path, capsys, monkeypatch,
+                                                failure, code) -> None:
+    """--logits was written in place: a full disk or a Ctrl-C mid-write left a torn .npy where
+    the previous run's file had been."""
+    import numpy as np
+
+    target = tmp_path / "logits.npy"
+    target.write_bytes(b"the previous run's logits")
+
+    def torn(file, array, *args, **kwargs):
+        file.write(b"\x93NUMPY half of it")
+        raise failure
+
+    monkeypatch.setattr(np, "save", torn)
+    argv = ["run", str(tiny), "--prompt", "1,2", "--max-new", "1", "--logits", str(target)]
+    assert main(argv) == code
+    capsys.readouterr()
+    assert target.read_bytes() == b"the previous run's logits"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logits.npy"]
+    monkeypatch.undo()
+    assert main(argv) == 0
+    assert np.load(target).shape[1] == 256

@@ -514,3 +514,123 @@ def test_a_chain_closes_only_the_backends_it_made(bundle_dir):
     assert closed == ["made"]
     made.close()
     assert closed == ["made", "made"]  # each close closes what the chain made, nothing else
+
+# ---- arguments of the library API -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("1,2,3", "prompt"), ([1.5, 2], r"prompt position 0: 1\.5 is not a whole number"),
+    (["a"], "prompt position 0"), (np.array([[1, 2, 3]]), "one list of token ids"),
+    ([True, 2], "prompt position 0"), (None, "the prompt is empty")])
+def test_generate_refuses_a_prompt_that_is_not_token_ids(bundle_dir, prompt, match):
+    """A float id was truncated (1.5 ran as 1), a string or a 2-D array failed inside numpy or
+    Python's comparisons."""
+    gen = Generator(Chain(bundle_dir))
+    with pytest.raises(KernccError, match=match):
+        gen.generate(prompt, 2)
+    assert len(gen.pool.free) == gen.pool.pages
+
+
+def test_generate_takes_a_numpy_prompt(bundle_dir):
+    """`if not prompt` on an array of several ids raised numpy's "truth value is ambiguous"."""
+    gen = Generator(Chain(bundle_dir))
+    listed = gen.generate([3, 1, 4], 3).tokens
+    assert gen.generate(np.array([3, 1, 4], np.int64), 3).tokens == listed
+    assert gen.generate((3, 1, 4), 3).tokens == listed
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_new": float("nan")}, "max_new nan: expected a whole number"),
+    ({"max_new": 2.5}, "max_new 2.5: expected a whole number"),
+    ({"max_new": "2"}, "max_new '2': expected a whole number"),
+    ({"max_new": None}, "max_new None: expected a whole number"),
+    ({"max_new": True}, "max_new True: expected a whole number"),
+    ({"max_new": 2, "chunk": 0}, r"chunk 0 is outside \[1, 64\]"),
+    ({"max_new": 2, "chunk": 1.5}, "chunk 1.5: expected a whole number"),
+    ({"max_new": 2, "chunk": "2"}, "chunk '2': expected a whole number"),
+    ({"max_new": 2, "sampling": {"temperature": 1.0}}, "sampling: expected SamplingParams"),
+    ({"max_new": 2, "stop": 5}, "stop: expected a function"),
+    ({"max_new": 2, "on_token": "print"}, "on_token: expected a function")])
+def test_generate_refuses_arguments_of_the_wrong_kind(bundle_dir, kwargs, match):
+    """max_new nan generated nothing, 2.5 generated three tokens, chunk 0 meant the default;
+    the rest failed as TypeError or AttributeError from deep inside."""
+    gen = Generator(Chain(bundle_dir))
+    with pytest.raises(KernccError, match=match):
+        gen.generate([3, 1, 4], **kwargs)
+    assert len(gen.pool.free) == gen.pool.pages
+
+
+@pytest.mark.parametrize("value", ["3", float("nan"), None, 3.5, True])
+def test_a_var_that_is_not_a_whole_number_is_refused(whole, value):
+    """nan and None failed inside int() (ValueError, TypeError); "3" was said to be outside
+    [1, 64] as if it were the number 3."""
+    inputs, _ = prefill_inputs(3)
+    with pytest.raises(KernccError, match=r"var `tokens` = .* is not a whole number|outside"):
+        whole.run("prefill", inputs, {"tokens": value, "seqs": 1})
+    with pytest.raises(KernccError, match="var `tokens`"):
+        whole.write("positions", np.arange(3), {"tokens": value})
+    if isinstance(value, str):
+        with pytest.raises(KernccError, match=r"var `tokens` = '3' is not a whole number"):
+            whole.run("prefill", inputs, {"tokens": value, "seqs": 1})
+
+
+def test_inputs_and_vars_must_be_mappings(whole, bundle_dir):
+    inputs, vars = prefill_inputs(3)
+    for runner in (whole, Chain(bundle_dir)):
+        with pytest.raises(KernccError, match="inputs: expected a mapping"):
+            runner.run("prefill", list(inputs.items()), vars)
+        with pytest.raises(KernccError, match="vars: expected a mapping"):
+            runner.run("prefill", inputs, [3, 1])
+
+
+def test_an_input_numpy_cannot_make_an_array_of_is_named(whole):
+    """A ragged list failed as numpy's 'inhomogeneous shape' ValueError."""
+    inputs, vars = prefill_inputs(3)
+    inputs["block_table"] = [[0, 1], [2]]
+    with pytest.raises(KernccError, match="input `block_table` is not an array"):
+        whole.run("prefill", inputs, vars)
+
+
+def test_a_chain_refuses_a_program_no_stage_has(bundle_dir):
+    """Chain.run of an unknown program skipped every stage and handed back {}."""
+    chain = Chain(bundle_dir)
+    for program in ("nope", None, 3):
+        with pytest.raises(KernccError, match="no stage of the bundle has program"):
+            chain.run(program, {}, {})
+
+
+def test_session_and_chain_arguments_are_checked(bundle_dir):
+    """Each failed deep inside (TypeError, AttributeError, an allocation of -2048 bytes) or was
+    taken silently (graphs "nope" on cpu, token_capacity 0 as the default)."""
+    bundle = Bundle(bundle_dir)
+    cases = [({"stage": "0"}, "stage '0': expected a whole number"),
+             ({"stage": 1.0}, "stage 1.0: expected a whole number"),
+             ({"graphs": "nope"}, "unknown graph policy `nope`"),
+             ({"token_capacity": 0}, "token_capacity 0: expected a whole number of at least 1"),
+             ({"token_capacity": -16}, "token_capacity -16"),
+             ({"token_capacity": "16"}, "token_capacity '16'"),
+             ({"backend": 3}, "backend: expected a backend name or object, got int")]
+    for kwargs, match in cases:
+        with pytest.raises(KernccError, match=match):
+            Session(bundle, **kwargs)
+        if "stage" not in kwargs:
+            with pytest.raises(KernccError, match=match):
+                Chain(bundle, **kwargs)
+    with pytest.raises(KernccError, match="bundle: expected a Bundle or the path"):
+        Session(3)
+    with pytest.raises(KernccError, match="trace: expected a Timeline"):
+        Chain(bundle, trace="trace.json")
+    for runner in ("bundle", None):
+        with pytest.raises(KernccError, match="expected a Session or a Chain"):
+            Generator(runner)
+
+
+def test_read_and_write_check_their_vars_and_values(whole):
+    """Session.read/write with vars that were no mapping failed as AttributeError or
+    TypeError, and write of a ragged list as numpy's ValueError."""
+    with pytest.raises(KernccError, match="vars: expected a mapping"):
+        whole.read("positions", [3])
+    with pytest.raises(KernccError, match="vars: expected a mapping"):
+        whole.write("positions", [7, 8, 9], [3])
+    with pytest.raises(KernccError, match="input `positions` is not an array"):
+        whole.write("positions", [[7], [8, 9]])

@@ -131,6 +131,15 @@ def test_bad_parameters_are_refused(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("value", [1e39, 3.5e38, 1e300])
+def test_a_temperature_past_float32_is_refused(value):
+    """The kernel takes the temperature as f32: 1e39 became inf there (a RuntimeWarning on the
+    cpu path, then every token equally likely), though it passed as finite."""
+    with pytest.raises(KernccError, match="`temperature`.*float32"):
+        SamplingParams(value)
+    SamplingParams(float(np.finfo(np.float32).max))  # the largest that fits is taken
+
+
 def test_edges_are_accepted():
     SamplingParams(0.0, 0, 1.0, 0)
     SamplingParams(1e-3, 10**9, 1e-6, 2**64 - 1)
@@ -149,7 +158,10 @@ def test_session_sample_refuses_bad_requests(tmp_path):
     for rows, params, counters, match in (([5], [p], [(0, 0)], "outside"),
                                           ([0], [p, p], [(0, 0)], "one of each"),
                                           ([0], [p], [(0, -1)], "counter"),
-                                          ([0], [{"temperature": 1}], [(0, 0)], "SamplingParams")):
+                                          ([0], [{"temperature": 1}], [(0, 0)], "SamplingParams"),
+                                          (None, [p], [(0, 0)], "rows: expected a list"),
+                                          ([0], None, [(0, 0)], "params: expected a list"),
+                                          ([0], [p], 7, "counters: expected a list")):
         with pytest.raises(KernccError, match=match):
             session.sample("logits", rows, params, counters)
     with pytest.raises(KernccError, match="f32 logits"):

@@ -11,7 +11,9 @@ example model (manifest, checkpoint, config) with kerncc.example.generate.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -41,11 +43,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kerncc.cli.hf import TextRun, check_run_args
 
     check_run_args(args)
+    several = args.prompt is not None and len(args.prompt) > 1
+    say = _say if args.verbosity >= 0 else _silent
+    sampling = _check_flags(args, several, say)
     started = time.perf_counter()
     bundle = open_target(args.target, args.pipeline)
-    several = args.prompt is not None and len(args.prompt) > 1
-    if several and getattr(args, "format", "text") == "json":
-        raise KernccError.single("--format json prints one prompt's run; give one --prompt")
     text = None if several else TextRun.of(args, bundle)  # ids, eos ids, streamed text
     if text is not None:  # before any weight loads: a request that cannot finish is refused
         check_request(request_limits([s.manifest for s in bundle.stages]), text.prompt,
@@ -55,17 +57,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
     if weights is None and _binds_weights(bundle):
         raise KernccError.single(_no_checkpoint(args.target))
-    say = _say if args.verbosity >= 0 else _silent
     stale = bundle.check_checkpoint(weights, given=args.weights is not None)
     if stale:
         _say(f"warning: {stale}")
-    if args.devices and args.backend != "cuda":
-        raise KernccError.single("--devices needs --backend cuda")
-    for flag, path in (("--trace", args.trace), ("--logits", args.logits)):
-        if path is not None and Path(path).is_dir():
-            raise KernccError.single(f"{flag} `{path}` is a directory; give a file name")
     timeline = Timeline() if args.trace else None
-    sampling = _sampling(args, say)
     chain = placement.make(args, bundle, checkpoint=weights, interpret=args.interpret,
                            graphs=args.graphs, trace=timeline,
                            allow_nonfinite=args.allow_nonfinite)
@@ -96,15 +91,50 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sampling(args: argparse.Namespace, say=None):
+def _check_flags(args: argparse.Namespace, several: bool, say):
+    """The flags that need no bundle, checked before anything loads; the run's SamplingParams."""
+    if several and getattr(args, "format", "text") == "json":
+        raise KernccError.single("--format json prints one prompt's run; give one --prompt")
+    if args.devices and args.backend != "cuda":
+        raise KernccError.single("--devices needs --backend cuda")
+    for flag, path in (("--trace", args.trace), ("--logits", args.logits)):
+        if path is not None:
+            _check_output(flag, path)
+    sampling = _sampling(args)
+    if several and not sampling.greedy:  # kerncc.serve.run serves several prompts greedily
+        raise KernccError.single(f"--temperature {args.temperature}: several prompts are "
+                                 "decoded greedily; give one --prompt to sample")
+    ignored = [f"{flag} {value}" for flag, value, off in (
+        ("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--seed", args.seed, None))
+        if value != off]
+    if sampling.greedy and ignored:
+        raise KernccError.single(f"{', '.join(ignored)}: greedy decoding (--temperature 0) "
+                                 "reads no sampling flag; give --temperature T to sample")
+    if not sampling.greedy:
+        say(f"sampling: temperature {sampling.temperature}, top-k {sampling.top_k or 'off'}, "
+            f"top-p {sampling.top_p}, seed {sampling.seed}")
+    return sampling
+
+
+def _check_output(flag: str, path: str) -> None:
+    """Refuse an output file that cannot be written, before any work (it used to fail after
+    the whole run): a directory, or a path through a file."""
+    target = Path(path)
+    if target.is_dir():
+        raise KernccError.single(f"{flag} `{path}` is a directory; give a file name")
+    folder = target.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise KernccError.single(f"{flag} `{path}`: cannot write: `{folder}` is not a directory")
+
+
+def _sampling(args: argparse.Namespace):
     """The run's SamplingParams from --temperature/--top-k/--top-p/--seed (greedy default)."""
     from kerncc.runtime.sampling import SamplingParams
 
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    if not params.greedy:
-        (say or _say)(f"sampling: temperature {params.temperature}, top-k {params.top_k or 'off'}, "
-             f"top-p {params.top_p}, seed {params.seed}")
-    return params
+    seed = 0 if args.seed is None else args.seed  # 0 by default: a sampled run repeats
+    return SamplingParams(args.temperature, args.top_k, args.top_p, seed)
 
 
 class TokenStream:
@@ -177,15 +207,29 @@ def _write(path: str, flag: str, write) -> None:
         raise KernccError.single(f"{flag} `{path}`: cannot write: {err.strerror or err}") from None
 
 
+def _replace_file(target: str, save) -> None:
+    """`save(file)` into a temporary sibling, renamed over `target` once whole: a full disk or
+    a Ctrl-C midway leaves the earlier file (or none), never a torn one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{Path(target).name}.", dir=Path(target).parent)
+    try:
+        with open(fd, "wb") as out:
+            save(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _save_logits(path: str, logits: np.ndarray | None, say=_say) -> None:
     import numpy as np
 
     if logits is None:
         raise KernccError.single("the served programs write no `logits` output to save")
 
-    def save(target: str) -> None:
-        with open(target, "wb") as out:  # np.save(name) would append .npy to other names
-            np.save(out, logits)
+    def save(target: str) -> None:  # np.save(name) would append .npy to other names
+        _replace_file(target, lambda out: np.save(out, logits))
 
     _write(path, "--logits", save)
     say(f"wrote logits {list(logits.shape)} to {path}")
@@ -304,11 +348,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=number(float), default=0.0,
                    help="sample at this temperature (default 0: greedy, the model's argmax)")
     p.add_argument("--top-k", type=number(int), default=0,
-                   help="sample among the k most likely tokens (default 0: off)")
+                   help="sample among the k most likely tokens (default 0: off; with "
+                   "--temperature)")
     p.add_argument("--top-p", type=number(float), default=1.0,
-                   help="sample among the fewest tokens holding this probability (default 1: off)")
-    p.add_argument("--seed", type=number(int), default=0,
-                   help="the sampling seed, 0..2**64-1 (default 0: a run repeats)")
+                   help="sample among the fewest tokens holding this probability (default 1: off; "
+                   "with --temperature)")
+    p.add_argument("--seed", type=number(int), default=None,
+                   help="the sampling seed, 0..2**64-1 (default 0: a run repeats; with "
+                   "--temperature)")
     p.add_argument("--interpret", action="store_true",
                    help="interpret plan.json's launch records instead of running stage.py")
     placement.add_arguments(p)
