@@ -18,11 +18,14 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from kerncc.diagnostics import KernccError
 
+_UMASK = os.umask(0o022)  # read once, at import (os.umask can only be read by setting it)
+os.umask(_UMASK)
 _STAGE_MANIFEST = re.compile(r"stage\d+\.json")
 _MODULE = re.compile(r"[0-9a-f]{64}\.cubin")
 _STAGE_FILES = ("manifest.json", "plan.json", "stage.py")
@@ -134,6 +137,7 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     remove_leftovers(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp's 0700 would outlive the rename
         yield tmp
         fsync_tree(tmp)
         if target.exists():
@@ -151,12 +155,19 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
 
 def write_text_atomic(target: str | Path, text: str) -> None:
     """Write a file all at once: a temporary sibling, fsynced, renamed over `target`."""
+    write_atomic(target, lambda out: out.write(text.encode("utf-8")))
+
+
+def write_atomic(target: str | Path, save: Callable[[BinaryIO], object]) -> None:
+    """`save(file)` into a temporary sibling (binary), fsynced, renamed over `target` once
+    whole: a full disk or a Ctrl-C midway leaves the earlier file (or none), never a torn one."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
-        with open(fd, "w", encoding="utf-8") as out:
-            out.write(text)
+        os.chmod(tmp, 0o666 & ~_UMASK)  # as open() would make it, not mkstemp's 0600
+        with open(fd, "wb") as out:
+            save(out)
             out.flush()
             os.fsync(out.fileno())
         Path(tmp).replace(target)

@@ -557,3 +557,16 @@ def test_check_bundle_checks_each_plan_as_the_runtime_loads_it(bundle: Path) -> 
     assert '"bytes": "big"' in plan_path.read_text().splitlines()[where.line - 1]
     with pytest.raises(KernccError, match="expected an integer"):
         Bundle(bundle)
+
+
+def test_outputs_get_the_modes_the_umask_gives(tmp_path):
+    """A bundle folder and a file written all at once are readable as any file this process
+    makes, not left at the temporary files' owner-only 0700 / 0600."""
+    from kerncc import atomic
+
+    with atomic.atomic_directory(tmp_path / "out") as tmp:
+        (tmp / "bundle.json").write_text("{}")
+    atomic.write_text_atomic(tmp_path / "model.json", "{}\n")
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~atomic._UMASK
+    assert (tmp_path / "model.json").stat().st_mode & 0o777 == 0o666 & ~atomic._UMASK
+    assert (tmp_path / "model.json").read_text() == "{}\n"

@@ -11,14 +11,13 @@ example model (manifest, checkpoint, config) with kerncc.example.generate.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kerncc import config
+from kerncc.atomic import write_atomic
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 from kerncc.cli.args import devices, limit_flags, number, positive, token_ids
@@ -207,21 +206,6 @@ def _write(path: str, flag: str, write) -> None:
         raise KernccError.single(f"{flag} `{path}`: cannot write: {err.strerror or err}") from None
 
 
-def _replace_file(target: str, save) -> None:
-    """`save(file)` into a temporary sibling, renamed over `target` once whole: a full disk or
-    a Ctrl-C midway leaves the earlier file (or none), never a torn one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{Path(target).name}.", dir=Path(target).parent)
-    try:
-        with open(fd, "wb") as out:
-            save(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _save_logits(path: str, logits: np.ndarray | None, say=_say) -> None:
     import numpy as np
 
@@ -229,7 +213,7 @@ def _save_logits(path: str, logits: np.ndarray | None, say=_say) -> None:
         raise KernccError.single("the served programs write no `logits` output to save")
 
     def save(target: str) -> None:  # np.save(name) would append .npy to other names
-        _replace_file(target, lambda out: np.save(out, logits))
+        write_atomic(target, lambda out: np.save(out, logits))
 
     _write(path, "--logits", save)
     say(f"wrote logits {list(logits.shape)} to {path}")
