@@ -422,3 +422,48 @@ def test_sigterm_cancels_what_is_in_flight_and_exits(model, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class Counting(Letters):
+    """Letters, remembering how many ids each decode was handed."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def decode(self, ids) -> str:
+        self.sizes.append(len(ids))
+        return super().decode(ids)
+
+
+def test_a_long_generation_decodes_a_window_a_token_not_everything():
+    """Decoding every token's whole text cost the square of the length on the event loop."""
+    from kerncc.serve.http import _Detok
+    from kerncc.serve.text import Text
+
+    codec = Counting()
+    detok = _Detok(Text(codec), ("zz!",))
+    ids = [(i * 7) % 25 for i in range(3000)]  # letters only: never the stop
+    text = "".join(detok.add(t) for t in ids) + detok.rest()
+    assert text == Letters().decode(ids)
+    assert max(codec.sizes) <= 4
+
+
+@pytest.mark.parametrize("stops", [("c d",), ("xyz", "fg"), ("q",), ()])
+def test_pieces_and_stops_are_those_of_the_whole_text(stops):
+    from kerncc.serve.http import _Detok
+    from kerncc.serve.text import Text
+
+    rng = np.random.default_rng(len(stops))
+    for _ in range(20):
+        ids = rng.integers(0, len(LETTERS), 200).tolist()
+        whole = Letters().decode(ids)
+        cuts = [i for i in (whole.find(s) for s in stops) if i >= 0]
+        detok, pieces = _Detok(Text(Letters()), stops), []
+        for t in ids:
+            pieces.append(detok.add(t))
+            if detok.stopped:
+                break
+        if not detok.stopped:
+            pieces.append(detok.rest())
+        assert "".join(pieces) == (whole[:min(cuts)] if cuts else whole)
+        assert detok.stopped == bool(cuts)

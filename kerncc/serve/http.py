@@ -292,25 +292,36 @@ class _Piece:
 
 
 class _Detok:
-    """Text of the tokens so far, handed out in pieces; finds stop strings."""
+    """Text of the tokens so far, handed out in pieces; finds stop strings.
+
+    Incremental: the codec's TextStream decodes a short window of recent ids per token, and a
+    stop is looked for only where the new text could complete one, so a token costs the same
+    at the 10th and the 10,000th (decoding everything each time cost the square of the
+    length, on the event loop).
+    """
 
     def __init__(self, text: Text | None, stops: tuple[str, ...]) -> None:
-        self.text, self.stops = text, stops
-        self.ids: list[int] = []
-        self.sent = ""
+        self.stops = stops
+        self.stream = None if text is None else text.stream()
+        self.full = ""  # the text of the tokens so far (what the stream handed out)
+        self.sent = ""  # what was handed out here: a prefix of `full`
         self.stopped = False
+        self.reach = max((len(s) for s in stops), default=0)
 
     def add(self, token: int) -> str:
-        self.ids.append(token)
-        if self.text is None:
+        if self.stream is None:
             return ""
-        full = self.text.decode(self.ids)
-        cut = min((i for i in (full.find(s) for s in self.stops) if i >= 0), default=-1)
+        new = self.stream.push(token)
+        if not new:  # an incomplete character: wait for its next byte
+            return ""
+        searched = max(0, len(self.full) - self.reach + 1)
+        self.full += new
+        full = self.full
+        cut = min((i for i in (full.find(s, searched) for s in self.stops) if i >= 0),
+                  default=-1)
         if cut >= 0:
             self.stopped = True
             full = full[:cut]
-        elif full.endswith("\ufffd"):  # an incomplete character: wait for its next byte
-            return ""
         else:  # hold back what may be the start of a stop string
             full = full[:len(full) - self._held(full)]
         piece, self.sent = full[len(self.sent):], max(full, self.sent, key=len)
@@ -318,10 +329,10 @@ class _Detok:
 
     def rest(self) -> str:
         """Text held back at the end (the generation ended without completing a stop)."""
-        if self.text is None:
+        if self.stream is None:
             return ""
-        full = self.text.decode(self.ids)
-        piece, self.sent = full[len(self.sent):], full
+        self.full += self.stream.flush()
+        piece, self.sent = self.full[len(self.sent):], self.full
         return piece
 
     def _held(self, full: str) -> int:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 try:  # needs the `tokenizers` library (the hf extra)
-    from kerncc.hf.tokenizer import TextCodec
+    from kerncc.hf.tokenizer import TextCodec, TextStream
 except ImportError:
-    TextCodec = None
+    TextCodec = TextStream = None
 
 
 class Text:
@@ -38,6 +38,11 @@ class Text:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.codec.decode(list(ids)))
+
+    def stream(self) -> Any:
+        """Incremental decoding (`push(id)`, `flush()`): kerncc.hf.tokenizer.TextStream over
+        this codec, which decodes a short window of recent ids per id."""
+        return TextStream(self)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         made = self.codec.apply_chat_template(messages, add_generation_prompt=True)
