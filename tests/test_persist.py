@@ -213,11 +213,14 @@ def test_a_launch_of_an_odd_shape_is_no_phase():
 
 
 class Kernel:
-    def __init__(self) -> None:
-        self.launched: list[list[persist.Phase]] = []
+    """Records each launch's phases, read back from the table it was handed."""
 
-    def launch(self, phases) -> None:
-        self.launched.append(list(phases))
+    def __init__(self) -> None:
+        self.launched: list[list[tuple]] = []
+
+    def launch(self, packed: bytes, count: int) -> None:
+        self.launched.append([persist.PHASE.unpack_from(packed, i * persist.PHASE.size)
+                              for i in range(count)])
 
 
 def issue(sites: list, launchers: dict, env: dict) -> None:
@@ -237,9 +240,11 @@ def test_a_run_goes_out_as_one_launch_when_every_launch_is_a_phase(wide):
     joined = persist.join(kernel, {"decode": sites}, originals(sites, calls))
     issue(sites, joined, {"tokens": 1, "seqs": 1})
     assert [len(p) for p in kernel.launched] == [2, 7, 5]
-    assert [p.kind for p in kernel.launched[1]] == [
+    assert [p[4] for p in kernel.launched[1]] == [
         persist.GEMV, persist.ADD_RMSNORM, persist.GEMV, persist.SILU_MUL, persist.GEMV_ACC,
         persist.RMSNORM, persist.GEMV]
+    firsts = [p[6] for p in kernel.launched[1]]
+    assert firsts == [sum(p[5] for p in kernel.launched[1][:i]) for i in range(7)]
     joined_labels = {f"l{i}.{n}" for i in range(2) for n in (
         "input_norm", "qkv_proj", "o_proj", "post_norm", "gate_up_proj", "act", "down_proj")}
     left = [label for label, *_ in calls]
@@ -368,3 +373,15 @@ def test_no_manifest_can_launch_the_persistent_kernel():
     assert not library.is_internal(persist.ENTRY, "0" * 64)
     with pytest.raises(BackendError, match="no reference for kernel `persist_run_bf16`"):
         CpuBackend().check_kernel(persist.ENTRY, "0" * 64)
+
+
+def test_a_run_plans_once_for_each_set_of_launch_values(wide, monkeypatch):
+    sites, kernel = wide["decode_batch"], Kernel()
+    joined = persist.join(kernel, {"d": sites}, originals(sites, []))
+    planned = []
+    real = persist.phase
+    monkeypatch.setattr(persist, "phase", lambda *a: planned.append(a[0].label) or real(*a))
+    for seqs in (2, 2, 5, 2):
+        issue(sites, joined, {"tokens": seqs, "seqs": seqs})
+    assert len(planned) == 2 * 14  # two sets of values, 14 launches in runs
+    assert [run[0][7] for run in kernel.launched] == [2] * 3 + [2] * 3 + [5] * 3 + [2] * 3  # m

@@ -175,9 +175,13 @@ def kernel_phase(kind: int, args: Sequence[Any], grid: tuple[int, int, int],
 class Run:
     """One run's sites: each records its launch, the last issues the run."""
 
+    PLANS = 64  # the launch values a run keeps its plan for (a program has a handful)
+
     def __init__(self, kernel: PersistentKernel, sites: list[Site], launchers: list[Launcher]):
         self.kernel, self.sites, self.launchers = kernel, sites, launchers
-        self.pending: list[tuple[tuple[int, int, int], int, Sequence[int]]] = []
+        self.pending: list[tuple[tuple[int, int, int], int, tuple[int, ...]]] = []
+        # (grid, scalars) of every launch -> (table, phases) or None: launch by launch
+        self._plans: dict[tuple, tuple[bytes, int] | None] = {}
 
     def recorder(self, i: int) -> Launcher:
         def record(grid: tuple[int, int, int], shared: int, scalars: Sequence[int]) -> None:
@@ -194,15 +198,27 @@ class Run:
 
     def flush(self) -> None:
         pending, self.pending = self.pending, []
-        phases = [phase(site, grid, scalars)
-                  for site, (grid, _, scalars) in zip(self.sites, pending)]
-        if all(p is not None for p in phases):
-            kept = [p for p in phases if p.tasks > 0]
-            if len(kept) >= 2:
-                self.kernel.launch(kept)
-                return
+        key = tuple((grid, scalars) for grid, _, scalars in pending)
+        if key not in self._plans:
+            if len(self._plans) >= self.PLANS:
+                self._plans.clear()
+            self._plans[key] = self.plan(pending)
+        plan = self._plans[key]
+        if plan is not None:
+            self.kernel.launch(*plan)
+            return
         for launcher, (grid, shared, scalars) in zip(self.launchers, pending):
             launcher(grid, shared, scalars)
+
+    def plan(self, pending: Sequence[tuple]) -> tuple[bytes, int] | None:
+        """The kernel's table and phase count for these launches, or None when one of them
+        is no phase (or fewer than two have work)."""
+        phases = [phase(site, grid, scalars)
+                  for site, (grid, _, scalars) in zip(self.sites, pending)]
+        if any(p is None for p in phases):
+            return None
+        kept = [p for p in phases if p.tasks > 0]
+        return (table(kept), len(kept)) if len(kept) >= 2 else None
 
 
 def join(kernel: PersistentKernel, programs: Mapping[str, Sequence[Site]],
@@ -240,12 +256,13 @@ class PersistentKernel:
                                              ctypes.addressof(self._sync_ptr))
         self.configs = {False: gemv.launch_config(False), True: gemv.launch_config(True)}
 
-    def launch(self, phases: Sequence[Phase]) -> None:
-        """One launch of the kernel over `phases` on the backend's stream (the driver copies
-        the parameters at the launch, so rewriting them after it is safe, also in capture)."""
+    def launch(self, packed: bytes, count: int) -> None:
+        """One launch of the kernel over the `count` phases of table `packed` on the backend's
+        stream (the driver copies the parameters at the launch, so rewriting them after it is
+        safe, also while capturing)."""
         backend = self.backend
-        ctypes.memmove(self._table, table(phases), PHASE.size * MAX_PHASES)
-        self._count.value = len(phases)
+        ctypes.memmove(self._table, packed, PHASE.size * MAX_PHASES)
+        self._count.value = count
         overlap = backend.pdl and backend.capturing and backend.after_kernel
         config = self.configs[overlap]
         config.gridDimX, config.blockDimX = self.grid, THREADS
