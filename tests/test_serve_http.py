@@ -467,3 +467,23 @@ def test_pieces_and_stops_are_those_of_the_whole_text(stops):
             pieces.append(detok.rest())
         assert "".join(pieces) == (whole[:min(cuts)] if cuts else whole)
         assert detok.stopped == bool(cuts)
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"prompt": [1] * 200, "max_tokens": 100}, "max_tokens", "context_length_exceeded"),
+    ({"prompt": [1] * 300, "max_tokens": 1}, "prompt", "context_length_exceeded"),
+    ({"prompt": [1, 2], "max_tokens": 0}, "max_tokens", None),
+])
+def test_a_sequence_past_the_context_gets_openais_code(base, body, param, code):
+    error = complete(base, **body).json()["error"]
+    assert (error["param"], error["code"]) == (param, code)
+
+
+def test_the_model_is_retrieved_by_its_id(base):
+    """What the openai client's `models.retrieve` asks for."""
+    got = httpx.get(f"{base}/v1/models/{MODEL}", timeout=10)
+    assert got.status_code == 200 and got.json()["id"] == MODEL
+    assert got.json() == httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]
+    missing = httpx.get(f"{base}/v1/models/gpt-4", timeout=10)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"

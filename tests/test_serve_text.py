@@ -85,3 +85,6 @@ def test_the_openai_client_chats(base):
     assert isinstance(reply.choices[0].message.content, str)
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.completion_tokens >= 1
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")

@@ -8,7 +8,8 @@ thread, so the event loop never waits on the engine.
 Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids;
 max_tokens, temperature, top_p, top_k, seed, stop (up to 4 strings of up to 256 characters),
 stream, n = 1), POST /v1/chat/completions (when the tokenizer has a chat template),
-GET /v1/models, GET /health (200, or 503 after a fault or while stopping), GET /metrics
+GET /v1/models (and /v1/models/{id}), GET /health (200, or 503 after a fault or while
+stopping), GET /metrics
 (Prometheus text). Errors are OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request, 404 for an unknown
 model or route, 413 for a body past 4 MiB, 429 at once when the queue is full, 500 when a stage
@@ -84,6 +85,7 @@ class Ask:
     stream: bool
     usage_in_stream: bool
     max_field: str = "max_tokens"  # the field that gave max_new (chat's may be another)
+    chat: bool = False
 
 
 class Server:
@@ -136,7 +138,8 @@ class Server:
         options = body.get("stream_options") or {}
         return Ask(prompt, max_new, params, self._stops(body.get("stop")),
                    bool(_field(body, "stream", bool, False)),
-                   isinstance(options, dict) and bool(options.get("include_usage")), max_field)
+                   isinstance(options, dict) and bool(options.get("include_usage")), max_field,
+                   chat)
 
     def _prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -178,6 +181,9 @@ class Server:
                            "stop", "no_tokenizer")
         return tuple(stops)
 
+    def model_object(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "kerncc"}
+
     def submit(self, ask: Ask, listener: _Bridge) -> Request:
         if not self.healthy:
             raise ApiError(503, self.engine.fault and f"the engine stopped: {self.engine.fault}"
@@ -192,12 +198,22 @@ class Server:
             raise ApiError(503, f"the engine does not admit: {err}", code="unavailable") \
                 from None
         except KernccError as err:
-            pointer = err.diagnostics[0].location.pointer if err.diagnostics else ""
-            parts = pointer.strip("/").split("/")
-            param = parts[-1] if parts[0] == "sampling" else parts[0]  # /sampling/seed: seed
-            if param == "max_tokens":  # the engine's word for whichever field the client used
-                param = ask.max_field
-            raise ApiError(400, err.headline, param or None) from None
+            raise self._refusal(err, ask) from None
+
+    def _refusal(self, err: KernccError, ask: Ask) -> ApiError:
+        """The engine's refusal of a request, naming the field the client sent (and OpenAI's
+        `context_length_exceeded` when the sequence would not fit)."""
+        pointer = err.diagnostics[0].location.pointer if err.diagnostics else ""
+        parts = pointer.strip("/").split("/")
+        param = parts[-1] if parts[0] == "sampling" else parts[0]  # /sampling/seed: seed
+        code = None
+        if param == "max_tokens":  # the engine's word for whichever field the client used
+            param = ask.max_field
+        if param == ask.max_field and len(ask.prompt) + ask.max_new - 1 > self.engine.capacity:
+            code = "context_length_exceeded"
+            if len(ask.prompt) > self.engine.capacity:  # the prompt alone is too long
+                param = "messages" if ask.chat else "prompt"
+        return ApiError(400, err.headline, param or None, code)
 
 
 def _is_int(value: Any) -> bool:
@@ -402,8 +418,14 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
         return await _generate(server, http, chat=True)
 
     async def models(http: HttpRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": server.model, "object": "model", "created": 0, "owned_by": "kerncc"}]})
+        return JSONResponse({"object": "list", "data": [server.model_object()]})
+
+    async def model(http: HttpRequest) -> Response:
+        name = http.path_params["model"]
+        if name != server.model:
+            return ApiError(404, f"no model `{name}` (this server has `{server.model}`)",
+                            "model", "model_not_found").response()
+        return JSONResponse(server.model_object())
 
     async def health(http: HttpRequest) -> Response:
         if server.healthy:
@@ -428,6 +450,7 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model:path}", model, methods=["GET"]),
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     return Starlette(routes=routes, lifespan=lifespan,
