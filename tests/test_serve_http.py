@@ -172,6 +172,7 @@ def test_a_stop_string_ends_the_text_before_it(base):
     (b'{"prompt": [1, 2], "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
     (b'{"prompt": [1, 2], "top_p": 1' + b"0" * 400 + b"}", 400, "top_p"),
     (b'{"prompt": [1, 2], "temperature": NaN}', 400, "temperature"),
+    ({"prompt": [1, 2], "temperature": 1e300}, 400, "temperature"),  # past float32: inf
     (b"[" * 100_000, 400, None),
     (b'{"prompt": "\xed\xa0\x80"}', 400, None),  # a surrogate, UTF-8-encoded
     pytest.param(b'{"prompt": "abc", "model": "\\ud800"}', 400, "model", id="lone-surrogate"),
