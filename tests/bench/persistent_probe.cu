@@ -19,6 +19,7 @@
 //                 block loads the next tile's W before it waits for that tile's x (a counter
 //                 per GEMV, raised by every finished tile), so weights stream across the waits
 //   2 unordered   as 1 without the waits: the weight stream's own rate (the results are wrong)
+//   (chain_bulk_w16: as 1 with the weights through shared memory, deeper ahead: below)
 // done[count] is raised if a wait gave up (about a second): the probe reports it, never hangs.
 // Needs k_j % (32 * WARPS * UNROLL) == 0, n_j % 16 == 0, m <= 8, every n_j >= k_{j+1}.
 #include <cuda_bf16.h>
@@ -209,6 +210,127 @@ extern "C" __global__ void __launch_bounds__(256, 2)
     chain_w8(const Gemv* chain, int count, int m, unsigned* done, unsigned epoch, int mode) {
   pdl_begin();
   run_chain<8, 4>(chain, count, m, done, epoch, mode);
+}
+
+// ---- mode 3, "bulk": the weights through a ring of shared memory ------------------------------
+// As `persistent`, but a block's weights come into a ring of BULK_STAGES rounds of shared
+// memory by bulk copies (the TMA engine: a 4 KB row segment each, completion on the stage's
+// mbarrier), issued BULK_STAGES - 1 rounds ahead of the one being multiplied, so 130 KB a
+// multiprocessor (17 MB over 132) stay in flight across the waits instead of one round in
+// registers (64 KB). Rows sit BULK_PITCH bytes apart (4096 + 64) so the lanes of a 16-byte
+// shared load fall in distinct banks. 16 warps, whole rounds of 2048 (k % 2048 == 0).
+#define BULK_STAGES 3
+#define BULK_ROW 4096
+#define BULK_PITCH (BULK_ROW + 64)
+#define BULK_STAGE_BYTES (16 * BULK_PITCH)
+
+struct Cursor {  // a block's items (tile s, round r), in its deal order
+  int s, j, r;
+};
+
+__device__ __forceinline__ Cursor bulk_next(const Gemv* chain, int count, int tiles, Cursor c) {
+  if (++c.r < chain[c.j].k / 2048) return c;
+  c.s += gridDim.x;
+  c.r = 0;
+  if (c.s < tiles) c.j = gemv_of(chain, count, c.s, c.j);
+  return c;
+}
+
+__device__ __forceinline__ void bulk_issue(const Gemv& g, int s, int r, uint32_t dst,
+                                           uint32_t bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(bar), "r"(16 * BULK_ROW) : "memory");
+  const int row0 = (s - g.first_tile) * 16;
+  for (int row = 0; row < 16; ++row) {
+    const bf16* src = g.w + (size_t)(row0 + row) * g.k + (size_t)r * 2048;
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];"
+                 :: "r"(dst + row * BULK_PITCH), "l"(src), "r"(BULK_ROW), "r"(bar) : "memory");
+  }
+}
+
+__device__ __forceinline__ void bulk_wait(uint32_t bar, int parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1)
+    chain_bulk_w16(const Gemv* given, int count, int m, unsigned* done, unsigned epoch) {
+  pdl_begin();
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ float partial[16 * 4][32];
+  __shared__ Gemv chain[MAX_CHAIN];
+  __shared__ __align__(8) uint64_t bars[BULK_STAGES];
+  for (int i = threadIdx.x; i < count; i += blockDim.x) chain[i] = given[i];
+  const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(ring);
+  const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < BULK_STAGES; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar0 + 8 * i) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int tiles = chain[count - 1].first_tile + chain[count - 1].n / 16;
+  if ((int)blockIdx.x >= tiles) return;
+  Cursor c = {(int)blockIdx.x, gemv_of(chain, count, blockIdx.x, 0), 0};
+  Cursor p = c;  // the producer's: BULK_STAGES - 1 items ahead
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < BULK_STAGES - 1 && p.s < tiles; ++i) {
+      bulk_issue(chain[p.j], p.s, p.r, ring0 + i * BULK_STAGE_BYTES, bar0 + 8 * i);
+      p = bulk_next(chain, count, tiles, p);
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  int ready = 1;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; c.s < tiles; ++i) {
+    const int stage = i % BULK_STAGES;
+    if (threadIdx.x == 0 && p.s < tiles) {  // into the stage item i - 1 left (barrier below)
+      const int into = (i + BULK_STAGES - 1) % BULK_STAGES;
+      bulk_issue(chain[p.j], p.s, p.r, ring0 + into * BULK_STAGE_BYTES, bar0 + 8 * into);
+      p = bulk_next(chain, count, tiles, p);
+    }
+    const Gemv& gm = chain[c.j];
+    if (c.j >= ready) {
+      if (threadIdx.x == 0) {
+        const unsigned target = epoch * (unsigned)(chain[c.j - 1].n / 16);
+        for (int spins = 0; (int)(load_acquire(done + c.j - 1) - target) < 0; ++spins) {
+          if (spins == (1 << 24)) {
+            atomicExch(done + count, 1u);
+            break;
+          }
+          __nanosleep(32);
+        }
+        __threadfence();
+      }
+      __syncthreads();
+      ready = c.j + 1;
+    }
+    bulk_wait(bar0 + 8 * stage, (i / BULK_STAGES) & 1);
+    const unsigned char* base = ring + stage * BULK_STAGE_BYTES;
+    const bf16* a = gm.x + (size_t)g * gm.x_stride + 8 * t + 32 * warp + (size_t)c.r * 2048;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int col = 2 * (32 * warp + 512 * u + 8 * t);  // bytes into the row segment
+      const uint4 lo = *reinterpret_cast<const uint4*>(base + g * BULK_PITCH + col);
+      const uint4 hi = *reinterpret_cast<const uint4*>(base + (g + 8) * BULK_PITCH + col);
+      const uint4 x = g < m ? load_l2(a + 512 * u) : make_uint4(0, 0, 0, 0);
+      mma_16816(acc, lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+      mma_16816(acc, lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+    }
+    if (c.r + 1 == gm.k / 2048) {
+      store_tile<16>(gm, m, (c.s - gm.first_tile) * 16, acc, partial);
+      if (threadIdx.x == 0) raise_release(done + c.j);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[q] = 0.f;
+    } else {
+      __syncthreads();  // every warp is done with the stage before it is refilled
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // reads before the copy
+    c = bulk_next(chain, count, tiles, c);
+  }
 }
 
 // Weights and inputs without a host copy: bf16 of a hash, uniform in [-scale, scale).

@@ -12,7 +12,9 @@ between them left out), at m = 1 and 8 rows. Rows, each the median of alternatin
   launches w16/w8  the probe's tile loop (the same arithmetic as gemv.cu's whole-tile loop,
                    16 or 8 warps), one launch a GEMV, the same graph
   persistent       one launch for the chain, every block resident, the next tile's weights
-                   loaded before the block waits for that tile's input
+                   loaded before the block waits for that tile's input (in registers: one
+                   round of a tile; or, `chain_bulk_w16`, three rounds through shared memory
+                   by bulk copies)
   unordered        the persistent kernel without the waits: its weight stream alone (results
                    wrong; the ceiling the waits are measured against)
 against the HBM roofline of the chain's weight bytes. The probe's modes must give the same bits
@@ -45,6 +47,7 @@ GEMV_BYTES = 40  # struct Gemv: w, x, y pointers; n, k, x_stride, first_tile
 REPLAYS = 10
 MODES = {"launch": 0, "persistent": 1, "unordered": 2}
 ENTRIES = {"w16": ("chain_w16", 512), "w8": ("chain_w8", 256)}
+BULK_SMEM = 3 * 16 * (4096 + 64)  # chain_bulk_w16's ring: BULK_STAGES x 16 x BULK_PITCH
 
 
 def chain_shapes(layers: int) -> list[tuple[int, int]]:
@@ -113,11 +116,13 @@ class Probe:
         self.be.upload(allocation, 0, np.frombuffer(body, np.uint8))
         return allocation.ptr
 
-    def launch(self, f, grid: int, block: int, args: list, overlap: bool = False) -> None:
+    def launch(self, f, grid: int, block: int, args: list, overlap: bool = False,
+               smem: int = 0) -> None:
         slots = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_uint64(a) for a in args]
         table = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
         config = gemv.launch_config(overlap)
         config.gridDimX, config.blockDimX, config.hStream = grid, block, self.be._launch_stream
+        config.sharedMemBytes = smem
         self.keep.append((slots, table, config))
         check(cu.cuLaunchKernelEx(config, f, ctypes.addressof(table), 0), "cuLaunchKernelEx")
 
@@ -154,6 +159,23 @@ class Probe:
                      ctypes.c_int32(self.rows), self.done.ptr, ctypes.c_uint32(1),
                      ctypes.c_int32(MODES[mode])])
 
+    def bulk(self) -> None:
+        """chain_bulk_w16: the persistent chain with its weights in a shared-memory ring."""
+        f = self.fn(self.probe, "chain_bulk_w16")
+        check(cu.cuFuncSetAttribute(
+            f, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            BULK_SMEM), "cuFuncSetAttribute(chain_bulk_w16)")
+        per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, 512, BULK_SMEM),
+                       "occupancy")
+        if per_sm < 1:
+            raise RuntimeError("chain_bulk_w16 does not fit a multiprocessor")
+        check(cu.cuMemsetD32Async(cu.CUdeviceptr(self.done.ptr), 0, len(self.shapes) + 1,
+                                  self.be._launch_stream), "cuMemsetD32Async")
+        self.launch(f, self.sms * per_sm, 512,
+                    [self.tables["chain"], ctypes.c_int32(len(self.shapes)),
+                     ctypes.c_int32(self.rows), self.done.ptr, ctypes.c_uint32(1)],
+                    smem=BULK_SMEM)
+
     def gave_up(self) -> bool:
         """Whether a persistent block stopped waiting (a dependency bug, not a slow run)."""
         self.be.sync()
@@ -186,6 +208,7 @@ def variants(probe: Probe) -> dict:
                                                                               "persistent"),
         "persistent w8 (2 blocks a multiprocessor)": lambda: probe.persistent("w8",
                                                                              "persistent"),
+        "persistent w16, weights 3 rounds ahead in shared memory": probe.bulk,
         "unordered w16 (no waits: the stream alone)": lambda: probe.persistent("w16",
                                                                                "unordered"),
         "unordered w8": lambda: probe.persistent("w8", "unordered"),
@@ -207,6 +230,10 @@ def bits(probe: Probe, runs: dict) -> list[str]:
         same = all(np.array_equal(x, y) for x, y in zip(a, b))
         lines.append(f"persistent {width} = launches {width}, all {len(a)} outputs: "
                      f"{'identical bits' if same else 'DIFFERENT'}")
+    a, b = out["launches w16"], out["persistent w16, weights 3 rounds ahead in shared memory"]
+    same = all(np.array_equal(x, y) for x, y in zip(a, b))
+    lines.append(f"persistent w16 through shared memory = launches w16: "
+                 f"{'identical bits' if same else 'DIFFERENT'}")
     if probe.rows == 1:
         a = bf16_to_f32(out["today (kerncc GEMVs, graph of launches)"][-1])
         b = bf16_to_f32(out["launches w16"][-1])
@@ -235,7 +262,7 @@ def report(rows: int, nbytes: int, times: dict[str, float], checks: list[str]) -
     lines = [f"m = {rows}: {nbytes / 1e9:.2f} GB of weights, roofline {roof:.3f} ms "
              f"at {HBM_TBS} TB/s"]
     for name, ms in times.items():
-        lines.append(f"  {name:44s} {ms:7.3f} ms  {nbytes / ms / 1e9:5.2f} TB/s  "
+        lines.append(f"  {name:56s} {ms:7.3f} ms  {nbytes / ms / 1e9:5.2f} TB/s  "
                      f"{ms / roof:5.2f}x roofline  {ms / base:5.3f}x today")
     return lines + [f"  {c}" for c in checks]
 
