@@ -5,6 +5,7 @@ the official openai client, concurrency, streaming, bad requests, cancellation, 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -488,3 +489,29 @@ def test_the_model_is_retrieved_by_its_id(base):
     missing = httpx.get(f"{base}/v1/models/gpt-4", timeout=10)
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_event_loop_answers_while_a_prompt_is_tokenized(chain):
+    """Tokenizing (and decoding the JSON of, and templating) a request runs off the event
+    loop: while one prompt's encode is stuck, /health and other requests still answer."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(Letters):
+        def encode(self, text):
+            if text == "slow":
+                entered.set()
+                release.wait(30)
+            return super().encode(text)
+
+    with serving(chain, text=Slow()) as (url, _):
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stuck = pool.submit(complete, url, prompt="slow", max_tokens=2)
+            assert entered.wait(10)
+            try:
+                assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+                assert complete(url, prompt=[1, 2], max_tokens=2).status_code == 200
+            finally:
+                release.set()
+            assert stuck.result(timeout=30).status_code == 200

@@ -457,7 +457,8 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
                      exception_handlers={HTTPException: http_error})
 
 
-async def _body(http: HttpRequest) -> Any:
+async def _body(http: HttpRequest) -> bytes:
+    """The request's bytes, bounded (JSON decoding is the caller's)."""
     raw = b""
     try:
         async for chunk in http.stream():
@@ -466,7 +467,7 @@ async def _body(http: HttpRequest) -> Any:
                 raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
     except ClientDisconnect:  # nobody hears this answer; it only keeps a traceback out of logs
         raise ApiError(400, "the client went away before the end of its request body") from None
-    return _json(raw)
+    return raw
 
 
 def _json(raw: bytes) -> Any:
@@ -519,7 +520,10 @@ def _is_text(value: str) -> bool:
 
 async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
     try:
-        ask = server.parse(await _body(http), chat)
+        # off the event loop: decoding 4 MiB of JSON, tokenizing it and rendering a chat
+        # template take long enough to stall every stream the loop is feeding
+        ask = await asyncio.to_thread(lambda body: server.parse(_json(body), chat),
+                                      await _body(http))
         if ask.stream:
             first = _pieces(server, ask, http, watch=False)
             opened = await _first(first)  # errors before the first token are plain answers
