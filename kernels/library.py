@@ -15,7 +15,7 @@ KERNELS_DIR = Path(__file__).resolve().parent
 # Entries no manifest may name: a backend launches them itself, with arguments no plan could
 # give safely (persist_run_bf16's phase table holds raw device pointers:
 # runtime/backends/persist.py). They have no numpy reference; both backends refuse them.
-INTERNAL = frozenset({"persist_run_bf16"})
+INTERNAL = frozenset({"persist_run_bf16", "persist_ring_bf16"})
 
 
 @functools.cache

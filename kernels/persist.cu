@@ -371,3 +371,136 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
   }
   finish(sync, count);
 }
+
+// ---- persist_ring_bf16: the weights through a ring of shared memory ---------------------------
+// The same run, its GEMV rounds' weights brought into RING_STAGES stages of shared memory by
+// bulk copies (the TMA engine, a row segment each, completion counted on the stage's mbarrier)
+// by thread 0 as soon as a stage is free, so RING_STAGES rounds (about 200 KB a multiprocessor,
+// 26 MB over 132) are in flight across the waits and the small tasks instead of the one round
+// persist_run_bf16 holds in registers. A round is 16 rows of 2048 (16 warps) or 32 rows of 1024
+// (two 8-warp tiles); rows sit a segment + 64 bytes apart, so the lanes of a 16-byte shared
+// load fall in distinct banks. The products and sums are persist_run_bf16's: the same bits.
+#define RING_STAGES 3
+#define RING_STAGE_BYTES (32 * (2048 + 64))  // the larger of 16 x (4096 + 64), 32 x (2048 + 64)
+#define RING_SMEM (RING_STAGES * RING_STAGE_BYTES)
+
+__device__ __forceinline__ int ring_pitch(const Phase& ph) { return 256 * ph.warps + 64; }
+
+// Thread 0: the bulk copies of GEMV round `it` into the stage at `dst` (rows past n skipped).
+__device__ __forceinline__ void ring_issue(const Phase& ph, const Item& it, uint32_t dst,
+                                           uint32_t bar) {
+  const int rows = ph.warps == 16 ? 16 : 32, bytes = 256 * ph.warps, pitch = ring_pitch(ph);
+  const int row0 = rows * (it.task - ph.first);
+  const int valid = min(rows, ph.n - row0);
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               :: "r"(bar), "r"(valid * bytes) : "memory");
+  const bf16* w = static_cast<const bf16*>(ph.p[1]) + (size_t)row0 * ph.k
+                  + (size_t)it.round * 128 * ph.warps;
+  for (int r = 0; r < valid; ++r) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];"
+                 :: "r"(dst + r * pitch), "l"(w + (size_t)r * ph.k), "r"(bytes), "r"(bar)
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ void ring_wait(uint32_t bar, int parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+// gemv_round with the round's weights from its stage: row half * 16 + g (+ 8) of the stage,
+// the lane's 16 bytes of chunk u at 2 * (32 * wl + step * u + 8 * t).
+__device__ __forceinline__ void gemv_round_ring(const Phase& ph, const Item& it,
+                                                const unsigned char* stage, float (&acc)[4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, row = lane >> 2;
+  const int half = warp / ph.warps, wl = warp % ph.warps, step = 32 * ph.warps;
+  const int tile = ph.warps == 16 ? it.task - ph.first : 2 * (it.task - ph.first) + half;
+  if (16 * tile >= ph.n) return;
+  const int pitch = ring_pitch(ph);
+  const unsigned char* lo_row = stage + (size_t)(16 * half + row) * pitch;
+  const unsigned char* hi_row = lo_row + (size_t)8 * pitch;
+  const bf16* a = static_cast<const bf16*>(ph.p[0]) + (size_t)row * ph.k + 8 * (lane & 3)
+                  + 32 * wl + (size_t)it.round * 4 * step;
+  uint4 act[4], lo[4], hi[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    act[u] = row < ph.m ? __ldcg(reinterpret_cast<const uint4*>(a + step * u))
+                        : make_uint4(0, 0, 0, 0);
+    const int col = 2 * (32 * wl + step * u + 8 * (lane & 3));
+    lo[u] = *reinterpret_cast<const uint4*>(lo_row + col);
+    hi[u] = *reinterpret_cast<const uint4*>(hi_row + col);
+  }
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    mma_16816(acc, lo[u].x, hi[u].x, lo[u].y, hi[u].y, act[u].x, act[u].y);
+    mma_16816(acc, lo[u].z, hi[u].z, lo[u].w, hi[u].w, act[u].z, act[u].w);
+  }
+}
+
+// grid and block as persist_run_bf16, dynamic shared memory RING_SMEM.
+extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
+    persist_ring_bf16(const PersistTable phases, int count, unsigned* __restrict__ sync) {
+  pdl_begin();
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ Phase table[PERSIST_MAX_PHASES];
+  __shared__ float partial[PERSIST_WARPS * 4][32];
+  __shared__ float scratch[32];
+  __shared__ __align__(8) uint64_t bars[RING_STAGES];
+  for (int i = threadIdx.x; i < count; i += blockDim.x) table[i] = phases.phase[i];
+  const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(ring);
+  const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < RING_STAGES; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar0 + 8 * i) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  unsigned* done = sync + 1;
+  const int total = table[count - 1].first + table[count - 1].tasks;
+  int ready = 1;
+  Item it = {(int)blockIdx.x, 0, 0};
+  if (it.task < total) it.phase = phase_of(table, count, it.task, 0);
+  else it = {total, count, 0};
+  Item pi = next_gemv(table, count, total, it);  // thread 0's: the next round to bring in
+  int issued = 0, consumed = 0;                  // GEMV rounds (issued: thread 0's count)
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  while (it.task < total) {
+    if (threadIdx.x == 0) {  // every free stage gets the next round, before any wait
+      for (; issued < consumed + RING_STAGES && pi.task < total; ++issued) {
+        const int stage = issued % RING_STAGES;
+        ring_issue(table[pi.phase], pi, ring0 + stage * RING_STAGE_BYTES, bar0 + 8 * stage);
+        pi = next_gemv(table, count, total, advance(table, count, total, pi));
+      }
+    }
+    const Phase& ph = table[it.phase];
+    if (it.phase >= ready) {
+      wait_phase(table, done, it.phase);
+      ready = it.phase + 1;
+    }
+    if (is_gemv(ph)) {
+      const int stage = consumed % RING_STAGES;
+      ring_wait(bar0 + 8 * stage, (consumed / RING_STAGES) & 1);
+      gemv_round_ring(ph, it, ring + stage * RING_STAGE_BYTES, acc);
+      if (it.round + 1 == rounds_of(ph)) {
+        gemv_store(ph, it, acc, partial);
+        task_done(done, it.phase);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[q] = 0.f;
+      } else {
+        __syncthreads();  // every warp is done with the stage before it is refilled
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // reads before the copy
+      ++consumed;
+    } else {
+      const int block = it.task - ph.first;
+      if (ph.kind == PHASE_SILU_MUL) silu_task(ph, block);
+      else norm_task(ph, block, scratch);
+      task_done(done, it.phase);
+    }
+    it = advance(table, count, total, it);
+  }
+  finish(sync, count);
+}

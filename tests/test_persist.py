@@ -87,7 +87,14 @@ def test_the_constants_and_the_phase_layout_are_the_kernels():
     words = sum(len(decl.split(",")) for decl in re.findall(r"(?:int|float) ([^;\[]+);", body))
     words += sum(int(n) for n in re.findall(r"int \w+\[(\d+)\]", body))
     assert 8 * pointers + 4 * words == persist.PHASE.size == 80
-    assert re.search(r"persist_run_bf16\(const PersistTable \w+, int \w+, unsigned\*", text)
+    for entry in (persist.ENTRY, persist.RING_ENTRY):
+        assert re.search(rf"{entry}\(const PersistTable \w+, int \w+, unsigned\*", text)
+        assert entry in library.index()[persist.MODULE]["entries"]
+        assert entry in library.INTERNAL
+    stages = int(defines["RING_STAGES"])
+    stage = re.search(r"#define RING_STAGE_BYTES \(32 \* \((\d+) \+ (\d+)\)\)", text)
+    assert persist.RING_SMEM == stages * 32 * (int(stage[1]) + int(stage[2]))
+    assert persist.RING_SMEM + 16 * 1024 <= 227 * 1024  # with the static arrays, one block fits
 
 
 def test_a_table_packs_each_phase_after_the_tasks_before_it():

@@ -39,11 +39,14 @@ def bundles(tmp_path_factory) -> dict:
     return out
 
 
-def chain(bundle, persist: bool, graphs: bool = True) -> Chain:
+ENTRIES = ["persist_run_bf16", "persist_ring_bf16"]  # weights in registers / a smem ring
+
+
+def chain(bundle, persist: str | None, graphs: bool = True) -> Chain:
     from kerncc.runtime.backends.cuda import CudaBackend
 
     backend = CudaBackend(0)
-    backend.persist = persist  # read when a Session loads
+    backend.persist = persist  # read when a Session loads: the kernel's entry, or None
     return Chain(bundle, backend=backend, graphs=graphs)
 
 
@@ -52,10 +55,11 @@ def generated(c: Chain, prompt: list[int], chunk: int = 64):
     return result.tokens, result.logits
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("bundle", ["whole", "two"])
-def test_persistent_runs_give_the_launches_bits(bundles, bundle, graphs):
-    on, off = chain(bundles[bundle], True, graphs), chain(bundles[bundle], False, graphs)
+def test_persistent_runs_give_the_launches_bits(bundles, bundle, graphs, entry):
+    on, off = chain(bundles[bundle], entry, graphs), chain(bundles[bundle], None, graphs)
     try:
         for prompt in PROMPTS:
             tokens, logits = generated(on, prompt)
@@ -69,10 +73,12 @@ def test_persistent_runs_give_the_launches_bits(bundles, bundle, graphs):
         close(on, off)
 
 
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("running", [3, 8])
-def test_batched_decode_through_persistent_runs_gives_the_launches_bits(bundles, running):
+def test_batched_decode_through_persistent_runs_gives_the_launches_bits(bundles, running,
+                                                                        entry):
     prompts = [[(i * (13 + s)) % 251 + 1 for i in range(9 + 7 * s)] for s in range(running)]
-    on, off = chain(bundles["whole"], True), chain(bundles["whole"], False)
+    on, off = chain(bundles["whole"], entry), chain(bundles["whole"], None)
     try:
         requests, engine = serve_prompts(on, prompts, 12, chunk=32, logits=True)
         requests2, _ = serve_prompts(off, prompts, 12, chunk=32, logits=True)
@@ -90,7 +96,7 @@ def test_batched_decode_through_persistent_runs_gives_the_launches_bits(bundles,
 def test_prefill_goes_launch_by_launch(bundles):
     """A 64-row chunk's GEMMs are cuBLAS's (m > 8): its runs go launch by launch, and only the
     decode steps after it go persistent."""
-    on = chain(bundles["whole"], True)
+    on = chain(bundles["whole"], ENTRIES[0])
     try:
         prompt = [(i * 7) % 250 + 1 for i in range(64)]
         assert len(generated_n(on, prompt, 1)) == 1  # the prefill's own token only
@@ -119,7 +125,8 @@ def test_no_manifest_can_launch_the_persistent_kernel():
 
     backend = CudaBackend(0)
     try:
-        with pytest.raises(BackendError, match="a manifest cannot launch it"):
-            backend.check_kernel(persist.ENTRY, library.index()[persist.MODULE]["sha256"])
+        for entry in ENTRIES:
+            with pytest.raises(BackendError, match="a manifest cannot launch it"):
+                backend.check_kernel(entry, library.index()[persist.MODULE]["sha256"])
     finally:
         backend.close()

@@ -229,9 +229,10 @@ class CudaBackend(Backend):
         self.after_kernel = False  # the stream's last operation is a kernel launched here
         self.capturing = False  # launches go into a CUDA graph (the only place they overlap)
         self.overlapped = 0  # launches made with programmatic stream serialization
-        self.persist = persist.ENABLED  # runs of decode launches as one persistent kernel
+        # runs of decode launches as one persistent kernel: its entry, or None (off)
+        self.persist: str | bool | None = persist.ENABLED
         self.persisted = 0  # persistent launches made
-        self._persistent: persist.PersistentKernel | bool | None = None  # loaded at first use
+        self._persistent: dict[str, persist.PersistentKernel | None] = {}  # by entry
 
     def __repr__(self) -> str:
         return f"CudaBackend(device {self.index}: {self.device.name})"
@@ -527,15 +528,17 @@ class CudaBackend(Backend):
         return launchers if kernel is None else persist.join(kernel, programs, launchers)
 
     def _persistent_kernel(self) -> persist.PersistentKernel | None:
-        if self._persistent is None:
+        entry = persist.ENTRY if self.persist is True else self.persist
+        if entry not in self._persistent:
             try:
                 sha = library.index()[persist.MODULE]["sha256"]
                 self.add_modules({sha: library.cubin_path(persist.MODULE)})
-                self._persistent = persist.PersistentKernel(
-                    self, check, self._function(persist.ENTRY, sha))
+                shared = persist.RING_SMEM if entry == persist.RING_ENTRY else 0
+                self._persistent[entry] = persist.PersistentKernel(
+                    self, check, self._function(entry, sha), shared)
             except (BackendError, KeyError, OSError):
-                self._persistent = False  # no persist cubin: every site goes as prepared
-        return self._persistent or None
+                self._persistent[entry] = None  # no persist cubin: every site as prepared
+        return self._persistent[entry]
 
     def _gemv_site(self, name: str) -> gemv.GemvSite | None:
         """The GEMV kernels' launcher for extern `name`, or None when they are off or their

@@ -5,8 +5,9 @@ the small kernels between them wait on each other, and as a chain of launches th
 overlap (docs/benchmarks.md, session 9: the GEMVs alone make a 0.82 ms step, the small kernels
 alone 0.36, together 1.14). One persistent launch for a stretch of them keeps the weight stream
 going across the dependencies: a block loads its next GEMV task's weights before it waits for
-that task's input. Opt-in (`KERNCC_PERSIST=1`, or `CudaBackend.persist = True` before a Session
-loads) until a device run has measured it; the bits are the launches' own either way.
+that task's input. Opt-in (`KERNCC_PERSIST=1`, or `CudaBackend.persist = ENTRY` before a
+Session loads; `ring` / RING_ENTRY: the weights several rounds ahead in shared memory) until a
+device run has measured it; the bits are the launches' own either way.
 
 How a run forms. At load, `runs` finds each program's maximal stretches of consecutive sites the
 persistent kernel can take (`candidate`): the GEMM externs `cublaslt_bf16_tn` and
@@ -37,6 +38,7 @@ import attrs
 
 from kerncc.kernels import library
 from kerncc.runtime.backends import gemv
+from kerncc.runtime.backends.base import BackendError
 from kerncc.runtime.launch import Site
 
 try:
@@ -45,11 +47,15 @@ except ImportError:  # pragma: no cover - exercised only without the `cuda` extr
     cu = None
 
 MODULE = "persist"
-ENTRY = "persist_run_bf16"
+ENTRY = "persist_run_bf16"  # the next GEMV round's weights in registers
+RING_ENTRY = "persist_ring_bf16"  # RING_STAGES rounds ahead in shared memory
+RING_SMEM = 3 * 32 * (2048 + 64)  # RING_SMEM: persist_ring_bf16's dynamic shared memory
 THREADS = 512  # PERSIST_THREADS
 WARPS = THREADS // 32
 MAX_PHASES = 32  # PERSIST_MAX_PHASES
-ENABLED = os.environ.get("KERNCC_PERSIST", "0") == "1"
+# KERNCC_PERSIST: 0 (off, the default), 1 (persist_run_bf16) or ring (persist_ring_bf16)
+MODES = {"0": None, "1": ENTRY, "ring": RING_ENTRY}
+ENABLED = MODES.get(os.environ.get("KERNCC_PERSIST", "0"))
 
 # struct Phase (kernels/persist.cu): p[4]; kind, tasks, first, m; n, k, warps, threads; eps; pad.
 PHASE = struct.Struct("<4Q4i4if3i")
@@ -237,14 +243,22 @@ def join(kernel: PersistentKernel, programs: Mapping[str, Sequence[Site]],
 class PersistentKernel:
     """The persist module's kernel on one cuda backend: its function, grid and counters."""
 
-    def __init__(self, backend: Any, check: Callable[[Any, str], Any], function: Any) -> None:
-        self.backend, self._check, self.function = backend, check, function
+    def __init__(self, backend: Any, check: Callable[[Any, str], Any], function: Any,
+                 shared: int = 0) -> None:
+        self.backend, self._check, self.function, self.shared = backend, check, function, shared
+        if shared:
+            check(cu.cuFuncSetAttribute(
+                function, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared), f"cuFuncSetAttribute(persist, {shared} bytes of shared memory)")
         device = check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
         sms = check(cu.cuDeviceGetAttribute(
             cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device),
             "cuDeviceGetAttribute(multiprocessors)")
-        per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, THREADS, 0),
+        per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function, THREADS,
+                                                                       shared),
                        "cuOccupancyMaxActiveBlocksPerMultiprocessor(persist)")
+        if per_sm < 1:
+            raise BackendError("the persistent kernel does not fit a multiprocessor")
         # every block resident at once, or a block could wait for one that never starts
         self.grid = int(sms) * int(per_sm)
         self.sync = backend.allocate(4 * (1 + MAX_PHASES))  # zeroed
@@ -266,6 +280,7 @@ class PersistentKernel:
         overlap = backend.pdl and backend.capturing and backend.after_kernel
         config = self.configs[overlap]
         config.gridDimX, config.blockDimX = self.grid, THREADS
+        config.sharedMemBytes = self.shared
         config.hStream = backend._launch_stream
         self._check(cu.cuLaunchKernelEx(config, self.function, ctypes.addressof(self._params),
                                         0), "cuLaunchKernelEx(persist)")

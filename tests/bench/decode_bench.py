@@ -59,7 +59,7 @@ CAPACITY = 32 * 1024  # tokens of KV per chain: 32 sequences of 1024, or one 8k 
 CONTEXT = 512
 
 
-def chain_of(bundle: Path, max_m: int, pdl: bool = True, runs: bool = False) -> Chain:
+def chain_of(bundle: Path, max_m: int, pdl: bool = True, runs: str | None = None) -> Chain:
     """A cuda chain with GEMV kernels up to m = max_m, with or without overlapping launches
     (programmatic dependent launch, runtime/backends/cuda.py), with or without persistent
     runs (runtime/backends/persist.py; decided as the stages load)."""
@@ -333,17 +333,19 @@ DEFAULT_POLICY = (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.
 BIG = 1 << 30
 POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n),
     # overlapping launches (PDL), persistent runs (KERNCC_PERSIST)
-    ("cuBLAS only, no PDL", "whole", 0, DEFAULT_POLICY, False, False),
+    ("cuBLAS only, no PDL", "whole", 0, DEFAULT_POLICY, False, None),
     ("GEMV m<=8, no PDL (the default before this round)", "whole", 8, DEFAULT_POLICY, False,
-     False),
-    ("GEMV m<=8 + PDL (the default)", "whole", 8, DEFAULT_POLICY, True, False),
+     None),
+    ("GEMV m<=8 + PDL (the default)", "whole", 8, DEFAULT_POLICY, True, None),
     ("GEMV m<=8 + PDL + persistent runs (persistent, opt-in)", "whole", 8, DEFAULT_POLICY, True,
-     True),
-    ("cuBLAS only + PDL", "whole", 0, DEFAULT_POLICY, True, False),
-    ("2 stages on 1 GPU, GEMV m<=8, no PDL", "two", 8, DEFAULT_POLICY, False, False),
-    ("2 stages on 1 GPU, GEMV m<=8 + PDL (the default)", "two", 8, DEFAULT_POLICY, True, False),
+     persist.ENTRY),
+    ("GEMV m<=8 + PDL + persistent runs, weights in a shared-memory ring (persistent, opt-in)",
+     "whole", 8, DEFAULT_POLICY, True, persist.RING_ENTRY),
+    ("cuBLAS only + PDL", "whole", 0, DEFAULT_POLICY, True, None),
+    ("2 stages on 1 GPU, GEMV m<=8, no PDL", "two", 8, DEFAULT_POLICY, False, None),
+    ("2 stages on 1 GPU, GEMV m<=8 + PDL (the default)", "two", 8, DEFAULT_POLICY, True, None),
     ("2 stages on 1 GPU, GEMV m<=8 + PDL + persistent runs (persistent, opt-in)", "two", 8,
-     DEFAULT_POLICY, True, True),
+     DEFAULT_POLICY, True, persist.ENTRY),
 ]
 
 
