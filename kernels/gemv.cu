@@ -23,7 +23,7 @@
 //
 // Needs k % 8 == 0 and A, W, C 16-byte aligned (the backend checks and falls back to cuBLAS).
 // Grid: ceil(n / 16) blocks of 32 * WARPS threads.
-#include "common.cuh"
+#include "gemv.cuh"
 
 // WARPS and UNROLL are template parameters: 16 warps (`_w16`) put twice the bytes in flight
 // per multiprocessor, which the few-tile shapes (n = 2048: 128 blocks) need. Measured on an
@@ -36,24 +36,8 @@
 #define GEMV_BF16_ACC 1  // C bf16 = bf16(f32(C) + acc)
 #define GEMV_F32 2       // C f32 = acc
 
-__device__ __forceinline__ uint4 load_stream(const bf16* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ uint4 load_shared_ro(const bf16* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
-}
-
-__device__ __forceinline__ void mma_16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // One 32-wide k chunk of a 16-row tile against MB blocks of 8 activation rows.

@@ -27,19 +27,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return total;
 }
 
-// residual += x over one row (each thread's own elements, read back by squares and scale
-// at the same width, so no barrier is needed between them).
-template <int V>
-__device__ __forceinline__ void row_add(bf16* res, const bf16* x, int cols) {
-  for (int c = V * threadIdx.x; c < cols; c += V * blockDim.x) {
-    float a[V], b[V];
-    load_bf16<V>(res + c, a);
-    load_bf16<V>(x + c, b);
-#pragma unroll
-    for (int k = 0; k < V; ++k) a[k] += b[k];
-    store_bf16<V>(res + c, a);
-  }
-}
 
 template <int V>
 __device__ __forceinline__ void block_norm(const bf16* x, const bf16* w, bf16* y, int cols,
@@ -77,13 +64,13 @@ extern "C" __global__ void add_rmsnorm_bf16(bf16* __restrict__ residual,
     const long long off = (long long)row * cols;
     bf16* res = residual + off;
     if (v == 8) {
-      row_add<8>(res, x + off, cols);
+      row_add<8>(res, x + off, cols, BlockThreads());
       block_norm<8>(res, w, y + off, cols, eps, scratch);
     } else if (v == 4) {
-      row_add<4>(res, x + off, cols);
+      row_add<4>(res, x + off, cols, BlockThreads());
       block_norm<4>(res, w, y + off, cols, eps, scratch);
     } else {
-      row_add<2>(res, x + off, cols);
+      row_add<2>(res, x + off, cols, BlockThreads());
       block_norm<2>(res, w, y + off, cols, eps, scratch);
     }
   }

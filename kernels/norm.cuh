@@ -69,6 +69,27 @@ __device__ __forceinline__ void scale(const bf16* x, const bf16* w, bf16* y, int
   }
 }
 
+// The threads of a block that share a row: all of them (BlockThreads), or the first `count`
+// (persist.cu's tasks, one launch's block inside a larger one).
+struct BlockThreads {
+  __device__ __forceinline__ unsigned thread() const { return threadIdx.x; }
+  __device__ __forceinline__ unsigned count() const { return blockDim.x; }
+};
+
+// residual += x over one row, V elements at a time a thread (each thread's own, read back by
+// squares and scale at the same width, so no barrier is needed between them).
+template <int V, class Threads>
+__device__ __forceinline__ void row_add(bf16* res, const bf16* x, int cols, Threads t) {
+  for (int c = V * t.thread(); c < cols; c += V * t.count()) {
+    float a[V], b[V];
+    load_bf16<V>(res + c, a);
+    load_bf16<V>(x + c, b);
+#pragma unroll
+    for (int k = 0; k < V; ++k) a[k] += b[k];
+    store_bf16<V>(res + c, a);
+  }
+}
+
 // ---- a warp per row --------------------------------------------------------------------
 
 template <int V>

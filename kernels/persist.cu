@@ -23,6 +23,7 @@
 // last block to finish resets them. A wait that lasts past about a second traps (the launch
 // fails and the backend reports it) rather than hang or compute on stale data.
 #include "activation.cuh"
+#include "gemv.cuh"
 #include "norm.cuh"
 
 #define PERSIST_THREADS 512
@@ -46,32 +47,6 @@ struct Phase {
   float eps;
   int pad[3];
 };
-
-__device__ __forceinline__ uint4 load_stream(const bf16* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void mma_16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void raise_release(unsigned* p) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
-}
 
 __device__ __forceinline__ bool is_gemv(const Phase& ph) { return ph.kind <= PHASE_GEMV_ACC; }
 
@@ -198,18 +173,11 @@ __device__ __forceinline__ void task_norm(const bf16* x, const bf16* w, bf16* y,
   if (in) scale<V>(x, w, y, cols, rsqrtf(ss / (float)cols + eps), first, step);
 }
 
-template <int V>
-__device__ __forceinline__ void task_add(bf16* res, const bf16* x, int cols, int threads) {
-  if ((int)threadIdx.x >= threads) return;
-  for (int c = V * threadIdx.x; c < cols; c += V * threads) {
-    float a[V], b[V];
-    load_bf16<V>(res + c, a);
-    load_bf16<V>(x + c, b);
-#pragma unroll
-    for (int k = 0; k < V; ++k) a[k] += b[k];
-    store_bf16<V>(res + c, a);
-  }
-}
+struct TaskThreads {  // the first `n` threads: the launch's block inside this one
+  unsigned n;
+  __device__ __forceinline__ unsigned thread() const { return threadIdx.x; }
+  __device__ __forceinline__ unsigned count() const { return n; }
+};
 
 template <int V>
 __device__ __forceinline__ void norm_rows(const Phase& ph, int block, float* scratch) {
@@ -221,7 +189,8 @@ __device__ __forceinline__ void norm_rows(const Phase& ph, int block, float* scr
   for (int row = block; row < ph.m; row += ph.tasks) {
     const long long off = (long long)row * ph.n;
     if (add) {
-      task_add<V>(res + off, x + off, ph.n, ph.threads);
+      if ((int)threadIdx.x < ph.threads)
+        row_add<V>(res + off, x + off, ph.n, TaskThreads{(unsigned)ph.threads});
       task_norm<V>(res + off, w, y + off, ph.n, ph.eps, scratch, ph.threads);
     } else {
       task_norm<V>(x + off, w, y + off, ph.n, ph.eps, scratch, ph.threads);
@@ -244,40 +213,9 @@ __device__ __forceinline__ void norm_task(const Phase& ph, int block, float* scr
 // silu_mul_bf16's block `block` of `tasks` (its grid-stride loops, `threads` a block).
 __device__ __forceinline__ void silu_task(const Phase& ph, int block) {
   if ((int)threadIdx.x >= ph.threads) return;
-  const bf16* gate_up = static_cast<const bf16*>(ph.p[0]);
-  bf16* act = static_cast<bf16*>(const_cast<void*>(ph.p[1]));
-  const int inter = ph.n, width = ph.k;
-  const long long n = (long long)ph.m * inter;
-  const long long stride = (long long)ph.tasks * ph.threads;
-  const long long first = (long long)block * ph.threads + threadIdx.x;
-  const uintptr_t bases = reinterpret_cast<uintptr_t>(gate_up) | reinterpret_cast<uintptr_t>(act);
-  if (inter % 8 == 0 && width % 8 == 0 && bases % 16 == 0) {
-    for (long long v = first; v < n / 8; v += stride) {
-      const long long idx = v * 8, row = idx / inter;
-      const int i = (int)(idx % inter);
-      const bf16* src = gate_up + row * 2LL * inter + (long long)(i / width) * 2 * width
-                        + i % width;
-      const uint4 g = __ldcg(reinterpret_cast<const uint4*>(src));
-      const uint4 u = __ldcg(reinterpret_cast<const uint4*>(src + width));
-      const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-      uint32_t out[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 a = unpack_bf16x2(gw[k]), b = unpack_bf16x2(uw[k]);
-        out[k] = pack_bf16x2(silu_mul(a.x, b.x), silu_mul(a.y, b.y));
-      }
-      *reinterpret_cast<uint4*>(act + idx) = make_uint4(out[0], out[1], out[2], out[3]);
-    }
-  } else {
-    for (long long idx = first; idx < n; idx += stride) {
-      const long long row = idx / inter;
-      const int i = (int)(idx % inter);
-      const bf16* src = gate_up + row * 2LL * inter + (long long)(i / width) * 2 * width
-                        + i % width;
-      act[idx] = __float2bfloat16(silu_mul(__bfloat162float(src[0]),
-                                           __bfloat162float(src[width])));
-    }
-  }
+  silu_mul_span<true>(static_cast<const bf16*>(ph.p[0]),
+                      static_cast<bf16*>(const_cast<void*>(ph.p[1])), ph.m, ph.n, ph.k,
+                      ph.tasks, block, ph.threads, threadIdx.x);
   __threadfence();
 }
 
@@ -313,6 +251,41 @@ __device__ __forceinline__ void finish(unsigned* sync, int count) {
   __threadfence();
 }
 
+// ---- what both entries do ---------------------------------------------------------------------
+
+// The table into shared memory; the run's task count.
+__device__ __forceinline__ int take_table(const Phase* given, int count, Phase* table) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x) table[i] = given[i];
+  __syncthreads();
+  return table[count - 1].first + table[count - 1].tasks;
+}
+
+// The block's first item of the run (or its end).
+__device__ __forceinline__ Item first_item(const Phase* table, int count, int total) {
+  if ((int)blockIdx.x >= total) return {total, count, 0};
+  return {(int)blockIdx.x, phase_of(table, count, blockIdx.x, 0), 0};
+}
+
+// A GEMV round done: the task's last stores its tiles and counts it; acc starts again.
+__device__ __forceinline__ bool gemv_finish(const Phase& ph, const Item& it, float (&acc)[4],
+                                            float (*partial)[32], unsigned* done) {
+  if (it.round + 1 != rounds_of(ph)) return false;
+  gemv_store(ph, it, acc, partial);
+  task_done(done, it.phase);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) acc[q] = 0.f;
+  return true;
+}
+
+// A small task: the launch's block `it.task - first` of its norm or silu_mul, counted.
+__device__ __forceinline__ void small_task(const Phase& ph, const Item& it, float* scratch,
+                                           unsigned* done) {
+  const int block = it.task - ph.first;
+  if (ph.kind == PHASE_SILU_MUL) silu_task(ph, block);
+  else norm_task(ph, block, scratch);
+  task_done(done, it.phase);
+}
+
 // The run's phases, passed by value: a graph captures them with the launch, and nothing is
 // allocated or copied per launch.
 struct PersistTable {
@@ -327,14 +300,10 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
   __shared__ Phase table[PERSIST_MAX_PHASES];
   __shared__ float partial[PERSIST_WARPS * 4][32];
   __shared__ float scratch[32];
-  for (int i = threadIdx.x; i < count; i += blockDim.x) table[i] = phases.phase[i];
-  __syncthreads();
+  const int total = take_table(phases.phase, count, table);
   unsigned* done = sync + 1;
-  const int total = table[count - 1].first + table[count - 1].tasks;
   int ready = 1;  // phases this block knows it may start (phase 0's inputs precede the launch)
-  Item it = {(int)blockIdx.x, 0, 0};
-  if (it.task < total) it.phase = phase_of(table, count, it.task, 0);
-  else it = {total, count, 0};
+  Item it = first_item(table, count, total);
   Item wi = next_gemv(table, count, total, it);
   Weights cur;
   if (wi.task < total) cur.load(table[wi.phase], wi);
@@ -353,19 +322,11 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
     }
     if (is_gemv(ph)) {
       gemv_round(ph, it, cur, acc);
-      if (it.round + 1 == rounds_of(ph)) {
-        gemv_store(ph, it, acc, partial);
-        task_done(done, it.phase);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[q] = 0.f;
-      }
+      gemv_finish(ph, it, acc, partial, done);
       cur = next;
       wi = ni;
     } else {
-      const int block = it.task - ph.first;
-      if (ph.kind == PHASE_SILU_MUL) silu_task(ph, block);
-      else norm_task(ph, block, scratch);
-      task_done(done, it.phase);
+      small_task(ph, it, scratch, done);
     }
     it = advance(table, count, total, it);
   }
@@ -449,7 +410,6 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
   __shared__ float partial[PERSIST_WARPS * 4][32];
   __shared__ float scratch[32];
   __shared__ __align__(8) uint64_t bars[RING_STAGES];
-  for (int i = threadIdx.x; i < count; i += blockDim.x) table[i] = phases.phase[i];
   const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(ring);
   const uint32_t bar0 = (uint32_t)__cvta_generic_to_shared(bars);
   if (threadIdx.x == 0) {
@@ -457,13 +417,10 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar0 + 8 * i) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  const int total = take_table(phases.phase, count, table);  // its barrier: the mbarriers too
   unsigned* done = sync + 1;
-  const int total = table[count - 1].first + table[count - 1].tasks;
   int ready = 1;
-  Item it = {(int)blockIdx.x, 0, 0};
-  if (it.task < total) it.phase = phase_of(table, count, it.task, 0);
-  else it = {total, count, 0};
+  Item it = first_item(table, count, total);
   Item pi = next_gemv(table, count, total, it);  // thread 0's: the next round to bring in
   int issued = 0, consumed = 0;                  // GEMV rounds (issued: thread 0's count)
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -484,21 +441,12 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
       const int stage = consumed % RING_STAGES;
       ring_wait(bar0 + 8 * stage, (consumed / RING_STAGES) & 1);
       gemv_round_ring(ph, it, ring + stage * RING_STAGE_BYTES, acc);
-      if (it.round + 1 == rounds_of(ph)) {
-        gemv_store(ph, it, acc, partial);
-        task_done(done, it.phase);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[q] = 0.f;
-      } else {
+      if (!gemv_finish(ph, it, acc, partial, done))
         __syncthreads();  // every warp is done with the stage before it is refilled
-      }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // reads before the copy
       ++consumed;
     } else {
-      const int block = it.task - ph.first;
-      if (ph.kind == PHASE_SILU_MUL) silu_task(ph, block);
-      else norm_task(ph, block, scratch);
-      task_done(done, it.phase);
+      small_task(ph, it, scratch, done);
     }
     it = advance(table, count, total, it);
   }

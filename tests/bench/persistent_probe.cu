@@ -22,10 +22,7 @@
 //   (chain_bulk_w16: as 1 with the weights through shared memory, deeper ahead: below)
 // done[count] is raised if a wait gave up (about a second): the probe reports it, never hangs.
 // Needs k_j % (32 * WARPS * UNROLL) == 0, n_j % 16 == 0, m <= 8, every n_j >= k_{j+1}.
-#include <cuda_bf16.h>
-#include <stdint.h>
-
-typedef __nv_bfloat16 bf16;
+#include "gemv.cuh"  // kernels/: load_stream, mma_16816; common.cuh's counters and pdl_begin
 
 struct Gemv {
   const bf16* w;  // [n, k]
@@ -34,36 +31,10 @@ struct Gemv {
   int n, k, x_stride, first_tile;  // first_tile: the chain's tiles before this GEMV's
 };
 
-__device__ __forceinline__ uint4 load_stream(const bf16* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 // x is written inside the persistent launch by other blocks: read it at L2, never through
 // the non-coherent path.
 __device__ __forceinline__ uint4 load_l2(const bf16* p) {
   return __ldcg(reinterpret_cast<const uint4*>(p));
-}
-
-__device__ __forceinline__ void mma_16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
-                                          uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void raise_release(unsigned* p) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
 }
 
 #define MAX_CHAIN 128
@@ -191,11 +162,6 @@ __device__ __forceinline__ void run_chain(const Gemv* __restrict__ given, int co
     j = nj, s = ns, row0 = nrow0, r = nr;
     cur = next;
   }
-}
-
-__device__ __forceinline__ void pdl_begin() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // chain_w16: 16 warps, 4 chunks a warp in flight (kernels/gemv.cu's _w16 loop).

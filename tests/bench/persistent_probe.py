@@ -71,8 +71,8 @@ class Probe:
     def _load_modules(self) -> None:
         nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
         cubin = Path(tempfile.mkdtemp()) / "persistent_probe.cubin"
-        subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-o", str(cubin),
-                        str(HERE / "persistent_probe.cu")], check=True)
+        subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-I", str(library.KERNELS_DIR),
+                        "-o", str(cubin), str(HERE / "persistent_probe.cu")], check=True)
         self.images = [np.frombuffer(cubin.read_bytes(), np.uint8),
                        np.frombuffer(library.cubin_path("gemv").read_bytes(), np.uint8)]
         self.probe = check(cu.cuModuleLoadData(self.images[0].ctypes.data), "load probe")
