@@ -130,3 +130,21 @@ def test_no_manifest_can_launch_the_persistent_kernel():
                 backend.check_kernel(entry, library.index()[persist.MODULE]["sha256"])
     finally:
         backend.close()
+
+
+def test_without_the_gemv_kernels_nothing_goes_persistent(bundles, monkeypatch):
+    """The runs compute the GEMV kernels' bits; with those off cuBLAS takes every GEMM, so the
+    launches go as prepared and the bits stay cuBLAS's."""
+    from kerncc.runtime.backends import gemv
+
+    monkeypatch.setattr(gemv, "MAX_M", 0)
+    on, off = chain(bundles["whole"], ENTRIES[0]), chain(bundles["whole"], None)
+    try:
+        for prompt in PROMPTS[:2]:
+            tokens, logits = generated(on, prompt)
+            tokens2, logits2 = generated(off, prompt)
+            assert tokens == tokens2
+            np.testing.assert_array_equal(logits.view(np.uint32), logits2.view(np.uint32))
+        assert on.backend.persisted == 0
+    finally:
+        close(on, off)

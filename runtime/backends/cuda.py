@@ -524,7 +524,11 @@ class CudaBackend(Backend):
                   launchers: dict[int, Callable]) -> dict[int, Callable]:
         """Runs of decode launches as one persistent kernel when `persist` is on
         (runtime/backends/persist.py)."""
-        kernel = self._persistent_kernel() if self.persist else None
+        # the runs compute the GEMV kernels' bits: without them (off, or no cubin) cuBLAS
+        # takes every GEMM, and so the launches must go as prepared
+        if not self.persist or self._gemv_site("cublaslt_bf16_tn") is None:
+            return launchers
+        kernel = self._persistent_kernel()
         return launchers if kernel is None else persist.join(kernel, programs, launchers)
 
     def _persistent_kernel(self) -> persist.PersistentKernel | None:
