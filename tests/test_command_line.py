@@ -395,7 +395,8 @@ def test_stdin_cannot_be_emitted_but_can_be_lowered_and_checked(tmp_path) -> Non
 
 @pytest.mark.parametrize("argv", [["run", LAYERS3, "--prompt", "1"], ["example", "qwen", "-o", "x"],
                                   ["dump", LAYERS3], ["lower", LAYERS3, "-p", "emit"],
-                                  ["check", LAYERS3], ["fmt", LAYERS3], ["report", "x"]])
+                                  ["check", LAYERS3], ["fmt", LAYERS3], ["report", "x"],
+                                  ["serve", LAYERS3]])
 def test_every_command_reports_its_own_usage(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit:
         main([*argv, "--bogus"])  # a complete command line plus an unknown flag

@@ -105,6 +105,7 @@ class _Uvicorn:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `serve` to the `kerncc` command line (called by kerncc.cli.main)."""
     p = sub.add_parser("serve", help="serve a bundle over HTTP (OpenAI-compatible)")
+    p.set_defaults(command_parser=p)  # usage errors print serve's usage (kerncc.cli.main.parse)
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
                    help="a bundle directory or a manifest file (lowered with --pipeline)")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
