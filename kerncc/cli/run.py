@@ -39,7 +39,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kerncc.runtime.generate import Generator, check_request, request_limits
     from kerncc.runtime.trace import Timeline
 
-    from kerncc.cli.hf import TextRun, check_run_args
+    from kerncc.cli.hf import TextRun, check_run_args, prompt_eos
 
     check_run_args(args)
     several = args.prompt is not None and len(args.prompt) > 1
@@ -69,8 +69,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if several:  # several prompts are served together (kerncc.serve)
         from kerncc.serve.run import run_prompts
 
-        return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.logits,
-                           args.trace)
+        return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.trace,
+                           stop_ids=prompt_eos(args, bundle), say=say)
     # ids stream as they come; text streams through TextRun; JSON prints once at the end
     stream = TokenStream(sys.stdout) if text.streams_ids else None
     result = Generator(chain).generate(text.prompt, args.max_new, args.chunk, stop=text.stop,
@@ -92,13 +92,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _check_flags(args: argparse.Namespace, several: bool, say):
     """The flags that need no bundle, checked before anything loads; the run's SamplingParams."""
-    if several and getattr(args, "format", "text") == "json":
-        raise KernccError.single("--format json prints one prompt's run; give one --prompt")
     if args.devices and args.backend != "cuda":
         raise KernccError.single("--devices needs --backend cuda")
     for flag, path in (("--trace", args.trace), ("--logits", args.logits)):
         if path is not None:
             _check_output(flag, path)
+    if several:
+        _check_several(args)
     sampling = _sampling(args)
     if several and not sampling.greedy:  # kerncc.serve.run serves several prompts greedily
         raise KernccError.single(f"--temperature {args.temperature}: several prompts are "
@@ -113,6 +113,18 @@ def _check_flags(args: argparse.Namespace, several: bool, say):
         say(f"sampling: temperature {sampling.temperature}, top-k {sampling.top_k or 'off'}, "
             f"top-p {sampling.top_p}, seed {sampling.seed}")
     return sampling
+
+
+def _check_several(args: argparse.Namespace) -> None:
+    """The flags of one prompt's run, refused with several (kerncc.serve.run would ignore
+    them): refused before anything loads."""
+    if getattr(args, "format", "text") == "json":
+        raise KernccError.single("--format json prints one prompt's run; give one --prompt")
+    if args.logits:
+        raise KernccError.single("--logits saves one prompt's logits; give one --prompt")
+    if args.verbosity > 0:  # the engine counts calls per program, not their order
+        raise KernccError.single("--verbose lists one prompt's runs in order; give one "
+                                 "--prompt")
 
 
 def _check_output(flag: str, path: str) -> None:
