@@ -235,6 +235,19 @@ def test_kerncc_run_with_process_placement(bundles, capsys):
     assert "needs the cuda backend" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("prompts", [["1,2,3"], ["1,2,3", "4,5"]], ids=["one", "several"])
+def test_kerncc_run_leaves_no_stage_process_behind(bundles, capsys, prompts):
+    """run never closed its chain: called as a function (not as a process that exits), the
+    stage processes outlived it."""
+    import multiprocessing
+
+    argv = ["run", str(bundles[2]), "--placement", "process", "--max-new", "2"]
+    assert main([*argv, *(f for p in prompts for f in ("--prompt", p))]) == 0
+    capsys.readouterr()
+    left = [p for p in multiprocessing.active_children() if p.name.startswith("kerncc stage")]
+    assert left == []
+
+
 @pytest.mark.parametrize("command", ["run", "serve"])
 @pytest.mark.parametrize("placement, flag, value, takes", [
     ("thread", "--transport", "host", "--placement process or ray"),

@@ -36,7 +36,7 @@ def _say(message: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from kerncc.lower import open_target
-    from kerncc.runtime.generate import Generator, check_request, request_limits
+    from kerncc.runtime.generate import check_request, request_limits
     from kerncc.runtime.trace import Timeline
 
     from kerncc.cli.hf import TextRun, check_run_args, prompt_eos
@@ -63,14 +63,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     chain = placement.make(args, bundle, checkpoint=weights, interpret=args.interpret,
                            graphs=args.graphs, trace=timeline,
                            allow_nonfinite=args.allow_nonfinite)
-    loaded = time.perf_counter()
-    say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
-        f"(weights: {weights or 'none'})")
-    if several:  # several prompts are served together (kerncc.serve)
-        from kerncc.serve.run import run_prompts
+    with chain:  # closed however the run ends (called as a function, stages outlived it)
+        say(f"loaded {len(bundle.stages)} stage(s) on {chain} in "
+            f"{time.perf_counter() - started:.2f} s (weights: {weights or 'none'})")
+        if several:  # several prompts are served together (kerncc.serve)
+            from kerncc.serve.run import run_prompts
 
-        return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.trace,
-                           stop_ids=prompt_eos(args, bundle), say=say)
+            return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.trace,
+                               stop_ids=prompt_eos(args, bundle), say=say)
+        return _run_one(args, chain, text, sampling, timeline, say)
+
+
+def _run_one(args: argparse.Namespace, chain, text, sampling, timeline, say) -> int:
+    """One prompt's run on the loaded `chain`: tokens streamed, then the summary and files."""
+    from kerncc.runtime.generate import Generator
+
+    loaded = time.perf_counter()
     # ids stream as they come; text streams through TextRun; JSON prints once at the end
     stream = TokenStream(sys.stdout) if text.streams_ids else None
     result = Generator(chain).generate(text.prompt, args.max_new, args.chunk, stop=text.stop,
