@@ -522,3 +522,19 @@ def test_single_prompt_flags_are_refused_with_several_before_the_weights_load(
     out, err = capsys.readouterr()
     assert flag[0] in err and "give one --prompt" in err, err
     assert out == "" and "loaded" not in err and "checkpoint" not in err
+
+
+def test_ctrl_c_ends_the_streamed_line_first(tiny, capsys, monkeypatch) -> None:
+    """Ctrl-C mid-stream printed `interrupted` on the same line as the tokens (`66interrupted`
+    on a terminal, where stdout and stderr meet)."""
+    from kerncc.runtime.generate import Generator
+
+    def interrupted(self, prompt, max_new, *args, on_token=None, **kwargs):
+        for token in (66, 67):
+            on_token(token)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Generator, "generate", interrupted)
+    assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "66 67\n" and err.endswith("interrupted\n")

@@ -94,6 +94,7 @@ class TextRun:
     stream: Any  # TextStream while text streams to stdout, else None
     json: bool
     stopped: bool = False
+    streamed: bool = False  # some text is on stdout's line
 
     @classmethod
     def of(cls, args: argparse.Namespace, bundle: Any) -> TextRun:
@@ -132,14 +133,21 @@ class TextRun:
             self.stopped = True
             return True
         if self.stream is not None:
-            sys.stdout.write(self.stream.push(token))
+            piece = self.stream.push(token)
+            sys.stdout.write(piece)
             sys.stdout.flush()
+            self.streamed = self.streamed or bool(piece)
         return False
 
     def end_stream(self) -> None:
         """Streamed text ends its line as generation ends (before the progress lines)."""
         if self.stream is not None:
             print(self.stream.flush(), flush=True)
+
+    def interrupt(self) -> None:
+        """Ctrl-C: end the streamed text's line, if some is on it."""
+        if self.streamed:
+            self.end_stream()
 
     @property
     def streams_ids(self) -> bool:

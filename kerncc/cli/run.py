@@ -81,8 +81,14 @@ def _run_one(args: argparse.Namespace, chain, text, sampling, timeline, say) -> 
     loaded = time.perf_counter()
     # ids stream as they come; text streams through TextRun; JSON prints once at the end
     stream = TokenStream(sys.stdout) if text.streams_ids else None
-    result = Generator(chain).generate(text.prompt, args.max_new, args.chunk, stop=text.stop,
-                                       sampling=sampling, on_token=stream)
+    try:
+        result = Generator(chain).generate(text.prompt, args.max_new, args.chunk,
+                                           stop=text.stop, sampling=sampling, on_token=stream)
+    except KeyboardInterrupt:  # the streamed line ends before `interrupted` is said
+        if stream is not None:
+            stream.interrupt()
+        text.interrupt()
+        raise
     if stream is not None:
         stream.end()
     text.end_stream()
@@ -172,6 +178,11 @@ class TokenStream:
     def end(self) -> None:
         self.out.write("\n")
         self.out.flush()
+
+    def interrupt(self) -> None:
+        """End the line if some tokens are on it (else nothing is)."""
+        if self.count:
+            self.end()
 
 
 def summarise_steps(steps: list[tuple[str, int]], verbose: bool = False) -> str:
