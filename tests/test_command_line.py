@@ -538,3 +538,17 @@ def test_ctrl_c_ends_the_streamed_line_first(tiny, capsys, monkeypatch) -> None:
     assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4"]) == 130
     out, err = capsys.readouterr()
     assert out == "66 67\n" and err.endswith("interrupted\n")
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_a_pipeline_for_a_bundle_directory_is_refused(tiny, tmp_path, capsys, command) -> None:
+    """A bundle directory is already lowered: --pipeline was accepted and lowered nothing."""
+    bundle = tmp_path / "bundle"
+    assert main(["lower", str(tiny), "-p", "emit", "-o", str(bundle)]) == 0
+    capsys.readouterr()
+    prompt = ["--prompt", "1,2"] if command == "run" else []
+    missing = ["--weights", str(tmp_path / "missing.safetensors")]  # bounded if accepted
+    assert main([command, str(bundle), *prompt, *missing, "--pipeline",
+                 "cut,slice-derive,emit"]) == 1
+    err = capsys.readouterr().err
+    assert f"--pipeline cut,slice-derive,emit: `{bundle}` is a bundle directory" in err, err

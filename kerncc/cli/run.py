@@ -20,7 +20,8 @@ from kerncc import config
 from kerncc.atomic import write_atomic
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, limit_flags, number, positive, token_ids
+from kerncc.cli.args import (devices, limit_flags, number, open_run_target, positive,
+                             token_ids)
 
 if TYPE_CHECKING:  # numpy loads only when a command runs: `kerncc --help` stays fast
     import numpy as np
@@ -35,7 +36,6 @@ def _say(message: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kerncc.lower import open_target
     from kerncc.runtime.generate import check_request, request_limits
     from kerncc.runtime.trace import Timeline
 
@@ -46,7 +46,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     say = _say if args.verbosity >= 0 else _silent
     sampling = _check_flags(args, several, say)
     started = time.perf_counter()
-    bundle = open_target(args.target, args.pipeline)
+    bundle = open_run_target(args.target, args.pipeline)
     text = None if several else TextRun.of(args, bundle)  # ids, eos ids, streamed text
     if text is not None:  # before any weight loads: a request that cannot finish is refused
         check_request(request_limits([s.manifest for s in bundle.stages]), text.prompt,
@@ -351,7 +351,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="save the last row's logits of every run here, one row per run in "
                    "order: each prefill chunk's, then one per generated token (prompt 1,2,3 "
                    "with --max-new 4: 5 rows, the first the chunk 1,2's)")
-    p.add_argument("--pipeline", default="emit",
+    p.add_argument("--pipeline",
                    help="passes lowering a manifest target (default: emit)")
     p.add_argument("--devices", type=devices, metavar="0,1",
                    help="GPUs to spread the stages over, in order (cuda backend)")

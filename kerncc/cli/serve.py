@@ -16,7 +16,7 @@ from typing import Any
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, port, positive
+from kerncc.cli.args import devices, open_run_target, port, positive
 
 GRACE = 3.0  # seconds streams may go on after SIGTERM
 
@@ -27,13 +27,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise KernccError.single("`kerncc serve` needs the serve extra: "
                                  "pip install 'kerncc[serve]'") from None
-    from kerncc.lower import open_target
-
     if args.devices and args.backend != "cuda":
         raise KernccError.single("--devices needs --backend cuda")
     if args.tokenizer and not Path(args.tokenizer).is_dir():
         raise KernccError.single(f"--tokenizer {args.tokenizer}: no such folder")
-    bundle = open_target(args.target, args.pipeline)
+    bundle = open_run_target(args.target, args.pipeline)
     weights = args.weights or bundle.checkpoint
     if weights is not None and not Path(weights).exists():
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
@@ -141,6 +139,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "bundle's)")
     p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
                    "(default: the bundle's, the checkpoint's, the manifest's)")
-    p.add_argument("--pipeline", default="emit", metavar="SPEC",
+    p.add_argument("--pipeline", metavar="SPEC",
                    help="passes lowering a manifest target (default: emit)")
     p.set_defaults(handler=cmd_serve, format="text")
