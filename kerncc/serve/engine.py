@@ -139,9 +139,10 @@ class Engine:
 
     def _limits(self, config: Config) -> sch.Limits:
         rows = self.protocol.rows.max
-        chunk_rows = min(config.chunk or rows, rows)
-        if chunk_rows < 1:
-            raise KernccError.single(f"chunk {config.chunk} must be at least 1")
+        chunk_rows = config.chunk or rows
+        if not 1 <= chunk_rows <= rows:  # cut down to the bound, it would be a flag ignored
+            raise KernccError.single(f"chunk {config.chunk} is outside [1, {rows}] "
+                                     f"(`{self.protocol.rows.var}` <= {rows})")
         chunk = self.chunk_program
         packs = chunk is not None and chunk.groups > 1 and self.protocol.any("cu_seqlens")
         seqs = chunk.groups if packs else 1
