@@ -395,7 +395,8 @@ def test_stdin_cannot_be_emitted_but_can_be_lowered_and_checked(tmp_path) -> Non
 
 @pytest.mark.parametrize("argv", [["run", LAYERS3, "--prompt", "1"], ["example", "qwen", "-o", "x"],
                                   ["dump", LAYERS3], ["lower", LAYERS3, "-p", "emit"],
-                                  ["check", LAYERS3], ["fmt", LAYERS3], ["report", "x"]])
+                                  ["check", LAYERS3], ["fmt", LAYERS3], ["report", "x"],
+                                  ["serve", LAYERS3]])
 def test_every_command_reports_its_own_usage(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit:
         main([*argv, "--bogus"])  # a complete command line plus an unknown flag
@@ -468,3 +469,86 @@ def test_logits_are_written_whole_or_not_at_all(tiny, tmp_path, capsys, monkeypa
     monkeypatch.undo()
     assert main(argv) == 0
     assert np.load(target).shape[1] == 256
+
+
+def test_several_prompts_stop_at_eos_as_each_alone_does(tiny, tmp_path, capsys) -> None:
+    """Several prompts never stopped at eos, so a line went on past where that prompt alone
+    stops, and --ignore-eos and --tokenizer (whose folder names the eos ids) did nothing."""
+    base = ["run", str(tiny), "--max-new", "12", "-q"]
+
+    def lines(*flags: str) -> list[str]:
+        assert main([*base, *flags]) == 0
+        out, err = capsys.readouterr()
+        assert err == ""  # --quiet: no summary either
+        return out.splitlines()
+
+    stops, runs = lines("--prompt", "3,7")[-1], lines("--prompt", "1,2,3")[-1]
+    assert stops.split()[-1] == "2" and len(stops.split()) < 12  # config.json: eos 2
+    assert "2" not in runs.split() and len(runs.split()) == 12
+    assert lines("--prompt", "3,7", "--prompt", "1,2,3") == [stops, runs]
+    past = lines("--prompt", "3,7", "--ignore-eos")[-1]
+    assert len(past.split()) == 12
+    assert lines("--prompt", "3,7", "--prompt", "1,2,3", "--ignore-eos") == [past, runs]
+    other = tmp_path / "tokenizer"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"eos_token_id": int(stops.split()[1])}))
+    alone = lines("--prompt", "3,7", "--tokenizer", str(other))[-1]
+    assert alone == " ".join(stops.split()[:2])
+    assert lines("--prompt", "3,7", "--prompt", "1,2,3", "--tokenizer", str(other)) == [
+        alone, runs]
+
+
+@pytest.mark.parametrize("several", [False, True])
+def test_a_tokenizer_folder_that_is_not_there_is_refused(tiny, tmp_path, capsys,
+                                                         several) -> None:
+    """A mistyped --tokenizer read no eos ids, so the run quietly went on past eos."""
+    prompts = ["--prompt", "3,7"] + (["--prompt", "1,2,3"] if several else [])
+    missing = tmp_path / "nowhere"
+    assert main(["run", str(tiny), *prompts, "--tokenizer", str(missing)]) == 1
+    out, err = capsys.readouterr()
+    assert f"--tokenizer {missing}: no such folder" in err
+    assert out == "" and "loaded" not in err
+
+
+@pytest.mark.parametrize("flag", [["--logits", "out.npy"], ["-v"]])
+def test_single_prompt_flags_are_refused_with_several_before_the_weights_load(
+        tiny, tmp_path, capsys, flag) -> None:
+    """--logits was refused only after the weights loaded; -v did nothing."""
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a checkpoint")  # loading it would fail: the refusal comes first
+    argv = ["run", str(tiny), "--weights", str(garbage), "--prompt", "1,2", "--prompt", "3",
+            *[str(tmp_path / f) if f.endswith(".npy") else f for f in flag]]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert flag[0] in err and "give one --prompt" in err, err
+    assert out == "" and "loaded" not in err and "checkpoint" not in err
+
+
+def test_ctrl_c_ends_the_streamed_line_first(tiny, capsys, monkeypatch) -> None:
+    """Ctrl-C mid-stream printed `interrupted` on the same line as the tokens (`66interrupted`
+    on a terminal, where stdout and stderr meet)."""
+    from kerncc.runtime.generate import Generator
+
+    def interrupted(self, prompt, max_new, *args, on_token=None, **kwargs):
+        for token in (66, 67):
+            on_token(token)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Generator, "generate", interrupted)
+    assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4"]) == 130
+    out, err = capsys.readouterr()
+    assert out == "66 67\n" and err.endswith("interrupted\n")
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_a_pipeline_for_a_bundle_directory_is_refused(tiny, tmp_path, capsys, command) -> None:
+    """A bundle directory is already lowered: --pipeline was accepted and lowered nothing."""
+    bundle = tmp_path / "bundle"
+    assert main(["lower", str(tiny), "-p", "emit", "-o", str(bundle)]) == 0
+    capsys.readouterr()
+    prompt = ["--prompt", "1,2"] if command == "run" else []
+    missing = ["--weights", str(tmp_path / "missing.safetensors")]  # bounded if accepted
+    assert main([command, str(bundle), *prompt, *missing, "--pipeline",
+                 "cut,slice-derive,emit"]) == 1
+    err = capsys.readouterr().err
+    assert f"--pipeline cut,slice-derive,emit: `{bundle}` is a bundle directory" in err, err

@@ -235,6 +235,40 @@ def test_kerncc_run_with_process_placement(bundles, capsys):
     assert "needs the cuda backend" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("prompts", [["1,2,3"], ["1,2,3", "4,5"]], ids=["one", "several"])
+def test_kerncc_run_leaves_no_stage_process_behind(bundles, capsys, prompts):
+    """run never closed its chain: called as a function (not as a process that exits), the
+    stage processes outlived it."""
+    import multiprocessing
+
+    argv = ["run", str(bundles[2]), "--placement", "process", "--max-new", "2"]
+    assert main([*argv, *(f for p in prompts for f in ("--prompt", p))]) == 0
+    capsys.readouterr()
+    left = [p for p in multiprocessing.active_children() if p.name.startswith("kerncc stage")]
+    assert left == []
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+@pytest.mark.parametrize("placement, flag, value, takes", [
+    ("thread", "--transport", "host", "--placement process or ray"),
+    ("thread", "--stage-timeout", "5", "--placement process or ray"),
+    ("thread", "--ray-address", "auto", "--placement ray"),
+    ("process", "--ray-address", "auto", "--placement ray")])
+def test_a_placement_flag_the_placement_does_not_read_is_a_usage_error(
+        bundles, capsys, command, placement, flag, value, takes):
+    """The thread placement has no stage processes to time out or links to choose, and only
+    Ray joins a cluster: these flags were accepted and did nothing."""
+    prompt = ["--prompt", "1,2"] if command == "run" else []
+    missing = ["--weights", str(bundles[2] / "missing.safetensors")]  # bounded if accepted
+    with pytest.raises(SystemExit) as stop:  # before anything loads: a usage error
+        main([command, str(bundles[2]), *prompt, *missing, "--placement", placement, flag,
+              value])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: kerncc {command}")
+    assert f"{flag}: only {takes} takes it" in err and f"--placement {placement}" in err
+
+
 def test_the_serving_engine_over_stage_processes_equals_the_in_process_chain(bundles):
     """Several prompts batched by the engine (kerncc.serve) over two stage processes."""
     from kerncc.serve.engine import serve_prompts

@@ -226,3 +226,16 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_it_is_batched_with(whol
 
     native = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
     assert Generator(whole).generate(prompts[3], 8, sampling=native).tokens == alone
+
+
+def test_a_chunk_past_the_rows_bound_is_refused_as_one_prompt_refuses_it(whole, capsys, model):
+    """The engine cut a --chunk past the rows bound down to it without a word (kerncc serve
+    --chunk, run with several prompts), where one prompt's run refuses it."""
+    rows = Generator(whole).max_chunk
+    with pytest.raises(KernccError, match=rf"chunk {rows + 1} is outside \[1, {rows}\]"):
+        Engine(whole, Config(chunk=rows + 1))
+    Engine(whole, Config(chunk=rows))
+    for prompts in (["--prompt", "1,2"], ["--prompt", "1,2", "--prompt", "3"]):
+        assert main(["run", str(model), *prompts, "--chunk", str(rows + 1)]) == 1
+        out, err = capsys.readouterr()
+        assert f"chunk {rows + 1} is outside [1, {rows}]" in err and out == ""

@@ -294,6 +294,54 @@ def test_serve_refuses_a_tokenizer_folder_without_a_tokenizer(model, tmp_path, m
     assert "Traceback" not in done.stderr
 
 
+def _stage_processes() -> list:
+    """This process's live stage processes (active_children reaps the ended ones)."""
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p.name.startswith("kerncc stage")]
+
+
+@pytest.mark.parametrize("placement", ["thread", "process"])
+def test_a_port_already_taken_is_said_plainly_and_leaves_no_stage_running(model, capsys,
+                                                                         placement):
+    """The port was bound after the stages had started, and nothing closed them: with
+    --placement process the stage processes outlived the failed start."""
+    from kerncc.cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", str(model), "--backend", "cpu", "--placement", placement,
+                     "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert "Traceback" not in err and "listening on" not in err
+    assert _stage_processes() == []
+
+
+def test_a_start_that_fails_after_the_stages_started_closes_them(model, capsys, monkeypatch):
+    from kerncc.cli.main import main
+    from kerncc.runtime.placement.process import ProcessChain
+    from kerncc.serve import engine
+
+    started: list[ProcessChain] = []
+
+    def refuse(runner, config):  # as an engine that cannot serve the stages refuses them
+        started.append(runner)
+        assert _stage_processes(), "the stages had started"
+        raise KernccError.single("the engine cannot serve these stages")
+
+    monkeypatch.setattr(engine, "Engine", refuse)
+    code = main(["serve", str(model), "--backend", "cpu", "--placement", "process",
+                 "--port", "0"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "the engine cannot serve these stages" in err and "Traceback" not in err
+    assert len(started) == 1 and _stage_processes() == []
+
+
 class Gated:
     """A runner whose calls wait until the test opens the gate (the engine stays busy)."""
 

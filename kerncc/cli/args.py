@@ -1,4 +1,5 @@
-"""The argument types and shared flags of the command line: each parse said once.
+"""The argument types and shared flags of the command line: each parse said once (and the
+target `run` and `serve` open).
 
 A bad value is an `argparse.ArgumentTypeError`, so argparse reports it with the command's
 usage and exit code 2 (a usage error, not bad input).
@@ -9,6 +10,10 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kerncc.diagnostics import KernccError
 
 
 def positive(text: str) -> int:
@@ -79,3 +84,15 @@ def limit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-file-size", type=positive, metavar="BYTES",
                    help=f"the largest manifest, bundle.json, plan or module read (default "
                    f"{MAX_FILE_SIZE})")
+
+
+def open_run_target(target: str, pipeline: str | None) -> Any:
+    """The Bundle of `run` and `serve`'s BUNDLE_OR_MANIFEST: a manifest lowered with
+    --pipeline (default emit), a bundle directory as is; --pipeline with a bundle directory
+    is refused (it is lowered already: the flag would do nothing)."""
+    from kerncc.lower import open_target
+
+    if pipeline is not None and Path(target).is_dir():
+        raise KernccError.single(f"--pipeline {pipeline}: `{target}` is a bundle directory, "
+                                 "lowered already (--pipeline lowers a manifest file)")
+    return open_target(target, pipeline or "emit")

@@ -68,6 +68,22 @@ def model_dir(target: str, bundle: Any) -> Path | None:
     return (path / recorded).resolve().parent if isinstance(recorded, str) else None
 
 
+def tokenizer_dir(args: argparse.Namespace, bundle: Any) -> Path | None:
+    """The folder of the tokenizer and the eos ids: --tokenizer, else the model's."""
+    given = getattr(args, "tokenizer", None)
+    return Path(given) if given else model_dir(args.target, bundle)
+
+
+def prompt_eos(args: argparse.Namespace, bundle: Any) -> tuple[int, ...]:
+    """The eos ids that end a prompt given as ids (one, or several served together): the
+    tokenizer folder's, none with --ignore-eos."""
+    from kerncc.hf.tokenizer import model_eos_ids
+
+    if getattr(args, "ignore_eos", False):
+        return ()
+    return model_eos_ids(tokenizer_dir(args, bundle))
+
+
 @attrs.define
 class TextRun:
     """One run's prompt, stop rule and output (see the module docstring)."""
@@ -78,13 +94,13 @@ class TextRun:
     stream: Any  # TextStream while text streams to stdout, else None
     json: bool
     stopped: bool = False
+    streamed: bool = False  # some text is on stdout's line
 
     @classmethod
     def of(cls, args: argparse.Namespace, bundle: Any) -> TextRun:
-        from kerncc.hf.tokenizer import TextCodec, model_eos_ids
+        from kerncc.hf.tokenizer import TextCodec
 
-        folder = Path(args.tokenizer) if getattr(args, "tokenizer", None) else \
-            model_dir(args.target, bundle)
+        folder = tokenizer_dir(args, bundle)
         text, chat = getattr(args, "text", None), getattr(args, "chat", None)
         as_json = getattr(args, "format", "text") == "json"
         wants_text = text is not None or chat is not None
@@ -107,7 +123,7 @@ class TextRun:
             raise KernccError.single("the prompt encodes to no tokens")
         eos: tuple[int, ...] = ()
         if not getattr(args, "ignore_eos", False):
-            eos = codec.eos_token_ids if codec is not None else model_eos_ids(folder)
+            eos = codec.eos_token_ids if codec is not None else prompt_eos(args, bundle)
         stream = codec.stream() if wants_text and not as_json else None
         return cls(list(prompt), tuple(eos), codec, stream, as_json)
 
@@ -117,14 +133,21 @@ class TextRun:
             self.stopped = True
             return True
         if self.stream is not None:
-            sys.stdout.write(self.stream.push(token))
+            piece = self.stream.push(token)
+            sys.stdout.write(piece)
             sys.stdout.flush()
+            self.streamed = self.streamed or bool(piece)
         return False
 
     def end_stream(self) -> None:
         """Streamed text ends its line as generation ends (before the progress lines)."""
         if self.stream is not None:
             print(self.stream.flush(), flush=True)
+
+    def interrupt(self) -> None:
+        """Ctrl-C: end the streamed text's line, if some is on it."""
+        if self.streamed:
+            self.end_stream()
 
     @property
     def streams_ids(self) -> bool:
@@ -165,12 +188,16 @@ def _run_flags(run: argparse.ArgumentParser) -> None:
 
 
 def check_run_args(args: argparse.Namespace) -> None:
-    """Exactly one of --prompt, --text, --chat."""
+    """Exactly one of --prompt, --text, --chat; a --tokenizer folder that is there (one that
+    is not gave no eos ids, and the run went on past eos)."""
     given = [f for f, v in (("--prompt", args.prompt), ("--text", getattr(args, "text", None)),
                             ("--chat", getattr(args, "chat", None))) if v is not None]
     if len(given) != 1:
         raise KernccError.single("give exactly one of --prompt, --text and --chat"
                                  + (f" (got {', '.join(given)})" if given else ""))
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer and not Path(tokenizer).is_dir():
+        raise KernccError.single(f"--tokenizer {tokenizer}: no such folder")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

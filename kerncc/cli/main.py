@@ -70,9 +70,15 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.N
     """Parse `argv`; an unknown flag is reported by the command it was given to, with that
     command's usage (argparse alone reports it with the top level's)."""
     args, extra = parser.parse_known_args(argv)
+    owner = getattr(args, "command_parser", None) or parser
     if extra:
-        owner = getattr(args, "command_parser", None) or parser
         owner.error(f"unrecognized arguments: {' '.join(extra)}")
+    # Flags that parse but that the rest of the command line leaves unread (a command's
+    # `check_usage`): told now, as argparse tells a conflict, before anything loads.
+    check = getattr(args, "check_usage", None)
+    problem = check(args) if check is not None else None
+    if problem:
+        owner.error(problem)
     return args
 
 

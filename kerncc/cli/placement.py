@@ -3,6 +3,9 @@
 `add_arguments(parser)` adds `--placement thread|process|ray` (default thread: every stage in
 this process), `--transport`, `--stage-timeout` and `--ray-address`; `make(args, bundle,
 **chain_options)` builds the runner they ask for through kerncc.runtime.placement.make_runner.
+A flag the chosen placement does not read is a usage error (`unread`, which kerncc.cli.main
+calls after parsing): the thread placement has no links and no stage processes, and only Ray
+joins a cluster.
 """
 
 from __future__ import annotations
@@ -27,24 +30,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement", choices=PLACEMENTS, default="thread",
                    help="where the stages run: all in this process (thread, the default), each "
                    "in its own process on this host (process), or as Ray actors (ray)")
-    p.add_argument("--transport", choices=("auto", "host", "nccl"), default="auto",
-                   help="how crossing buffers go between stage processes or actors (auto: "
-                   "NCCL between distinct GPUs when nccl4py is installed, else the host)")
-    p.add_argument("--stage-timeout", type=_seconds, default=60.0, metavar="SECONDS",
-                   help="a stage process silent or stuck this long counts as dead (default 60)")
+    # No defaults here (None: not given), so that `unread` can tell a flag given from one
+    # left alone; the runners own the defaults the help states.
+    p.add_argument("--transport", choices=("auto", "host", "nccl"),
+                   help="how crossing buffers go between stage processes or actors (auto, the "
+                   "default: NCCL between distinct GPUs when nccl4py is installed, else the "
+                   "host; --placement process or ray)")
+    p.add_argument("--stage-timeout", type=_seconds, metavar="SECONDS",
+                   help="a stage process silent or stuck this long counts as dead (default 60; "
+                   "--placement process or ray)")
     p.add_argument("--ray-address", metavar="ADDRESS",
                    help="the Ray cluster for --placement ray (default: the one ray.init finds)")
+    p.set_defaults(check_usage=unread)
+
+
+# The runner option each flag sets, for each placement that reads it.
+READ_BY = {"process": {"transport": "transport", "stage_timeout": "timeout"},
+           "ray": {"transport": "transport", "stage_timeout": "timeout",
+                   "ray_address": "address"}}
+FLAGS = {"transport": "--transport", "stage_timeout": "--stage-timeout",
+         "ray_address": "--ray-address"}
+
+
+def unread(args: argparse.Namespace) -> str | None:
+    """The usage error of placement flags given that the chosen placement does not read."""
+    placement = getattr(args, "placement", "thread")
+    read = READ_BY.get(placement, {})
+    problems = []
+    for dest, flag in FLAGS.items():
+        if getattr(args, dest, None) is None or dest in read:
+            continue
+        takers = [name for name, names in READ_BY.items() if dest in names]
+        problems.append(f"{flag}: only --placement {' or '.join(takers)} takes it "
+                        f"(got --placement {placement})")
+    return "; ".join(problems) or None
 
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
-    """The runner options the placement flags give (none for thread)."""
-    placement = getattr(args, "placement", "thread")
-    if placement == "process":
-        return {"transport": args.transport, "timeout": args.stage_timeout}
-    if placement == "ray":
-        return {"address": args.ray_address, "timeout": args.stage_timeout,
-                "transport": args.transport}
-    return {}
+    """The runner options the placement flags give (none for thread); a flag not given
+    leaves the runner's default."""
+    read = READ_BY.get(getattr(args, "placement", "thread"), {})
+    return {option: getattr(args, dest) for dest, option in read.items()
+            if getattr(args, dest, None) is not None}
 
 
 def make(args: argparse.Namespace, bundle: Any, **chain_options: Any) -> Any:

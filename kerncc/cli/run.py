@@ -20,7 +20,8 @@ from kerncc import config
 from kerncc.atomic import write_atomic
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, limit_flags, number, positive, token_ids
+from kerncc.cli.args import (devices, limit_flags, number, open_run_target, positive,
+                             token_ids)
 
 if TYPE_CHECKING:  # numpy loads only when a command runs: `kerncc --help` stays fast
     import numpy as np
@@ -35,18 +36,17 @@ def _say(message: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kerncc.lower import open_target
-    from kerncc.runtime.generate import Generator, check_request, request_limits
+    from kerncc.runtime.generate import check_request, request_limits
     from kerncc.runtime.trace import Timeline
 
-    from kerncc.cli.hf import TextRun, check_run_args
+    from kerncc.cli.hf import TextRun, check_run_args, prompt_eos
 
     check_run_args(args)
     several = args.prompt is not None and len(args.prompt) > 1
     say = _say if args.verbosity >= 0 else _silent
     sampling = _check_flags(args, several, say)
     started = time.perf_counter()
-    bundle = open_target(args.target, args.pipeline)
+    bundle = open_run_target(args.target, args.pipeline)
     text = None if several else TextRun.of(args, bundle)  # ids, eos ids, streamed text
     if text is not None:  # before any weight loads: a request that cannot finish is refused
         check_request(request_limits([s.manifest for s in bundle.stages]), text.prompt,
@@ -63,18 +63,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     chain = placement.make(args, bundle, checkpoint=weights, interpret=args.interpret,
                            graphs=args.graphs, trace=timeline,
                            allow_nonfinite=args.allow_nonfinite)
-    loaded = time.perf_counter()
-    say(f"loaded {len(bundle.stages)} stage(s) on {chain} in {loaded - started:.2f} s "
-        f"(weights: {weights or 'none'})")
-    if several:  # several prompts are served together (kerncc.serve)
-        from kerncc.serve.run import run_prompts
+    with chain:  # closed however the run ends (called as a function, stages outlived it)
+        say(f"loaded {len(bundle.stages)} stage(s) on {chain} in "
+            f"{time.perf_counter() - started:.2f} s (weights: {weights or 'none'})")
+        if several:  # several prompts are served together (kerncc.serve)
+            from kerncc.serve.run import run_prompts
 
-        return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.logits,
-                           args.trace)
+            return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.trace,
+                               stop_ids=prompt_eos(args, bundle), say=say)
+        return _run_one(args, chain, text, sampling, timeline, say)
+
+
+def _run_one(args: argparse.Namespace, chain, text, sampling, timeline, say) -> int:
+    """One prompt's run on the loaded `chain`: tokens streamed, then the summary and files."""
+    from kerncc.runtime.generate import Generator
+
+    loaded = time.perf_counter()
     # ids stream as they come; text streams through TextRun; JSON prints once at the end
     stream = TokenStream(sys.stdout) if text.streams_ids else None
-    result = Generator(chain).generate(text.prompt, args.max_new, args.chunk, stop=text.stop,
-                                       sampling=sampling, on_token=stream)
+    try:
+        result = Generator(chain).generate(text.prompt, args.max_new, args.chunk,
+                                           stop=text.stop, sampling=sampling, on_token=stream)
+    except KeyboardInterrupt:  # the streamed line ends before `interrupted` is said
+        if stream is not None:
+            stream.interrupt()
+        text.interrupt()
+        raise
     if stream is not None:
         stream.end()
     text.end_stream()
@@ -92,13 +106,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _check_flags(args: argparse.Namespace, several: bool, say):
     """The flags that need no bundle, checked before anything loads; the run's SamplingParams."""
-    if several and getattr(args, "format", "text") == "json":
-        raise KernccError.single("--format json prints one prompt's run; give one --prompt")
     if args.devices and args.backend != "cuda":
         raise KernccError.single("--devices needs --backend cuda")
     for flag, path in (("--trace", args.trace), ("--logits", args.logits)):
         if path is not None:
             _check_output(flag, path)
+    if several:
+        _check_several(args)
     sampling = _sampling(args)
     if several and not sampling.greedy:  # kerncc.serve.run serves several prompts greedily
         raise KernccError.single(f"--temperature {args.temperature}: several prompts are "
@@ -113,6 +127,18 @@ def _check_flags(args: argparse.Namespace, several: bool, say):
         say(f"sampling: temperature {sampling.temperature}, top-k {sampling.top_k or 'off'}, "
             f"top-p {sampling.top_p}, seed {sampling.seed}")
     return sampling
+
+
+def _check_several(args: argparse.Namespace) -> None:
+    """The flags of one prompt's run, refused with several (kerncc.serve.run would ignore
+    them): refused before anything loads."""
+    if getattr(args, "format", "text") == "json":
+        raise KernccError.single("--format json prints one prompt's run; give one --prompt")
+    if args.logits:
+        raise KernccError.single("--logits saves one prompt's logits; give one --prompt")
+    if args.verbosity > 0:  # the engine counts calls per program, not their order
+        raise KernccError.single("--verbose lists one prompt's runs in order; give one "
+                                 "--prompt")
 
 
 def _check_output(flag: str, path: str) -> None:
@@ -152,6 +178,11 @@ class TokenStream:
     def end(self) -> None:
         self.out.write("\n")
         self.out.flush()
+
+    def interrupt(self) -> None:
+        """End the line if some tokens are on it (else nothing is)."""
+        if self.count:
+            self.end()
 
 
 def summarise_steps(steps: list[tuple[str, int]], verbose: bool = False) -> str:
@@ -320,7 +351,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="save the last row's logits of every run here, one row per run in "
                    "order: each prefill chunk's, then one per generated token (prompt 1,2,3 "
                    "with --max-new 4: 5 rows, the first the chunk 1,2's)")
-    p.add_argument("--pipeline", default="emit",
+    p.add_argument("--pipeline",
                    help="passes lowering a manifest target (default: emit)")
     p.add_argument("--devices", type=devices, metavar="0,1",
                    help="GPUs to spread the stages over, in order (cuda backend)")

@@ -16,45 +16,57 @@ from typing import Any
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, port, positive
+from kerncc.cli.args import devices, open_run_target, port, positive
 
 GRACE = 3.0  # seconds streams may go on after SIGTERM
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the extra is needed before anything loads
     except ImportError:
         raise KernccError.single("`kerncc serve` needs the serve extra: "
                                  "pip install 'kerncc[serve]'") from None
-    from kerncc.lower import open_target
-    from kerncc.serve.engine import Config, Engine
-    from kerncc.serve.http import Server, create_app
-
     if args.devices and args.backend != "cuda":
         raise KernccError.single("--devices needs --backend cuda")
     if args.tokenizer and not Path(args.tokenizer).is_dir():
         raise KernccError.single(f"--tokenizer {args.tokenizer}: no such folder")
-    bundle = open_target(args.target, args.pipeline)
+    bundle = open_run_target(args.target, args.pipeline)
     weights = args.weights or bundle.checkpoint
     if weights is not None and not Path(weights).exists():
         raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
     folders = [Path(args.tokenizer)] if args.tokenizer else \
         [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
-    codec = _tokenizer(folders, args.tokenizer)  # before the stages start: nothing to undo
-    chain = placement.make(args, bundle, checkpoint=weights)  # thread, process or ray
-    engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
-                                  chunk=args.chunk))
-    model = bundle.stages[0].manifest.model
-    server = Server(engine, model, codec)
+    codec = _tokenizer(folders, args.tokenizer)
+    # Before the stages start: a port already taken costs no load and leaves nothing to undo.
     sock = _bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
-          f"{engine.stride} tokens; tokenizer: {'yes' if server.text else 'none'}; "
-          f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
-    uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
-                        timeout_graceful_shutdown=GRACE)
-    _Uvicorn(uv, server).run(sockets=[sock])
+    try:
+        return _serve(args, bundle, weights, codec, sock)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
+           sock: socket.socket) -> int:
+    """Start the stages, the engine and uvicorn on `sock`; the stages are closed however this
+    ends (a failed start left stage processes running)."""
+    import uvicorn
+
+    from kerncc.serve.engine import Config, Engine
+    from kerncc.serve.http import Server, create_app
+
+    with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
+        engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
+                                      chunk=args.chunk))
+        model = bundle.stages[0].manifest.model
+        server = Server(engine, model, codec)
+        host, port = sock.getsockname()[:2]
+        print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
+              f"{engine.stride} tokens; tokenizer: {'yes' if server.text else 'none'}; "
+              f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
+        uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=GRACE)
+        _Uvicorn(uv, server).run(sockets=[sock])
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
 
@@ -105,6 +117,7 @@ class _Uvicorn:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `serve` to the `kerncc` command line (called by kerncc.cli.main)."""
     p = sub.add_parser("serve", help="serve a bundle over HTTP (OpenAI-compatible)")
+    p.set_defaults(command_parser=p)  # usage errors print serve's usage (kerncc.cli.main.parse)
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
                    help="a bundle directory or a manifest file (lowered with --pipeline)")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
@@ -126,6 +139,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "bundle's)")
     p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
                    "(default: the bundle's, the checkpoint's, the manifest's)")
-    p.add_argument("--pipeline", default="emit", metavar="SPEC",
+    p.add_argument("--pipeline", metavar="SPEC",
                    help="passes lowering a manifest target (default: emit)")
     p.set_defaults(handler=cmd_serve, format="text")

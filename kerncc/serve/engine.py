@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -139,9 +139,10 @@ class Engine:
 
     def _limits(self, config: Config) -> sch.Limits:
         rows = self.protocol.rows.max
-        chunk_rows = min(config.chunk or rows, rows)
-        if chunk_rows < 1:
-            raise KernccError.single(f"chunk {config.chunk} must be at least 1")
+        chunk_rows = config.chunk or rows
+        if not 1 <= chunk_rows <= rows:  # cut down to the bound, it would be a flag ignored
+            raise KernccError.single(f"chunk {config.chunk} is outside [1, {rows}] "
+                                     f"(`{self.protocol.rows.var}` <= {rows})")
         chunk = self.chunk_program
         packs = chunk is not None and chunk.groups > 1 and self.protocol.any("cu_seqlens")
         seqs = chunk.groups if packs else 1
@@ -505,13 +506,16 @@ def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
 
 def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max_new: int,
                   chunk: int | None = None, max_running: int | None = None,
-                  logits: bool = False) -> tuple[list[Request], Engine]:
+                  logits: bool = False, stop_ids: Collection[int] = ()
+                  ) -> tuple[list[Request], Engine]:
     """Serve every prompt together through an Engine; the finished requests, in prompt order
-    (each one's `generated`, and its `logits` rows with `logits`), and the engine (its `calls`
-    and `rows`). Every prompt is checked before any is served."""
+    (each one's `generated`, ending at one of `stop_ids` or after `max_new`, and its `logits`
+    rows with `logits`), and the engine (its `calls` and `rows`). Every prompt is checked
+    before any is served."""
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
                                    max_queue=max(1, len(prompts)), logits=logits))
-    requests = [Request([int(t) for t in p], max_new) for p in prompts]
+    stops = frozenset(int(t) for t in stop_ids)
+    requests = [Request([int(t) for t in p], max_new, stop_ids=stops) for p in prompts]
     for number, request in enumerate(requests, 1):
         try:
             engine.check(request)
