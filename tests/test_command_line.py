@@ -287,10 +287,15 @@ def test_problems_outside_the_manifest_are_not_located_in_it(argv, message, tmp_
     assert err.count(message) == 1
 
 
-def test_a_missing_checkpoint_is_said_once_of_the_users_file(tiny, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("command", [["run", "--prompt", "1,2"], ["serve", "--port", "1"]])
+def test_a_missing_checkpoint_is_said_once_of_the_users_file(tiny, tmp_path, capsys,
+                                                             command) -> None:
+    """run and serve alike (serve said it of its temporary bundle and named `kerncc run`),
+    before serve takes its port."""
+    pytest.importorskip("uvicorn")
     alone = tmp_path / "model.json"
     alone.write_text(tiny.read_text())
-    assert main(["run", str(alone), "--prompt", "1,2"]) == 1
+    assert main([command[0], str(alone), *command[1:]]) == 1
     err = capsys.readouterr().err
     assert err.count("no checkpoint") == 1 and str(alone) in err and "kerncc-bundle-" not in err
 

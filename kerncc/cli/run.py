@@ -51,14 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if text is not None:  # before any weight loads: a request that cannot finish is refused
         check_request(request_limits([s.manifest for s in bundle.stages]), text.prompt,
                       args.max_new, max_new_name="--max-new", prompt_name="--prompt")
-    weights = args.weights or bundle.checkpoint
-    if weights is not None and not Path(weights).exists():
-        raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
-    if weights is None and _binds_weights(bundle):
-        raise KernccError.single(_no_checkpoint(args.target))
-    stale = bundle.check_checkpoint(weights, given=args.weights is not None)
-    if stale:
-        _say(f"warning: {stale}")
+    weights = checkpoint_for(args, bundle)
     timeline = Timeline() if args.trace else None
     chain = placement.make(args, bundle, checkpoint=weights, interpret=args.interpret,
                            graphs=args.graphs, trace=timeline,
@@ -210,6 +203,22 @@ def _program_runs(program: str, rows: list[int]) -> str:
 
 def _silent(message: str) -> None:
     """`--quiet`: no progress lines (errors still print)."""
+
+
+def checkpoint_for(args: argparse.Namespace, bundle) -> str | None:
+    """The checkpoint a run or serve loads: --weights, else the bundle's; refused when it is
+    not there or when the stages bind weights and there is none, said of what the user named
+    (run and serve alike); a checkpoint other than the one the bundle was built beside is a
+    warning."""
+    weights = args.weights or bundle.checkpoint
+    if weights is not None and not Path(weights).exists():
+        raise KernccError.single(f"checkpoint `{weights}` does not exist (give --weights FILE)")
+    if weights is None and _binds_weights(bundle):
+        raise KernccError.single(_no_checkpoint(args.target))
+    stale = bundle.check_checkpoint(weights, given=args.weights is not None)
+    if stale:
+        _say(f"warning: {stale}")
+    return weights
 
 
 def _binds_weights(bundle) -> bool:
