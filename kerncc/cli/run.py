@@ -51,6 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if text is not None:  # before any weight loads: a request that cannot finish is refused
         check_request(request_limits([s.manifest for s in bundle.stages]), text.prompt,
                       args.max_new, max_new_name="--max-new", prompt_name="--prompt")
+    check_chunk(args.chunk, bundle)
     weights = checkpoint_for(args, bundle)
     timeline = Timeline() if args.trace else None
     chain = placement.make(args, bundle, checkpoint=weights, interpret=args.interpret,
@@ -203,6 +204,19 @@ def _program_runs(program: str, rows: list[int]) -> str:
 
 def _silent(message: str) -> None:
     """`--quiet`: no progress lines (errors still print)."""
+
+
+def check_chunk(chunk: int | None, bundle) -> None:
+    """--chunk against the stages' rows bound, before any weight loads (the engine and the
+    Generator refuse it too, but only once the stages are up)."""
+    if chunk is None:
+        return
+    from kerncc.runtime.generate import chain_protocol
+
+    rows = chain_protocol([s.manifest for s in bundle.stages]).rows
+    if chunk > rows.max:
+        raise KernccError.single(f"--chunk {chunk} is outside [1, {rows.max}] "
+                                 f"(`{rows.var}` <= {rows.max})")
 
 
 def checkpoint_for(args: argparse.Namespace, bundle) -> str | None:

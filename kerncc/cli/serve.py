@@ -17,7 +17,7 @@ from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 from kerncc.cli.args import devices, open_run_target, port, positive
-from kerncc.cli.run import checkpoint_for
+from kerncc.cli.run import check_chunk, checkpoint_for
 
 GRACE = 3.0  # seconds streams may go on after SIGTERM
 
@@ -33,6 +33,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.tokenizer and not Path(args.tokenizer).is_dir():
         raise KernccError.single(f"--tokenizer {args.tokenizer}: no such folder")
     bundle = open_run_target(args.target, args.pipeline)
+    check_chunk(args.chunk, bundle)
     weights = checkpoint_for(args, bundle)
     folders = [Path(args.tokenizer)] if args.tokenizer else \
         [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
