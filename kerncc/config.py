@@ -3,11 +3,19 @@
 KERNCC_DEBUG=1   show Python tracebacks for internal errors (never for bad input)
 KERNCC_BACKEND   default runtime backend (`cpu` or `cuda`), `cpu` unless set
 KERNCC_NO_PROGRESS=1   never draw progress bars (kerncc.progress), even on a terminal
+The cuda backend's (docs/runtime.md), read when its modules load:
+KERNCC_PDL=0     no programmatic dependent launch in CUDA graphs (1, the default: on)
+KERNCC_GEMV_MAX_M=N   the largest m kerncc's GEMV kernels take, 0 to 32 (default 8; 0: cuBLAS)
+KERNCC_PERSIST   runs of decode launches as one persistent kernel: 0 (the default), 1, or
+                 `ring` (the weights through shared memory)
+A value outside these is an error naming the variable, never ignored.
 """
 
 from __future__ import annotations
 
 import os
+
+from kerncc.diagnostics import KernccError
 
 
 def debug() -> bool:
@@ -25,3 +33,27 @@ def no_progress() -> bool:
 def hypothesis_profile() -> str:
     """`ci` (bounded, the default) or `long` (deeper property runs): HYPOTHESIS_PROFILE."""
     return os.environ.get("HYPOTHESIS_PROFILE", "ci")
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default).strip()
+    if value not in allowed:
+        raise KernccError.single(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
+def pdl() -> bool:
+    return _choice("KERNCC_PDL", "1", ("0", "1")) == "1"
+
+
+def gemv_max_m() -> int:
+    value = os.environ.get("KERNCC_GEMV_MAX_M", "8").strip()
+    if not value.isdigit() or int(value) > 32:
+        raise KernccError.single(f"KERNCC_GEMV_MAX_M={value!r}: expected a whole number from "
+                                 "0 to 32")
+    return int(value)
+
+
+def persist() -> str:
+    """`0`, `1` or `ring` (runtime/backends/persist.py)."""
+    return _choice("KERNCC_PERSIST", "0", ("0", "1", "ring"))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import struct
 import time
 import weakref
@@ -53,6 +52,7 @@ try:  # the optional `cuda` extra
 except ImportError as _err:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"{_err} (install kerncc[cuda])") from None
 
+from kerncc import config
 from kerncc.kernels import library
 from kerncc.runtime.backends import gemv, persist
 from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
@@ -67,7 +67,7 @@ SCALAR_FORMATS = {"i32": ("<i", -2**31, 2**31 - 1), "i64": ("<q", -2**63, 2**63 
 # the backend whose context is current on this thread, weakly: a backend nobody holds is
 # collected, and gives its device memory back (CudaBackend.close)
 _active: list[Any] = [None]
-PDL = os.environ.get("KERNCC_PDL", "1") != "0"
+PDL = config.pdl()
 
 
 @functools.cache

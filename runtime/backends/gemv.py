@@ -20,7 +20,6 @@ or C either way.
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 from typing import Any
 
@@ -31,9 +30,10 @@ try:  # the launch policy below needs no driver (runtime/backends/persist.py rea
 except ImportError:  # pragma: no cover - exercised only without the `cuda` extra
     cu = None
 
+from kerncc import config
 from kerncc.kernels import library
 
-MAX_M = int(os.environ.get("KERNCC_GEMV_MAX_M", "8"))
+MAX_M = config.gemv_max_m()
 # Per shape, chosen at launch from (m, n) alone (measured on an H200 inside the decode graph,
 # docs/benchmarks.md): launches with n >= CUBLAS_MIN_N go to cuBLAS (a 32000-row lm_head: cuBLAS
 # streams it at 3.7 TB/s, these kernels at 3.2); m <= 8 takes WIDE_ENTRY (16 warps: twice the

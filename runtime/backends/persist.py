@@ -29,13 +29,13 @@ kernel orders its phases by are one small allocation per backend, zero between l
 from __future__ import annotations
 
 import ctypes
-import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from kerncc import config
 from kerncc.kernels import library
 from kerncc.runtime.backends import gemv
 from kerncc.runtime.backends.base import BackendError
@@ -53,9 +53,9 @@ RING_SMEM = 3 * 32 * (2048 + 64)  # RING_SMEM: persist_ring_bf16's dynamic share
 THREADS = 512  # PERSIST_THREADS
 WARPS = THREADS // 32
 MAX_PHASES = 32  # PERSIST_MAX_PHASES
-# KERNCC_PERSIST: 0 (off, the default), 1 (persist_run_bf16) or ring (persist_ring_bf16)
+# KERNCC_PERSIST (kerncc/config.py): 0 (off, the default), 1 (persist_run_bf16), ring
 MODES = {"0": None, "1": ENTRY, "ring": RING_ENTRY}
-ENABLED = MODES.get(os.environ.get("KERNCC_PERSIST", "0"))
+ENABLED = MODES[config.persist()]
 
 # struct Phase (kernels/persist.cu): p[4]; kind, tasks, first, m; n, k, warps, threads; eps; pad.
 PHASE = struct.Struct("<4Q4i4if3i")

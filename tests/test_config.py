@@ -1,0 +1,35 @@
+"""kerncc/config.py: the environment, read in one place; a value it does not know is an error
+naming the variable, never a traceback and never quietly taken for the default."""
+
+from __future__ import annotations
+
+import pytest
+
+from kerncc import config
+from kerncc.diagnostics import KernccError
+
+
+@pytest.mark.parametrize("name, read, values", [
+    ("KERNCC_PDL", config.pdl, {"0": False, "1": True}),
+    ("KERNCC_GEMV_MAX_M", config.gemv_max_m, {"0": 0, "8": 8, "32": 32}),
+    ("KERNCC_PERSIST", config.persist, {"0": "0", "1": "1", "ring": "ring"}),
+])
+def test_the_cuda_backends_variables_read_what_they_say(monkeypatch, name, read, values):
+    for text, value in values.items():
+        monkeypatch.setenv(name, text)
+        assert read() == value
+    monkeypatch.delenv(name)
+    assert read() == {"KERNCC_PDL": True, "KERNCC_GEMV_MAX_M": 8, "KERNCC_PERSIST": "0"}[name]
+
+
+@pytest.mark.parametrize("name, read, bad", [
+    ("KERNCC_PDL", config.pdl, "off"),
+    ("KERNCC_GEMV_MAX_M", config.gemv_max_m, "abc"),  # was a ValueError traceback at import
+    ("KERNCC_GEMV_MAX_M", config.gemv_max_m, "33"),
+    ("KERNCC_GEMV_MAX_M", config.gemv_max_m, "-1"),
+    ("KERNCC_PERSIST", config.persist, "yes"),  # was quietly off
+])
+def test_a_value_outside_them_is_an_error_naming_the_variable(monkeypatch, name, read, bad):
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(KernccError, match=rf"{name}='{bad}': expected (one of|a whole)"):
+        read()
