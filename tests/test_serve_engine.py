@@ -157,6 +157,33 @@ def test_cancelling_frees_the_pages_at_once(whole, prompts):
     engine.pool.check()
 
 
+class Heard:
+    """A listener that keeps what it hears."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.ends: list[str | None] = []
+
+    def token(self, request: Request, token: int) -> None:
+        self.tokens.append(token)
+
+    def done(self, request: Request) -> None:
+        self.ends.append(request.finish)
+
+
+def test_a_request_queued_before_stop_is_told_it_was_cancelled(whole):
+    """`stop` right after `submit`, before the loop's next turn: the request still ends (a
+    server's handler waits for its listener's `done`), and nothing is left waiting."""
+    engine = Engine(whole)
+    heard = Heard()
+    request = engine.submit(Request([1, 2, 3], 4, listener=heard))
+    engine.stop()
+    engine.run_forever()
+    assert request.finish == "cancelled" and heard.ends == ["cancelled"]
+    assert engine.waiting == 0 and not engine.requests
+    assert engine.pool.free == engine.pool.pages
+
+
 class Broken:
     """A runner whose decode_batch fails as a launch would."""
 
