@@ -30,9 +30,9 @@ tokens kept; it goes back to the front of the queue and is recomputed from its k
 as they were first fed: its prompt through chunks, then its generated tokens one row at a
 time in decode items that hand back nothing, the last one's handing back its next token; the
 chunk program's rows need not have the one-row program's bits, and this way the sequence's
-KV and logits are those it had). A sequence that can get no page waits for one: the oldest always gets its
-pages (every sequence fits the pool alone, which the engine checks on admission), so nothing
-deadlocks. Waiting sequences are admitted oldest first while fewer than `max_running` run and
+KV and logits are those it had). A sequence that can get no page waits for one: the oldest
+always gets its pages (every sequence fits the pool alone, which the engine checks on
+admission), so nothing deadlocks. Waiting sequences are admitted oldest first while fewer than `max_running` run and
 the free pages cover the prompt plus one page of headroom per running sequence.
 """
 
