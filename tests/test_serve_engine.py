@@ -131,6 +131,35 @@ def test_a_small_pool_preempts_and_still_finishes_everything(model, prompts):
     assert engine.preemptions > 0
 
 
+def test_a_preempted_request_gives_its_tokens_and_logits_alone_bit_for_bit(model):
+    """3 pages of 16 tokens, two sequences growing to 23 and 27: the newer is preempted and
+    recomputed. Its generated tokens must go back through the one-row program, as they first
+    went (the chunk program's attention sums in another order: its rows are not the decode's
+    bits), so its logits and a seeded sampler's draws are those it gets alone."""
+    chain = Chain(lower_to_bundle(model), token_capacity=48)
+    rng = np.random.default_rng(26)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (3, 7)]
+    requests, engine = serve_prompts(chain, prompts, 20, chunk=8, logits=True)
+    assert engine.preemptions > 0
+    for request, prompt in zip(requests, prompts):
+        alone = Generator(chain).generate(prompt, 20)
+        assert request.generated == alone.tokens
+        assert np.array_equal(np.stack(request.logits).view(np.uint32),
+                              alone.logits[-20:].view(np.uint32))
+    from kerncc.runtime.sampling import SamplingParams
+
+    rng = np.random.default_rng(286)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (3, 7)]
+    engine = Engine(chain, Config(max_running=2, chunk=8))
+    seeded = sampling_hook.Params(temperature=1.0, seed=286)
+    requests = [engine.submit(Request(p, 20, seeded)) for p in prompts]
+    engine.run_until_idle()
+    assert engine.preemptions > 0
+    native = SamplingParams(temperature=1.0, seed=286)
+    assert [r.generated for r in requests] == [
+        Generator(chain).generate(p, 20, sampling=native).tokens for p in prompts]
+
+
 def test_bad_requests_are_refused_before_any_work(whole):
     engine = Engine(whole)
     with pytest.raises(KernccError, match="empty"):
@@ -155,6 +184,33 @@ def test_cancelling_frees_the_pages_at_once(whole, prompts):
     assert all(r.finish == "cancelled" for r in requests)
     engine.run_until_idle()  # items still in flight are dropped
     engine.pool.check()
+
+
+class Heard:
+    """A listener that keeps what it hears."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.ends: list[str | None] = []
+
+    def token(self, request: Request, token: int) -> None:
+        self.tokens.append(token)
+
+    def done(self, request: Request) -> None:
+        self.ends.append(request.finish)
+
+
+def test_a_request_queued_before_stop_is_told_it_was_cancelled(whole):
+    """`stop` right after `submit`, before the loop's next turn: the request still ends (a
+    server's handler waits for its listener's `done`), and nothing is left waiting."""
+    engine = Engine(whole)
+    heard = Heard()
+    request = engine.submit(Request([1, 2, 3], 4, listener=heard))
+    engine.stop()
+    engine.run_forever()
+    assert request.finish == "cancelled" and heard.ends == ["cancelled"]
+    assert engine.waiting == 0 and not engine.requests
+    assert engine.pool.free == engine.pool.pages
 
 
 class Broken:

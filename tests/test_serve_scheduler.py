@@ -5,7 +5,9 @@ never granted twice nor leaked (the pool balances at every step and is full agai
 every sequence finishes (nothing starves or deadlocks), whatever the pool size, the depth of
 the pipeline and the arrival order; a preempted sequence is recomputed from its known tokens.
 With a chunk program that hands back tokens, no known token goes through a one-row call and
-every token comes from the call that fed the token before it.
+every token comes from the call that fed the token before it. A preempted sequence is
+recomputed as it was first fed: its prompt through chunks, its generated tokens one row at a
+time.
 """
 
 from __future__ import annotations
@@ -95,10 +97,15 @@ def test_a_simulated_engine_finishes_everything_without_leaking_pages(load):
             fed.setdefault(seq_id, []).append((start, rows))
             token = seq_id in item.emits
             seq = next(s for s in state.running if s.id == seq_id)
-            assert token == (item.kind == "decode" or (limits.chunk_emits
-                                                       and start + rows == seq.tokens))
+            # a decode part of a recomputed sequence short of its last token replays a known
+            # token: none comes back
+            assert token == (start + rows == seq.tokens
+                             and (item.kind == "decode" or limits.chunk_emits))
             if limits.chunk_emits and item.kind == "decode":
                 assert start >= prompts[seq_id], "a prompt token went through a one-row call"
+            if item.kind == "chunk":  # generated tokens go back as they first went: one row
+                assert start + rows <= prompts[seq_id] - (0 if limits.chunk_emits else 1), \
+                    "a generated token went through a chunk"
             if token:
                 assert start + rows == seq.tokens, "a token from a call short of the last"
             state = sch.landed(state, seq_id, token)

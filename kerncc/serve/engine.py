@@ -211,7 +211,9 @@ class Engine:
                                 f"{self.max_queue})")
             self._queued += 1
             request.id = next(self._ids)
-        self._commands.put(("add", request))
+            # Queued under the lock: once `stop` holds it, every admitted request's command
+            # is in the queue, and run_forever's last drain ends it.
+            self._commands.put(("add", request))
         self._wake.set()
         return request
 
@@ -247,6 +249,7 @@ class Engine:
                 self._wake.wait(idle)
             if self._stopping and self.fault is None and self.requests:
                 self._cancel_all()
+        self._apply_commands()  # requests queued just before `stop` end too (cancelled)
 
     def run_until_idle(self) -> None:
         """Serve what was submitted until nothing is left (the command line's loop)."""

@@ -21,15 +21,18 @@ So a step holds
 * decode items, after them: every running sequence with only its last token to feed and no
   call in flight that will hand it a token (a chunk in flight that does not is fine: calls run
   in issue order), oldest first, `decode_groups` per call (the protocol's multi-sequence
-  forward). Without chunk tokens, a sequence whose prefill ends in this step's chunk decodes
-  in this step.
+  forward), and every recomputed sequence replaying a generated token (below). Without chunk
+  tokens, a sequence whose prefill ends in this step's chunk decodes in this step.
 
 Pages (`stride` tokens each) are granted oldest first as items need them. When the pool runs
 dry the newest running sequence with nothing in flight is preempted (its pages freed, its
-tokens kept; it goes back to the front of the queue and is recomputed: prefilled again from
-its known tokens). A sequence that can get no page waits for one: the oldest always gets its
-pages (every sequence fits the pool alone, which the engine checks on admission), so nothing
-deadlocks. Waiting sequences are admitted oldest first while fewer than `max_running` run and
+tokens kept; it goes back to the front of the queue and is recomputed from its known tokens,
+as they were first fed: its prompt through chunks, then its generated tokens one row at a
+time in decode items that hand back nothing, the last one's handing back its next token; the
+chunk program's rows need not have the one-row program's bits, and this way the sequence's
+KV and logits are those it had). A sequence that can get no page waits for one: the oldest
+always gets its pages (every sequence fits the pool alone, which the engine checks on
+admission), so nothing deadlocks. Waiting sequences are admitted oldest first while fewer than `max_running` run and
 the free pages cover the prompt plus one page of headroom per running sequence.
 """
 
@@ -60,16 +63,35 @@ class Seq:
     # chunk tokens: its known tokens went through chunks up to the last one, whose chunk
     # handed (or will hand) back the next token; later tokens go one row at a time
     primed: bool = False
+    # Its prompt's length (None: every known token is prompt). A recomputed sequence feeds
+    # only its prompt through chunks and replays its generated tokens one row at a time, as
+    # they were first fed: the chunk program's rows need not be the one-row program's bits.
+    prompt: int | None = None
+
+    def chunk_end(self, chunk_emits: bool) -> int:
+        """How many of its known tokens go through chunks."""
+        prompt = self.tokens if self.prompt is None else self.prompt
+        return prompt if chunk_emits else prompt - 1
 
     def prefill_left(self, chunk_emits: bool) -> int:
-        if chunk_emits:
-            return 0 if self.primed else self.tokens - self.cached
-        return max(0, self.tokens - 1 - self.cached)
+        if chunk_emits and self.primed:
+            return 0
+        return max(0, self.chunk_end(chunk_emits) - self.cached)
+
+    def replayable(self, chunk_emits: bool) -> bool:
+        """Past its chunks, a known token other than the last still to feed (one row, no
+        token back: it is known)."""
+        chunked = self.primed or not chunk_emits
+        return chunked and self.chunk_end(chunk_emits) <= self.cached < self.tokens - 1
 
     def decodable(self, chunk_emits: bool) -> bool:
         # A chunk still in flight is fine: calls run in issue order on every stage.
         return ((self.primed or not chunk_emits) and self.cached == self.tokens - 1
                 and not self.decoding)
+
+    def recomputed(self) -> Seq:
+        """The sequence sent back to the queue by a preemption: its known tokens, no pages."""
+        return Seq(self.id, self.tokens, prompt=self.prompt)
 
 
 @attrs.frozen
@@ -148,7 +170,7 @@ class _Draft:
                 del self.seqs[victim]
                 self.free += seq.pages
                 self.preempted.append(victim)
-                self.waiting.insert(0, Seq(victim, seq.tokens))
+                self.waiting.insert(0, seq.recomputed())
                 return True
         return False
 
@@ -177,18 +199,27 @@ def _admit(draft: _Draft, limits: Limits) -> None:
 
 
 def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
+    """One row of every sequence that decodes (its token comes back) or replays a known
+    token (none does), oldest first, `decode_groups` per call."""
     ready: list[tuple[int, int, int]] = []
+    emits: set[int] = set()
     for seq_id in list(draft.order):
         seq = draft.seqs.get(seq_id)
-        if seq is None or not seq.decodable(limits.chunk_emits):
-            continue  # preempted by an older one this step, or not ready
-        if not draft.grant(seq_id, seq.tokens):
+        if seq is None:
+            continue  # preempted by an older one this step
+        decodes = seq.decodable(limits.chunk_emits)
+        if not (decodes or seq.replayable(limits.chunk_emits)):
+            continue
+        if not draft.grant(seq_id, seq.cached + 1):
             continue
         draft.busy.add(seq_id)
         ready.append((seq_id, seq.cached, 1))
+        if decodes:
+            emits.add(seq_id)
     groups = limits.decode_groups
-    return [Item("decode", tuple(ready[i:i + groups]), tuple(p[0] for p in ready[i:i + groups]))
-            for i in range(0, len(ready), groups)]
+    calls = [tuple(ready[i:i + groups]) for i in range(0, len(ready), groups)]
+    return [Item("decode", parts, tuple(p[0] for p in parts if p[0] in emits))
+            for parts in calls]
 
 
 def _chunk_items(draft: _Draft, limits: Limits) -> list[Item]:
@@ -218,9 +249,10 @@ def _granted(draft: _Draft, planned: Iterable[tuple[Seq, int]], chunk_emits: boo
         if seq.id not in draft.seqs or not draft.grant(seq.id, seq.cached + n):
             break
         current = draft.seqs[seq.id]
-        last = chunk_emits and current.cached + n == current.tokens
+        chunked = chunk_emits and current.cached + n == current.chunk_end(chunk_emits)
+        last = chunked and current.cached + n == current.tokens
         draft.seqs[seq.id] = attrs.evolve(current, cached=current.cached + n,
-                                          primed=current.primed or last,
+                                          primed=current.primed or chunked,
                                           decoding=current.decoding or last)
         draft.busy.add(seq.id)
         parts.append((seq.id, seq.cached, n))
@@ -232,7 +264,7 @@ def apply(state: State, plan: Plan) -> State:
     running = [s for s in state.running if s.id not in plan.preempted]
     waiting = [s for s in state.waiting if s.id not in plan.admitted]
     by_id = {s.id: s for s in (*state.running, *state.waiting)}
-    back = [Seq(i, by_id[i].tokens) for i in plan.preempted]
+    back = [by_id[i].recomputed() for i in plan.preempted]
     waiting = list(reversed(back)) + waiting
     running += [by_id[i] for i in plan.admitted if i not in plan.preempted]
     seqs = {s.id: s for s in running}
@@ -244,9 +276,13 @@ def apply(state: State, plan: Plan) -> State:
         for seq_id, start, rows in item.parts:
             seq = seqs[seq_id]
             token = seq_id in item.emits
+            # a chunk that feeds a prompt's last token primes it (only a chunk program that
+            # hands back tokens feeds it), recomputed or not: a recomputed one's next token is
+            # known, and replayed, so none comes back
+            chunked = item.kind == "chunk" and start + rows == seq.chunk_end(True)
             seqs[seq_id] = attrs.evolve(seq, cached=start + rows, inflight=seq.inflight + 1,
                                         decoding=seq.decoding or token,
-                                        primed=seq.primed or (token and item.kind == "chunk"))
+                                        primed=seq.primed or chunked)
     return State(tuple(waiting), tuple(seqs[s.id] for s in running),
                  state.free + freed - taken)
 
@@ -272,5 +308,5 @@ def remove(state: State, seq_id: int) -> State:
 
 
 def add(state: State, seq_id: int, tokens: int) -> State:
-    """A new request joins the back of the queue."""
-    return attrs.evolve(state, waiting=(*state.waiting, Seq(seq_id, tokens)))
+    """A new request (a prompt of `tokens`) joins the back of the queue."""
+    return attrs.evolve(state, waiting=(*state.waiting, Seq(seq_id, tokens, prompt=tokens)))
