@@ -168,6 +168,10 @@ def test_bad_requests_are_refused_before_any_work(whole):
         engine.submit(Request([1, 256], 3))
     with pytest.raises(KernccError, match="context"):
         engine.submit(Request([1] * 200, 100))
+    with pytest.raises(KernccError, match=r"prompt token 1 is 1.5, not a whole number"):
+        engine.submit(Request([3, 1.5], 3))  # ran as token 1
+    with pytest.raises(KernccError, match=r"2.5 new tokens: expected a whole number"):
+        engine.submit(Request([3, 1], 2.5))  # gave 3 tokens
     assert not engine.requests and engine.waiting == 0
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from kerncc import protocol as proto
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
+from kerncc.runtime.domains import is_whole
 from kerncc.runtime.generate import INPUT_FILLS, LOGITS, Generator, chunk_tokens, slots
 from kerncc.runtime.memory import numpy_dtype
 from kerncc.runtime.session import Session
@@ -181,6 +182,13 @@ class Engine:
         and fix its sampler (its seed, for the whole sequence)."""
         if not request.prompt:
             raise KernccError.single("the prompt is empty", "/prompt")
+        odd = next((i for i, t in enumerate(request.prompt) if not is_whole(t)), None)
+        if odd is not None:  # 1.5 ran as token 1
+            raise KernccError.single(f"prompt token {odd} is {request.prompt[odd]!r}, not a "
+                                     "whole number (a token id)", f"/prompt/{odd}")
+        if not is_whole(request.max_new):  # 2.5 gave 3 tokens
+            raise KernccError.single(f"{request.max_new!r} new tokens: expected a whole number",
+                                     "/max_tokens")
         if request.max_new < 1:
             raise KernccError.single(f"{request.max_new} new tokens: at least 1 is needed",
                                      "/max_tokens")
