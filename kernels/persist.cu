@@ -1,5 +1,6 @@
 // Module `persist`: a run of decode-step launches as one persistent kernel (issue 20; the cuda
-// backend forms the runs: runtime/backends/persist.py, opt-in with KERNCC_PERSIST=1).
+// backend forms the runs: runtime/backends/persist.py, opt-in with KERNCC_PERSIST=1). Measured
+// on an H200 it gives the launches' bits but a slower step (docs/benchmarks.md, session 10).
 //
 // A run is consecutive launches of the decode GEMVs at m <= 8 (kernels/gemv.cu's entries),
 // rmsnorm_bf16, add_rmsnorm_bf16 and silu_mul_bf16: in a decode layer o_proj, post_norm,
@@ -29,7 +30,7 @@
 #define PERSIST_THREADS 512
 #define PERSIST_WARPS 16
 #define PERSIST_MAX_PHASES 32
-#define PERSIST_SPINS (1 << 24)
+#define PERSIST_SPINS (1 << 26)  // a poll is an L2 round trip: seconds in all
 
 // Phase kinds.
 #define PHASE_GEMV 0         // C bf16 = bf16(acc)                 p: x, w, c
@@ -124,7 +125,7 @@ __device__ __forceinline__ void gemv_round(const Phase& ph, const Item& it, cons
 }
 
 // The warps' sums of each tile in warp order (threads 128 * half .. of tile `half`), stored
-// as gemv.cu stores them; every storing thread fences before the barrier.
+// as gemv.cu stores them.
 __device__ __forceinline__ void gemv_store(const Phase& ph, const Item& it,
                                            const float (&acc)[4], float (*partial)[32]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -145,7 +146,6 @@ __device__ __forceinline__ void gemv_store(const Phase& ph, const Item& it,
       if (ph.kind == PHASE_GEMV_ACC) sum += __bfloat162float(out[at]);
       out[at] = __float2bfloat16(sum);
     }
-    __threadfence();
   }
   __syncthreads();
 }
@@ -207,7 +207,6 @@ __device__ __forceinline__ void norm_task(const Phase& ph, int block, float* scr
   if (v == 8) norm_rows<8>(ph, block, scratch);
   else if (v == 4) norm_rows<4>(ph, block, scratch);
   else norm_rows<2>(ph, block, scratch);
-  __threadfence();  // the rows this thread stored, before task_done's count
 }
 
 // silu_mul_bf16's block `block` of `tasks` (its grid-stride loops, `threads` a block).
@@ -216,7 +215,6 @@ __device__ __forceinline__ void silu_task(const Phase& ph, int block) {
   silu_mul_span<true>(static_cast<const bf16*>(ph.p[0]),
                       static_cast<bf16*>(const_cast<void*>(ph.p[1])), ph.m, ph.n, ph.k,
                       ph.tasks, block, ph.threads, threadIdx.x);
-  __threadfence();
 }
 
 // ---- ordering ------------------------------------------------------------------------------
@@ -227,7 +225,6 @@ __device__ __forceinline__ void wait_phase(const Phase* table, unsigned* done, i
     const unsigned target = (unsigned)table[p - 1].tasks;
     for (int spins = 0; load_acquire(done + p - 1) < target; ++spins) {
       if (spins == PERSIST_SPINS) asm volatile("trap;");
-      __nanosleep(32);
     }
     __threadfence();
   }
@@ -235,7 +232,9 @@ __device__ __forceinline__ void wait_phase(const Phase* table, unsigned* done, i
 }
 
 __device__ __forceinline__ void task_done(unsigned* done, int p) {
-  __syncthreads();  // every thread's stores (each fenced) before the count
+  // every thread's stores before the count: the barrier orders them before thread 0's
+  // release, which (cumulative) makes them visible with it
+  __syncthreads();
   if (threadIdx.x == 0) raise_release(done + p);
 }
 

@@ -80,7 +80,8 @@ struct Tile {
   }
 };
 
-// The warps' sums in warp order, y = bf16; every thread's stores fenced before the barrier.
+// The warps' sums in warp order, y = bf16; the barrier after orders the stores before the
+// count thread 0 raises (with release) for them.
 template <int WARPS>
 __device__ __forceinline__ void store_tile(const Gemv& g, int m, int row0, const float (&acc)[4],
                                           float (*partial)[32]) {
@@ -96,7 +97,6 @@ __device__ __forceinline__ void store_tile(const Gemv& g, int m, int row0, const
     const int row = row0 + (l >> 2) + (s >= 2 ? 8 : 0);
     const int col = 2 * (l & 3) + (s & 1);
     if (col < m) g.y[(size_t)col * g.n + row] = __float2bfloat16(sum);
-    __threadfence();
   }
   __syncthreads();
 }
@@ -145,7 +145,6 @@ __device__ __forceinline__ void run_chain(const Gemv* __restrict__ given, int co
             atomicExch(done + count, 1u);
             break;
           }
-          __nanosleep(32);
         }
       }
       __syncthreads();
@@ -267,7 +266,6 @@ extern "C" __global__ void __launch_bounds__(512, 1)
             atomicExch(done + count, 1u);
             break;
           }
-          __nanosleep(32);
         }
         __threadfence();
       }
