@@ -6,8 +6,10 @@ overlap (docs/benchmarks.md, session 9: the GEMVs alone make a 0.82 ms step, the
 alone 0.36, together 1.14). One persistent launch for a stretch of them keeps the weight stream
 going across the dependencies: a block loads its next GEMV task's weights before it waits for
 that task's input. Opt-in (`KERNCC_PERSIST=1`, or `CudaBackend.persist = ENTRY` before a
-Session loads; `ring` / RING_ENTRY: the weights several rounds ahead in shared memory) until a
-device run has measured it; the bits are the launches' own either way.
+Session loads; `ring` / RING_ENTRY: the weights several rounds ahead in shared memory): the
+bits are the launches' own, but on an H200 the step is slower (1.52 against 1.13 ms at batch
+1: each phase's wait and each small task cost more than a launch under PDL; docs/benchmarks.md,
+session 10), so it stays off.
 
 How a run forms. At load, `runs` finds each program's maximal stretches of consecutive sites the
 persistent kernel can take (`candidate`): the GEMM externs `cublaslt_bf16_tn` and
