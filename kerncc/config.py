@@ -8,6 +8,8 @@ KERNCC_PDL=0     no programmatic dependent launch in CUDA graphs (1, the default
 KERNCC_GEMV_MAX_M=N   the largest m kerncc's GEMV kernels take, 0 to 32 (default 8; 0: cuBLAS)
 KERNCC_PERSIST   runs of decode launches as one persistent kernel: 0 (the default), 1, or
                  `ring` (the weights through shared memory)
+KERNCC_JOIN_ATTENTION=1   the decode attention's split and combine as one launch (0, the
+                 default: two; opt-in until it has run on a GPU)
 A value outside these is an error naming the variable, never ignored.
 """
 
@@ -57,3 +59,9 @@ def gemv_max_m() -> int:
 def persist() -> str:
     """`0`, `1` or `ring` (runtime/backends/persist.py)."""
     return _choice("KERNCC_PERSIST", "0", ("0", "1", "ring"))
+
+
+def join_attention() -> bool:
+    """Whether the cuda backend joins the decode attention's two launches
+    (runtime/backends/attention.py)."""
+    return _choice("KERNCC_JOIN_ATTENTION", "0", ("0", "1")) == "1"

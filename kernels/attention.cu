@@ -836,3 +836,97 @@ attn_decode_combine_bf16(const float* __restrict__ part, const int* __restrict__
   const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // len == 0 gives zeros, not NaN
   if (on) out[((long long)b * nq + h) * hd + d] = __float2bfloat16(o * inv);
 }
+
+// attn_decode_split(_tc)_bf16 and then attn_decode_combine_bf16 as one launch, for the cuda
+// backend (runtime/backends/attention.py joins a split launch and the combine launch right after
+// it when they share their partials, lengths and sizes; no manifest may name these entries:
+// kernels/library.py INTERNAL, since `counts` is the backend's memory). The split's grid, block
+// and arguments, then the combine's `out`, then `counts`: seqs * nk counters, zero between
+// launches. The splits run exactly as in the split kernels. Then each block of (b, kvh) that took
+// a split raises counts[b * nk + kvh] (after a fence for the entries it wrote), and the last of
+// them merges the entries of the G q heads of kv head kvh the way the combine kernel does
+// (warp g: head kvh * G + g, its lanes dims lane + 32 i; the same operations in the same order,
+// so the same bits) and sets the counter back to zero. A sequence with no key gets its zero rows
+// from block z = 0. What it saves: the combine's launch and its wait for the split's last block,
+// one dependency of the decode step a layer.
+template <bool TC>
+__device__ __forceinline__ void attn_decode_joined(const bf16* __restrict__ qkv,
+                                                   const uint8_t* __restrict__ kv,
+                                                   const int* __restrict__ block_table,
+                                                   const int* __restrict__ seq_lens,
+                                                   float* __restrict__ part, int seqs, int nq,
+                                                   int nk, int hd, int width, int max_splits,
+                                                   float scale, bf16* __restrict__ out,
+                                                   unsigned* __restrict__ counts) {
+  __shared__ unsigned s_last;
+  attn_decode_split_entry<TC>(qkv, kv, block_table, seq_lens, part, seqs, nq, nk, hd, width,
+                              max_splits, scale);
+  const int b = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
+  if (b >= seqs) return;
+  const int len = seq_lens[b];
+  const int n = len <= 0 ? 0 : min((len + DC_SPLIT - 1) / DC_SPLIT, max_splits);
+  const int takers = min(n, (int)gridDim.z);  // blocks z < takers took a split
+  const int G = nq / nk;
+  bf16* rows = out + ((long long)b * nq + (long long)kvh * G) * hd;
+  if ((int)blockIdx.z >= takers) {
+    if (n == 0 && blockIdx.z == 0)  // the combine's rows of an empty sequence: o * inv = 0
+      for (int i = tid; i < G * hd; i += DC_WARPS * 32) rows[i] = __float2bfloat16(0.f);
+    return;
+  }
+  __threadfence();  // this thread's entries, before the block's count
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(counts + (long long)b * nk + kvh, 1u) == (unsigned)takers - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();  // the other blocks' entries, after their counts
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp < G) {
+    const long long stride = hd + 2;
+    const float* e = part + ((long long)b * nq + (long long)kvh * G + warp) * max_splits * stride;
+    float mx = -INFINITY;
+    for (int s = lane; s < n; s += 32) mx = fmaxf(mx, __ldcg(e + s * stride));
+    mx = warp_max(mx);
+    constexpr int D = DC_MAX_HD / 32;
+    float lsum = 0.f, o[D];
+#pragma unroll
+    for (int i = 0; i < D; ++i) o[i] = 0.f;
+    for (int s = 0; s < n; ++s) {
+      const float f = fast_exp2(__ldcg(e + s * stride) - mx);
+      lsum += __ldcg(e + s * stride + 1) * f;
+#pragma unroll
+      for (int i = 0; i < D; ++i) {
+        const int d = lane + 32 * i;
+        o[i] += (d < hd ? __ldcg(e + s * stride + 2 + d) : 0.f) * f;
+      }
+    }
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;
+#pragma unroll
+    for (int i = 0; i < D; ++i) {
+      const int d = lane + 32 * i;
+      if (d < hd) rows[warp * hd + d] = __float2bfloat16(o[i] * inv);
+    }
+  }
+  if (tid == 0) counts[(long long)b * nk + kvh] = 0u;  // for the next launch
+}
+
+extern "C" __global__ void __launch_bounds__(DC_WARPS * 32, 2)
+attn_decode_joined_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
+                        const int* __restrict__ block_table, const int* __restrict__ seq_lens,
+                        float* __restrict__ part, int seqs, int nq, int nk, int hd, int width,
+                        int max_splits, float scale, bf16* __restrict__ out,
+                        unsigned* __restrict__ counts) {
+  pdl_begin();
+  attn_decode_joined<false>(qkv, kv, block_table, seq_lens, part, seqs, nq, nk, hd, width,
+                            max_splits, scale, out, counts);
+}
+
+extern "C" __global__ void __launch_bounds__(DC_WARPS * 32, 2)
+attn_decode_joined_tc_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
+                           const int* __restrict__ block_table, const int* __restrict__ seq_lens,
+                           float* __restrict__ part, int seqs, int nq, int nk, int hd, int width,
+                           int max_splits, float scale, bf16* __restrict__ out,
+                           unsigned* __restrict__ counts) {
+  pdl_begin();
+  attn_decode_joined<true>(qkv, kv, block_table, seq_lens, part, seqs, nq, nk, hd, width,
+                           max_splits, scale, out, counts);
+}

@@ -14,8 +14,10 @@ from pathlib import Path
 KERNELS_DIR = Path(__file__).resolve().parent
 # Entries no manifest may name: a backend launches them itself, with arguments no plan could
 # give safely (persist_run_bf16's phase table holds raw device pointers:
-# runtime/backends/persist.py). They have no numpy reference; both backends refuse them.
-INTERNAL = frozenset({"persist_run_bf16", "persist_ring_bf16"})
+# runtime/backends/persist.py; attn_decode_joined*'s counters are the backend's memory:
+# runtime/backends/attention.py). They have no numpy reference; both backends refuse them.
+INTERNAL = frozenset({"persist_run_bf16", "persist_ring_bf16", "attn_decode_joined_bf16",
+                      "attn_decode_joined_tc_bf16"})
 
 
 @functools.cache

@@ -54,7 +54,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from kerncc import config
 from kerncc.kernels import library
-from kerncc.runtime.backends import gemv, persist
+from kerncc.runtime.backends import attention, gemv, persist
 from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
 from kerncc.runtime.backends.probe import cuda_devices
 from kerncc.runtime.launch import Pack, Site, VarScalar
@@ -233,6 +233,11 @@ class CudaBackend(Backend):
         self.persist: str | bool | None = persist.ENABLED
         self.persisted = 0  # persistent launches made
         self._persistent: dict[str, persist.PersistentKernel | None] = {}  # by entry
+        # the decode attention's split and combine as one launch (runtime/backends/attention.py)
+        self.join_attention = attention.ENABLED
+        self.joined = 0  # joined launches made
+        self._attention_counters: Allocation | None = None
+        self._joined_configs = {False: gemv.launch_config(False), True: gemv.launch_config(True)}
 
     def __repr__(self) -> str:
         return f"CudaBackend(device {self.index}: {self.device.name})"
@@ -522,14 +527,40 @@ class CudaBackend(Backend):
 
     def join_runs(self, programs: Mapping[str, Sequence[Site]],
                   launchers: dict[int, Callable]) -> dict[int, Callable]:
-        """Runs of decode launches as one persistent kernel when `persist` is on
-        (runtime/backends/persist.py)."""
+        """The decode attention's split and combine as one launch (runtime/backends/
+        attention.py) unless `join_attention` is off, and runs of decode launches as one
+        persistent kernel when `persist` is on (runtime/backends/persist.py)."""
+        if self.join_attention:
+            launchers = attention.join(self, self._function, self._attention_counts,
+                                       programs, launchers)
         # the runs compute the GEMV kernels' bits: without them (off, or no cubin) cuBLAS
         # takes every GEMM, and so the launches must go as prepared
         if not self.persist or self._gemv_site("cublaslt_bf16_tn") is None:
             return launchers
         kernel = self._persistent_kernel()
         return launchers if kernel is None else persist.join(kernel, programs, launchers)
+
+    def _attention_counts(self) -> int:
+        """The joined attention's counters (zeroed once, kept zero by the kernel)."""
+        if self._attention_counters is None:
+            self._attention_counters = self.allocate(4 * attention.COUNTS)
+        return self._attention_counters.ptr
+
+    def launch_joined(self, function: Any, grid: tuple[int, int, int],
+                      block: tuple[int, int, int], shared: int, params: int) -> None:
+        """A launch of a joined kernel (runtime/backends/attention.py) on the launch stream,
+        overlapping the kernel before it as the library's kernels do."""
+        overlap = self.pdl and self.capturing and self.after_kernel
+        config = self._joined_configs[overlap]
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = block
+        config.sharedMemBytes = shared
+        config.hStream = self._launch_stream
+        check(cu.cuLaunchKernelEx(config, function, params, 0), "cuLaunchKernelEx(joined)")
+        self.overlapped += overlap
+        self.after_kernel = True
+        self.launches += 1
+        self.joined += 1
 
     def _persistent_kernel(self) -> persist.PersistentKernel | None:
         entry = persist.ENTRY if self.persist is True else self.persist
