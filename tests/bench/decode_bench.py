@@ -19,6 +19,9 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
            against the roofline of the bytes they must read (weights once + every sequence's KV).
   torch    the PyTorch reference's decode step (tests/bench/torch_ref.py), eager and eager
            captured in one CUDA graph, against the same roofline.
+  join     the decode attention's split and combine as one launch (runtime/backends/
+           attention.py, opt-in) against the two, alternating: batch 1 whole and in 2 stages,
+           8 and 32 sequences.
   attention the batched decode at 32/8/2 sequences and 512-4096 tokens with the attention's split
            blocks per (sequence, kv head) at max_splits (a block per split), 16, 8 and 4.
   bitwise  whole vs 2 stages on one GPU (prompts x chunks, 9 tokens): identical bits.
@@ -50,7 +53,7 @@ from gpu_bench import (RESULTS, TABLE, Busy, build, decode_step_s, row, say,  # 
                        section, ttft)
 
 from kerncc.runtime import Chain  # noqa: E402
-from kerncc.runtime.backends import gemv, persist  # noqa: E402
+from kerncc.runtime.backends import attention, gemv, persist  # noqa: E402
 from kerncc.runtime.generate import Generator, Served, _Record  # noqa: E402
 
 HBM_TBS = 4.0  # the ceiling measured in `copy` replaces this when that section runs
@@ -59,16 +62,19 @@ CAPACITY = 32 * 1024  # tokens of KV per chain: 32 sequences of 1024, or one 8k 
 CONTEXT = 512
 
 
-def chain_of(bundle: Path, max_m: int, pdl: bool = True, runs: str | None = None) -> Chain:
+def chain_of(bundle: Path, max_m: int, pdl: bool = True, runs: str | None = None,
+             join: bool = False) -> Chain:
     """A cuda chain with GEMV kernels up to m = max_m, with or without overlapping launches
     (programmatic dependent launch, runtime/backends/cuda.py), with or without persistent
-    runs (runtime/backends/persist.py; decided as the stages load)."""
+    runs (runtime/backends/persist.py) and the joined decode attention
+    (runtime/backends/attention.py; both decided as the stages load)."""
     gemv.MAX_M = max_m
-    before, persist.ENABLED = persist.ENABLED, runs
+    before = persist.ENABLED, attention.ENABLED
+    persist.ENABLED, attention.ENABLED = runs, join
     try:
         chain = Chain(bundle, backend="cuda", token_capacity=CAPACITY)
     finally:
-        persist.ENABLED = before
+        persist.ENABLED, attention.ENABLED = before
     for backend in chain.backends:
         backend.pdl = pdl
     return chain
@@ -296,11 +302,12 @@ def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False)
         f"{CONTEXT} tokens at {hbm:.2f} TB/s), ms", f"{roof_ms:.3f}")
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     out = {}
-    for label, bundle, max_m, policy, pdl, runs in POLICIES:
-        if defaults_only and "(the default)" not in label and "(persistent" not in label:
+    for label, bundle, max_m, policy, pdl, runs, *join in POLICIES:
+        if defaults_only and not any(f"({kind}" in label
+                                     for kind in ("the default)", "persistent", "joined")):
             continue
         gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = policy
-        chain = chain_of(model[bundle], max_m, pdl, runs)
+        chain = chain_of(model[bundle], max_m, pdl, runs, *join)
         generator = Generator(chain)
         step = decode_step_s(lambda p, n: generator.generate(p, n, 512).tokens, prompt)
         ms = step * 1e3
@@ -332,11 +339,14 @@ def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False)
 DEFAULT_POLICY = (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N)
 BIG = 1 << 30
 POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n),
-    # overlapping launches (PDL), persistent runs (KERNCC_PERSIST)
+    # overlapping launches (PDL), persistent runs (KERNCC_PERSIST)[, the joined decode attention:
+    # KERNCC_JOIN_ATTENTION, off unless given]
     ("cuBLAS only, no PDL", "whole", 0, DEFAULT_POLICY, False, None),
     ("GEMV m<=8, no PDL (the default before this round)", "whole", 8, DEFAULT_POLICY, False,
      None),
     ("GEMV m<=8 + PDL (the default)", "whole", 8, DEFAULT_POLICY, True, None),
+    ("GEMV m<=8 + PDL + the attention's split and combine as one launch (joined, opt-in)",
+     "whole", 8, DEFAULT_POLICY, True, None, True),
     ("GEMV m<=8 + PDL + persistent runs (persistent, opt-in)", "whole", 8, DEFAULT_POLICY, True,
      persist.ENTRY),
     ("GEMV m<=8 + PDL + persistent runs, weights in a shared-memory ring (persistent, opt-in)",
@@ -344,6 +354,8 @@ POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max t
     ("cuBLAS only + PDL", "whole", 0, DEFAULT_POLICY, True, None),
     ("2 stages on 1 GPU, GEMV m<=8, no PDL", "two", 8, DEFAULT_POLICY, False, None),
     ("2 stages on 1 GPU, GEMV m<=8 + PDL (the default)", "two", 8, DEFAULT_POLICY, True, None),
+    ("2 stages on 1 GPU, GEMV m<=8 + PDL + the attention as one launch (joined, opt-in)",
+     "two", 8, DEFAULT_POLICY, True, None, True),
     ("2 stages on 1 GPU, GEMV m<=8 + PDL + persistent runs (persistent, opt-in)", "two", 8,
      DEFAULT_POLICY, True, persist.ENTRY),
 ]
@@ -396,7 +408,8 @@ def ablate(model: dict, cfg: dict, rounds: int = 2) -> None:
             for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
                 skip.clear()
                 skip.update(variants[name])
-                with chain_of(model["whole"], 8, True) as chain:
+                # the attention's two launches apart (not joined), so each can be left out
+                with chain_of(model["whole"], 8, True, join=False) as chain:
                     Generator(chain).generate(prompt, 4, 512)  # captures the decode graph
                     times[name][1].append(graph_step_ms(chain))
                     times[name][8].append(batch_step_ms(chain, 8, CONTEXT))
@@ -411,6 +424,39 @@ def ablate(model: dict, cfg: dict, rounds: int = 2) -> None:
             f"sequences ms, us a layer saved", f"{ms[1]:.4f}, {saved[1]:.2f}; {ms[8]:.4f}, "
             f"{saved[8]:.2f}")
         RESULTS.setdefault("ablate", {})[name] = {"batch 1": got[1], "8 sequences": got[8]}
+
+
+def join_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
+    """The decode attention's split and combine as one launch (runtime/backends/attention.py)
+    against the two launches, alternating: the batch-1 `decode` graph whole and in 2 stages,
+    and `decode_batch` steps of 8 and 32 sequences x CONTEXT tokens (graph replays), medians
+    of `rounds`, as ms and the saving a layer."""
+    layers = cfg["layers"]
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
+    times: dict[tuple, list[float]] = {}
+    for r in range(rounds):
+        for join in ((True, False) if r % 2 == 0 else (False, True)):
+            for bundle in ("whole", "two"):
+                with chain_of(model[bundle], 8, True, join=join) as chain:
+                    Generator(chain).generate(prompt, 4, 512)  # captures the decode graph
+                    if join and not any(b.joined for b in chain.backends):
+                        raise RuntimeError("the joined attention did not go out joined")
+                    times.setdefault((join, bundle, 1), []).append(graph_step_ms(chain))
+                    if bundle == "whole":
+                        for seqs in (8, 32):
+                            times.setdefault((join, bundle, seqs), []).append(
+                                batch_step_ms(chain, seqs, CONTEXT))
+                gc.collect()
+    for bundle, seqs in (("whole", 1), ("two", 1), ("whole", 8), ("whole", 32)):
+        on = statistics.median(times[(True, bundle, seqs)])
+        off = statistics.median(times[(False, bundle, seqs)])
+        roof = (weight_bytes(cfg) + seqs * kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
+        what = f"{seqs} sequences" if seqs > 1 else "batch 1" + (", 2 stages" if bundle == "two"
+                                                                  else "")
+        row("join", f"decode {what}: joined attention / two launches, ms (x roofline), "
+            f"us a layer saved", f"{on:.4f} ({on / roof:.2f}x) / {off:.4f} ({off / roof:.2f}x), "
+            f"{(off - on) / layers * 1e3:.2f}")
+    RESULTS["join_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
 
 
 def attention_blocks(model: dict, cfg: dict, hbm: float) -> None:
@@ -665,6 +711,9 @@ def main() -> int:
         if "decode" not in skip:
             with section("decode", limit=400):
                 decode_rows(model, cfg, hbm, args.defaults_only)
+        if "join" not in skip:
+            with section("join", limit=300):
+                join_ab(model, cfg, hbm)
         if "attention" not in skip:
             with section("attention"):
                 attention_blocks(model, cfg, hbm)
