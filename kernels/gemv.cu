@@ -40,17 +40,6 @@ __device__ __forceinline__ uint4 load_shared_ro(const bf16* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-// One 32-wide k chunk of a 16-row tile against MB blocks of 8 activation rows.
-template <int MB>
-__device__ __forceinline__ void chunk_mma(float (&acc)[MB][4], const uint4& lo, const uint4& hi,
-                                          const uint4 (&act)[MB]) {
-#pragma unroll
-  for (int j = 0; j < MB; ++j) {
-    mma_16816(acc[j], lo.x, hi.x, lo.y, hi.y, act[j].x, act[j].y);
-    mma_16816(acc[j], lo.z, hi.z, lo.w, hi.w, act[j].z, act[j].w);
-  }
-}
-
 template <int MB, int GEMV_WARPS, int GEMV_UNROLL>
 __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16* __restrict__ w,
                                           void* __restrict__ c, int m, int n, int k, int mode) {

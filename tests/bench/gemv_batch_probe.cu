@@ -12,16 +12,6 @@
 // k a whole number of rounds only (the probe's shapes); C = bf16(acc) or bf16(C + acc).
 #include "../../kernels/gemv.cuh"
 
-template <int MB>
-__device__ __forceinline__ void chunk_mma(float (&acc)[MB][4], const uint4& lo, const uint4& hi,
-                                          const uint4 (&act)[MB]) {
-#pragma unroll
-  for (int j = 0; j < MB; ++j) {
-    mma_16816(acc[j], lo.x, hi.x, lo.y, hi.y, act[j].x, act[j].y);
-    mma_16816(acc[j], lo.z, hi.z, lo.w, hi.w, act[j].z, act[j].w);
-  }
-}
-
 template <int MB, int WARPS, int U, int R, int S, bool P>
 __device__ __forceinline__ void tile(const bf16* __restrict__ a, const bf16* __restrict__ w,
                                      bf16* __restrict__ c, float* __restrict__ ws,
@@ -59,25 +49,33 @@ __device__ __forceinline__ void tile(const bf16* __restrict__ a, const bf16* __r
 
   uint4 wn[U][R][2];
   uint4 an[U][MB];
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) wn[u][r][h] = load_stream(pw[r][h] + STEP * u);
-  if (P) {
+  auto load_w = [&]() {  // the round's W at pw
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < MB; ++j) an[u][j] = a_ok[j] ? __ldg((const uint4*)(pa[j] + STEP * u)) : zero;
-  }
-  for (int left = ks / (STEP * U); left > 0; --left) {
-    uint4 act[U][MB], wc[U][R][2];
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) wn[u][r][h] = load_stream(pw[r][h] + STEP * u);
+  };
+  auto load_a = [&](uint4 (&into)[U][MB]) {  // the round's A at pa
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int j = 0; j < MB; ++j)
-        act[u][j] = P ? an[u][j] : (a_ok[j] ? __ldg((const uint4*)(pa[j] + STEP * u)) : zero);
+        into[u][j] = a_ok[j] ? __ldg((const uint4*)(pa[j] + STEP * u)) : zero;
+  };
+  load_w();
+  if (P) load_a(an);
+  for (int left = ks / (STEP * U); left > 0; --left) {
+    uint4 act[U][MB], wc[U][R][2];
+    if (P) {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < MB; ++j) act[u][j] = an[u][j];
+    } else {
+      load_a(act);
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -92,19 +90,8 @@ __device__ __forceinline__ void tile(const bf16* __restrict__ a, const bf16* __r
 #pragma unroll
     for (int j = 0; j < MB; ++j) pa[j] += STEP * U;
     if (left > 1) {
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) wn[u][r][h] = load_stream(pw[r][h] + STEP * u);
-      if (P) {
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int j = 0; j < MB; ++j)
-            an[u][j] = a_ok[j] ? __ldg((const uint4*)(pa[j] + STEP * u)) : zero;
-      }
+      load_w();
+      if (P) load_a(an);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u)
