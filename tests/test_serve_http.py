@@ -405,6 +405,56 @@ def test_a_client_that_goes_away_frees_its_pages(base):
     assert metric(base, "kerncc_requests_running") == 0
 
 
+def test_a_stream_whose_client_leaves_before_its_first_token_is_never_served(chain):
+    """A streaming request queued behind a busy engine, whose client closes the connection
+    before any token: the handler sees it go (it polls until the first piece) and cancels the
+    request, so the engine never prefills it. (It used to notice only when the first token
+    could not be written, after the prefill.)"""
+
+    class Counting(Gated):
+        rows: list[int] = []
+
+        def submit(self, program, inputs=None, vars=None, *args, **kwargs):
+            self.rows.append(int((vars or {}).get("tokens", 0)))
+            return super().submit(program, inputs, vars, *args, **kwargs)
+
+    gated = Counting(chain)
+    with serving(chain, runner=gated, max_running=1) as (url, server):
+        cancels: list = []
+        cancel = server.engine.cancel
+        server.engine.cancel = lambda request: (cancels.append(request), cancel(request))
+        busy = threading.Thread(target=complete, args=(url,), kwargs={
+            "prompt": [1, 2, 3], "max_tokens": 2}, daemon=True)
+        busy.start()
+        assert gated.entered.wait(30), "the first request reached the model"
+        body = json.dumps({"model": MODEL, "prompt": list(range(30)), "max_tokens": 4,
+                           "stream": True}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            for _ in range(1000):  # bounded (10 s): the stream's request is queued
+                if server.engine.waiting == 1:
+                    break
+                time.sleep(0.01)
+            assert server.engine.waiting == 1
+        for _ in range(1000):  # bounded (10 s): the handler hears the client go
+            if cancels:
+                break
+            time.sleep(0.01)
+        assert [len(r.prompt) for r in cancels] == [30], "the stream was cancelled unserved"
+        gated.gate.set()
+        busy.join(30)
+        for _ in range(1000):  # bounded (10 s): the engine drains
+            if server.engine.waiting == 0 and server.engine.running == 0:
+                break
+            time.sleep(0.01)
+        assert server.engine.waiting == 0 and server.engine.running == 0
+        assert 30 not in gated.rows, "the cancelled stream's prompt was never prefilled"
+        assert cancels[0].generated == [] and cancels[0].finish == "cancelled"
+
+
 class Broken:
     """A runner whose decode fails as a launch would."""
 

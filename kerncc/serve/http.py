@@ -52,7 +52,7 @@ MAX_STOPS = 4
 # (a 40,000-character stop took 43 ms a token, blocking every other request).
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_TOKENS = 16
-POLL = 0.25  # seconds between checks that a non-streaming client is still there
+POLL = 0.25  # seconds between checks that a client still waiting for a piece is there
 
 
 class ApiError(Exception):
@@ -356,7 +356,16 @@ class _Detok:
                     if full.endswith(s[:n])), default=0)
 
 
-async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: bool
+class _Watch:
+    """Whether `_pieces` looks, every POLL seconds while it waits for the engine, for a client
+    gone away: a whole answer's for as long as it runs, a stream's until its first piece (from
+    then on the stream's own writes find out)."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+
+async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch
                   ) -> AsyncIterator[_Piece]:
     """The pieces of one generation; cancels the sequence when the caller goes away."""
     bridge = _Bridge(server, asyncio.get_running_loop())
@@ -365,7 +374,7 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: bool
     try:
         while True:
             try:
-                item = await asyncio.wait_for(bridge.queue.get(), POLL) if watch \
+                item = await asyncio.wait_for(bridge.queue.get(), POLL) if watch.on \
                     else await bridge.queue.get()
             except TimeoutError:
                 if await http.is_disconnected():
@@ -525,11 +534,15 @@ async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
         ask = await asyncio.to_thread(lambda body: server.parse(_json(body), chat),
                                       await _body(http))
         if ask.stream:
-            first = _pieces(server, ask, http, watch=False)
+            # a client that leaves while its request waits (queued, or behind a long
+            # prefill) is cancelled then, before the engine spends a step on it
+            watch = _Watch()
+            first = _pieces(server, ask, http, watch)
             opened = await _first(first)  # errors before the first token are plain answers
+            watch.on = False
             return StreamingResponse(_sse(server, ask, chat, opened, first),
                                      media_type="text/event-stream")
-        pieces = [p async for p in _pieces(server, ask, http, watch=True)]
+        pieces = [p async for p in _pieces(server, ask, http, _Watch())]
     except ApiError as err:
         return err.response()
     ids = [t for p in pieces for t in p.token_ids]
