@@ -12,6 +12,14 @@ order (spec §6.1): the prompt minus its last token in chunks, the last token th
 one-row program, whose token is the first. Each further token is fed back through the one-row
 program.
 
+Greedy decoding runs one step ahead of the host: step k + 1 is issued, its token fed on the
+device from step k's token output (`Session.feed`), before the host has step k's token, so the
+GPU goes from one step to the next without waiting for the host (kern-serve's order of calls,
+the same bits). It does so only where the stage proves the fed values fit the token input's
+domain (the library's argmax writes the output: `Session.token_range`), since those bytes pass
+no host check; when a token ends generation, the one step issued past it is dropped. Sampled
+decoding (the host draws each token) and stages in other processes go one step at a time.
+
 A chain of stages is served like one manifest: the protocol is read off every stage that fits
 it (`check_unsampled`) and merged (the head stages the union of every stage's inputs, spec
 §3.10); the driver refuses to start if some stage reads an input it cannot fill. Pages come
@@ -39,6 +47,7 @@ from kerncc.verify import verify
 
 INPUT_FILLS = ("token", "position", "valid", "slot", "seq_len", "cu_seqlens", "span_at")
 LOGITS = "logits"
+LOOKAHEAD = True  # greedy steps issued one ahead, their token fed on the device (module doc)
 
 
 def chunk_tokens(protocol: proto.Protocol) -> bool:
@@ -356,20 +365,69 @@ class Generator:
         self._staged = False
         try:
             token = self._prefill(seq, chunk, record, stage=max_new > 1)
+            feed = self._feed_once() if self._sampling is None and max_new > 2 else None
             generated: list[int] = []
-            while len(generated) < max_new:
+            ahead: Any = None  # a step issued before the token it was fed was known here
+            while True:
                 generated.append(token)
                 if on_token is not None:
                     on_token(token)
                 seq.tokens.append(token)
-                self._generated = len(generated)
-                if stop is not None and stop(token):
+                self._generated = g = len(generated)
+                if (stop is not None and stop(token)) or g >= max_new:
+                    if ahead is not None:  # issued past the end: its results are nobody's
+                        record.drop()
                     break
-                if len(generated) < max_new:
-                    token = self._one_row(seq, record, stage=len(generated) + 1 < max_new)
+                if feed is None:
+                    token = self._one_row(seq, record, stage=g + 1 < max_new)
+                    continue
+                forward = self.step_program
+                if ahead is None:  # this step's token is known here: the host writes it
+                    staged, self._staged = self._staged, False
+                    ahead = self._issue(seq, forward, record, staged=staged, stage_next=True)
+                current = ahead
+                # the step after it, fed on the device from this one's token
+                ahead = self._issue(seq, forward, record, staged=self._staged, fed=feed,
+                                    stage_next=g + 3 <= max_new) if g + 2 <= max_new else None
+                token = self._token(current, forward)
         finally:
             self.pool.give_back(seq.pages)
         return Generation(generated, record.stacked(), record.steps)
+
+    def _feed_once(self) -> Callable[[dict[str, int]], None] | None:
+        """`_feeder()`, worked out at the first request that can use it (the stages' launches
+        do not change) unless LOOKAHEAD is off."""
+        if not LOOKAHEAD:
+            return None
+        if not hasattr(self, "_device_feed"):
+            self._device_feed = self._feeder()
+        return self._device_feed
+
+    def _feeder(self) -> Callable[[dict[str, int]], None] | None:
+        """How a one-row step's token input is written on the device from the step before
+        it (`Session.feed`), or None where the stages cannot prove the fed values fit that
+        input's domain, or the runner is not a Session or an in-process Chain."""
+        forward = self.step_program
+        if (not LOOKAHEAD or forward is None or forward.emits is None
+                or type(self.runner) not in (Session, Chain)):
+            return None
+        names = {f.name for f in self.protocol.fills if f.fill == "token"}
+        runs = [s for s in self.sessions if forward.name in s.sites]
+        if len(names) != 1 or not runs:
+            return None
+        name, source = next(iter(names)), runs[-1]
+        span = source.token_range(forward.name, forward.emits)
+        targets = [s for s in self.sessions if name in s.stage.host_inputs]
+        vars = self.protocol.vars(1, 1, 1, 1)
+        if span is None or not targets or not all(
+                t.fits_domain(name, *span, _vars_of(t, vars)) for t in targets):
+            return None
+
+        def feed(vars: dict[str, int]) -> None:
+            for target in targets:
+                target.feed(name, source, forward.emits, _vars_of(target, vars))
+
+        return feed
 
     def _prefill(self, seq: Served, chunk: int, record: _Record, stage: bool) -> int:
         """The prompt in chunks, the last chunk's token; or, when the chunk program hands back
@@ -438,10 +496,22 @@ class Generator:
         once this call is issued, write the next step's inputs but its token while it runs, so
         between two steps the host only writes one token (on one H200 that cut a batch-1
         decode step from 1.45 to 1.31 ms, host included: docs/benchmarks.md)."""
+        pending = self._issue(seq, forward, record, rows, staged, stage_next=stage_next)
+        return self._token(pending, forward) if wait else None
+
+    def _issue(self, seq: Served, forward: proto.Forward, record: _Record, rows: int = 1,
+               staged: bool = False, fed: Callable[[dict[str, int]], None] | None = None,
+               stage_next: bool = False) -> Any:
+        """Issue `rows` rows through `forward` (see _feed) without waiting; `fed`: the token
+        input is written on the device by `fed(vars)` (the step before hands it over), not by
+        the host. The call's pending outputs."""
         start, end = seq.cached, seq.cached + rows
         self._reserve(seq, end)
-        inputs = self._inputs(seq, start, end, "tokens" if staged else "all")
+        part = ("none" if staged else "rest") if fed else ("tokens" if staged else "all")
+        inputs = self._inputs(seq, start, end, part)
         vars = self.protocol.vars(1, rows, rows, end)
+        if fed is not None:
+            fed(vars)
         wanted = {LOGITS} | ({forward.emits} if forward.emits else set())
         if isinstance(self.runner, Chain):
             pending = self.runner.submit(forward.name, inputs, vars, rows=rows, outputs=wanted)
@@ -449,10 +519,14 @@ class Generator:
             pending = self.runner.submit(forward.name, inputs, vars, outputs=wanted)
         seq.cached = end
         record.add(forward.name, rows, pending)
+        self._staged = False
         if stage_next:
             self._stage_step(seq)
-        if not wait:
-            return None
+        return pending
+
+    @staticmethod
+    def _token(pending: Any, forward: proto.Forward) -> int | None:
+        """The token a call hands back (waiting for it), or None when it hands back none."""
         outputs = pending.result()
         if forward.emits is None or forward.emits not in outputs:
             return None
@@ -484,9 +558,11 @@ class Generator:
 
     def _inputs(self, seq: Served, start: int, end: int, part: str = "all"
                 ) -> dict[str, np.ndarray]:
-        """The inputs of rows [start, end): "all", only the "tokens" (fill `token`), or the
-        "rest" (every other fill and the page tables)."""
+        """The inputs of rows [start, end): "all", only the "tokens" (fill `token`), the
+        "rest" (every other fill and the page tables), or "none"."""
         inputs: dict[str, np.ndarray] = {}
+        if part == "none":
+            return inputs
         for f in self.protocol.fills:
             wanted = part == "all" or (f.fill == "token") == (part == "tokens")
             if f.fill in INPUT_FILLS and wanted:
@@ -517,6 +593,11 @@ class Generator:
             return [0] + [rows] * (f.axis.n - 1)  # type: ignore[union-attr]
         return [0]  # span_at: no run in a plain call
 
+
+
+def _vars_of(session: Session, vars: dict[str, int]) -> dict[str, int]:
+    """The vars of `vars` that `session`'s stage has."""
+    return {n: v for n, v in vars.items() if n in session.manifest.vars}
 
 
 def _check_callbacks(sampling: Any, stop: Any, on_token: Any) -> None:
@@ -555,6 +636,11 @@ class _Record:
     def add(self, program: str, rows: int, pending: Any) -> None:
         self.steps.append((program, rows))
         self.pending.append(pending)
+
+    def drop(self) -> None:
+        """Forget the last run (a step issued past the end of generation)."""
+        self.steps.pop()
+        self.pending.pop()
 
     def stacked(self) -> np.ndarray | None:
         logits = []

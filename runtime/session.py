@@ -26,6 +26,7 @@ import numpy as np
 from kerncc import manifest as m
 from kerncc.analysis.access import call_access
 from kerncc.diagnostics import Diagnostic, KernccError, Location
+from kerncc.kernels import library
 from kerncc.progress import progress
 from kerncc.runtime import domains
 from kerncc.runtime.backends import make_backend
@@ -497,12 +498,74 @@ class Session:
             return self.memory.seq_slots * state.bytes_per_seq
         return None
 
+    # ------------------------------------------------------------------------ device feeds
+
+    def token_range(self, program: str, name: str) -> tuple[int, int] | None:
+        """The values buffer `name` can hold once `program` has run, when this stage can prove
+        them: [0, vocab) when the last launch of `program` that touches the buffer is the
+        library's `argmax_f32` writing it (ungated, `vocab` a constant); None when it cannot.
+        A driver feeds such a buffer into an input on the device (`feed`) only where this
+        range lies in that input's domain: the bytes then never pass the host's checks."""
+        buf = self.manifest.buffers.get(name)
+        if buf is None or name not in self.memory.buffers or buf.dtype != "i32":
+            return None
+        address = self._address(self.backend.pointer(self.memory.buffer(name), 0))
+        last = next((site for site in reversed(self.sites.get(program, []))
+                     if address in (self._address(arg) for arg in site.args)), None)
+        if (last is None or last.kind != "kernel" or last.entry != "argmax_f32"
+                or last.when is not None or len(last.args) != 4
+                or last.module != library.index()["sampling"]["sha256"]
+                or self._address(last.args[1]) != address
+                or not isinstance(last.args[3], np.generic)):
+            return None
+        vocab = int(last.args[3])
+        return (0, vocab - 1) if vocab >= 1 else None
+
+    def fits_domain(self, name: str, low: int, high: int,
+                    vars: Mapping[str, int] | None = None) -> bool:
+        """Whether every value in [low, high] lies in input `name`'s domain at `vars`."""
+        buf = self._buffer(name)
+        if buf.kind not in HOST_WRITTEN:
+            return False
+        if buf.domain is None:
+            return True
+        for side, limit, _ in domains._limits(buf, self._vars(vars), self._index_rows):
+            if (side == "min" and low < limit) or (side == "max" and high > limit):
+                return False
+        return True
+
+    def _address(self, arg: Any) -> int | None:
+        """A launch argument's device address, or None when it is no pointer."""
+        if isinstance(arg, np.ndarray):
+            return self.backend.address(arg)
+        if type(arg) is int:
+            return arg
+        return None
+
+    def feed(self, name: str, source: Session, output: str,
+             vars: Mapping[str, int] | None = None) -> None:
+        """Write input `name` at `vars` from `source`'s buffer `output` (this stage or another
+        one), device to device, after everything issued so far: a run to come reads it as if
+        the host had written it. The caller has proven the values fit (`token_range`,
+        `fits_domain`): no host check sees them."""
+        buf, given = self._buffer(name), source._buffer(output)
+        nbytes = buf.nbytes(self._vars(vars))
+        if buf.kind not in HOST_WRITTEN or given.dtype != buf.dtype or nbytes > int(
+                source.memory.buffer(output).nbytes):
+            raise KernccError.single(f"cannot feed input `{name}` ({buf.dtype}) from "
+                                     f"`{output}` ({given.dtype})")
+        source._copy_to(self, source.memory.buffer(output), self.memory.buffer(name), nbytes)
+
     def transfer(self, name: str, target: Session, vars: Mapping[str, int]) -> None:
         """Copy buffer `name`'s bytes at `vars` into the same-named buffer of `target`."""
         buf = target._buffer(name)
         self._buffer(name)
         nbytes = buf.nbytes(target._vars(vars))
-        source, sink = self.memory.buffer(name), target.memory.buffer(name)
+        self._copy_to(target, self.memory.buffer(name), target.memory.buffer(name), nbytes)
+
+    def _copy_to(self, target: Session, source: Any, sink: Any, nbytes: int) -> None:
+        """`nbytes` from this stage's allocation `source` into `target`'s `sink`: on the
+        device when both are one backend or can send to each other, else through the host."""
         if target.backend is self.backend:
             self.backend.activate()
             self.backend.copy(source, 0, sink, 0, nbytes)

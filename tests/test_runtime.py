@@ -182,11 +182,16 @@ def test_the_first_token_comes_from_the_last_chunk_when_the_chunk_hands_one_back
     assert ours.tokens == kern.tokens
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 def test_decode_steps_stage_all_but_the_token_while_the_step_before_runs(whole, bundle_dir,
-                                                                         monkeypatch):
+                                                                         monkeypatch, ahead):
     """Once a call is issued the Generator writes the next step's positions, slots, lengths
-    and page table (Session/Chain.stage_inputs), so the step itself sends only its token; the
-    tokens and logits are those of a run that writes every input with its step."""
+    and page table (Session/Chain.stage_inputs), so the step itself sends only its token, or,
+    a step ahead (LOOKAHEAD), nothing but the first (the others' tokens are fed on the
+    device); the tokens and logits are those of a run that writes every input with its step."""
+    from kerncc.runtime import generate as gen
+
+    monkeypatch.setattr(gen, "LOOKAHEAD", ahead)
     prompt = [5, 6, 7, 8, 9, 10, 11]
     for runner in (whole, Chain(bundle_dir)):
         calls: list[tuple] = []
@@ -206,11 +211,14 @@ def test_decode_steps_stage_all_but_the_token_while_the_step_before_runs(whole, 
         rest = ["block_table", "cu_seqlens", "positions", "seq_lens", "slot_mapping"]
         # two chunks (the last hands back token 1), then a step for each of tokens 2 to 5,
         # each staged after the call before it
+        fed = ["token_ids"] if not ahead else []
         assert calls == [("submit", "prefill", sorted(rest + ["token_ids"]))] * 2 + [
-            ("stage", rest), ("submit", "decode", ["token_ids"])] * 4
+            ("stage", rest), ("submit", "decode", ["token_ids"])] + [
+            ("stage", rest), ("submit", "decode", fed)] * 3
         monkeypatch.setattr(Generator, "_stage_step", lambda self, seq: None)
         plain = Generator(runner).generate(prompt, 5, chunk=4)
         monkeypatch.undo()
+        monkeypatch.setattr(gen, "LOOKAHEAD", ahead)
         assert staged.tokens == plain.tokens
         np.testing.assert_array_equal(staged.logits, plain.logits)
 

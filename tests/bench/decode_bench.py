@@ -22,6 +22,9 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
   join     the decode attention's split and combine as one launch (runtime/backends/
            attention.py, opt-in) against the two, alternating: batch 1 whole and in 2 stages,
            8 and 32 sequences.
+  lookahead greedy decoding a step ahead of the host (the next step's token fed on the
+           device) against one step at a time, alternating: ms/token at batch 1, whole and
+           2 stages.
   attention the batched decode at 32/8/2 sequences and 512-4096 tokens with the attention's split
            blocks per (sequence, kv head) at max_splits (a block per split), 16, 8 and 4.
   bitwise  whole vs 2 stages on one GPU (prompts x chunks, 9 tokens): identical bits.
@@ -459,6 +462,41 @@ def join_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
     RESULTS["join_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
 
 
+def lookahead_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
+    """Greedy decoding one step ahead of the host (runtime/generate.py LOOKAHEAD: the next
+    step issued before this one's token is known, its token fed on the device) against one
+    step at a time, alternating: ms/token through the Generator at batch 1 (host included),
+    whole and in 2 stages, beside the decode graph's replay (the GPU's own step)."""
+    from kerncc.runtime import generate as gen
+
+    roof_ms = (weight_bytes(cfg) + kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
+    before = gen.LOOKAHEAD
+    try:
+        for bundle in ("whole", "two"):
+            with chain_of(model[bundle], 8, True) as chain:
+                generator = Generator(chain)
+                if generator._feeder() is None:
+                    raise RuntimeError("the decode steps cannot be fed on the device")
+                times: dict[bool, list[float]] = {True: [], False: []}
+                for r in range(rounds):
+                    for ahead in ((True, False) if r % 2 == 0 else (False, True)):
+                        gen.LOOKAHEAD = ahead
+                        times[ahead].append(1e3 * decode_step_s(
+                            lambda p, n: generator.generate(p, n, 512).tokens, prompt))
+                gms = graph_step_ms(chain)
+            on, off = (statistics.median(times[k]) for k in (True, False))
+            row("lookahead", f"decode batch 1, {bundle}: ms/token a step ahead / one step at "
+                f"a time (x roofline); the graph's step", f"{on:.3f} ({on / roof_ms:.2f}x) / "
+                f"{off:.3f} ({off / roof_ms:.2f}x); {gms:.3f}")
+            RESULTS.setdefault("lookahead_ms", {})[bundle] = {"ahead": times[True],
+                                                              "one at a time": times[False],
+                                                              "graph": gms}
+            gc.collect()
+    finally:
+        gen.LOOKAHEAD = before
+
+
 def attention_blocks(model: dict, cfg: dict, hbm: float) -> None:
     """The batched decode's step with Z split blocks per (sequence, kv head) (the grid z of
     `attn_decode_batch`; the bits are the same for any Z): a block per split (Z = max_splits,
@@ -714,6 +752,9 @@ def main() -> int:
         if "join" not in skip:
             with section("join", limit=300):
                 join_ab(model, cfg, hbm)
+        if "lookahead" not in skip:
+            with section("lookahead", limit=300):
+                lookahead_ab(model, cfg, hbm)
         if "attention" not in skip:
             with section("attention"):
                 attention_blocks(model, cfg, hbm)

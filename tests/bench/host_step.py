@@ -1,0 +1,100 @@
+"""The Generator's host work per decode step, on the CPU: a backend whose launches, graph
+captures and replays do nothing, so what is timed is the Python between two steps (the inputs
+written and checked, the call issued, the outputs taken in). For greedy decoding one step at a
+time it also times the stretch the device waits for: from a step's token in hand to the next
+replay. A step ahead (runtime/generate.py LOOKAHEAD) that stretch runs while the next step is
+already on the device.
+
+    python tests/bench/host_step.py [--tokens 400] [--profile]    # ~10 s, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from kerncc.cli.main import main as kerncc
+from kerncc.example import generate
+from kerncc.runtime import Chain
+from kerncc.runtime import generate as gen
+from kerncc.runtime import session as sess
+from kerncc.runtime.backends.cpu import CpuBackend
+
+# the `small` model's decode interface (24 layers, vocab 32000, 4096 keys) on tiny widths
+SHAPE = {"layers": 24, "hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128,
+         "intermediate": 512, "vocab": 32000, "max_context": 4096, "max_tokens": 512}
+
+
+class Idle(CpuBackend):
+    """The cpu backend with launches that do nothing and graphs that replay nothing."""
+
+    graphs = True
+
+    def __init__(self) -> None:
+        self.replays: list[float] = []
+
+    def launch_kernel(self, geometry, args) -> None:
+        pass
+
+    def launch_extern(self, name, args) -> None:
+        pass
+
+    def capture(self, issue):
+        return object()
+
+    def replay(self, graph) -> None:
+        self.replays.append(time.perf_counter())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--profile", action="store_true", help="also cProfile one run")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp())
+    model, _ = generate(root / "model", "tiny", **SHAPE)
+    assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
+    backend = Idle()
+    g = gen.Generator(Chain(root / "whole", backend=backend, graphs=True))
+    prompt = list(range(1, 40))
+    tokens_in_hand: list[float] = []
+    result = sess.Pending.result
+
+    def timed_result(self):
+        out = result(self)
+        tokens_in_hand.append(time.perf_counter())
+        return out
+
+    sess.Pending.result = timed_result
+    for ahead in (False, True):
+        gen.LOOKAHEAD = ahead
+        g.generate(prompt, 8, 64)  # warm-up
+        tokens_in_hand.clear()
+        backend.replays.clear()
+        start = time.perf_counter()
+        g.generate(prompt, args.tokens, 64)
+        per_token = (time.perf_counter() - start) / args.tokens * 1e6
+        line = f"{'a step ahead' if ahead else 'one step at a time'}: {per_token:.1f} us of " \
+               "host work a token"
+        if not ahead:
+            gaps = [next(r for r in backend.replays if r > t) - t for t in tokens_in_hand[:-1]
+                    if any(r > t for r in backend.replays)]
+            line += (f"; a token in hand to the next replay (the device waits): median "
+                     f"{statistics.median(gaps) * 1e6:.1f} us over {len(gaps)} steps")
+        print(line)
+    sess.Pending.result = result
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        g.generate(prompt, args.tokens, 64)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()

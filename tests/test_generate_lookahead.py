@@ -1,0 +1,146 @@
+"""Greedy decoding one step ahead of the host (runtime/generate.py `LOOKAHEAD`), on the cpu
+backend: step k + 1 is issued before the host has step k's token, its token input written on
+the device from step k's token output (`Session.feed`).
+
+What must hold: the same tokens, logits, runs and streamed tokens as one step at a time, whole
+and in 2 stages, at every chunk size and wherever a stop token ends generation (the step issued
+past it leaves no trace, and every page comes back); the feeds really happen; and a stage that
+cannot prove the fed values fit the token input's domain (the library's argmax over at most
+the vocabulary writes the output) decodes one step at a time. On the GPU the same calls go in
+the same order on one stream (tests/test_generate_cuda.py compares whole and stages there).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+from kerncc.cli.main import main
+from kerncc.example import generate
+from kerncc.runtime import Chain
+from kerncc.runtime import generate as gen
+from kerncc.runtime.sampling import SamplingParams
+from kerncc.runtime.session import Session
+
+PROMPTS = [[5], [5, 6, 7], list(range(1, 40)), [(i * 37) % 250 + 1 for i in range(70)]]
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lookahead")
+    model, _ = generate(root / "model", "tiny")
+    out = {}
+    for name, pipeline in (("whole", "emit"),
+                           ("two", "cut{at-label=l1.input_norm},slice-derive,emit")):
+        assert main(["lower", str(model), "-p", pipeline, "-o", str(root / name)]) == 0
+        out[name] = root / name
+    return out
+
+
+def run(g: gen.Generator, lookahead: bool, *args, **kwargs) -> tuple[gen.Generation, list]:
+    streamed: list[int] = []
+    before, gen.LOOKAHEAD = gen.LOOKAHEAD, lookahead
+    try:
+        result = g.generate(*args, on_token=streamed.append, **kwargs)
+    finally:
+        gen.LOOKAHEAD = before
+    return result, streamed
+
+
+def same(a: gen.Generation, b: gen.Generation) -> None:
+    assert a.tokens == b.tokens
+    assert a.steps == b.steps
+    np.testing.assert_array_equal(a.logits.view(np.uint32), b.logits.view(np.uint32))
+
+
+@pytest.fixture
+def feeds(monkeypatch) -> list:
+    """Every device-side feed (input, output), counted."""
+    made: list = []
+    feed = Session.feed
+
+    def counted(self, name, source, output, vars=None):
+        made.append((name, output))
+        return feed(self, name, source, output, vars)
+
+    monkeypatch.setattr(Session, "feed", counted)
+    return made
+
+
+@pytest.mark.parametrize("bundle", ["whole", "two"])
+@pytest.mark.parametrize("chunk", [1, 16, 64])
+def test_a_step_ahead_gives_one_step_at_a_times_tokens_logits_and_runs(bundles, bundle, chunk,
+                                                                        feeds):
+    g = gen.Generator(Chain(bundles[bundle]))
+    for prompt in PROMPTS:
+        for max_new in (1, 2, 3, 11):
+            feeds.clear()
+            ahead, streamed = run(g, True, prompt, max_new, chunk)
+            assert len(feeds) == max(0, max_new - 2), "every step but the first two was fed"
+            alone, streamed_alone = run(g, False, prompt, max_new, chunk)
+            same(ahead, alone)
+            assert streamed == streamed_alone == ahead.tokens
+            assert len(g.pool.free) == g.pool.pages
+
+
+@pytest.mark.parametrize("bundle", ["whole", "two"])
+def test_a_stop_token_drops_the_step_issued_past_it(bundles, bundle, feeds):
+    g = gen.Generator(Chain(bundles[bundle]))
+    prompt = PROMPTS[2]
+    full = run(g, False, prompt, 12, 16)[0].tokens
+    assert len(set(full)) > 3, "a stop token must be told apart from the others"
+    for at in (0, 1, 2, 5, 11):
+        stop = full[at]
+        first = full.index(stop)  # generation ends at the first time the stop token comes
+        ahead, _ = run(g, True, prompt, 12, 16, stop=lambda t, s=stop: t == s)
+        alone, _ = run(g, False, prompt, 12, 16, stop=lambda t, s=stop: t == s)
+        same(ahead, alone)
+        assert ahead.tokens == full[:first + 1]
+        assert len(g.pool.free) == g.pool.pages
+    assert feeds, "the steps went ahead"
+
+
+def test_sampled_decoding_goes_one_step_at_a_time(bundles, feeds):
+    g = gen.Generator(Chain(bundles["whole"]))
+    params = SamplingParams(temperature=0.8, seed=3)
+    ahead, _ = run(g, True, PROMPTS[1], 8, 16, sampling=params)
+    alone, _ = run(g, False, PROMPTS[1], 8, 16, sampling=params)
+    same(ahead, alone)
+    assert feeds == []
+
+
+def test_the_feed_needs_the_librarys_argmax_within_the_token_domain(bundles, monkeypatch):
+    """The fed bytes pass no host check, so the lookahead needs a proof that they fit: the
+    step program's last launch touching its token output is the library's argmax_f32, whose
+    vocabulary is within the token input's domain."""
+    chain = Chain(bundles["whole"])
+    session = chain.sessions[0]
+    g = gen.Generator(chain)
+    assert g._feeder() is not None
+    sites = session.sites["decode"]
+    at = next(i for i, s in enumerate(sites) if s.entry == "argmax_f32")
+    vocab = int(sites[at].args[3])
+    assert session.token_range("decode", g.step_program.emits) == (0, vocab - 1)
+    larger = attrs.evolve(sites[at], args=(*sites[at].args[:3], np.int32(vocab + 1)))
+    foreign = attrs.evolve(sites[at], module="0" * 64)
+    after = attrs.evolve(sites[at], entry="embedding_gather_bf16")  # touches it after argmax
+    for changed in ([*sites[:at], larger, *sites[at + 1:]],
+                    [*sites[:at], foreign, *sites[at + 1:]],
+                    [*sites, after]):
+        monkeypatch.setitem(session.sites, "decode", changed)
+        assert g._feeder() is None
+    monkeypatch.setitem(session.sites, "decode", sites)
+    assert g._feeder() is not None
+    monkeypatch.setattr(gen, "LOOKAHEAD", False)
+    assert g._feeder() is None
+
+
+def test_an_input_is_fed_only_from_a_buffer_of_its_type(bundles):
+    from kerncc.diagnostics import KernccError
+
+    session = Chain(bundles["whole"]).sessions[0]
+    with pytest.raises(KernccError, match="cannot feed input `token_ids`"):
+        session.feed("token_ids", session, "logits", {"tokens": 1})
+    assert not session.fits_domain("token_ids", -1, 3)
+    assert not session.fits_domain("logits", 0, 3)  # not an input

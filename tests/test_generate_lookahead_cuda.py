@@ -1,0 +1,62 @@
+"""Greedy decoding one step ahead of the host on the GPU (marked `gpu`: skipped without a CUDA
+driver): runtime/generate.py issues step k + 1 before step k's token reaches the host, its token
+input copied on the device's stream from step k's output (Session.feed). What must hold there,
+where the copies, the graphs and the downloads really run asynchronously: the same tokens and
+logits, bit for bit, as one step at a time, eagerly and in CUDA graphs, whole and in 2 stages,
+with and without a stop token; and the feeds really happened.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kerncc.cli.main import main
+from kerncc.example import generate
+from kerncc.runtime import Chain
+from kerncc.runtime import generate as gen
+from kerncc.runtime.session import Session
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[7], [3, 1, 4], list(range(5, 90))]
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("lookahead")
+    model, _ = generate(root / "model", "tiny")
+    out = {}
+    for name, pipeline in (("whole", "emit"),
+                           ("two", "cut{at-label=l1.input_norm},slice-derive,emit")):
+        assert main(["lower", str(model), "-p", pipeline, "-o", str(root / name)]) == 0
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("bundle", ["whole", "two"])
+def test_a_step_ahead_gives_one_step_at_a_times_bits_on_the_gpu(bundles, bundle, graphs,
+                                                                 monkeypatch):
+    fed = []
+    feed = Session.feed
+    monkeypatch.setattr(Session, "feed", lambda self, *a, **k: (fed.append(a), feed(self, *a,
+                                                                                     **k)))
+    with Chain(bundles[bundle], backend="cuda", graphs=graphs) as chain:
+        g = gen.Generator(chain)
+        for prompt in PROMPTS:
+            full = None
+            for stop_at in (None, 2):
+                stop = None if full is None else (lambda t, s=full[stop_at]: t == s)
+                results = {}
+                for ahead in (True, False):
+                    monkeypatch.setattr(gen, "LOOKAHEAD", ahead)
+                    results[ahead] = g.generate(prompt, 12, 32, stop=stop)
+                got, want = results[True], results[False]
+                assert got.tokens == want.tokens and got.steps == want.steps
+                np.testing.assert_array_equal(got.logits.view(np.uint32),
+                                              want.logits.view(np.uint32))
+                assert np.abs(got.logits).max() > 0
+                full = got.tokens
+            assert len(g.pool.free) == g.pool.pages
+    assert fed, "the steps were fed on the device"
