@@ -135,6 +135,7 @@ class Engine:
             f.name in s.sites for f in self.protocol.forwards for s in self.sessions)
         self._plain = _plain_inputs(self.sessions) if local else frozenset()
         self._held: dict[str, tuple[tuple, np.ndarray]] = {}
+        self._rows: dict[int, tuple[list[int], np.ndarray]] = {}  # page-table rows by sequence
 
     # ------------------------------------------------------------------------ limits
 
@@ -410,27 +411,43 @@ class Engine:
                 values = self._fill_values(f, item, requests)
                 inputs[f.name] = np.asarray(values, dtype=numpy_dtype(f.dtype))
         for t in self.protocol.page_tables:
-            table = []
-            for seq_id, _, _ in item.parts:
-                pages = self.pool.held(seq_id)
-                table.append(pages + [0] * (t.width - len(pages)))
-            inputs[t.name] = np.asarray(table, dtype=np.int32)
+            inputs[t.name] = np.stack([self._table_row(seq_id, t.width)
+                                       for seq_id, _, _ in item.parts])
         return inputs
+
+    def _table_row(self, seq_id: int, width: int) -> np.ndarray:
+        """A sequence's page-table row (its pages, then zeros), rebuilt only when its pages
+        change: a 32-sequence step rebuilt 32 rows of `width` from lists every call."""
+        pages = self.pool.held(seq_id)
+        kept = self._rows.get(seq_id)
+        if kept is None or kept[1].shape[0] != width or kept[0] != pages:
+            row = np.zeros(width, np.int32)
+            row[:len(pages)] = pages
+            kept = self._rows[seq_id] = (list(pages), row)
+        return kept[1]
 
     def _fill_values(self, f: proto.Filled, item: sch.Item, requests: list[Request]
                      ) -> list[int] | np.ndarray:
-        parts = [(r.tokens, start, n) for r, (_, start, n) in zip(requests, item.parts)]
+        parts = item.parts
+        ones = all(n == 1 for _, _, n in parts)  # a decode call: a row a sequence
         if f.fill == "token":
-            if f.axis == "groups":
-                return [tokens[start] for tokens, start, _ in parts]
-            return [t for tokens, start, n in parts for t in tokens[start:start + n]]
+            if f.axis == "groups" or ones:
+                return [_token_at(r, start) for r, (_, start, _) in zip(requests, parts)]
+            return [t for r, (_, start, n) in zip(requests, parts)
+                    for t in r.tokens[start:start + n]]
         if f.fill == "position":
+            if ones:
+                return [start for _, start, _ in parts]
             return np.concatenate([np.arange(start, start + n) for _, start, n in parts])
         if f.fill == "valid":
             return [1] * sum(n for _, _, n in parts)
         if f.fill == "slot":
-            return np.concatenate([slots(self.pool.held(r.id), self.stride, start, start + n)
-                                   for r, (_, start, n) in zip(requests, item.parts)])
+            stride = self.stride
+            if ones:
+                return [self.pool.held(r.id)[start // stride] * stride + start % stride
+                        for r, (_, start, _) in zip(requests, parts)]
+            return np.concatenate([slots(self.pool.held(r.id), stride, start, start + n)
+                                   for r, (_, start, n) in zip(requests, parts)])
         if f.fill == "seq_len":
             return [start + n for _, start, n in parts]
         if f.fill == "cu_seqlens":
@@ -446,9 +463,9 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, flight.forward, flight.requests) from None
         item = flight.item
-        for request in flight.requests:  # the chunk parts that hand back no token
-            if request.id not in item.emits and self.requests.get(request.id) is request:
-                self.state = sch.landed(self.state, request.id, token=False)
+        self.state = sch.landed_all(self.state, {  # the chunk parts that hand back no token
+            r.id: False for r in flight.requests
+            if r.id not in item.emits and self.requests.get(r.id) is r})
         if not item.emits:
             return
         # a row of the outputs per sequence of the call (a chunk's: its last row's token)
@@ -459,15 +476,17 @@ class Engine:
         now = time.perf_counter()
         rows = np.asarray(outputs[LOGITS]).reshape(len(drawn), -1) \
             if self.keep_logits and LOGITS in outputs else None
-        for i, request in enumerate(flight.requests):
-            if self.requests.get(request.id) is not request or request.id not in item.emits:
-                continue  # cancelled while in flight, or a chunk part short of its last token
+        # cancelled while in flight, or a chunk part short of its last token: no token
+        given = [(i, r) for i, r in enumerate(flight.requests)
+                 if self.requests.get(r.id) is r and r.id in item.emits]
+        self.state = sch.landed_all(self.state, {r.id: True for _, r in given})
+        for i, request in given:
             if rows is not None:
                 request.logits.append(rows[i].copy())
             self._add_token(request, drawn[i], now)
 
     def _add_token(self, request: Request, token: int, now: float) -> None:
-        self.state = sch.landed(self.state, request.id, token=True)
+        """A token the scheduler has already counted (`sch.landed_all`) reaches `request`."""
         request.generated.append(token)
         request.token_times.append(now)
         if request.listener is not None:
@@ -480,6 +499,7 @@ class Engine:
     def _end(self, request: Request, reason: str, error: str | None = None) -> None:
         """Finish `request`: off the scheduler, pages back, its listener told."""
         self.requests.pop(request.id, None)
+        self._rows.pop(request.id, None)
         self.state = sch.remove(self.state, request.id)
         self.pool.release(request.id)
         request.finish, request.error = reason, error
@@ -493,6 +513,12 @@ class Engine:
             why = message if request in touched else f"the engine stopped: {message}"
             self._end(request, "error", why)
         self.inflight.clear()
+
+
+def _token_at(request: Request, index: int) -> int:
+    """Token `index` of the request's prompt and generated tokens (without joining them)."""
+    prompt = request.prompt
+    return prompt[index] if index < len(prompt) else request.generated[index - len(prompt)]
 
 
 def _plain_inputs(sessions: Sequence[Session]) -> frozenset[str]:

@@ -38,7 +38,7 @@ the free pages cover the prompt plus one page of headroom per running sequence.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import attrs
@@ -88,6 +88,18 @@ class Seq:
         # A chunk still in flight is fine: calls run in issue order on every stage.
         return ((self.primed or not chunk_emits) and self.cached == self.tokens - 1
                 and not self.decoding)
+
+    def but(self, *, tokens: int | None = None, cached: int | None = None,
+            pages: int | None = None, inflight: int | None = None,
+            decoding: bool | None = None, primed: bool | None = None) -> Seq:
+        """This sequence with the fields given changed: `attrs.evolve` at a third of its cost
+        (the scheduler makes a few a sequence each step: 32 sequences, 32 of them a pass)."""
+        return Seq(self.id, self.tokens if tokens is None else tokens,
+                   self.cached if cached is None else cached,
+                   self.pages if pages is None else pages,
+                   self.inflight if inflight is None else inflight,
+                   self.decoding if decoding is None else decoding,
+                   self.primed if primed is None else primed, self.prompt)
 
     def recomputed(self) -> Seq:
         """The sequence sent back to the queue by a preemption: its known tokens, no pages."""
@@ -157,7 +169,7 @@ class _Draft:
                 return False
         if more > 0:
             self.free -= more
-            self.seqs[seq_id] = attrs.evolve(seq, pages=seq.pages + more)
+            self.seqs[seq_id] = seq.but(pages=seq.pages + more)
             self.grants.append((seq_id, more))
         return True
 
@@ -251,9 +263,9 @@ def _granted(draft: _Draft, planned: Iterable[tuple[Seq, int]], chunk_emits: boo
         current = draft.seqs[seq.id]
         chunked = chunk_emits and current.cached + n == current.chunk_end(chunk_emits)
         last = chunked and current.cached + n == current.tokens
-        draft.seqs[seq.id] = attrs.evolve(current, cached=current.cached + n,
-                                          primed=current.primed or chunked,
-                                          decoding=current.decoding or last)
+        draft.seqs[seq.id] = current.but(cached=current.cached + n,
+                                         primed=current.primed or chunked,
+                                         decoding=current.decoding or last)
         draft.busy.add(seq.id)
         parts.append((seq.id, seq.cached, n))
     return parts
@@ -271,7 +283,7 @@ def apply(state: State, plan: Plan) -> State:
     freed = sum(by_id[i].pages for i in plan.preempted)
     taken = sum(n for _, n in plan.grants)
     for seq_id, more in plan.grants:
-        seqs[seq_id] = attrs.evolve(seqs[seq_id], pages=seqs[seq_id].pages + more)
+        seqs[seq_id] = seqs[seq_id].but(pages=seqs[seq_id].pages + more)
     for item in plan.items:
         for seq_id, start, rows in item.parts:
             seq = seqs[seq_id]
@@ -280,23 +292,29 @@ def apply(state: State, plan: Plan) -> State:
             # hands back tokens feeds it), recomputed or not: a recomputed one's next token is
             # known, and replayed, so none comes back
             chunked = item.kind == "chunk" and start + rows == seq.chunk_end(True)
-            seqs[seq_id] = attrs.evolve(seq, cached=start + rows, inflight=seq.inflight + 1,
-                                        decoding=seq.decoding or token,
-                                        primed=seq.primed or chunked)
+            seqs[seq_id] = seq.but(cached=start + rows, inflight=seq.inflight + 1,
+                                   decoding=seq.decoding or token,
+                                   primed=seq.primed or chunked)
     return State(tuple(waiting), tuple(seqs[s.id] for s in running),
                  state.free + freed - taken)
 
 
 def landed(state: State, seq_id: int, token: bool) -> State:
     """An item of `seq_id` was collected; `token`: it handed the sequence a new token."""
-    running = []
-    for seq in state.running:
-        if seq.id == seq_id:
-            seq = attrs.evolve(seq, inflight=seq.inflight - 1,
-                               tokens=seq.tokens + (1 if token else 0),
-                               decoding=seq.decoding and not token)
-        running.append(seq)
-    return attrs.evolve(state, running=tuple(running))
+    return landed_all(state, {seq_id: token})
+
+
+def landed_all(state: State, tokens: Mapping[int, bool]) -> State:
+    """`landed` for every sequence of a collected call at once ({seq id: token}), in one pass
+    over the running sequences: a 32-sequence decode step's landings one by one rebuilt the
+    running tuple 32 times."""
+    if not tokens:
+        return state
+    running = tuple(
+        seq.but(inflight=seq.inflight - 1, tokens=seq.tokens + (1 if tokens[seq.id] else 0),
+                decoding=seq.decoding and not tokens[seq.id])
+        if seq.id in tokens else seq for seq in state.running)
+    return attrs.evolve(state, running=running)
 
 
 def remove(state: State, seq_id: int) -> State:

@@ -1,11 +1,15 @@
-"""The Generator's host work per decode step, on the CPU: a backend whose launches, graph
-captures and replays do nothing, so what is timed is the Python between two steps (the inputs
-written and checked, the call issued, the outputs taken in). For greedy decoding one step at a
-time it also times the stretch the device waits for: from a step's token in hand to the next
-replay. A step ahead (runtime/generate.py LOOKAHEAD) that stretch runs while the next step is
-already on the device.
+"""The host work per decode step, on the CPU: a backend whose launches, graph captures and
+replays do nothing, so what is timed is the Python between two steps (the inputs written and
+checked, the call issued, the outputs taken in).
 
-    python tests/bench/host_step.py [--tokens 400] [--profile]    # ~10 s, no GPU
+* The Generator (`kerncc run`): for greedy decoding one step at a time it also times the
+  stretch the device waits for, from a step's token in hand to the next replay; a step ahead
+  (runtime/generate.py LOOKAHEAD) that stretch runs while the next step is on the device.
+* The serving engine (`--engine`): a decode step of 1, 8 and 32 sequences (the scheduler's
+  plan, the call's inputs, the tokens taken in), prefill left out. The engine waits for each
+  step's tokens before it plans the next, so on a GPU this time adds to every step's.
+
+    python tests/bench/host_step.py [--tokens 400] [--engine] [--profile]   # ~10-30 s, no GPU
 """
 
 from __future__ import annotations
@@ -55,7 +59,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument("--profile", action="store_true", help="also cProfile one run")
+    parser.add_argument("--engine", action="store_true", help="the serving engine's steps")
     args = parser.parse_args()
+    if args.engine:
+        engine_steps(args)
+        return
     root = Path(tempfile.mkdtemp())
     model, _ = generate(root / "model", "tiny", **SHAPE)
     assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
@@ -94,6 +102,37 @@ def main() -> None:
         g.generate(prompt, args.tokens, 64)
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+def engine_steps(args) -> None:
+    """Each decode step's host time in the serving engine at 1, 8 and 32 sequences."""
+    from kerncc.serve.engine import Config, Engine, Request
+
+    root = Path(tempfile.mkdtemp())
+    model, _ = generate(root / "model", "tiny", **{**SHAPE, "max_seqs": 32})
+    assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
+    chain = Chain(root / "whole", backend=Idle(), graphs=True, token_capacity=48 * 1024)
+    for seqs in (1, 8, 32):
+        engine = Engine(chain, Config(max_running=32, chunk=512))
+        for s in range(seqs):
+            engine.submit(Request([(i * 7 + s) % 31999 + 1 for i in range(128)], 300))
+        while engine.calls.get("decode_batch" if seqs > 1 else "decode", 0) < 3:
+            engine.tick()  # the prefill and the first steps
+        steps: list[float] = []
+        profile = cProfile.Profile() if args.profile and seqs == 32 else None
+        if profile:
+            profile.enable()
+        while engine.requests and len(steps) < 200:
+            start = time.perf_counter()
+            engine.tick()  # issue a step
+            engine.tick()  # take its tokens in
+            steps.append(time.perf_counter() - start)
+        if profile:
+            profile.disable()
+        print(f"engine, {seqs} sequences: {statistics.median(steps) * 1e6:.0f} us of host work "
+              f"a decode step (median of {len(steps)})")
+        if profile:
+            pstats.Stats(profile).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":
