@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kerncc.cli.main import main
-from kerncc.example import generate
+from bundles import whole_and_two
 from kerncc.runtime import Chain
 from kerncc.runtime.generate import Generator
 from kerncc.serve.engine import serve_prompts
@@ -32,14 +31,7 @@ PROMPTS = [[7], [3, 1, 4], list(range(5, 150)), LONG]
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def bundles(request, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp(request.param)
-    model, _ = generate(root / "model", "tiny", **MODELS[request.param])
-    out = {}
-    for name, pipeline in (("whole", "emit"),
-                           ("two", "cut{at-label=l1.input_norm},slice-derive,emit")):
-        assert main(["lower", str(model), "-p", pipeline, "-o", str(root / name)]) == 0
-        out[name] = root / name
-    return out
+    return whole_and_two(tmp_path_factory.mktemp(request.param), **MODELS[request.param])
 
 
 def chain(bundle, join: bool, graphs: bool = True) -> Chain:

@@ -16,8 +16,7 @@ import attrs
 import numpy as np
 import pytest
 
-from kerncc.cli.main import main
-from kerncc.example import generate
+from bundles import whole_and_two
 from kerncc.runtime import Chain
 from kerncc.runtime import generate as gen
 from kerncc.runtime.sampling import SamplingParams
@@ -28,14 +27,7 @@ PROMPTS = [[5], [5, 6, 7], list(range(1, 40)), [(i * 37) % 250 + 1 for i in rang
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("lookahead")
-    model, _ = generate(root / "model", "tiny")
-    out = {}
-    for name, pipeline in (("whole", "emit"),
-                           ("two", "cut{at-label=l1.input_norm},slice-derive,emit")):
-        assert main(["lower", str(model), "-p", pipeline, "-o", str(root / name)]) == 0
-        out[name] = root / name
-    return out
+    return whole_and_two(tmp_path_factory.mktemp("lookahead"))
 
 
 def run(g: gen.Generator, lookahead: bool, *args, **kwargs) -> tuple[gen.Generation, list]:

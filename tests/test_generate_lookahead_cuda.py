@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kerncc.cli.main import main
-from kerncc.example import generate
+from bundles import whole_and_two
 from kerncc.runtime import Chain
 from kerncc.runtime import generate as gen
 from kerncc.runtime.session import Session
@@ -24,14 +23,7 @@ PROMPTS = [[7], [3, 1, 4], list(range(5, 90))]
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("lookahead")
-    model, _ = generate(root / "model", "tiny")
-    out = {}
-    for name, pipeline in (("whole", "emit"),
-                           ("two", "cut{at-label=l1.input_norm},slice-derive,emit")):
-        assert main(["lower", str(model), "-p", pipeline, "-o", str(root / name)]) == 0
-        out[name] = root / name
-    return out
+    return whole_and_two(tmp_path_factory.mktemp("lookahead"))
 
 
 @pytest.mark.parametrize("graphs", [True, False])

@@ -13,8 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kerncc.cli.main import main
-from kerncc.example import generate
+from bundles import whole_and_two
 from kerncc.runtime import Chain
 from kerncc.runtime.generate import Generator
 from kerncc.serve.engine import serve_prompts
@@ -29,14 +28,7 @@ PROMPTS = [[7], [3, 1, 4], list(range(5, 22)), [(i * 37) % 250 + 1 for i in rang
 
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("wide")
-    model, _ = generate(root / "model", "tiny", **WIDE)
-    out = {}
-    for name, pipeline in (("whole", "emit"),
-                           ("two", "cut{at-label=l1.input_norm},slice-derive,emit")):
-        assert main(["lower", str(model), "-p", pipeline, "-o", str(root / name)]) == 0
-        out[name] = root / name
-    return out
+    return whole_and_two(tmp_path_factory.mktemp("wide"), **WIDE)
 
 
 ENTRIES = ["persist_run_bf16", "persist_ring_bf16"]  # weights in registers / a smem ring
