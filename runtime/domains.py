@@ -128,6 +128,16 @@ def _comparable(array: np.ndarray) -> np.ndarray:
     return array.astype(np.float64)
 
 
+def admits(buf: m.Buffer, env: dict[str, int], index_rows: IndexRows, low: int | float,
+           high: int | float) -> bool:
+    """Whether every value in [low, high] lies in the buffer's domain at `env` (no domain:
+    every value does): what `check` would pass for any array of such values."""
+    if buf.domain is None:
+        return True
+    return all(not (side == "min" and low < limit) and not (side == "max" and high > limit)
+               for side, limit, _ in _limits(buf, env, index_rows))
+
+
 def check(name: str, buf: m.Buffer, array: np.ndarray, env: dict[str, int],
           index_rows: IndexRows) -> None:
     """Raise when an element of `array` lies outside the buffer's domain at `env`."""

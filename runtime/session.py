@@ -525,14 +525,8 @@ class Session:
                     vars: Mapping[str, int] | None = None) -> bool:
         """Whether every value in [low, high] lies in input `name`'s domain at `vars`."""
         buf = self._buffer(name)
-        if buf.kind not in HOST_WRITTEN:
-            return False
-        if buf.domain is None:
-            return True
-        for side, limit, _ in domains._limits(buf, self._vars(vars), self._index_rows):
-            if (side == "min" and low < limit) or (side == "max" and high > limit):
-                return False
-        return True
+        return buf.kind in HOST_WRITTEN and domains.admits(buf, self._vars(vars),
+                                                           self._index_rows, low, high)
 
     def _address(self, arg: Any) -> int | None:
         """A launch argument's device address, or None when it is no pointer."""

@@ -15,12 +15,15 @@ from __future__ import annotations
 import attrs
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from bundles import whole_and_two
 from kerncc.runtime import Chain
 from kerncc.runtime import generate as gen
 from kerncc.runtime.sampling import SamplingParams
 from kerncc.runtime.session import Session
+from kerncc.testing import examples
 
 PROMPTS = [[5], [5, 6, 7], list(range(1, 40)), [(i * 37) % 250 + 1 for i in range(70)]]
 
@@ -91,6 +94,32 @@ def test_a_stop_token_drops_the_step_issued_past_it(bundles, bundle, feeds):
         assert ahead.tokens == full[:first + 1]
         assert len(g.pool.free) == g.pool.pages
     assert feeds, "the steps went ahead"
+
+
+@pytest.fixture(scope="module")
+def generators(bundles) -> dict:
+    return {name: gen.Generator(Chain(path)) for name, path in bundles.items()}
+
+
+@settings(max_examples=examples(25, 400), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=st.lists(st.integers(1, 255), min_size=1, max_size=90),
+       max_new=st.integers(1, 40), chunk=st.integers(1, 64), stop_pick=st.integers(0, 45),
+       bundle=st.sampled_from(["whole", "two"]))
+def test_any_request_gives_one_step_at_a_times_tokens_ahead(generators, prompt, max_new, chunk,
+                                                            stop_pick, bundle):
+    """Random prompts, lengths, chunk sizes and stop tokens (the stop_pick-th token the
+    request generates, when it gets that far): a step ahead gives one step at a time's
+    tokens, runs and logits, and every page comes back."""
+    g = generators[bundle]
+    alone, _ = run(g, False, prompt, max_new, chunk)
+    stop = alone.tokens[stop_pick] if stop_pick < len(alone.tokens) else None
+    until = None if stop is None else (lambda t: t == stop)
+    ahead, streamed = run(g, True, prompt, max_new, chunk, stop=until)
+    want, _ = run(g, False, prompt, max_new, chunk, stop=until)
+    same(ahead, want)
+    assert streamed == ahead.tokens
+    assert len(g.pool.free) == g.pool.pages
 
 
 def test_sampled_decoding_goes_one_step_at_a_time(bundles, feeds):
