@@ -8,8 +8,10 @@ KERNCC_PDL=0     no programmatic dependent launch in CUDA graphs (1, the default
 KERNCC_GEMV_MAX_M=N   the largest m kerncc's GEMV kernels take, 0 to 32 (default 8; 0: cuBLAS)
 KERNCC_PERSIST   runs of decode launches as one persistent kernel: 0 (the default), 1, or
                  `ring` (the weights through shared memory)
+KERNCC_FUSE_GEMV   a decode GEMV and the small kernel before it as one launch: 0 (the
+                 default: measured slower on an H200), `norm`, `silu` or 1 (both)
 KERNCC_JOIN_ATTENTION=1   the decode attention's split and combine as one launch (0, the
-                 default: two; opt-in until it has run on a GPU)
+                 default: two; measured slower on an H200)
 A value outside these is an error naming the variable, never ignored.
 """
 
@@ -59,6 +61,12 @@ def gemv_max_m() -> int:
 def persist() -> str:
     """`0`, `1` or `ring` (runtime/backends/persist.py)."""
     return _choice("KERNCC_PERSIST", "0", ("0", "1", "ring"))
+
+
+def fuse_gemv() -> str:
+    """Which small kernels the cuda backend computes inside the decode GEMV after them
+    (runtime/backends/fuse.py): `0` none, `norm`, `silu`, `1` both."""
+    return _choice("KERNCC_FUSE_GEMV", "0", ("0", "norm", "silu", "1"))
 
 
 def join_attention() -> bool:

@@ -54,7 +54,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from kerncc import config
 from kerncc.kernels import library
-from kerncc.runtime.backends import attention, gemv, persist
+from kerncc.runtime.backends import attention, fuse, gemv, persist
 from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
 from kerncc.runtime.backends.probe import cuda_devices
 from kerncc.runtime.launch import Pack, Site, VarScalar
@@ -238,6 +238,10 @@ class CudaBackend(Backend):
         self.joined = 0  # joined launches made
         self._attention_counters: Allocation | None = None
         self._joined_configs = {False: gemv.launch_config(False), True: gemv.launch_config(True)}
+        # a decode GEMV and the rmsnorm or silu_mul before it as one launch
+        # (runtime/backends/fuse.py)
+        self.fuse_gemv = fuse.ENABLED
+        self.fused = 0  # fused launches made
 
     def __repr__(self) -> str:
         return f"CudaBackend(device {self.index}: {self.device.name})"
@@ -533,9 +537,13 @@ class CudaBackend(Backend):
         if self.join_attention:
             launchers = attention.join(self, self._function, self._attention_counts,
                                        programs, launchers)
-        # the runs compute the GEMV kernels' bits: without them (off, or no cubin) cuBLAS
-        # takes every GEMM, and so the launches must go as prepared
-        if not self.persist or self._gemv_site("cublaslt_bf16_tn") is None:
+        # the runs and the fused launches compute the GEMV kernels' bits: without them (off,
+        # or no cubin) cuBLAS takes every GEMM, and so the launches must go as prepared
+        gemvs = self._gemv_site("cublaslt_bf16_tn") is not None
+        small = fuse.kinds(self.fuse_gemv)
+        if small and not self.persist and gemvs:
+            launchers = fuse.join(self, self._gemv.functions, programs, launchers, small)
+        if not self.persist or not gemvs:
             return launchers
         kernel = self._persistent_kernel()
         return launchers if kernel is None else persist.join(kernel, programs, launchers)
@@ -550,17 +558,27 @@ class CudaBackend(Backend):
                       block: tuple[int, int, int], shared: int, params: int) -> None:
         """A launch of a joined kernel (runtime/backends/attention.py) on the launch stream,
         overlapping the kernel before it as the library's kernels do."""
+        self._launch_own(function, grid, block, shared, params)
+        self.joined += 1
+
+    def launch_fused(self, function: Any, grid: tuple[int, int, int],
+                     block: tuple[int, int, int], shared: int, params: int) -> None:
+        """A launch of a fused GEMV (runtime/backends/fuse.py), as launch_joined."""
+        self._launch_own(function, grid, block, shared, params)
+        self.fused += 1
+
+    def _launch_own(self, function: Any, grid: tuple[int, int, int],
+                    block: tuple[int, int, int], shared: int, params: int) -> None:
         overlap = self.pdl and self.capturing and self.after_kernel
         config = self._joined_configs[overlap]
         config.gridDimX, config.gridDimY, config.gridDimZ = grid
         config.blockDimX, config.blockDimY, config.blockDimZ = block
         config.sharedMemBytes = shared
         config.hStream = self._launch_stream
-        check(cu.cuLaunchKernelEx(config, function, params, 0), "cuLaunchKernelEx(joined)")
+        check(cu.cuLaunchKernelEx(config, function, params, 0), "cuLaunchKernelEx(own)")
         self.overlapped += overlap
         self.after_kernel = True
         self.launches += 1
-        self.joined += 1
 
     def _persistent_kernel(self) -> persist.PersistentKernel | None:
         entry = persist.ENTRY if self.persist is True else self.persist

@@ -19,9 +19,11 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
            against the roofline of the bytes they must read (weights once + every sequence's KV).
   torch    the PyTorch reference's decode step (tests/bench/torch_ref.py), eager and eager
            captured in one CUDA graph, against the same roofline.
+  fuse     the input norm, the silu_mul and both computed in the GEMVs after them (runtime/
+           backends/fuse.py, opt-in) against their own launches, in turn: batch 1 and 8
+           sequences.
   join     the decode attention's split and combine as one launch (runtime/backends/
-           attention.py, opt-in) against the two, alternating: batch 1 whole and in 2 stages,
-           8 and 32 sequences.
+           attention.py, opt-in) against the two, alternating, as fuse.
   lookahead greedy decoding a step ahead of the host (the next step's token fed on the
            device) against one step at a time, alternating: ms/token at batch 1, whole and
            2 stages.
@@ -56,7 +58,7 @@ from gpu_bench import (RESULTS, TABLE, Busy, build, decode_step_s, row, say,  # 
                        section, ttft)
 
 from kerncc.runtime import Chain  # noqa: E402
-from kerncc.runtime.backends import attention, gemv, persist  # noqa: E402
+from kerncc.runtime.backends import attention, fuse, gemv, persist  # noqa: E402
 from kerncc.runtime.generate import Generator, Served, _Record  # noqa: E402
 
 HBM_TBS = 4.0  # the ceiling measured in `copy` replaces this when that section runs
@@ -66,18 +68,19 @@ CONTEXT = 512
 
 
 def chain_of(bundle: Path, max_m: int, pdl: bool = True, runs: str | None = None,
-             join: bool = False) -> Chain:
+             join: bool = False, fused: bool | frozenset = False) -> Chain:
     """A cuda chain with GEMV kernels up to m = max_m, with or without overlapping launches
     (programmatic dependent launch, runtime/backends/cuda.py), with or without persistent
-    runs (runtime/backends/persist.py) and the joined decode attention
-    (runtime/backends/attention.py; both decided as the stages load)."""
+    runs (runtime/backends/persist.py), the joined decode attention
+    (runtime/backends/attention.py) and the GEMVs fused with the small kernel before them
+    (runtime/backends/fuse.py; the last three decided as the stages load)."""
     gemv.MAX_M = max_m
-    before = persist.ENABLED, attention.ENABLED
-    persist.ENABLED, attention.ENABLED = runs, join
+    before = persist.ENABLED, attention.ENABLED, fuse.ENABLED
+    persist.ENABLED, attention.ENABLED, fuse.ENABLED = runs, join, fused
     try:
         chain = Chain(bundle, backend="cuda", token_capacity=CAPACITY)
     finally:
-        persist.ENABLED, attention.ENABLED = before
+        persist.ENABLED, attention.ENABLED, fuse.ENABLED = before
     for backend in chain.backends:
         backend.pdl = pdl
     return chain
@@ -431,19 +434,57 @@ def ablate(model: dict, cfg: dict, rounds: int = 2) -> None:
 
 def join_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
     """The decode attention's split and combine as one launch (runtime/backends/attention.py)
-    against the two launches, alternating: the batch-1 `decode` graph whole and in 2 stages,
-    and `decode_batch` steps of 8 and 32 sequences x CONTEXT tokens (graph replays), medians
-    of `rounds`, as ms and the saving a layer."""
-    layers = cfg["layers"]
+    against the two launches: `policy_ab`."""
+    policy_ab("join", "joined attention / two launches", "join", "joined", model, cfg, hbm,
+              rounds)
+
+
+def fuse_ab(model: dict, cfg: dict, hbm: float, rounds: int = 2) -> None:
+    """The input norm, the silu_mul and both computed in the GEMVs after them
+    (runtime/backends/fuse.py) against their own launches, in turn (rotated each round): the
+    batch-1 `decode` graph and `decode_batch` steps of 8 sequences x CONTEXT tokens, medians
+    of `rounds`, as ms and the saving a layer against none."""
+    layers = cfg["num_hidden_layers"]
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
+    variants = {"none": frozenset(), "norm": fuse.CHOICES["norm"],
+                "silu": fuse.CHOICES["silu"], "both": fuse.CHOICES["1"]}
+    times: dict[tuple, list[float]] = {}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % 4:] + names[:r % 4]:
+            with chain_of(model["whole"], 8, True, fused=variants[name]) as chain:
+                Generator(chain).generate(prompt, 4, 512)
+                if variants[name] and not any(b.fused for b in chain.backends):
+                    raise RuntimeError(f"fuse {name}: no launch went out fused")
+                times.setdefault((name, 1), []).append(graph_step_ms(chain))
+                times.setdefault((name, 8), []).append(batch_step_ms(chain, 8, CONTEXT))
+            gc.collect()
+    for seqs in (1, 8):
+        base = statistics.median(times[("none", seqs)])
+        got = {n: statistics.median(times[(n, seqs)]) for n in names}
+        row("fuse", f"decode {'batch 1' if seqs == 1 else f'{seqs} sequences'}: fused none / "
+            f"norm / silu / both, ms (us a layer saved)", " / ".join(
+                f"{got[n]:.4f} ({(base - got[n]) / layers * 1e3:.2f})" for n in names))
+    RESULTS["fuse_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
+
+
+def policy_ab(name: str, what_ab: str, option: str, counter: str, model: dict, cfg: dict,
+              hbm: float, rounds: int = 3) -> None:
+    """A chain_of option on against off, alternating: the batch-1 `decode` graph whole and in 2
+    stages, and `decode_batch` steps of 8 and 32 sequences x CONTEXT tokens (graph replays),
+    medians of `rounds`, as ms and the saving a layer; `counter` is the backend's count of
+    the launches the option makes (it must move when on)."""
+    layers = cfg["num_hidden_layers"]
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     times: dict[tuple, list[float]] = {}
     for r in range(rounds):
         for join in ((True, False) if r % 2 == 0 else (False, True)):
             for bundle in ("whole", "two"):
-                with chain_of(model[bundle], 8, True, join=join) as chain:
+                with chain_of(model[bundle], 8, True, **{"join": False, "fused": False,
+                                                         option: join}) as chain:
                     Generator(chain).generate(prompt, 4, 512)  # captures the decode graph
-                    if join and not any(b.joined for b in chain.backends):
-                        raise RuntimeError("the joined attention did not go out joined")
+                    if join and not any(getattr(b, counter) for b in chain.backends):
+                        raise RuntimeError(f"{name}: no launch went out {counter}")
                     times.setdefault((join, bundle, 1), []).append(graph_step_ms(chain))
                     if bundle == "whole":
                         for seqs in (8, 32):
@@ -456,10 +497,10 @@ def join_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
         roof = (weight_bytes(cfg) + seqs * kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
         what = f"{seqs} sequences" if seqs > 1 else "batch 1" + (", 2 stages" if bundle == "two"
                                                                   else "")
-        row("join", f"decode {what}: joined attention / two launches, ms (x roofline), "
-            f"us a layer saved", f"{on:.4f} ({on / roof:.2f}x) / {off:.4f} ({off / roof:.2f}x), "
+        row(name, f"decode {what}: {what_ab}, ms (x roofline), us a layer saved",
+            f"{on:.4f} ({on / roof:.2f}x) / {off:.4f} ({off / roof:.2f}x), "
             f"{(off - on) / layers * 1e3:.2f}")
-    RESULTS["join_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
+    RESULTS[f"{name}_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
 
 
 def lookahead_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
@@ -476,6 +517,7 @@ def lookahead_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
         for bundle in ("whole", "two"):
             with chain_of(model[bundle], 8, True) as chain:
                 generator = Generator(chain)
+                gen.LOOKAHEAD = True  # the rounds of the bundle before left it as they ended
                 if generator._feeder() is None:
                     raise RuntimeError("the decode steps cannot be fed on the device")
                 times: dict[bool, list[float]] = {True: [], False: []}
@@ -749,6 +791,9 @@ def main() -> int:
         if "decode" not in skip:
             with section("decode", limit=400):
                 decode_rows(model, cfg, hbm, args.defaults_only)
+        if "fuse" not in skip:
+            with section("fuse", limit=300):
+                fuse_ab(model, cfg, hbm)
         if "join" not in skip:
             with section("join", limit=300):
                 join_ab(model, cfg, hbm)

@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# Session 11's decode work on the GPU machine, in one batched session: the joined decode
-# attention (runtime/backends/attention.py, opt-in with KERNCC_JOIN_ATTENTION=1), greedy
-# decoding a step ahead of the host (runtime/generate.py LOOKAHEAD, on) and the serving
-# engine's lighter host step. Their GPU tests first (the bits against the two launches, and
-# against one step at a time), then decode_bench's alternating A/Bs (`join`, `lookahead`) and
-# decode rows, then serve_bench's levels (against issue 19's and session 10's rows, or run it
-# on fb7ce1c alternately for a side by side), then every GPU test. Written when no machine was
-# lent after the session's first run: what it prints decides whether the join becomes the
-# default (kerncc/config.py) and whether the lookahead stays on.
+# Decode work on the GPU machine, in one batched session (session 12): the input norm and the
+# silu_mul computed inside the GEMVs after them (runtime/backends/fuse.py, on by default), the
+# joined decode attention (opt-in), greedy decoding a step ahead of the host (on). Their GPU
+# tests first (the fused launches' bits against the two launches, and whole models with the
+# fusion on and off), then decode_bench's alternating A/Bs (`fuse`, `join`, `lookahead`) and
+# decode rows, then serve_bench's levels, then every GPU test. What it prints decides whether
+# the fusion stays the default (kerncc/config.py).
 # Usage (from the repository root, with the project installed): bash tests/bench/decode_session.sh OUT
 # Each step is bounded; logs land in OUT (new-tests.log, decode.txt, serve.txt, gpu-tests.log).
 # Together they may pass one device call's 10 minutes: PARTS picks the steps of a call, e.g.
@@ -22,8 +20,7 @@ tests=0
 
 if [[ $parts == *" tests "* ]]; then
   timeout "${NEW_TESTS_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider -x \
-    tests/test_attention_cuda.py tests/test_attention_join_cuda.py \
-    tests/test_generate_lookahead_cuda.py 2>&1 | tee "$out/new-tests.log" | tail -25
+    tests/test_fuse_cuda.py tests/test_gemv_cuda.py 2>&1 | tee "$out/new-tests.log" | tail -25
   tests=${PIPESTATUS[0]}
 fi
 
