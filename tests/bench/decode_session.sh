@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Decode work on the GPU machine, in one batched session (session 12): the input norm and the
-# silu_mul computed inside the GEMVs after them (runtime/backends/fuse.py, on by default), the
-# joined decode attention (opt-in), greedy decoding a step ahead of the host (on). Their GPU
-# tests first (the fused launches' bits against the two launches, and whole models with the
-# fusion on and off), then decode_bench's alternating A/Bs (`fuse`, `join`, `lookahead`) and
-# decode rows, then serve_bench's levels, then every GPU test. What it prints decides whether
-# the fusion stays the default (kerncc/config.py).
+# Decode work on the GPU machine, in one batched session (written for session 12): the GPU
+# tests of the GEMVs with their small kernel inside (runtime/backends/fuse.py, opt-in) and of
+# the GEMV kernels, then decode_bench's alternating A/Bs (`fuse`: none / norm / silu / both;
+# `join`: the joined attention, opt-in; `lookahead`: a step ahead, on) and the decode rows,
+# then serve_bench's levels, then every GPU test (docs/benchmarks.md, session 12, has what
+# they printed).
 # Usage (from the repository root, with the project installed): bash tests/bench/decode_session.sh OUT
 # Each step is bounded; logs land in OUT (new-tests.log, decode.txt, serve.txt, gpu-tests.log).
 # Together they may pass one device call's 10 minutes: PARTS picks the steps of a call, e.g.
