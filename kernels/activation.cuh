@@ -11,6 +11,18 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return s * u;
 }
 
+// Eight outputs from 16 bytes of gate and 16 of up (kernels/gemv.cu's fused tiles too).
+__device__ __forceinline__ uint4 silu_mul8(const uint4& g, const uint4& u) {
+  const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
+  uint32_t out[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 a = unpack_bf16x2(gw[k]), b = unpack_bf16x2(uw[k]);
+    out[k] = pack_bf16x2(silu_mul(a.x, b.x), silu_mul(a.y, b.y));
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // act = bf16(bf16(silu(g)) * u) over the outputs of block `at` of `blocks` (`threads` each, this
 // one `thread`), grid-stride, of rows x inter, the gate_up rows holding gate and up
 // interleaved in blocks of `block` columns: 8 at a time
@@ -35,14 +47,7 @@ __device__ __forceinline__ void silu_mul_span(const bf16* gate_up, bf16* act, in
       const uint4* up = reinterpret_cast<const uint4*>(src + block);
       const uint4 g = L2 ? __ldcg(gp) : *gp;
       const uint4 u = L2 ? __ldcg(up) : *up;
-      const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, uw[4] = {u.x, u.y, u.z, u.w};
-      uint32_t out[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 a = unpack_bf16x2(gw[k]), b = unpack_bf16x2(uw[k]);
-        out[k] = pack_bf16x2(silu_mul(a.x, b.x), silu_mul(a.y, b.y));
-      }
-      *reinterpret_cast<uint4*>(act + idx) = make_uint4(out[0], out[1], out[2], out[3]);
+      *reinterpret_cast<uint4*>(act + idx) = silu_mul8(g, u);
     }
     return;
   }

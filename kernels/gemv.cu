@@ -315,17 +315,9 @@ struct SiluA {
       const int row = v / (k / 8), at = (v % (k / 8)) * 8;
       const bf16* p = gate_up + (long long)row * 2 * k + (long long)(at / block) * 2 * block +
                       at % block;
-      const uint4 gv = __ldg(reinterpret_cast<const uint4*>(p));
-      const uint4 uv = __ldg(reinterpret_cast<const uint4*>(p + block));
-      const uint32_t gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
-      uint32_t out[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 ga = unpack_bf16x2(gw[i]), ub = unpack_bf16x2(uw[i]);
-        out[i] = pack_bf16x2(silu_mul(ga.x, ub.x), silu_mul(ga.y, ub.y));
-      }
       *reinterpret_cast<uint4*>(rows + row * (k + FUSED_PAD) + at) =
-          make_uint4(out[0], out[1], out[2], out[3]);
+          silu_mul8(__ldg(reinterpret_cast<const uint4*>(p)),
+                    __ldg(reinterpret_cast<const uint4*>(p + block)));
     }
     __syncthreads();
   }
@@ -339,24 +331,24 @@ struct SiluA {
 
 // gemv_rmsnorm_bf16_tn_mb1[_w16]: C (mode) A . W^T, A = rmsnorm(x) * gn, also written to y.
 extern "C" __global__ void __launch_bounds__(256)
-    gemv_rmsnorm_bf16_tn_mb1(const bf16* __restrict__ x, const bf16* __restrict__ gn, bf16* __restrict__ y,
-           float eps, int norm_threads, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
+    gemv_rmsnorm_bf16_tn_mb1(const bf16* __restrict__ x, const bf16* __restrict__ gn,
+           bf16* __restrict__ y, float eps, int norm_threads, const bf16* __restrict__ w,
+           void* __restrict__ c, int m, int n, int k, int mode) {
   pdl_begin();
   __shared__ float sums[8 * 32 + 8];
   extern __shared__ __align__(16) unsigned char fused_rows[];
   gemv_tile<1, 8, 4>(NormA{y, x, gn, eps, norm_threads, k, sums,
-                                 reinterpret_cast<bf16*>(fused_rows)}, w, c, m, n, k, mode);
+                           reinterpret_cast<bf16*>(fused_rows)}, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(512)
-    gemv_rmsnorm_bf16_tn_mb1_w16(const bf16* __restrict__ x, const bf16* __restrict__ gn, bf16* __restrict__ y,
-           float eps, int norm_threads, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
+    gemv_rmsnorm_bf16_tn_mb1_w16(const bf16* __restrict__ x, const bf16* __restrict__ gn,
+           bf16* __restrict__ y, float eps, int norm_threads, const bf16* __restrict__ w,
+           void* __restrict__ c, int m, int n, int k, int mode) {
   pdl_begin();
   __shared__ float sums[8 * 32 + 8];
   extern __shared__ __align__(16) unsigned char fused_rows[];
   gemv_tile<1, 16, 4>(NormA{y, x, gn, eps, norm_threads, k, sums,
-                                 reinterpret_cast<bf16*>(fused_rows)}, w, c, m, n, k, mode);
+                            reinterpret_cast<bf16*>(fused_rows)}, w, c, m, n, k, mode);
 }
 
 // gemv_silu_bf16_tn_mb1[_w16]: C (mode) A . W^T, A = silu_mul(gate_up), also written to act.

@@ -12,13 +12,9 @@ context (16 splits, so the batched program's 8 blocks a kv head loop).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from bundles import whole_and_two
-from kerncc.runtime import Chain
-from kerncc.runtime.generate import Generator
-from kerncc.serve.engine import serve_prompts
+from bundles import close_chains, cuda_chain, same_generations, same_served, whole_and_two
 
 pytestmark = pytest.mark.gpu
 
@@ -34,39 +30,17 @@ def bundles(request, tmp_path_factory) -> dict:
     return whole_and_two(tmp_path_factory.mktemp(request.param), **MODELS[request.param])
 
 
-def chain(bundle, join: bool, graphs: bool = True) -> Chain:
-    from kerncc.runtime.backends.cuda import CudaBackend
-
-    backend = CudaBackend(0)
-    backend.join_attention = join  # read when a Session loads
-    return Chain(bundle, backend=backend, graphs=graphs)
-
-
-def close(*chains: Chain) -> None:
-    for c in chains:
-        c.close()
-        c.backend.close()  # made here, passed in: the chain leaves it open
-
-
-def same_logits(a, b) -> None:
-    np.testing.assert_array_equal(np.asarray(a, np.float32).view(np.uint32),
-                                  np.asarray(b, np.float32).view(np.uint32))
-
-
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("bundle", ["whole", "two"])
 def test_the_joined_attention_gives_the_two_launches_bits(bundles, bundle, graphs):
-    on, off = chain(bundles[bundle], True, graphs), chain(bundles[bundle], False, graphs)
+    on, off = (cuda_chain(bundles[bundle], graphs, join_attention=flag)
+               for flag in (True, False))
     try:
-        for prompt in PROMPTS:
-            got, want = (Generator(c).generate(prompt, 9, 64) for c in (on, off))
-            assert np.abs(got.logits).max() > 0
-            assert got.tokens == want.tokens, len(prompt)
-            same_logits(got.logits, want.logits)
+        same_generations(on, off, PROMPTS)
         assert on.backend.joined > 0, "the decode attention went out joined"
         assert off.backend.joined == 0
     finally:
-        close(on, off)
+        close_chains(on, off)
 
 
 @pytest.mark.parametrize("running", [3, 8])
@@ -74,18 +48,12 @@ def test_batched_decode_through_the_joined_attention_gives_the_two_launches_bits
                                                                                running):
     prompts = [[(i * (13 + s)) % 251 + 1 for i in range(9 + 7 * s)] for s in range(running - 1)]
     prompts.append(LONG)
-    on, off = chain(bundles["whole"], True), chain(bundles["whole"], False)
+    on, off = (cuda_chain(bundles["whole"], join_attention=flag) for flag in (True, False))
     try:
-        requests, engine = serve_prompts(on, prompts, 12, chunk=64, logits=True)
-        requests2, _ = serve_prompts(off, prompts, 12, chunk=64, logits=True)
-        assert engine.calls["decode_batch"] > 0
-        for r, r2 in zip(requests, requests2):
-            assert r.generated == r2.generated
-            for a, b in zip(r.logits, r2.logits):
-                same_logits(a, b)
+        same_served(on, off, prompts)
         assert on.backend.joined > 0
     finally:
-        close(on, off)
+        close_chains(on, off)
 
 
 def test_no_manifest_can_launch_the_joined_kernel():

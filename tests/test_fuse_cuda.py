@@ -19,76 +19,39 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from bundles import whole_and_two
+from bundles import close_chains, cuda_chain, same_generations, same_served, whole_and_two
+from gpu_driver import Gpu  # noqa: E402  (tests/ is on the path)
 from kerncc.kernels import library
 from kerncc.kernels.reference import KERNELS
-from kerncc.runtime import Chain
 from kerncc.runtime.backends import gemv
-from kerncc.runtime.generate import Generator
-from kerncc.serve.engine import serve_prompts
 
 pytestmark = pytest.mark.gpu
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-class Gpu:
-    """The driver API, enough to launch the norm, activation and gemv modules' entries."""
+MODULES = {entry: name for name in ("norm", "activation", "gemv")
+           for entry in library.index()[name]["entries"]}
+
+
+class Kernels(Gpu):
+    """The norm, activation and gemv modules' entries by name alone; the fused ones may take
+    the dynamic shared memory the backend gives them."""
 
     def __init__(self) -> None:
-        from cuda.bindings import driver as cu
+        super().__init__()
+        for entry in gemv.FUSED_ENTRIES:
+            self.allow_shared("gemv", entry, gemv.FUSED_SHARED_MAX)
 
-        self.cu = cu
-        self.check(cu.cuInit(0))
-        self.ctx = self.check(cu.cuDevicePrimaryCtxRetain(self.check(cu.cuDeviceGet(0))))
-        self.check(cu.cuCtxSetCurrent(self.ctx))
-        self.fns = {}
-        for module in ("norm", "activation", "gemv"):
-            image = np.frombuffer(library.cubin_path(module).read_bytes(), dtype=np.uint8)
-            loaded = self.check(cu.cuModuleLoadData(image.ctypes.data))
-            for name in library.index()[module]["entries"]:
-                self.fns[name] = self.check(cu.cuModuleGetFunction(loaded, name.encode()))
-        attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        for name in gemv.FUSED_ENTRIES:
-            self.check(cu.cuFuncSetAttribute(self.fns[name], attribute, gemv.FUSED_SHARED_MAX))
-        self.held: list[int] = []
-
-    def check(self, result):
-        err, *values = result if isinstance(result, tuple) else (result,)
-        if err != self.cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA error {err}")
-        return values[0] if len(values) == 1 else (tuple(values) or None)
-
-    def upload(self, data: np.ndarray) -> int:
-        data = np.ascontiguousarray(data)
-        ptr = int(self.check(self.cu.cuMemAlloc(max(data.nbytes, 1))))
-        self.check(self.cu.cuMemcpyHtoD(self.cu.CUdeviceptr(ptr), data.ctypes.data, data.nbytes))
-        self.held.append(ptr)
-        return ptr
-
-    def download(self, ptr: int, like: np.ndarray) -> np.ndarray:
-        out = np.empty_like(like)
-        self.check(self.cu.cuCtxSynchronize())
-        self.check(self.cu.cuMemcpyDtoH(out.ctypes.data, self.cu.CUdeviceptr(ptr), out.nbytes))
-        return out
-
-    def launch(self, entry: str, grid: int, block: int, args: list, shared: int = 0) -> None:
-        slots = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_uint64(a) for a in args]
-        table = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
-        self.check(self.cu.cuLaunchKernel(self.fns[entry], grid, 1, 1, block, 1, 1, shared, 0,
-                                          ctypes.addressof(table), 0))
-
-    def release(self) -> None:
-        for ptr in self.held:
-            self.check(self.cu.cuMemFree(self.cu.CUdeviceptr(ptr)))
-        self.held.clear()
+    def run(self, entry: str, grid: int, block: int, args: list, shared: int = 0) -> None:
+        self.launch(MODULES[entry], entry, grid, block, args, shared)
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    g = Gpu()
+    g = Kernels()
     yield g
-    g.release()
+    g.close()
 
 
 def random_bf16(rng, shape, scale: float) -> np.ndarray:
@@ -133,13 +96,13 @@ def test_the_fused_norm_gives_the_norm_and_gemvs_bits(gpu, m, n, k, threads, mod
     y1, y2 = gpu.upload(np.full((m, k), np.nan, BF16)), gpu.upload(np.full((m, k), np.nan, BF16))
     c1, c2 = gpu.upload(c0), gpu.upload(c0)
     i32 = ctypes.c_int32
-    gpu.launch("rmsnorm_bf16", m, threads, [dx, dg, y1, i32(m), i32(k), eps])
+    gpu.run("rmsnorm_bf16", m, threads, [dx, dg, y1, i32(m), i32(k), eps])
     entry = plain_entry(m, n)
     grid, block = -(-n // 16), gemv.ENTRIES[entry]
-    gpu.launch(entry, grid, block, [y1, dw, c1, i32(m), i32(n), i32(k), i32(mode)])
+    gpu.run(entry, grid, block, [y1, dw, c1, i32(m), i32(n), i32(k), i32(mode)])
     fused = fused_entry("rmsnorm", m, n)
     assert gemv.FUSED_ENTRIES[fused] == block
-    gpu.launch(fused, grid, block, [dx, dg, y2, eps, i32(threads), dw, c2, i32(m), i32(n),
+    gpu.run(fused, grid, block, [dx, dg, y2, eps, i32(threads), dw, c2, i32(m), i32(n),
                                     i32(k), i32(mode)], gemv.fused_shared(m, k))
     want_y, got_y = gpu.download(y1, x), gpu.download(y2, x)
     want_c, got_c = gpu.download(c1, c0), gpu.download(c2, c0)
@@ -176,12 +139,12 @@ def test_the_fused_silu_mul_gives_the_activation_and_gemvs_bits(gpu, m, n, k, pi
     a1, a2 = gpu.upload(np.full((m, k), np.nan, BF16)), gpu.upload(np.full((m, k), np.nan, BF16))
     c1, c2 = gpu.upload(c0), gpu.upload(c0)
     i32 = ctypes.c_int32
-    gpu.launch("silu_mul_bf16", max(1, m * k // 8 // 256), 256,
+    gpu.run("silu_mul_bf16", max(1, m * k // 8 // 256), 256,
                [dgu, a1, i32(m), i32(k), i32(piece)])
     entry = plain_entry(m, n)
     grid, block = -(-n // 16), gemv.ENTRIES[entry]
-    gpu.launch(entry, grid, block, [a1, dw, c1, i32(m), i32(n), i32(k), i32(mode)])
-    gpu.launch(fused_entry("silu", m, n), grid, block,
+    gpu.run(entry, grid, block, [a1, dw, c1, i32(m), i32(n), i32(k), i32(mode)])
+    gpu.run(fused_entry("silu", m, n), grid, block,
                [dgu, a2, i32(piece), dw, c2, i32(m), i32(n), i32(k), i32(mode)],
                gemv.fused_shared(m, k))
     like = np.zeros((m, k), BF16)
@@ -204,53 +167,25 @@ def bundles(request, tmp_path_factory) -> dict:
                          **MODELS[request.param])
 
 
-def chain(bundle, fused: bool, graphs: bool = True) -> Chain:
-    from kerncc.runtime.backends.cuda import CudaBackend
-
-    backend = CudaBackend(0)
-    backend.fuse_gemv = fused  # read when a Session loads
-    return Chain(bundle, backend=backend, graphs=graphs)
-
-
-def close(*chains: Chain) -> None:
-    for c in chains:
-        c.close()
-        c.backend.close()  # made here, passed in: the chain leaves it open
-
-
-def same_logits(a, b) -> None:
-    np.testing.assert_array_equal(np.asarray(a, np.float32).view(np.uint32),
-                                  np.asarray(b, np.float32).view(np.uint32))
-
-
 @pytest.mark.parametrize("graphs", [True, False])
 @pytest.mark.parametrize("bundle", ["whole", "two"])
 def test_fused_decode_gives_the_launches_bits(bundles, bundle, graphs):
-    on, off = chain(bundles[bundle], True, graphs), chain(bundles[bundle], False, graphs)
+    on, off = (cuda_chain(bundles[bundle], graphs, fuse_gemv=flag)
+               for flag in (True, False))
     try:
-        for prompt in PROMPTS:
-            got, want = (Generator(c).generate(prompt, 9, 64) for c in (on, off))
-            assert np.abs(got.logits).max() > 0
-            assert got.tokens == want.tokens, len(prompt)
-            same_logits(got.logits, want.logits)
+        same_generations(on, off, PROMPTS)
         assert on.backend.fused > 0, "the decode GEMVs went out fused"
         assert off.backend.fused == 0
     finally:
-        close(on, off)
+        close_chains(on, off)
 
 
 @pytest.mark.parametrize("running", [3, 8])
 def test_batched_decode_fused_gives_the_launches_bits(bundles, running):
     prompts = [[(i * (13 + s)) % 251 + 1 for i in range(9 + 7 * s)] for s in range(running)]
-    on, off = chain(bundles["whole"], True), chain(bundles["whole"], False)
+    on, off = (cuda_chain(bundles["whole"], fuse_gemv=flag) for flag in (True, False))
     try:
-        got, engine = serve_prompts(on, prompts, 12, chunk=64, logits=True)
-        want, _ = serve_prompts(off, prompts, 12, chunk=64, logits=True)
-        assert engine.calls["decode_batch"] > 0
-        for r, r2 in zip(got, want):
-            assert r.generated == r2.generated
-            for a, b in zip(r.logits, r2.logits):
-                same_logits(a, b)
+        same_served(on, off, prompts)
         assert on.backend.fused > 0
     finally:
-        close(on, off)
+        close_chains(on, off)

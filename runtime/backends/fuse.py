@@ -17,10 +17,11 @@ How a pair forms. At load, `pairs` finds each program's consecutive sites that a
 `when`. The small kernel's site records its launch and the GEMM's issues the fused one when the
 two agree at their values (`norm_values`, `silu_values`): the GEMM reads exactly the small
 kernel's output as A, with its rows and width; the GEMV kernels take the shape (`gemv.usable`)
-at m <= 8 and the activations fit `gemv.FUSED_SHARED_MAX`; rows are 16-byte aligned; the output lies apart from every input, so no block reads
-what another writes. Otherwise both go out as prepared, in order: the small kernel, then the
-GEMM through its own launcher (GEMV or cuBLAS). No other launch reaches the stream between the
-two sites, since they are consecutive launches of one program.
+at m <= 8 and the activations fit `gemv.FUSED_SHARED_MAX`; rows are 16-byte aligned; the output
+lies apart from every input, so no block reads what another writes. Otherwise both go out as
+prepared, in order: the small kernel, then the GEMM through its own launcher (GEMV or cuBLAS).
+No other launch reaches the stream between the two sites, since they are consecutive launches of
+one program.
 
 `KERNCC_FUSE_GEMV` picks the small kernels (0, the default: none; `norm`, `silu`, 1: both), or
 `CudaBackend.fuse_gemv` (True, False or a set of entries) before a Session loads (the

@@ -17,6 +17,7 @@ import sys
 
 import numpy as np
 
+from gemv_batch_probe import graph_us  # noqa: E402  (tests/bench is the script's directory)
 from kerncc.runtime.backends.cuda import CudaBackend
 
 SHAPES = (("o_proj", 2048, 2048, 0), ("qkv", 4096, 2048, 0), ("gate_up", 12288, 2048, 0),
@@ -152,20 +153,12 @@ def main() -> int:
                     be.sync()
                     got.append(np.asarray(be.download(c, 0, m * n * width)).copy())
                 bits[name], same_twice[name] = got[0], np.array_equal(got[0], got[1])
-            graphs = {name: be.capture(lambda run=run: [run(ws[i % copies])
-                                                        for i in range(LAUNCHES)])
-                      for name, run in runs.items()}
-            times: dict[str, list[float]] = {name: [] for name in runs}
-            for _ in range(7):
-                for name, graph in graphs.items():
-                    start = be.mark()
-                    be.replay(graph)
-                    end = be.mark()
-                    times[name].append(be.elapsed_ms(start, end) / LAUNCHES * 1e3)
+            times = graph_us(be, runs, ws)
             base = float(np.median(times["gemmex default"][1:]))
             print(f"{op} n {n} k {k} m {m} ({nbytes / 1e6:.1f} MB of W), {count.value} "
                   f"algorithms: us a launch, TB/s, x the default")
             ranked = sorted(times, key=lambda name: np.median(times[name][1:]))
+            default_bits = bits["gemmex default"]
             for name in ranked[:6] + [r for r in ranked[6:] if r == "lt #0"]:
                 us = float(np.median(times[name][1:]))
                 cfg = configs.get(name)
@@ -175,7 +168,7 @@ def main() -> int:
                         f" swizzle {cfg['swizzle']}")
                 print(f"  {name:15s} {us:7.2f} us  {nbytes / us / 1e6:5.2f} TB/s  "
                       f"{us / base:4.2f}x  {'repeatable' if same_twice[name] else 'NOT repeatable'}"
-                      f"  {'default bits' if np.array_equal(bits[name], bits['gemmex default']) else 'other bits'}"
+                      f"  {'default' if np.array_equal(bits[name], default_bits) else 'other'} bits"
                       f"  {what}")
             sys.stdout.flush()
         for x in (*ws, a, c):

@@ -110,16 +110,7 @@ def main() -> None:
                 f32 = lambda x: (x.astype(np.uint32) << 16).view(np.float32)  # noqa: E731
                 return float(np.max(np.abs(f32(bits) - f32(ref))))
 
-            graphs = {name: be.capture(lambda run=run: [run(ws[i % copies])
-                                                        for i in range(LAUNCHES)])
-                      for name, run in runs.items()}
-            times: dict[str, list[float]] = {name: [] for name in runs}
-            for _ in range(7):
-                for name, graph in graphs.items():
-                    start = be.mark()
-                    be.replay(graph)
-                    end = be.mark()
-                    times[name].append(be.elapsed_ms(start, end) / LAUNCHES * 1e3)
+            times = graph_us(be, runs, ws)
             print(f"{op} n {n} k {k} m {m} ({nbytes / 1e6:.1f} MB of W): us a launch, TB/s, "
                   f"bits against the library's")
             base = float(np.median(times["cublas"][1:]))
@@ -131,6 +122,23 @@ def main() -> None:
                       f"{'same bits' if same else f'max diff {error(results[name]):.3g}'}")
         for x in (*ws, a, c, work, counts):
             be.free(x)
+
+
+def graph_us(be, runs: dict, weights: list, launches: int = LAUNCHES,
+             rounds: int = 7) -> dict[str, list[float]]:
+    """Each run captured in a CUDA graph of `launches` calls over the rotating `weights`, the
+    graphs replayed in turn `rounds` times: us a launch of each round, by run."""
+    graphs = {name: be.capture(lambda run=run: [run(weights[i % len(weights)])
+                                                for i in range(launches)])
+              for name, run in runs.items()}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            start = be.mark()
+            be.replay(graph)
+            end = be.mark()
+            times[name].append(be.elapsed_ms(start, end) / launches * 1e3)
+    return times
 
 
 if __name__ == "__main__":
