@@ -20,8 +20,6 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from kerncc.diagnostics import KernccError
-
 if TYPE_CHECKING:
     from kerncc.runtime.launch import Site
 
