@@ -36,7 +36,9 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
   prefill  TTFT of 4096 tokens at chunks 2048 / 1024 / 512 with the wgmma prefill attention
            (the default) and the mma.sync one, alternating, and the per-op GPU time of one
            2048-row chunk at context 2048, against the bf16 tensor-core roofline.
-The table is printed last and written with everything else to --out (results.json).
+The table is printed last and written with everything else to --out (results.json); --doc
+docs/benchmarks.md also writes it there, between the file's decode_bench markers, headed by
+the command, the commit, the device and the date.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_bench import (RESULTS, TABLE, Busy, build, decode_step_s, row, say,  # noqa: E402
-                       section, ttft)
+from gpu_bench import (RESULTS, TABLE, Busy, DocError, build, decode_step_s, row, say,  # noqa: E402
+                       section, ttft, write_rows)
 
 from kerncc.runtime import Chain  # noqa: E402
 from kerncc.runtime.backends import attention, fuse, gemv, persist  # noqa: E402
@@ -753,6 +755,11 @@ def main() -> int:
                         help="decode: only the default policies (whole and 2 stages)")
     parser.add_argument("--ablate", action="store_true",
                         help="also the ablation of the decode graph (about a minute)")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="write the run's rows into this markdown file (docs/benchmarks.md) "
+                        "between its decode_bench markers")
+    parser.add_argument("--commit", default=os.environ.get("KERNCC_COMMIT", ""),
+                        help="the commit the rows name (default: git's HEAD, if it answers)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -819,7 +826,41 @@ def main() -> int:
         say("\n| section | measure | value |\n| --- | --- | --- |")
         for sec, what, value in TABLE:
             say(f"| {sec} | {what} | {value} |")
+        if args.doc is not None:
+            try:
+                write_rows(args.doc, "decode_bench", TABLE, doc_header(args.commit),
+                           anchor=DOC_ANCHOR)
+                say(f"rows written into {args.doc}")
+            except DocError as err:
+                say(f"decode_bench: --doc: {err}")
+                return 1
     return 0
+
+
+DOC_ANCHOR = "### Where a decode step's time goes"  # the rows go before it the first time
+
+
+def doc_header(commit: str) -> str:
+    """The line above the rows: how to get them again, from which commit, on what, when."""
+    import subprocess
+
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, timeout=10, check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = "an unknown commit"
+    try:
+        from cuda.core import Device
+
+        device = Device(0).name
+    except Exception:  # noqa: BLE001 - the header names what it can
+        device = "an unknown device"
+    command = " ".join(["python tests/bench/decode_bench.py",
+                        *(a for a in sys.argv[1:] if not a.startswith("--doc")
+                          and not a.startswith("--commit"))])
+    return (f"The latest rows of `{command}`, at {commit} on {device}, "
+            f"{time.strftime('%Y-%m-%d')} (each x is the ratio to the roofline its row names):")
 
 
 if __name__ == "__main__":

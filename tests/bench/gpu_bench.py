@@ -54,6 +54,45 @@ def row(section: str, what: str, value: str) -> None:
     say(f"  [{section}] {what}: {value}")
 
 
+class DocError(Exception):
+    """A --doc file the rows cannot go into (missing, or its markers broken)."""
+
+
+def write_rows(doc: Path, name: str, rows: list[tuple[str, str, str]], header: str,
+               anchor: str | None = None) -> None:
+    """The run's rows as a markdown table in `doc` between the markers of `name`: what stood
+    between them is replaced, else the block goes before the line `anchor` (or at the end).
+    `header` (the command, commit, device, date) heads the table. The file is rewritten whole
+    (a temporary file renamed over it), so a failure leaves it as it was."""
+    begin = f"<!-- {name} rows: begin (written by the bench; edit the bench, not these lines) -->"
+    end = f"<!-- {name} rows: end -->"
+    try:
+        text = doc.read_text()
+    except OSError as err:
+        raise DocError(f"{doc}: {err.strerror or err}") from None
+    table = "\n".join([begin, header, "", "| section | measure | value |", "| --- | --- | --- |",
+                       *(f"| {sec} | {what} | {value} |" for sec, what, value in rows), end])
+    starts, ends = text.count(begin), text.count(end)
+    if (starts, ends) == (1, 1) and text.index(begin) < text.index(end):
+        head, rest = text.split(begin, 1)
+        text = head + table + rest.split(end, 1)[1]
+    elif (starts, ends) != (0, 0):
+        raise DocError(f"{doc}: the `{name}` markers are broken ({starts} begin, {ends} end); "
+                       "fix them by hand, nothing was written")
+    elif anchor is not None and f"\n{anchor}\n" in text:
+        head, rest = text.split(f"\n{anchor}\n", 1)
+        text = f"{head}\n{table}\n\n{anchor}\n{rest}"
+    else:
+        text = text.rstrip("\n") + "\n\n" + table + "\n"
+    temporary = doc.with_name(f".{doc.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, doc)
+    except OSError as err:
+        temporary.unlink(missing_ok=True)
+        raise DocError(f"{doc}: {err.strerror or err}") from None
+
+
 @contextlib.contextmanager
 def section(name: str, limit: float = 240):
     say(f"== {name}")
