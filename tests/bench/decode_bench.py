@@ -838,6 +838,21 @@ def main() -> int:
 
 
 DOC_ANCHOR = "### Where a decode step's time goes"  # the rows go before it the first time
+UNSHOWN = ("--doc", "--commit", "--out")  # options of the run, not of what it measures
+
+
+def shown_command(argv: list[str]) -> str:
+    """The command that measures the same again: these arguments without UNSHOWN's options
+    (as `--doc X` or `--doc=X`)."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in UNSHOWN:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in UNSHOWN)):
+            shown.append(arg)
+    return " ".join(["python tests/bench/decode_bench.py", *shown])
 
 
 def doc_header(commit: str) -> str:
@@ -856,9 +871,7 @@ def doc_header(commit: str) -> str:
         device = Device(0).name
     except Exception:  # noqa: BLE001 - the header names what it can
         device = "an unknown device"
-    command = " ".join(["python tests/bench/decode_bench.py",
-                        *(a for a in sys.argv[1:] if not a.startswith("--doc")
-                          and not a.startswith("--commit"))])
+    command = shown_command(sys.argv[1:])
     return (f"The latest rows of `{command}`, at {commit} on {device}, "
             f"{time.strftime('%Y-%m-%d')} (each x is the ratio to the roofline its row names):")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from decode_bench import shown_command
 from gpu_bench import DocError, write_rows
 
 ANCHOR = "### Where a decode step's time goes"
@@ -58,3 +59,10 @@ def test_a_missing_file_or_broken_markers_are_errors_and_change_nothing(tmp_path
     with pytest.raises(DocError, match="markers are broken .0 begin, 1 end.; fix them"):
         write_rows(doc, "decode_bench", ROWS, "h", anchor=ANCHOR)
     assert doc.read_text() == broken
+
+
+def test_the_header_shows_the_measuring_command_without_the_runs_own_options():
+    argv = ["--out", "/root/out/db", "--defaults-only", "--skip", "gemm,torch", "--doc",
+            "docs/benchmarks.md", "--commit=927aae5", "--layers", "4"]
+    assert shown_command(argv) == ("python tests/bench/decode_bench.py --defaults-only --skip "
+                                   "gemm,torch --layers 4")
