@@ -297,6 +297,279 @@ extern "C" __global__ void __launch_bounds__(512, 1)
   }
 }
 
+// ---- "ws": the weights through a ring fed by a producer warp of its own -------------------
+// chain_bulk_w16 issues its bulk copies from the thread that also waits for the inputs, so the
+// ring stops filling while the block waits: the stream pauses at every dependency. Here the
+// block is 16 consumer warps, a producer warp (warp 16) and a signaller warp (warp 17).
+// * The producer walks the block's items (tile s, columns [ITEM q, ITEM (q + 1)) of its 16
+//   rows, ITEM = 512 U) in deal order and copies each into the next stage of a ring of
+//   `stages` (bulk copies, a row's segment each, completion on the stage's `full` mbarrier),
+//   waiting only for a free stage (`empty`, one arrival per consumer warp). It never waits for
+//   an input, so while the consumers wait for the GEMV before, the ring goes on filling.
+// * The consumers must drain the ring much faster than HBM fills it, or a wait leaves a
+//   backlog that stalls the producer: so when a block reaches a GEMV it copies that GEMV's
+//   whole x (m x k) into shared memory once (rows WS_XPAD elements apart, no bank conflicts),
+//   and its items then read only shared memory. A warp's columns come in the order of the
+//   launches' whole-tile loop (32 w + 512 u + 8 t, u over the tile's k), and the warps' sums
+//   are added in warp order, so the bits are the launches'. Their barriers are named (bar 1,
+//   512 threads): the other two warps take no part.
+// * Raising a counter with release stalls the raising warp until its stores are acknowledged
+//   (about a microsecond), so the signaller does it: it waits at barrier 2 for the consumers to
+//   end each run of tiles of one GEMV (they arrive without waiting), then raises the GEMV's
+//   counter by the run's tiles.
+// Modes: 1 waits for the inputs through the counters; 2 does not (the ring's stream alone, the
+// results wrong); 3 has no counters: every y word carries its launch's tag, (tag << 16) | bf16,
+// stored relaxed at GPU scope, so a consumer knows an element is this launch's by reading it
+// (a 32-bit word is single-copy atomic: the flag rides with the data, as in NCCL's LL
+// protocol). Its x staging loads spin until every tag matches; no fence, counter or poll of a
+// counter stands between a tile's store and its readers. The tag is the launch's epoch + 1,
+// the epoch a word the launch's last block raises (done[count + 1]; done[count + 2] counts the
+// finished blocks), so graph replays get fresh tags without a memset; mode 3's y buffers are
+// words, x_0 stays bf16.
+// Dynamic shared memory: x (m rows of kmax + WS_XPAD) then the ring (stages x 16 x (1024 U +
+// 64) bytes). done[count] is raised if a wait gave up (about a second).
+#define WS_XPAD 32
+#define WS_SPINS (1 << 24)
+
+__device__ __forceinline__ void ws_sync() { asm volatile("bar.sync 1, 512;" ::: "memory"); }
+
+__device__ __forceinline__ void raise_release_by(unsigned* p, unsigned n) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ uint4 load_relaxed4(const unsigned* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_relaxed(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
+template <int U>
+__device__ __forceinline__ Cursor ws_next(const Gemv* chain, int count, int tiles, Cursor c) {
+  if (++c.r < chain[c.j].k / (512 * U)) return c;
+  c.s += gridDim.x;
+  c.r = 0;
+  if (c.s < tiles) c.j = gemv_of(chain, count, c.s, c.j);
+  return c;
+}
+
+// As store_tile, with the consumers' named barrier; tag != 0: a tagged word (mode 3).
+__device__ __forceinline__ void ws_store_tile(const Gemv& g, int m, int row0,
+                                              const float (&acc)[4], float (*partial)[32],
+                                              unsigned tag) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) partial[warp * 4 + r][lane] = acc[r];
+  ws_sync();
+  if (threadIdx.x < 128) {
+    const int s = threadIdx.x >> 5, l = threadIdx.x & 31;
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < 16; ++v) sum += partial[v * 4 + s][l];
+    const int row = row0 + (l >> 2) + (s >= 2 ? 8 : 0);
+    const int col = 2 * (l & 3) + (s & 1);
+    if (col < m) {
+      const bf16 y = __float2bfloat16(sum);
+      if (tag)
+        store_relaxed(reinterpret_cast<unsigned*>(g.y) + (size_t)col * g.n + row,
+                      tag << 16 | *reinterpret_cast<const unsigned short*>(&y));
+      else
+        g.y[(size_t)col * g.n + row] = y;
+    }
+  }
+  ws_sync();
+}
+
+// x_j into shared memory: bf16 (tag == 0), or tagged words, each load repeated until its
+// four words carry the tag.
+__device__ __forceinline__ void ws_stage_x(const Gemv& gm, int m, bf16* xs, int xrow,
+                                           unsigned tag, unsigned* gave_up) {
+  if (!tag) {
+    const int chunks = gm.k / 8;  // 16-byte chunks of a row
+    for (int q = threadIdx.x; q < m * chunks; q += 512) {
+      const int row = q / chunks, col = 8 * (q % chunks);
+      *reinterpret_cast<uint4*>(xs + row * xrow + col) =
+          load_l2(gm.x + (size_t)row * gm.x_stride + col);
+    }
+    return;
+  }
+  const unsigned* x = reinterpret_cast<const unsigned*>(gm.x);
+  const int chunks = gm.k / 4;  // 16-byte chunks of tagged words
+  for (int q = threadIdx.x; q < m * chunks; q += 512) {
+    const int row = q / chunks, col = 4 * (q % chunks);
+    uint4 v = load_relaxed4(x + (size_t)row * gm.x_stride + col);
+    for (int spins = 0; (v.x >> 16) != tag || (v.y >> 16) != tag || (v.z >> 16) != tag ||
+                        (v.w >> 16) != tag; ++spins) {
+      if (spins == WS_SPINS) {
+        atomicExch(gave_up, 1u);
+        break;
+      }
+      v = load_relaxed4(x + (size_t)row * gm.x_stride + col);
+    }
+    *reinterpret_cast<uint2*>(xs + row * xrow + col) =
+        make_uint2((v.x & 0xFFFFu) | v.y << 16, (v.z & 0xFFFFu) | v.w << 16);
+  }
+}
+
+template <int U>
+__device__ __forceinline__ void run_ws(const Gemv* __restrict__ given, int count, int m,
+                                       unsigned* __restrict__ done, unsigned epoch, int mode,
+                                       int stages, int kmax) {
+  constexpr int ROW = 1024 * U;         // bytes of a row an item covers
+  constexpr int PITCH = ROW + 64;       // rows 64 bytes off the bank period: no conflicts
+  constexpr int STAGE = 16 * PITCH;
+  constexpr int MAX_STAGES = 16;
+  extern __shared__ __align__(128) unsigned char dyn[];
+  __shared__ float partial[16 * 4][32];
+  __shared__ Gemv chain[MAX_CHAIN];
+  __shared__ __align__(8) uint64_t bars[2 * MAX_STAGES];  // full[stages], empty[stages]
+  for (int i = threadIdx.x; i < count; i += blockDim.x) chain[i] = given[i];
+  bf16* xs = reinterpret_cast<bf16*>(dyn);
+  const int xrow = kmax + WS_XPAD;
+  unsigned char* ring = dyn + ((m * xrow * 2 + 127) & ~127);
+  const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(ring);
+  const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(bars), empty0 = full0 + 8 * stages;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < stages; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(full0 + 8 * i) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 16;" :: "r"(empty0 + 8 * i)
+                   : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // mode 3's tag: this launch's epoch + 1, read before any block can raise it (at its end)
+  const unsigned tag = mode == 3 ? (*(volatile unsigned*)(done + count + 1) + 1u) & 0xFFFFu : 0u;
+  __syncthreads();  // the last barrier of all 576 threads
+  const int tiles = chain[count - 1].first_tile + chain[count - 1].n / 16;
+  if ((int)blockIdx.x >= tiles || stages > MAX_STAGES) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const Cursor start = {(int)blockIdx.x, gemv_of(chain, count, blockIdx.x, 0), 0};
+
+  if (warp == 16) {  // the producer
+    Cursor p = start;
+    for (int i = 0; p.s < tiles; ++i) {
+      const int stage = i % stages;
+      if (i >= stages) bulk_wait(empty0 + 8 * stage, (i / stages - 1) & 1);
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(full0 + 8 * stage), "r"(16 * ROW) : "memory");
+      __syncwarp();
+      if (lane < 16) {
+        const Gemv& gm = chain[p.j];
+        const int row = (p.s - gm.first_tile) * 16 + lane;
+        const bf16* src = gm.w + (size_t)row * gm.k + (size_t)p.r * 512 * U;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                     "[%0], [%1], %2, [%3];"
+                     :: "r"(ring0 + stage * STAGE + lane * PITCH), "l"(src), "r"(ROW),
+                        "r"(full0 + 8 * stage) : "memory");
+      }
+      p = ws_next<U>(chain, count, tiles, p);
+    }
+    return;
+  }
+  if (warp == 17) {  // the signaller: a run's counter raised once its tiles are stored
+    if (mode != 1) return;
+    int j = start.j, run = 0;
+    for (int s = blockIdx.x; s < tiles; s += gridDim.x) {
+      const int js = gemv_of(chain, count, s, j);
+      if (js != j) {
+        asm volatile("bar.sync 2, 544;" ::: "memory");
+        if (lane == 0) raise_release_by(done + j, run);
+        j = js, run = 0;
+      }
+      ++run;
+    }
+    asm volatile("bar.sync 2, 544;" ::: "memory");
+    if (lane == 0) raise_release_by(done + j, run);
+    return;
+  }
+
+  Cursor c = start;
+  int staged = -1;  // the GEMV whose x is in xs
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; c.s < tiles; ++i) {
+    const int stage = i % stages;
+    const Gemv& gm = chain[c.j];
+    if (c.j != staged) {  // block-uniform: a new GEMV (after a tile's barriers)
+      if (mode == 1 && c.j > 0) {  // x_j = y_{j-1} complete: every tile of it raised
+        if (threadIdx.x == 0) {
+          const unsigned target = epoch * (unsigned)(chain[c.j - 1].n / 16);
+          for (int spins = 0; (int)(load_acquire(done + c.j - 1) - target) < 0; ++spins) {
+            if (spins == WS_SPINS) {  // a dependency bug, never a hang
+              atomicExch(done + count, 1u);
+              break;
+            }
+          }
+        }
+        ws_sync();
+      }
+      ws_stage_x(gm, m, xs, xrow, c.j > 0 ? tag : 0u, done + count);
+      ws_sync();
+      staged = c.j;
+    }
+    const Cursor n = ws_next<U>(chain, count, tiles, c);
+    bulk_wait(full0 + 8 * stage, (i / stages) & 1);
+    const unsigned char* base = ring + stage * STAGE;
+    const bf16* xa = xs + g * xrow + 8 * t + 32 * warp + c.r * 512 * U;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int col = 2 * (32 * warp + 512 * u + 8 * t);  // bytes into the row segment
+      const uint4 lo = *reinterpret_cast<const uint4*>(base + g * PITCH + col);
+      const uint4 hi = *reinterpret_cast<const uint4*>(base + (g + 8) * PITCH + col);
+      const uint4 x = g < m ? *reinterpret_cast<const uint4*>(xa + 512 * u)
+                            : make_uint4(0, 0, 0, 0);
+      mma_16816(acc, lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+      mma_16816(acc, lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * stage);  // the warp is done with the stage
+    if (c.r + 1 == gm.k / (512 * U)) {
+      ws_store_tile(gm, m, (c.s - gm.first_tile) * 16, acc, partial, tag);
+      if (mode == 1 && (n.s >= tiles || n.j != c.j))  // the run's end: the signaller raises
+        asm volatile("bar.arrive 2, 544;" ::: "memory");
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[q] = 0.f;
+    }
+    c = n;
+  }
+  if (mode == 3 && threadIdx.x == 0) {  // the last block to finish raises the epoch
+    if (atomicAdd(done + count + 2, 1u) == gridDim.x - 1) {
+      done[count + 2] = 0;
+      atomicAdd(done + count + 1, 1u);
+    }
+  }
+}
+
+// U = 1, 2, 4: items of 16 rows x 1, 2, 4 KB; the launch picks the stages that fit.
+extern "C" __global__ void __launch_bounds__(576, 1)
+    chain_ws_u1(const Gemv* chain, int count, int m, unsigned* done, unsigned epoch, int mode,
+                int stages, int kmax) {
+  pdl_begin();
+  run_ws<1>(chain, count, m, done, epoch, mode, stages, kmax);
+}
+
+extern "C" __global__ void __launch_bounds__(576, 1)
+    chain_ws_u2(const Gemv* chain, int count, int m, unsigned* done, unsigned epoch, int mode,
+                int stages, int kmax) {
+  pdl_begin();
+  run_ws<2>(chain, count, m, done, epoch, mode, stages, kmax);
+}
+
+extern "C" __global__ void __launch_bounds__(576, 1)
+    chain_ws_u4(const Gemv* chain, int count, int m, unsigned* done, unsigned epoch, int mode,
+                int stages, int kmax) {
+  pdl_begin();
+  run_ws<4>(chain, count, m, done, epoch, mode, stages, kmax);
+}
+
 // Weights and inputs without a host copy: bf16 of a hash, uniform in [-scale, scale).
 extern "C" __global__ void fill_bf16(bf16* p, long long count, unsigned seed, float scale) {
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;

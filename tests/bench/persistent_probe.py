@@ -17,6 +17,13 @@ between them left out), at m = 1 and 8 rows. Rows, each the median of alternatin
                    by bulk copies)
   unordered        the persistent kernel without the waits: its weight stream alone (results
                    wrong; the ceiling the waits are measured against)
+  ws uU            persistent, a block of 16 consumer warps, a producer warp and a signaller
+                   warp: the producer feeds a ring of shared memory (items of 16 rows x U KB,
+                   bulk copies) and never waits for an input; the consumers stage each GEMV's
+                   x in shared memory once; the signaller raises the counters, off the
+                   consumers' path (`chain_ws_u{U}` in the .cu file says why each)
+  ws uU tagged     the same without counters: every y word is (tag << 16) | bf16, so a reader
+                   knows an element is this launch's by its tag (no fence, no counter poll)
 against the HBM roofline of the chain's weight bytes. The probe's modes must give the same bits
 as each other (checked and printed); today's kernels agree within bf16 rounding at m = 1.
 """
@@ -45,9 +52,13 @@ HERE = Path(__file__).resolve().parent
 HBM_TBS = 4.0  # issue 20's roofline: 2.55 GB of weights at 4.0 TB/s = 0.64 ms
 GEMV_BYTES = 40  # struct Gemv: w, x, y pointers; n, k, x_stride, first_tile
 REPLAYS = 10
-MODES = {"launch": 0, "persistent": 1, "unordered": 2}
+MODES = {"launch": 0, "persistent": 1, "unordered": 2, "tagged": 3}
 ENTRIES = {"w16": ("chain_w16", 512), "w8": ("chain_w8", 256)}
 BULK_SMEM = 3 * 16 * (4096 + 64)  # chain_bulk_w16's ring: BULK_STAGES x 16 x BULK_PITCH
+WS_XPAD = 32  # chain_ws_u{U}'s x rows in shared memory are k + WS_XPAD elements apart
+WS_MAX_STAGES = 16
+WS_UNITS = (1, 2, 4)  # chain_ws_u{U}: items of 16 rows x U KB
+WS_THREADS = 576  # 16 consumer warps, the producer warp and the signaller warp
 
 
 def chain_shapes(layers: int) -> list[tuple[int, int]]:
@@ -102,14 +113,24 @@ class Probe:
         self.fill(self.x0, m_max * hidden, 12345, 1.0)
         self.y = [self.alloc(m_max * n * 2) for n, _ in self.shapes]
         self.done = self.be.allocate(4 * (len(self.shapes) + 1))  # + the gave-up flag
-        self.tables = {"chain": self._table(True), "each": self._table(False)}
+        # chain_ws mode 3: tagged y words, and its own flag, epoch and finished count (zero
+        # once: the kernel keeps them between launches)
+        self.ytag = [self.alloc(m_max * n * 4) for n, _ in self.shapes]
+        self.ll_done = self.be.allocate(4 * (len(self.shapes) + 3))
+        for ptr, (n, _) in zip(self.ytag, self.shapes):
+            check(cu.cuMemsetD32Async(cu.CUdeviceptr(ptr), 0, m_max * n,
+                                      self.be._launch_stream), "cuMemsetD32Async")
+        check(cu.cuMemsetD32Async(cu.CUdeviceptr(self.ll_done.ptr), 0, len(self.shapes) + 3,
+                                  self.be._launch_stream), "cuMemsetD32Async")
+        self.tables = {"chain": self._table(True), "each": self._table(False),
+                       "tagged": self._table(True, self.ytag)}
         self.be.sync()
 
-    def _table(self, chained: bool) -> int:
-        body, first = b"", 0
+    def _table(self, chained: bool, y: list[int] | None = None) -> int:
+        body, first, y = b"", 0, y or self.y
         for j, (n, k) in enumerate(self.shapes):
-            x, stride = (self.x0, k) if j == 0 else (self.y[j - 1], self.shapes[j - 1][0])
-            body += struct.pack("<QQQiiii", self.w[j], x, self.y[j], n, k, stride,
+            x, stride = (self.x0, k) if j == 0 else (y[j - 1], self.shapes[j - 1][0])
+            body += struct.pack("<QQQiiii", self.w[j], x, y[j], n, k, stride,
                                 first if chained else 0)
             first += n // 16
         allocation = self.be.allocate(len(body))
@@ -176,16 +197,64 @@ class Probe:
                      ctypes.c_int32(self.rows), self.done.ptr, ctypes.c_uint32(1)],
                     smem=BULK_SMEM)
 
+    def ws_stages(self, u: int) -> tuple[int, int]:
+        """chain_ws_u{u}'s most stages beside its x rows, and the dynamic bytes they take."""
+        f = self.fn(self.probe, f"chain_ws_u{u}")
+        static = check(cu.cuFuncGetAttribute(
+            cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f), "static shared")
+        device = check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
+        most = check(cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            device), "shared per block")
+        kmax = max(k for _, k in self.shapes)
+        x = (self.rows * (kmax + WS_XPAD) * 2 + 127) // 128 * 128
+        stage = 16 * (1024 * u + 64)
+        stages = min(WS_MAX_STAGES, (most - static - x) // stage)
+        return stages, x + stages * stage
+
+    def ws(self, u: int, mode: str, stages: int | None = None) -> None:
+        """chain_ws_u{u}: the persistent chain, its ring fed by a producer warp of its own."""
+        name = f"chain_ws_u{u}"
+        most, _ = self.ws_stages(u)
+        stages = most if stages is None else min(stages, most)
+        kmax = max(k for _, k in self.shapes)
+        smem = (self.rows * (kmax + WS_XPAD) * 2 + 127) // 128 * 128 + stages * 16 * (
+            1024 * u + 64)
+        f = self.fn(self.probe, name)
+        check(cu.cuFuncSetAttribute(
+            f, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem), f"cuFuncSetAttribute({name})")
+        per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, WS_THREADS, smem),
+                       "occupancy")
+        if per_sm < 1:
+            raise RuntimeError(f"{name} does not fit a multiprocessor")
+        tagged = mode == "tagged"
+        if not tagged:
+            check(cu.cuMemsetD32Async(cu.CUdeviceptr(self.done.ptr), 0, len(self.shapes) + 1,
+                                      self.be._launch_stream), "cuMemsetD32Async")
+        self.launch(f, self.sms * per_sm, WS_THREADS,
+                    [self.tables["tagged" if tagged else "chain"],
+                     ctypes.c_int32(len(self.shapes)), ctypes.c_int32(self.rows),
+                     (self.ll_done if tagged else self.done).ptr, ctypes.c_uint32(1),
+                     ctypes.c_int32(MODES[mode]), ctypes.c_int32(stages),
+                     ctypes.c_int32(kmax)], smem=smem)
+
     def gave_up(self) -> bool:
         """Whether a persistent block stopped waiting (a dependency bug, not a slow run)."""
         self.be.sync()
-        flag = self.be.download(self.done, 4 * len(self.shapes), 4)
-        return bool(flag.view(np.uint32)[0])
+        flags = [self.be.download(done, 4 * len(self.shapes), 4).view(np.uint32)[0]
+                 for done in (self.done, self.ll_done)]
+        return bool(any(flags))
 
-    def outputs(self) -> list[np.ndarray]:
+    def outputs(self, tagged: bool = False) -> list[np.ndarray]:
+        """The chain's y buffers as bf16 bytes (mode 3's tagged words: their low halves)."""
         self.be.sync()
-        return [self.be.download(_Ptr(p, self.rows * n * 2), 0, self.rows * n * 2)
-                for p, (n, _) in zip(self.y, self.shapes)]
+        if not tagged:
+            return [self.be.download(_Ptr(p, self.rows * n * 2), 0, self.rows * n * 2)
+                    for p, (n, _) in zip(self.y, self.shapes)]
+        words = [self.be.download(_Ptr(p, self.rows * n * 4), 0, self.rows * n * 4)
+                 for p, (n, _) in zip(self.ytag, self.shapes)]
+        return [(w.view(np.uint32) & 0xFFFF).astype(np.uint16).view(np.uint8) for w in words]
 
 
 class _Ptr:
@@ -212,6 +281,12 @@ def variants(probe: Probe) -> dict:
         "unordered w16 (no waits: the stream alone)": lambda: probe.persistent("w16",
                                                                                "unordered"),
         "unordered w8": lambda: probe.persistent("w8", "unordered"),
+        **{f"ws u{u} (producer warp, {probe.ws_stages(u)[0]} x {u} KB rows ahead)":
+           (lambda u=u: probe.ws(u, "persistent")) for u in WS_UNITS},
+        "ws u2, 3 stages": lambda: probe.ws(2, "persistent", 3),
+        **{f"ws u{u} tagged (no counters: each y word carries its launch's tag)":
+           (lambda u=u: probe.ws(u, "tagged")) for u in (2, 4)},
+        **{f"ws u{u} unordered": (lambda u=u: probe.ws(u, "unordered")) for u in WS_UNITS},
     }
 
 
@@ -221,7 +296,7 @@ def bits(probe: Probe, runs: dict) -> list[str]:
     out, lines = {}, []
     for name, issue in runs.items():
         issue()
-        out[name] = probe.outputs()
+        out[name] = probe.outputs(tagged=" tagged" in name)
         if probe.gave_up():
             lines.append(f"{name}: a block GAVE UP waiting for its input")
     for width in ENTRIES:
@@ -234,6 +309,10 @@ def bits(probe: Probe, runs: dict) -> list[str]:
     same = all(np.array_equal(x, y) for x, y in zip(a, b))
     lines.append(f"persistent w16 through shared memory = launches w16: "
                  f"{'identical bits' if same else 'DIFFERENT'}")
+    for name in (n for n in runs if n.startswith("ws") and "unordered" not in n):
+        same = all(np.array_equal(x, y) for x, y in zip(out["launches w16"], out[name]))
+        lines.append(f"{name.split(' (')[0]} = launches w16: "
+                     f"{'identical bits' if same else 'DIFFERENT'}")
     if probe.rows == 1:
         a = bf16_to_f32(out["today (kerncc GEMVs, graph of launches)"][-1])
         b = bf16_to_f32(out["launches w16"][-1])
