@@ -22,13 +22,16 @@
 //   (chain_bulk_w16: as 1 with the weights through shared memory, deeper ahead: below)
 // done[count] is raised if a wait gave up (about a second): the probe reports it, never hangs.
 // Needs k_j % (32 * WARPS * UNROLL) == 0, n_j % 16 == 0, m <= 8, every n_j >= k_{j+1}.
-#include "gemv.cuh"  // kernels/: load_stream, mma_16816; common.cuh's counters and pdl_begin
+#include "activation.cuh"  // kernels/: silu_mul
+#include "gemv.cuh"  // load_stream, mma_16816; common.cuh's counters and pdl_begin
 
 struct Gemv {
   const bf16* w;  // [n, k]
   const bf16* x;  // [m, k], row stride x_stride
   bf16* y;        // [m, n]
   int n, k, x_stride, first_tile;  // first_tile: the chain's tiles before this GEMV's
+  int pre;        // chain_ws: x_j as y_{j-1} (0), its rmsnorm (1), silu_mul of its halves (2)
+  int pad;
 };
 
 // x is written inside the persistent launch by other blocks: read it at L2, never through
@@ -388,47 +391,95 @@ __device__ __forceinline__ void ws_store_tile(const Gemv& g, int m, int row0,
   ws_sync();
 }
 
-// x_j into shared memory: bf16 (tag == 0), or tagged words, each load repeated until its
-// four words carry the tag.
+// Four elements of y_{j-1} from p: bf16 (tag == 0), or tagged words, the load repeated until
+// all four carry the tag. As two bf16 pairs.
+__device__ __forceinline__ uint2 ws_load4(const bf16* p, unsigned tag, unsigned* gave_up) {
+  if (!tag) return __ldcg(reinterpret_cast<const uint2*>(p));
+  const unsigned* w = reinterpret_cast<const unsigned*>(p);
+  uint4 v = load_relaxed4(w);
+  for (int spins = 0; (v.x >> 16) != tag || (v.y >> 16) != tag || (v.z >> 16) != tag ||
+                      (v.w >> 16) != tag; ++spins) {
+    if (spins == WS_SPINS) {  // a dependency bug, never a hang
+      atomicExch(gave_up, 1u);
+      break;
+    }
+    v = load_relaxed4(w);
+  }
+  return make_uint2((v.x & 0xFFFFu) | v.y << 16, (v.z & 0xFFFFu) | v.w << 16);
+}
+
+// x_j into shared memory (m rows of k, xrow apart) from y_{j-1} (row stride x_stride, in
+// elements, words when tagged): pre 0 copies it; pre 1 its rmsnorm (f32 mean of squares + 1e-6,
+// rsqrt, times gamma, one bf16 rounding; the probe's own, not norm.cu's order); pre 2
+// silu_mul (activation.cuh) of its halves, gate = columns [0, k), up = [k, 2k). `red` holds
+// 16 x 8 warp sums and 8 scales. Ends with the consumers' barrier.
 __device__ __forceinline__ void ws_stage_x(const Gemv& gm, int m, bf16* xs, int xrow,
-                                           unsigned tag, unsigned* gave_up) {
-  if (!tag) {
-    const int chunks = gm.k / 8;  // 16-byte chunks of a row
+                                           unsigned tag, unsigned* gave_up, const bf16* gamma,
+                                           float* red) {
+  const bf16* x = gm.x;
+  if (!tag && gm.pre == 0) {  // a plain copy, 16 bytes a load
+    const int chunks = gm.k / 8;
     for (int q = threadIdx.x; q < m * chunks; q += 512) {
       const int row = q / chunks, col = 8 * (q % chunks);
       *reinterpret_cast<uint4*>(xs + row * xrow + col) =
-          load_l2(gm.x + (size_t)row * gm.x_stride + col);
+          load_l2(x + (size_t)row * gm.x_stride + col);
     }
+    ws_sync();
     return;
   }
-  const unsigned* x = reinterpret_cast<const unsigned*>(gm.x);
-  const int chunks = gm.k / 4;  // 16-byte chunks of tagged words
+  const int chunks = gm.k / 4;  // 4-element chunks of a row
+  const size_t word = tag ? 2 : 1;  // a tagged element takes two bf16 slots of address
   for (int q = threadIdx.x; q < m * chunks; q += 512) {
     const int row = q / chunks, col = 4 * (q % chunks);
-    uint4 v = load_relaxed4(x + (size_t)row * gm.x_stride + col);
-    for (int spins = 0; (v.x >> 16) != tag || (v.y >> 16) != tag || (v.z >> 16) != tag ||
-                        (v.w >> 16) != tag; ++spins) {
-      if (spins == WS_SPINS) {
-        atomicExch(gave_up, 1u);
-        break;
-      }
-      v = load_relaxed4(x + (size_t)row * gm.x_stride + col);
+    const bf16* at = x + ((size_t)row * gm.x_stride + col) * word;
+    uint2 v = ws_load4(at, tag, gave_up);
+    if (gm.pre == 2) {
+      const uint2 up = ws_load4(at + (size_t)gm.k * word, tag, gave_up);
+      const float2 g0 = unpack_bf16x2(v.x), g1 = unpack_bf16x2(v.y);
+      const float2 u0 = unpack_bf16x2(up.x), u1 = unpack_bf16x2(up.y);
+      v = make_uint2(pack_bf16x2(silu_mul(g0.x, u0.x), silu_mul(g0.y, u0.y)),
+                     pack_bf16x2(silu_mul(g1.x, u1.x), silu_mul(g1.y, u1.y)));
     }
-    *reinterpret_cast<uint2*>(xs + row * xrow + col) =
-        make_uint2((v.x & 0xFFFFu) | v.y << 16, (v.z & 0xFFFFu) | v.w << 16);
+    *reinterpret_cast<uint2*>(xs + row * xrow + col) = v;
   }
+  ws_sync();
+  if (gm.pre != 1) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int row = 0; row < m; ++row) {
+    float ss = 0.f;
+    for (int c = threadIdx.x; c < gm.k; c += 512) {
+      const float v = __bfloat162float(xs[row * xrow + c]);
+      ss = fmaf(v, v, ss);
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) red[warp * 8 + row] = ss;
+  }
+  ws_sync();
+  if (threadIdx.x < m) {
+    float total = 0.f;
+    for (int w = 0; w < 16; ++w) total += red[w * 8 + threadIdx.x];
+    red[128 + threadIdx.x] = rsqrtf(total / gm.k + 1e-6f);
+  }
+  ws_sync();
+  for (int q = threadIdx.x; q < m * gm.k; q += 512) {
+    const int row = q / gm.k, c = q % gm.k;
+    bf16* e = xs + row * xrow + c;
+    *e = __float2bfloat16(__bfloat162float(*e) * red[128 + row] * __bfloat162float(gamma[c]));
+  }
+  ws_sync();
 }
 
 template <int U>
 __device__ __forceinline__ void run_ws(const Gemv* __restrict__ given, int count, int m,
                                        unsigned* __restrict__ done, unsigned epoch, int mode,
-                                       int stages, int kmax) {
+                                       int stages, int kmax, const bf16* __restrict__ gamma) {
   constexpr int ROW = 1024 * U;         // bytes of a row an item covers
   constexpr int PITCH = ROW + 64;       // rows 64 bytes off the bank period: no conflicts
   constexpr int STAGE = 16 * PITCH;
   constexpr int MAX_STAGES = 16;
   extern __shared__ __align__(128) unsigned char dyn[];
   __shared__ float partial[16 * 4][32];
+  __shared__ float red[16 * 8 + 8];  // ws_stage_x's norm sums
   __shared__ Gemv chain[MAX_CHAIN];
   __shared__ __align__(8) uint64_t bars[2 * MAX_STAGES];  // full[stages], empty[stages]
   for (int i = threadIdx.x; i < count; i += blockDim.x) chain[i] = given[i];
@@ -511,8 +562,13 @@ __device__ __forceinline__ void run_ws(const Gemv* __restrict__ given, int count
         }
         ws_sync();
       }
-      ws_stage_x(gm, m, xs, xrow, c.j > 0 ? tag : 0u, done + count);
-      ws_sync();
+      if (c.j == 0) {  // x_0: the chain's bf16 input, as it is
+        Gemv first = gm;
+        first.pre = 0;
+        ws_stage_x(first, m, xs, xrow, 0u, done + count, gamma, red);
+      } else {
+        ws_stage_x(gm, m, xs, xrow, tag, done + count, gamma, red);
+      }
       staged = c.j;
     }
     const Cursor n = ws_next<U>(chain, count, tiles, c);
@@ -551,23 +607,23 @@ __device__ __forceinline__ void run_ws(const Gemv* __restrict__ given, int count
 // U = 1, 2, 4: items of 16 rows x 1, 2, 4 KB; the launch picks the stages that fit.
 extern "C" __global__ void __launch_bounds__(576, 1)
     chain_ws_u1(const Gemv* chain, int count, int m, unsigned* done, unsigned epoch, int mode,
-                int stages, int kmax) {
+                int stages, int kmax, const bf16* gamma) {
   pdl_begin();
-  run_ws<1>(chain, count, m, done, epoch, mode, stages, kmax);
+  run_ws<1>(chain, count, m, done, epoch, mode, stages, kmax, gamma);
 }
 
 extern "C" __global__ void __launch_bounds__(576, 1)
     chain_ws_u2(const Gemv* chain, int count, int m, unsigned* done, unsigned epoch, int mode,
-                int stages, int kmax) {
+                int stages, int kmax, const bf16* gamma) {
   pdl_begin();
-  run_ws<2>(chain, count, m, done, epoch, mode, stages, kmax);
+  run_ws<2>(chain, count, m, done, epoch, mode, stages, kmax, gamma);
 }
 
 extern "C" __global__ void __launch_bounds__(576, 1)
     chain_ws_u4(const Gemv* chain, int count, int m, unsigned* done, unsigned epoch, int mode,
-                int stages, int kmax) {
+                int stages, int kmax, const bf16* gamma) {
   pdl_begin();
-  run_ws<4>(chain, count, m, done, epoch, mode, stages, kmax);
+  run_ws<4>(chain, count, m, done, epoch, mode, stages, kmax, gamma);
 }
 
 // Weights and inputs without a host copy: bf16 of a hash, uniform in [-scale, scale).

@@ -50,7 +50,8 @@ from kerncc.runtime.backends.cuda import CudaBackend, check
 
 HERE = Path(__file__).resolve().parent
 HBM_TBS = 4.0  # issue 20's roofline: 2.55 GB of weights at 4.0 TB/s = 0.64 ms
-GEMV_BYTES = 40  # struct Gemv: w, x, y pointers; n, k, x_stride, first_tile
+GEMV_BYTES = 48  # struct Gemv: w, x, y pointers; n, k, x_stride, first_tile, pre, pad
+FOLD = (1, 0, 1, 2)  # a layer's GEMVs' pre when folded: qkv and gate_up norm, down silu_mul
 REPLAYS = 10
 MODES = {"launch": 0, "persistent": 1, "unordered": 2, "tagged": 3}
 ENTRIES = {"w16": ("chain_w16", 512), "w8": ("chain_w8", 256)}
@@ -58,6 +59,8 @@ BULK_SMEM = 3 * 16 * (4096 + 64)  # chain_bulk_w16's ring: BULK_STAGES x 16 x BU
 WS_XPAD = 32  # chain_ws_u{U}'s x rows in shared memory are k + WS_XPAD elements apart
 WS_MAX_STAGES = 16
 WS_UNITS = (1, 2, 4)  # chain_ws_u{U}: items of 16 rows x U KB
+TABLES = {(False, False): "chain", (False, True): "tagged", (True, False): "fold",
+          (True, True): "fold tagged"}  # chain_ws's tables by (folded, tagged)
 WS_THREADS = 576  # 16 consumer warps, the producer warp and the signaller warp
 
 
@@ -122,16 +125,23 @@ class Probe:
                                       self.be._launch_stream), "cuMemsetD32Async")
         check(cu.cuMemsetD32Async(cu.CUdeviceptr(self.ll_done.ptr), 0, len(self.shapes) + 3,
                                   self.be._launch_stream), "cuMemsetD32Async")
+        kmax = max(k for _, k in self.shapes)
+        self.gamma = self.alloc(kmax * 2)
+        self.fill(self.gamma, kmax, 4242, 1.0)
+        fold = [FOLD[j % 4] for j in range(len(self.shapes))]
         self.tables = {"chain": self._table(True), "each": self._table(False),
-                       "tagged": self._table(True, self.ytag)}
+                       "tagged": self._table(True, self.ytag),
+                       "fold": self._table(True, pre=fold),
+                       "fold tagged": self._table(True, self.ytag, fold)}
         self.be.sync()
 
-    def _table(self, chained: bool, y: list[int] | None = None) -> int:
+    def _table(self, chained: bool, y: list[int] | None = None,
+               pre: list[int] | None = None) -> int:
         body, first, y = b"", 0, y or self.y
         for j, (n, k) in enumerate(self.shapes):
             x, stride = (self.x0, k) if j == 0 else (y[j - 1], self.shapes[j - 1][0])
-            body += struct.pack("<QQQiiii", self.w[j], x, y[j], n, k, stride,
-                                first if chained else 0)
+            body += struct.pack("<QQQiiiii4x", self.w[j], x, y[j], n, k, stride,
+                                first if chained else 0, pre[j] if pre else 0)
             first += n // 16
         allocation = self.be.allocate(len(body))
         self.be.upload(allocation, 0, np.frombuffer(body, np.uint8))
@@ -212,7 +222,7 @@ class Probe:
         stages = min(WS_MAX_STAGES, (most - static - x) // stage)
         return stages, x + stages * stage
 
-    def ws(self, u: int, mode: str, stages: int | None = None) -> None:
+    def ws(self, u: int, mode: str, stages: int | None = None, fold: bool = False) -> None:
         """chain_ws_u{u}: the persistent chain, its ring fed by a producer warp of its own."""
         name = f"chain_ws_u{u}"
         most, _ = self.ws_stages(u)
@@ -233,11 +243,11 @@ class Probe:
             check(cu.cuMemsetD32Async(cu.CUdeviceptr(self.done.ptr), 0, len(self.shapes) + 1,
                                       self.be._launch_stream), "cuMemsetD32Async")
         self.launch(f, self.sms * per_sm, WS_THREADS,
-                    [self.tables["tagged" if tagged else "chain"],
+                    [self.tables[TABLES[fold, tagged]],
                      ctypes.c_int32(len(self.shapes)), ctypes.c_int32(self.rows),
                      (self.ll_done if tagged else self.done).ptr, ctypes.c_uint32(1),
                      ctypes.c_int32(MODES[mode]), ctypes.c_int32(stages),
-                     ctypes.c_int32(kmax)], smem=smem)
+                     ctypes.c_int32(kmax), self.gamma], smem=smem)
 
     def gave_up(self) -> bool:
         """Whether a persistent block stopped waiting (a dependency bug, not a slow run)."""
@@ -286,6 +296,9 @@ def variants(probe: Probe) -> dict:
         "ws u2, 3 stages": lambda: probe.ws(2, "persistent", 3),
         **{f"ws u{u} tagged (no counters: each y word carries its launch's tag)":
            (lambda u=u: probe.ws(u, "tagged")) for u in (2, 4)},
+        "ws u2 folded (norms, silu_mul in the x staging), counters":
+            lambda: probe.ws(2, "persistent", fold=True),
+        "ws u2 folded, tagged": lambda: probe.ws(2, "tagged", fold=True),
         **{f"ws u{u} unordered": (lambda u=u: probe.ws(u, "unordered")) for u in WS_UNITS},
     }
 
@@ -309,7 +322,12 @@ def bits(probe: Probe, runs: dict) -> list[str]:
     same = all(np.array_equal(x, y) for x, y in zip(a, b))
     lines.append(f"persistent w16 through shared memory = launches w16: "
                  f"{'identical bits' if same else 'DIFFERENT'}")
-    for name in (n for n in runs if n.startswith("ws") and "unordered" not in n):
+    a, b = out["ws u2 folded (norms, silu_mul in the x staging), counters"], \
+        out["ws u2 folded, tagged"]
+    same = all(np.array_equal(x, y) for x, y in zip(a, b))
+    lines.append(f"ws u2 folded: tagged = counters: {'identical bits' if same else 'DIFFERENT'}")
+    for name in (n for n in runs if n.startswith("ws") and "unordered" not in n
+                 and "folded" not in n):
         same = all(np.array_equal(x, y) for x, y in zip(out["launches w16"], out[name]))
         lines.append(f"{name.split(' (')[0]} = launches w16: "
                      f"{'identical bits' if same else 'DIFFERENT'}")
