@@ -12,6 +12,8 @@ KERNCC_FUSE_GEMV   a decode GEMV and the small kernel before it as one launch: 0
                  default: measured slower on an H200), `norm`, `silu` or 1 (both)
 KERNCC_JOIN_ATTENTION=1   the decode attention's split and combine as one launch (0, the
                  default: two; measured slower on an H200)
+KERNCC_PIPE_ATTENTION=0   the batched decode's split attention one split a block as before (1,
+                 the default: pipelined across each block's splits, faster on an H200)
 A value outside these is an error naming the variable, never ignored.
 """
 
@@ -73,3 +75,9 @@ def join_attention() -> bool:
     """Whether the cuda backend joins the decode attention's two launches
     (runtime/backends/attention.py)."""
     return _choice("KERNCC_JOIN_ATTENTION", "0", ("0", "1")) == "1"
+
+
+def pipe_attention() -> bool:
+    """Whether the cuda backend launches the batched decode's split attention pipelined
+    (runtime/backends/attention_pipe.py)."""
+    return _choice("KERNCC_PIPE_ATTENTION", "1", ("0", "1")) == "1"

@@ -930,3 +930,360 @@ attn_decode_joined_tc_bf16(const bf16* __restrict__ qkv, const uint8_t* __restri
   attn_decode_joined<true>(qkv, kv, block_table, seq_lens, part, seqs, nq, nk, hd, width,
                            max_splits, scale, out, counts);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The tensor-core split pipelined across a block's splits (attn_decode_split_pipe_tc_bf16): the
+// ABI, grid and partials of attn_decode_split_tc_bf16, bit for bit, for any Z. A block of
+// attn_decode_split_tc_bf16 works through its splits one after the other, each a serial chain
+// (page-table entries, then K and V loads, then the mma's, then the partial's stores), so with
+// few blocks a multiprocessor the KV stream idles between splits. Here a block brings the K and
+// V rows of its next splits into shared memory by cp.async while it computes the current one.
+//
+// Each warp keeps its own ring of DP slots (dp_slots below), each slot one 16-key tile (16 x hd
+// bf16) of K or of V. A warp only ever reads its own 16 keys of a split (keys 16w..16w+15: one
+// page-table entry, PAGE == 16), so it loads its own tiles and synchronises with its own lanes
+// only (cp.async.wait_group + __syncwarp); the block meets only where the split kernel's warps
+// meet, at the merge of their partials. The tiles go through the ring in the order K of split 0,
+// V of split 0, K of split 1, ...: tile i in slot i % DP; the first DP are issued up front, and
+// once the warp has read tile i (its scores from K, or its products with V) it issues tile
+// i + DP into the same slot, so DP - 1 tiles stay in flight while one is computed. The warp's
+// page-table entries for 32 of the block's splits at a time sit in a register a lane.
+// * K: chunk c of row r at chunk c ^ ((r & 1) * KSWZ), KSWZ = 4 where a row is a whole number of
+//   128-byte lines (hd 64, 128), else 0 (hd 32, 96: odd rows already start half a line on).
+//   Lane (g, t) reads 16 bytes of rows g and g + 8 at chunk 4c + t (the registers the split
+//   kernel __ldg's): the 8 lanes of each quarter warp cover rows 2p, 2p + 1 x 4 chunks, all
+//   eight 16-byte bank groups once, so the reads are conflict free.
+// * V: the split kernel's tile layout (chunk c of row r at c ^ (r & SWZ)) and ldmatrix.trans.
+// Rows past the sequence are zero-filled and score -inf, as in the split kernel; a warp with no
+// key in a split loads nothing and writes an empty partial. The partials then merge in warp
+// order through s_acc (write_split_partial), two barriers a split, as in the split kernel.
+//
+// Dynamic shared memory, dp_smem_bytes(hd, G): ring (8 warps x DP slots x 32 * hd bytes) |
+// s_acc (8 x G x hd f32) | q (G x hd bf16) | stats (8 x G x 2 f32). DP is the most slots (at
+// most DP_MAX_SLOTS: three splits) that let two blocks share a multiprocessor, or, where that
+// leaves fewer than three, the most one block may take (hd 128, G 4 and 8). kerncc.runtime.
+// backends.attention_pipe.shared_bytes computes the same on the host.
+#define DP_MAX_SLOTS 6
+#define DP_SM_SHARED 233472        // shared memory of an sm_90 multiprocessor (228 KiB)
+#define DP_BLOCK_RESERVED 1024     // the driver's reserve per block
+#define DP_BLOCK_SHARED_MAX 232448 // the most one block may take (227 KiB)
+
+__host__ __device__ constexpr int dp_fixed_bytes(int hd, int g) {  // s_acc, q, stats
+  return DC_WARPS * g * hd * 4 + g * hd * 2 + DC_WARPS * g * 2 * 4;
+}
+
+__host__ __device__ constexpr int dp_slot_bytes(int hd) { return DC_WARPS * 16 * hd * 2; }
+
+__host__ __device__ constexpr int dp_slots(int hd, int g) {
+  const int two = (DP_SM_SHARED / 2 - DP_BLOCK_RESERVED - dp_fixed_bytes(hd, g)) /
+                  dp_slot_bytes(hd);  // two blocks a multiprocessor
+  const int one = (DP_BLOCK_SHARED_MAX - dp_fixed_bytes(hd, g)) / dp_slot_bytes(hd);
+  const int most = two >= 3 ? two : one;
+  return most < DP_MAX_SLOTS ? most : DP_MAX_SLOTS;
+}
+
+__host__ __device__ constexpr int dp_smem_bytes(int hd, int g) {
+  return dp_slots(hd, g) * dp_slot_bytes(hd) + dp_fixed_bytes(hd, g);
+}
+
+// The tensor-core split's warp work after its loads, for the pipelined split (below): statement
+// for statement the arithmetic of attn_decode_split_tc above (the same operations on the same
+// values in the same order, so the same bits; tests/test_attention_pipe_cuda.py compares them).
+// It is a copy rather than shared code so that attn_decode_split_tc's machine code stays as it
+// was (calling these helpers from it changed its schedule). Warp w holds keys 16w..16w+15 of the
+// split; lane (g, t) holds 16 bytes of keys g and g + 8 at dims 32c + 8t .. 32c + 8t + 7 in
+// klo[c] and khi[c] (zeros past the sequence, where on_lo / on_hi are false).
+// 1. tc_warp_softmax: S = K . Q^T by mma (the G q rows in s_q the B operand), the warp's
+//    softmax per head (mx, ls: max and sum of its keys), and P moved to the B layout as two bf16
+//    halves (phi, plo).
+template <int HD, int G>
+__device__ __forceinline__ void tc_warp_softmax(const uint4 (&klo)[HD / 32],
+                                                const uint4 (&khi)[HD / 32], const uint4* s_q,
+                                                bool on_lo, bool on_hi, float scale, int lane,
+                                                float (&mx)[2], float (&ls)[2],
+                                                uint32_t (&phi)[2], uint32_t (&plo)[2]) {
+  constexpr int C = HD / 8;   // 16-byte chunks of one head's row
+  constexpr int KC = HD / 32; // 32-dim chunks: two k16 products each
+  const int g = lane >> 2, t = lane & 3;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  float sacc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int c = 0; c < KC; ++c) {
+    const uint4 q = g < G ? s_q[g * C + 4 * c + t] : zero;
+    const uint32_t a0[4] = {klo[c].x, khi[c].x, klo[c].y, khi[c].y};
+    mma_bf16(sacc, a0, q.x, q.y);
+    const uint32_t a1[4] = {klo[c].z, khi[c].z, klo[c].w, khi[c].w};
+    mma_bf16(sacc, a1, q.z, q.w);
+  }
+
+  // sacc: [0] key g head 2t, [1] key g head 2t+1, [2] key g+8 head 2t, [3] key g+8 head 2t+1
+  const float scale2 = scale * LOG2E;
+  float sc[4];
+  sc[0] = on_lo ? sacc[0] * scale2 : -INFINITY;
+  sc[1] = on_lo ? sacc[1] * scale2 : -INFINITY;
+  sc[2] = on_hi ? sacc[2] * scale2 : -INFINITY;
+  sc[3] = on_hi ? sacc[3] * scale2 : -INFINITY;
+  mx[0] = fmaxf(sc[0], sc[2]);
+  mx[1] = fmaxf(sc[1], sc[3]);
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], __shfl_xor_sync(FULL_MASK, mx[h], o));
+  const float ms[2] = {mx[0] == -INFINITY ? 0.f : mx[0], mx[1] == -INFINITY ? 0.f : mx[1]};
+  float pr[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pr[i] = fast_exp2(sc[i] - ms[i & 1]);  // 0 for a masked key
+  ls[0] = pr[0] + pr[2];
+  ls[1] = pr[1] + pr[3];
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ls[h] += __shfl_xor_sync(FULL_MASK, ls[h], o);
+
+  // P as the B operand (16 keys x 8 heads): lane (g, t) needs keys 2t, 2t+1, 2t+8, 2t+9 of head
+  // g, held by lanes (2t, g/2) and (2t+1, g/2) in registers (g & 1) and 2 + (g & 1).
+  const int src_a = (2 * t) * 4 + (g >> 1), src_b = src_a + 4;
+  const bool odd = g & 1;
+  float pb[4];
+  {
+    const float a0 = __shfl_sync(FULL_MASK, pr[0], src_a);
+    const float a1 = __shfl_sync(FULL_MASK, pr[1], src_a);
+    const float b0 = __shfl_sync(FULL_MASK, pr[0], src_b);
+    const float b1 = __shfl_sync(FULL_MASK, pr[1], src_b);
+    const float a2 = __shfl_sync(FULL_MASK, pr[2], src_a);
+    const float a3 = __shfl_sync(FULL_MASK, pr[3], src_a);
+    const float b2 = __shfl_sync(FULL_MASK, pr[2], src_b);
+    const float b3 = __shfl_sync(FULL_MASK, pr[3], src_b);
+    pb[0] = odd ? a1 : a0;  // key 2t
+    pb[1] = odd ? b1 : b0;  // key 2t + 1
+    pb[2] = odd ? a3 : a2;  // key 2t + 8
+    pb[3] = odd ? b3 : b2;  // key 2t + 9
+  }
+  // p = hi + lo, each a bf16 (lo the rounding error of hi): two products carry p to 2^-17 of
+  // itself, so the f32 partials keep the CUDA-core kernel's accuracy
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    phi[i] = pack_bf16x2_rn(pb[2 * i], pb[2 * i + 1]);
+    const float2 back = unpack_bf16x2(phi[i]);
+    plo[i] = pack_bf16x2_rn(pb[2 * i] - back.x, pb[2 * i + 1] - back.y);
+  }
+}
+
+// 2. tc_warp_pv: O[dim][head] = V^T . P from the warp's V tile (16 x HD bf16 in shared memory,
+//    chunk c of row r at chunk c ^ (r & SWZ)) by ldmatrix.trans and two mma's per 16 dims.
+template <int HD>
+__device__ __forceinline__ void tc_warp_pv(const bf16* vt, const uint32_t (&phi)[2],
+                                           const uint32_t (&plo)[2], int lane,
+                                           float (&oacc)[HD / 16][4]) {
+  constexpr int C = HD / 8;
+  constexpr int SWZ = (C & -C) >= 8 ? 7 : (C & -C) - 1;
+  const int mq = lane >> 3, mr = lane & 7;  // ldmatrix: matrix mq, row mr
+  const int vrow = mr + (mq & 2 ? 8 : 0);
+#pragma unroll
+  for (int db = 0; db < HD / 16; ++db) {
+    const int chunk = 2 * db + (mq & 1);
+    uint32_t a[4];
+    ldsm_x4_trans(smem_u32(vt + vrow * HD + ((chunk ^ (vrow & SWZ)) * 8)), a);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) oacc[db][i] = 0.f;
+    mma_bf16(oacc[db], a, phi[0], phi[1]);
+    mma_bf16(oacc[db], a, plo[0], plo[1]);
+  }
+}
+
+// 3. tc_warp_store: the warp's partial (mx, ls per head; O) to s_stats and s_acc, for
+//    write_split_partial.
+template <int HD, int G>
+__device__ __forceinline__ void tc_warp_store(int warp, int lane, const float (&mx)[2],
+                                              const float (&ls)[2],
+                                              const float (&oacc)[HD / 16][4], float* s_stats,
+                                              float* s_acc) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int h = 2 * t + h2;
+    if (h >= G) continue;
+    if (g == 0) {
+      s_stats[(warp * G + h) * 2] = mx[h2];
+      s_stats[(warp * G + h) * 2 + 1] = ls[h2];
+    }
+    float* dst = s_acc + (warp * G + h) * HD;
+#pragma unroll
+    for (int db = 0; db < HD / 16; ++db) {
+      dst[db * 16 + g] = oacc[db][h2];
+      dst[db * 16 + g + 8] = oacc[db][2 + h2];
+    }
+  }
+}
+
+template <int HD, int G>
+__device__ __forceinline__ void attn_decode_split_pipe_tc(const bf16* __restrict__ qkv,
+                                                          const uint8_t* __restrict__ kv,
+                                                          const int* __restrict__ table_row,
+                                                          int len, float* __restrict__ part,
+                                                          int nq, int nk, int max_splits,
+                                                          float scale, uint8_t* smem) {
+  constexpr int C = HD / 8;    // 16-byte chunks of one head's row
+  constexpr int KC = HD / 32;  // 32-dim chunks: two k16 products each
+  constexpr int SWZ = (C & -C) >= 8 ? 7 : (C & -C) - 1;  // V: attn_decode_split_tc's swizzle
+  constexpr int KSWZ = C % 8 == 0 ? 4 : 0;               // K: odd rows' chunks XOR 4
+  constexpr int DP = dp_slots(HD, G);
+  constexpr int TILE = 16 * HD;  // bf16 of one warp's K or V tile
+  static_assert(HD % 32 == 0 && DC_SPLIT == 16 * DC_WARPS && PAGE == 16,
+                "a warp per 16 keys (one page) of the split");
+  static_assert(DP >= 3 && dp_smem_bytes(HD, G) <= DP_BLOCK_SHARED_MAX, "the ring fits");
+  if (blockDim.x != DC_WARPS * 32 || dynamic_smem_bytes() < (uint32_t)dp_smem_bytes(HD, G))
+    __trap();  // launched with a block of 256 and dp_smem_bytes(hd, G) of dynamic shared memory
+  const int b = blockIdx.x, kvh = blockIdx.y, z = blockIdx.z, Z = gridDim.z;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const long long slot_bytes = 4LL * nk * HD, v_offset = 2LL * nk * HD;
+  bf16* ring = reinterpret_cast<bf16*>(smem) + warp * DP * TILE;  // this warp's slots
+  float* s_acc = reinterpret_cast<float*>(smem + DP * dp_slot_bytes(HD));
+  uint4* s_q = reinterpret_cast<uint4*>(s_acc + DC_WARPS * G * HD);
+  float* s_stats = reinterpret_cast<float*>(s_q + G * C);
+
+  // This block's splits: z, z + Z, ... below n (attn_decode_split_hd's loop), k-th at z + k Z.
+  const int n = len <= 0 ? 0 : min((len + DC_SPLIT - 1) / DC_SPLIT, max_splits);
+  const int count = z < n ? (n - 1 - z) / Z + 1 : 0;
+  if (count == 0) return;  // block-uniform
+  const uint4* qrow = reinterpret_cast<const uint4*>(qkv + (long long)b * (nq + 2 * nk) * HD +
+                                                     (long long)kvh * G * HD);
+  for (int i = tid; i < G * C; i += DC_WARPS * 32) s_q[i] = qrow[i];
+
+  // Lane L: the page-table entry of this warp's 16 keys in the block's split pbase + L.
+  int pbase = 0, page = 0;
+  auto pages_from = [&](int k) {
+    pbase = k;
+    const int split = z + (k + lane) * Z;
+    page = k + lane < count && split * DC_SPLIT + warp * 16 < len
+               ? table_row[split * (DC_SPLIT / PAGE) + warp] : 0;
+  };
+  pages_from(0);
+
+  // Tile i of the warp's ring (K of split i / 2, or V when i is odd) into slot i % DP: one
+  // commit group, empty past the block's splits or where the warp has no key.
+  auto issue = [&](int i) {
+    const int k = i >> 1;
+    if (k < count) {
+      const int w0 = (z + k * Z) * DC_SPLIT + warp * 16;  // the warp's first key
+      if (k - pbase >= 32) pages_from(k);
+      const int entry = __shfl_sync(FULL_MASK, page, k - pbase);
+      if (w0 < len) {
+        const bool is_v = i & 1;
+        const uint8_t* rows = kv + (long long)entry * PAGE * slot_bytes +
+                              (long long)kvh * HD * 2 + (is_v ? v_offset : 0);
+        bf16* tile = ring + (i % DP) * TILE;
+#pragma unroll
+        for (int m = 0; m < C / 2; ++m) {  // 16 rows x C chunks, 32 lanes
+          const int e = lane + 32 * m, r = e / C, c = e % C;
+          const bool on = w0 + r < len;
+          const int at = is_v ? c ^ (r & SWZ) : c ^ ((r & 1) * KSWZ);
+          cp_async16(smem_u32(tile + r * HD + at * 8), on ? rows + r * slot_bytes + c * 16 : kv,
+                     on);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < DP; ++i) issue(i);
+  __syncthreads();  // s_q
+
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int k = 0; k < count; ++k) {
+    const int split = z + k * Z;
+    const int k0 = split * DC_SPLIT, kend = min(len, k0 + DC_SPLIT);
+    const bool live = k0 + warp * 16 < kend;  // warp-uniform: the warp has a key
+    const int j_lo = warp * 16 + g, j_hi = j_lo + 8;
+    const bool on_lo = k0 + j_lo < kend, on_hi = k0 + j_hi < kend;
+    float mx[2], ls[2];
+    uint32_t phi[2], plo[2];
+    float oacc[HD / 16][4];
+    cp_async_wait<DP - 1>();  // tile 2k: K of this split
+    __syncwarp();
+    if (live) {
+      const bf16* kt = ring + ((2 * k) % DP) * TILE;
+      uint4 klo[KC], khi[KC];
+#pragma unroll
+      for (int c = 0; c < KC; ++c) {
+        const int at = ((4 * c + t) ^ ((g & 1) * KSWZ)) * 8;  // rows g, g + 8: the same parity
+        klo[c] = on_lo ? *reinterpret_cast<const uint4*>(kt + g * HD + at) : zero;
+        khi[c] = on_hi ? *reinterpret_cast<const uint4*>(kt + (g + 8) * HD + at) : zero;
+      }
+      tc_warp_softmax<HD, G>(klo, khi, s_q, on_lo, on_hi, scale, lane, mx, ls, phi, plo);
+    }
+    __syncwarp();  // every lane has read the K tile
+    issue(2 * k + DP);
+    cp_async_wait<DP - 1>();  // tile 2k + 1: V of this split
+    __syncwarp();
+    if (live) tc_warp_pv<HD>(ring + ((2 * k + 1) % DP) * TILE, phi, plo, lane, oacc);
+    __syncwarp();  // every lane has read the V tile
+    issue(2 * k + 1 + DP);
+
+    __syncthreads();  // the merge of the split before has read s_stats and s_acc
+    if (live) {
+      tc_warp_store<HD, G>(warp, lane, mx, ls, oacc, s_stats, s_acc);
+    } else {  // no key of this warp: an empty partial (attn_decode_split_tc's)
+      if (lane < G) {
+        s_stats[(warp * G + lane) * 2] = -INFINITY;
+        s_stats[(warp * G + lane) * 2 + 1] = 0.f;
+      }
+      for (int i = lane; i < G * HD; i += 32) s_acc[warp * G * HD + i] = 0.f;
+    }
+    __syncthreads();
+    write_split_partial<HD, G>(part, nq, max_splits, split, s_stats, s_acc);
+  }
+  cp_async_wait<0>();  // nothing left in flight (the groups past the last split are empty)
+}
+
+// The pipelined split at head dim hd (a multiple of 32 up to 128).
+template <int G>
+__device__ __forceinline__ void attn_decode_split_pipe_hd(int hd, const bf16* qkv,
+                                                          const uint8_t* kv, const int* table_row,
+                                                          int len, float* part, int nq, int nk,
+                                                          int max_splits, float scale,
+                                                          uint8_t* smem) {
+  switch (hd) {
+#define DP_CASE(HD)                                                                          \
+  case HD:                                                                                   \
+    attn_decode_split_pipe_tc<HD, G>(qkv, kv, table_row, len, part, nq, nk, max_splits,      \
+                                     scale, smem);                                           \
+    break;
+    DP_CASE(32) DP_CASE(64) DP_CASE(96) DP_CASE(128)
+#undef DP_CASE
+    default:
+      __trap();  // the tensor-core kernels take hd % 32 == 0 up to 128
+  }
+}
+
+// attn_decode_split_tc_bf16 pipelined across each block's splits (above): the same ABI, grid
+// (seqs, nk, Z), block (256) and partials, bit for bit, for any Z; dynamic shared memory
+// dp_smem_bytes(hd, G) (it traps with less, or with another block size). Its numpy reference is
+// the split kernels'; the cuda backend launches it in place of attn_decode_split_tc_bf16 where a
+// block loops over splits, with a Z of its own (KERNCC_PIPE_ATTENTION,
+// runtime/backends/attention_pipe.py).
+extern "C" __global__ void __launch_bounds__(DC_WARPS * 32, 2)
+attn_decode_split_pipe_tc_bf16(const bf16* __restrict__ qkv, const uint8_t* __restrict__ kv,
+                               const int* __restrict__ block_table,
+                               const int* __restrict__ seq_lens, float* __restrict__ part,
+                               int seqs, int nq, int nk, int hd, int width, int max_splits,
+                               float scale) {
+  pdl_begin();
+  extern __shared__ __align__(128) uint8_t dp_smem[];
+  const int b = blockIdx.x;
+  if (b >= seqs) return;
+  const int* table_row = block_table + (long long)b * width;
+  const int len = seq_lens[b];
+  switch (nq == nk * (nq / nk) ? nq / nk : 0) {
+#define DP_GROUP(G)                                                                       \
+  case G:                                                                                 \
+    attn_decode_split_pipe_hd<G>(hd, qkv, kv, table_row, len, part, nq, nk, max_splits,   \
+                                 scale, dp_smem);                                         \
+    break;
+    DP_GROUP(1) DP_GROUP(2) DP_GROUP(4) DP_GROUP(8)
+#undef DP_GROUP
+    default:
+      __trap();  // nq/nk must be 1, 2, 4 or 8
+  }
+}

@@ -442,6 +442,8 @@ KERNELS["attn_prefill_varlen_sm90a_bf16"] = KERNELS["attn_prefill_varlen_bf16"]
 KERNELS["embedding_gather_bf16_nb"] = KERNELS["embedding_gather_bf16"]
 # the decode split on tensor cores (attention.cu) computes what the CUDA-core one does
 KERNELS["attn_decode_split_tc_bf16"] = KERNELS["attn_decode_split_bf16"]
+# ... and so does its pipelined form (the tensor-core split's bits, for any grid z)
+KERNELS["attn_decode_split_pipe_tc_bf16"] = KERNELS["attn_decode_split_bf16"]
 
 
 def sample_f32(launch: Any, logits, params, tokens, n, stride, vocab) -> None:

@@ -17,6 +17,9 @@ launches agree at their values (`Pair.fits`): the same partials buffer, lengths,
 head counts, head dim and split count, grids that cover the sequences and heads exactly, and at
 most COUNTS counters. Where they do not, both go out as prepared, in order. No other launch
 reaches the stream between the two sites, since they are consecutive launches of one program.
+With the pipelined split on too (runtime/backends/attention_pipe.py, KERNCC_PIPE_ATTENTION),
+the pairs are formed over its launchers: a pair that goes out joined runs the joined kernel, and
+a split that does not goes out as the pipe prepared it (pipelined where it fits).
 
 The counters are one small allocation per backend, zero between launches (the kernel's last
 block sets its counter back); every launch that uses them goes on that backend's one stream,

@@ -54,7 +54,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from kerncc import config
 from kerncc.kernels import library
-from kerncc.runtime.backends import attention, fuse, gemv, persist
+from kerncc.runtime.backends import attention, attention_pipe, fuse, gemv, persist
 from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
 from kerncc.runtime.backends.probe import cuda_devices
 from kerncc.runtime.launch import Pack, Site, VarScalar
@@ -237,6 +237,13 @@ class CudaBackend(Backend):
         self.join_attention = attention.ENABLED
         self.joined = 0  # joined launches made
         self._attention_counters: Allocation | None = None
+        # the batched decode's split attention pipelined across each block's splits
+        # (runtime/backends/attention_pipe.py)
+        self.pipe_attention = attention_pipe.ENABLED
+        # the fewest (sequence, kv head) columns a launch goes out pipelined at; None: the
+        # multiprocessor count (attention_pipe.fits; the GPU tests lower it for small models)
+        self.pipe_columns: int | None = None
+        self.piped = 0  # pipelined launches made
         self._joined_configs = {False: gemv.launch_config(False), True: gemv.launch_config(True)}
         # a decode GEMV and the rmsnorm or silu_mul before it as one launch
         # (runtime/backends/fuse.py)
@@ -531,9 +538,16 @@ class CudaBackend(Backend):
 
     def join_runs(self, programs: Mapping[str, Sequence[Site]],
                   launchers: dict[int, Callable]) -> dict[int, Callable]:
-        """The decode attention's split and combine as one launch (runtime/backends/
-        attention.py) unless `join_attention` is off, and runs of decode launches as one
-        persistent kernel when `persist` is on (runtime/backends/persist.py)."""
+        """The batched decode's split attention pipelined (runtime/backends/attention_pipe.py)
+        when `pipe_attention` is on, the decode attention's split and combine as one launch
+        (runtime/backends/attention.py) unless `join_attention` is off (formed over the
+        pipelined launchers: a pair that goes out joined runs the joined kernel, every other
+        split launch pipelined where it fits), and runs of decode launches as one persistent
+        kernel when `persist` is on (runtime/backends/persist.py)."""
+        if self.pipe_attention:
+            launchers = attention_pipe.pipe(self, self._pipe_launch,
+                                            self.device.properties.multiprocessor_count,
+                                            programs, launchers, self.pipe_columns)
         if self.join_attention:
             launchers = attention.join(self, self._function, self._attention_counts,
                                        programs, launchers)
@@ -547,6 +561,13 @@ class CudaBackend(Backend):
             return launchers
         kernel = self._persistent_kernel()
         return launchers if kernel is None else persist.join(kernel, programs, launchers)
+
+    def _pipe_launch(self, site: Site, shared: int) -> _KernelLaunch:
+        """The pipelined split kernel over `site`'s arguments (the same ABI), allowed `shared`
+        bytes of dynamic shared memory."""
+        launch = _KernelLaunch(self, site, self._function(attention_pipe.ENTRY, site.module))
+        launch._allow_shared(shared)
+        return launch
 
     def _attention_counts(self) -> int:
         """The joined attention's counters (zeroed once, kept zero by the kernel)."""

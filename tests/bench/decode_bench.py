@@ -24,6 +24,11 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
            sequences.
   join     the decode attention's split and combine as one launch (runtime/backends/
            attention.py, opt-in) against the two, alternating, as fuse.
+  pipe     the batched decode's split attention pipelined across each block's splits, with
+           the backend's own Z (runtime/backends/attention_pipe.py, the default) against the
+           split kernel, alternating, as join: batch 1 (the `decode` program keeps the split
+           kernel) and 8 sequences (below the threshold: the split kernel too) are controls of
+           the noise; 32 sequences go out pipelined.
   lookahead greedy decoding a step ahead of the host (the next step's token fed on the
            device) against one step at a time, alternating: ms/token at batch 1, whole and
            2 stages.
@@ -60,7 +65,7 @@ from gpu_bench import (RESULTS, TABLE, Busy, DocError, build, decode_step_s, row
                        section, ttft, write_rows)
 
 from kerncc.runtime import Chain  # noqa: E402
-from kerncc.runtime.backends import attention, fuse, gemv, persist  # noqa: E402
+from kerncc.runtime.backends import attention, attention_pipe, fuse, gemv, persist  # noqa: E402
 from kerncc.runtime.generate import Generator, Served, _Record  # noqa: E402
 
 HBM_TBS = 4.0  # the ceiling measured in `copy` replaces this when that section runs
@@ -70,19 +75,21 @@ CONTEXT = 512
 
 
 def chain_of(bundle: Path, max_m: int, pdl: bool = True, runs: str | None = None,
-             join: bool = False, fused: bool | frozenset = False) -> Chain:
+             join: bool = False, fused: bool | frozenset = False, pipe: bool = False) -> Chain:
     """A cuda chain with GEMV kernels up to m = max_m, with or without overlapping launches
     (programmatic dependent launch, runtime/backends/cuda.py), with or without persistent
     runs (runtime/backends/persist.py), the joined decode attention
-    (runtime/backends/attention.py) and the GEMVs fused with the small kernel before them
-    (runtime/backends/fuse.py; the last three decided as the stages load)."""
+    (runtime/backends/attention.py), the GEMVs fused with the small kernel before them
+    (runtime/backends/fuse.py) and the pipelined batched decode attention
+    (runtime/backends/attention_pipe.py; the last four decided as the stages load)."""
     gemv.MAX_M = max_m
-    before = persist.ENABLED, attention.ENABLED, fuse.ENABLED
-    persist.ENABLED, attention.ENABLED, fuse.ENABLED = runs, join, fused
+    before = persist.ENABLED, attention.ENABLED, fuse.ENABLED, attention_pipe.ENABLED
+    persist.ENABLED, attention.ENABLED, fuse.ENABLED, attention_pipe.ENABLED = (
+        runs, join, fused, pipe)
     try:
         chain = Chain(bundle, backend="cuda", token_capacity=CAPACITY)
     finally:
-        persist.ENABLED, attention.ENABLED, fuse.ENABLED = before
+        persist.ENABLED, attention.ENABLED, fuse.ENABLED, attention_pipe.ENABLED = before
     for backend in chain.backends:
         backend.pdl = pdl
     return chain
@@ -441,6 +448,15 @@ def join_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
               rounds)
 
 
+def pipe_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
+    """The batched decode's split attention pipelined (runtime/backends/attention_pipe.py)
+    against the split kernel: `policy_ab`. Only `decode_batch` at 17 sequences or more (of 8 kv
+    heads, on 132 multiprocessors) goes out pipelined, so the batch-1 and 8-sequence rows
+    compare the same kernels: controls of the noise."""
+    policy_ab("pipe", "pipelined attention / one split a block", "pipe", "piped", model, cfg,
+              hbm, rounds, counted=("whole",))
+
+
 def fuse_ab(model: dict, cfg: dict, hbm: float, rounds: int = 2) -> None:
     """The input norm, the silu_mul and both computed in the GEMVs after them
     (runtime/backends/fuse.py) against their own launches, in turn (rotated each round): the
@@ -471,11 +487,11 @@ def fuse_ab(model: dict, cfg: dict, hbm: float, rounds: int = 2) -> None:
 
 
 def policy_ab(name: str, what_ab: str, option: str, counter: str, model: dict, cfg: dict,
-              hbm: float, rounds: int = 3) -> None:
+              hbm: float, rounds: int = 3, counted: tuple[str, ...] = ("whole", "two")) -> None:
     """A chain_of option on against off, alternating: the batch-1 `decode` graph whole and in 2
     stages, and `decode_batch` steps of 8 and 32 sequences x CONTEXT tokens (graph replays),
     medians of `rounds`, as ms and the saving a layer; `counter` is the backend's count of
-    the launches the option makes (it must move when on)."""
+    the launches the option makes (it must move when on, in the bundles `counted`)."""
     layers = cfg["num_hidden_layers"]
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     times: dict[tuple, list[float]] = {}
@@ -483,15 +499,16 @@ def policy_ab(name: str, what_ab: str, option: str, counter: str, model: dict, c
         for join in ((True, False) if r % 2 == 0 else (False, True)):
             for bundle in ("whole", "two"):
                 with chain_of(model[bundle], 8, True, **{"join": False, "fused": False,
-                                                         option: join}) as chain:
+                                                         "pipe": False, option: join}) as chain:
                     Generator(chain).generate(prompt, 4, 512)  # captures the decode graph
-                    if join and not any(getattr(b, counter) for b in chain.backends):
-                        raise RuntimeError(f"{name}: no launch went out {counter}")
                     times.setdefault((join, bundle, 1), []).append(graph_step_ms(chain))
                     if bundle == "whole":
                         for seqs in (8, 32):
                             times.setdefault((join, bundle, seqs), []).append(
                                 batch_step_ms(chain, seqs, CONTEXT))
+                    if (join and bundle in counted
+                            and not any(getattr(b, counter) for b in chain.backends)):
+                        raise RuntimeError(f"{name}: no launch went out {counter}")
                 gc.collect()
     for bundle, seqs in (("whole", 1), ("two", 1), ("whole", 8), ("whole", 32)):
         on = statistics.median(times[(True, bundle, seqs)])
@@ -804,6 +821,9 @@ def main() -> int:
         if "join" not in skip:
             with section("join", limit=300):
                 join_ab(model, cfg, hbm)
+        if "pipe" not in skip:
+            with section("pipe", limit=300):
+                pipe_ab(model, cfg, hbm)
         if "lookahead" not in skip:
             with section("lookahead", limit=300):
                 lookahead_ab(model, cfg, hbm)
