@@ -83,15 +83,25 @@ struct Tile {
   }
 };
 
+// chain_ws's consumers' barrier (bar 1, 512 threads): its producer and signaller warps take no
+// part in it.
+__device__ __forceinline__ void ws_sync() { asm volatile("bar.sync 1, 512;" ::: "memory"); }
+
+__device__ __forceinline__ void store_relaxed(unsigned* p, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+
 // The warps' sums in warp order, y = bf16; the barrier after orders the stores before the
-// count thread 0 raises (with release) for them.
-template <int WARPS>
+// count a thread raises (with release) for them. NAMED: the barriers are chain_ws's consumers'
+// (ws_sync) rather than the block's; tag != 0: y is tagged words, (tag << 16) | bf16, stored
+// relaxed (chain_ws mode 3).
+template <int WARPS, bool NAMED = false>
 __device__ __forceinline__ void store_tile(const Gemv& g, int m, int row0, const float (&acc)[4],
-                                          float (*partial)[32]) {
+                                          float (*partial)[32], unsigned tag = 0) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int r = 0; r < 4; ++r) partial[warp * 4 + r][lane] = acc[r];
-  __syncthreads();
+  if (NAMED) ws_sync(); else __syncthreads();
   if (threadIdx.x < 128) {
     const int s = threadIdx.x >> 5, l = threadIdx.x & 31;
     float sum = 0.f;
@@ -99,9 +109,16 @@ __device__ __forceinline__ void store_tile(const Gemv& g, int m, int row0, const
     for (int v = 0; v < WARPS; ++v) sum += partial[v * 4 + s][l];
     const int row = row0 + (l >> 2) + (s >= 2 ? 8 : 0);
     const int col = 2 * (l & 3) + (s & 1);
-    if (col < m) g.y[(size_t)col * g.n + row] = __float2bfloat16(sum);
+    if (col < m) {
+      const bf16 y = __float2bfloat16(sum);
+      if (tag)
+        store_relaxed(reinterpret_cast<unsigned*>(g.y) + (size_t)col * g.n + row,
+                      tag << 16 | *reinterpret_cast<const unsigned short*>(&y));
+      else
+        g.y[(size_t)col * g.n + row] = y;
+    }
   }
-  __syncthreads();
+  if (NAMED) ws_sync(); else __syncthreads();
 }
 
 template <int WARPS, int UNROLL>
@@ -334,8 +351,6 @@ extern "C" __global__ void __launch_bounds__(512, 1)
 #define WS_XPAD 32
 #define WS_SPINS (1 << 24)
 
-__device__ __forceinline__ void ws_sync() { asm volatile("bar.sync 1, 512;" ::: "memory"); }
-
 __device__ __forceinline__ void raise_release_by(unsigned* p, unsigned n) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(n) : "memory");
 }
@@ -351,10 +366,6 @@ __device__ __forceinline__ uint4 load_relaxed4(const unsigned* p) {
   return v;
 }
 
-__device__ __forceinline__ void store_relaxed(unsigned* p, unsigned v) {
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
-}
-
 template <int U>
 __device__ __forceinline__ Cursor ws_next(const Gemv* chain, int count, int tiles, Cursor c) {
   if (++c.r < chain[c.j].k / (512 * U)) return c;
@@ -362,33 +373,6 @@ __device__ __forceinline__ Cursor ws_next(const Gemv* chain, int count, int tile
   c.r = 0;
   if (c.s < tiles) c.j = gemv_of(chain, count, c.s, c.j);
   return c;
-}
-
-// As store_tile, with the consumers' named barrier; tag != 0: a tagged word (mode 3).
-__device__ __forceinline__ void ws_store_tile(const Gemv& g, int m, int row0,
-                                              const float (&acc)[4], float (*partial)[32],
-                                              unsigned tag) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int r = 0; r < 4; ++r) partial[warp * 4 + r][lane] = acc[r];
-  ws_sync();
-  if (threadIdx.x < 128) {
-    const int s = threadIdx.x >> 5, l = threadIdx.x & 31;
-    float sum = 0.f;
-#pragma unroll
-    for (int v = 0; v < 16; ++v) sum += partial[v * 4 + s][l];
-    const int row = row0 + (l >> 2) + (s >= 2 ? 8 : 0);
-    const int col = 2 * (l & 3) + (s & 1);
-    if (col < m) {
-      const bf16 y = __float2bfloat16(sum);
-      if (tag)
-        store_relaxed(reinterpret_cast<unsigned*>(g.y) + (size_t)col * g.n + row,
-                      tag << 16 | *reinterpret_cast<const unsigned short*>(&y));
-      else
-        g.y[(size_t)col * g.n + row] = y;
-    }
-  }
-  ws_sync();
 }
 
 // Four elements of y_{j-1} from p: bf16 (tag == 0), or tagged words, the load repeated until
@@ -588,7 +572,7 @@ __device__ __forceinline__ void run_ws(const Gemv* __restrict__ given, int count
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * stage);  // the warp is done with the stage
     if (c.r + 1 == gm.k / (512 * U)) {
-      ws_store_tile(gm, m, (c.s - gm.first_tile) * 16, acc, partial, tag);
+      store_tile<16, true>(gm, m, (c.s - gm.first_tile) * 16, acc, partial, tag);
       if (mode == 1 && (n.s >= tiles || n.j != c.j))  // the run's end: the signaller raises
         asm volatile("bar.arrive 2, 544;" ::: "memory");
 #pragma unroll
