@@ -441,14 +441,14 @@ def ablate(model: dict, cfg: dict, rounds: int = 2) -> None:
         RESULTS.setdefault("ablate", {})[name] = {"batch 1": got[1], "8 sequences": got[8]}
 
 
-def join_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
+def join_ab(model: dict, cfg: dict, hbm: float, rounds: int = 4) -> None:
     """The decode attention's split and combine as one launch (runtime/backends/attention.py)
     against the two launches: `policy_ab`."""
     policy_ab("join", "joined attention / two launches", "join", "joined", model, cfg, hbm,
               rounds)
 
 
-def pipe_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
+def pipe_ab(model: dict, cfg: dict, hbm: float, rounds: int = 4) -> None:
     """The batched decode's split attention pipelined (runtime/backends/attention_pipe.py)
     against the split kernel: `policy_ab`. Only `decode_batch` at 17 sequences or more (of 8 kv
     heads, on 132 multiprocessors) goes out pipelined, so the batch-1 and 8-sequence rows
@@ -487,11 +487,13 @@ def fuse_ab(model: dict, cfg: dict, hbm: float, rounds: int = 2) -> None:
 
 
 def policy_ab(name: str, what_ab: str, option: str, counter: str, model: dict, cfg: dict,
-              hbm: float, rounds: int = 3, counted: tuple[str, ...] = ("whole", "two")) -> None:
+              hbm: float, rounds: int = 4, counted: tuple[str, ...] = ("whole", "two")) -> None:
     """A chain_of option on against off, alternating: the batch-1 `decode` graph whole and in 2
     stages, and `decode_batch` steps of 8 and 32 sequences x CONTEXT tokens (graph replays),
     medians of `rounds`, as ms and the saving a layer; `counter` is the backend's count of
-    the launches the option makes (it must move when on, in the bundles `counted`)."""
+    the launches the option makes (it must move when on, in the bundles `counted`). The order
+    flips each round, so an even count puts each side first equally often: with 3 rounds the
+    same kernels on both sides read 0.8 us a layer apart at 8 sequences (session 13)."""
     layers = cfg["num_hidden_layers"]
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     times: dict[tuple, list[float]] = {}
