@@ -61,8 +61,8 @@ def gemv_max_m() -> int:
 
 
 def persist() -> str:
-    """`0`, `1` or `ring` (runtime/backends/persist.py)."""
-    return _choice("KERNCC_PERSIST", "0", ("0", "1", "ring"))
+    """`0`, `1`, `ring` or `ws` (runtime/backends/persist.py)."""
+    return _choice("KERNCC_PERSIST", "0", ("0", "1", "ring", "ws"))
 
 
 def fuse_gemv() -> str:

@@ -18,7 +18,8 @@ KERNELS_DIR = Path(__file__).resolve().parent
 # runtime/backends/attention.py). They have no numpy reference; both backends refuse them.
 # (The pipelined decode split, attn_decode_split_pipe_tc_bf16, is one the cuda backend puts in
 # a launch's place too, but with the split kernel's arguments only: an ordinary entry.)
-INTERNAL = frozenset({"persist_run_bf16", "persist_ring_bf16", "attn_decode_joined_bf16",
+INTERNAL = frozenset({"persist_run_bf16", "persist_ring_bf16", "persist_ws_bf16",
+                      "attn_decode_joined_bf16",
                       "attn_decode_joined_tc_bf16"})
 
 

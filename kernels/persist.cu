@@ -451,3 +451,418 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
   }
   finish(sync, count);
 }
+
+// ---- persist_ws_bf16: a producer warp's ring, tagged words, the small kernels folded ------
+// The same runs as persist_run_bf16 (runtime/backends/persist.py plans them as *units*), built
+// the way tests/bench/persistent_probe.py's chain_ws measured fastest (docs/benchmarks.md,
+// session 13: the small model's 96 GEMVs chained in 0.62 ms against the graph's 0.77):
+// * A unit is one GEMV launch and, folded into it, the rmsnorm, add_rmsnorm or silu_mul launch
+//   that computes its x. A block is 16 consumer warps and a producer warp.
+// * The producer walks the block's weight items (16 rows x 1024 columns of a tile; a narrow
+//   task's two tiles take turns, round by round) in deal order and copies each into the next
+//   stage of a ring of shared memory (a 2 KB bulk copy a row: 1 KB rows halve the stream,
+//   session 13; completion on the stage's `full` mbarrier), waiting only for a free stage
+//   (`empty`: an arrival from every consumer warp). It never waits for an input, so the
+//   weight stream goes on while the consumers wait.
+// * When a block reaches a unit it stages the unit's whole x (m x k) in shared memory once,
+//   computing the folded small kernel there with the launch's own arithmetic (norm.cuh's
+//   squares and scale over the launch's `threads`, its warps' sums in warp order;
+//   activation.cuh's silu_mul8 / silu_mul), so the bits are the launches'. The block holding
+//   the unit's first task also writes the small kernel's outputs (unless a later unit
+//   overwrites them whole: the plan says which by leaving a pointer null).
+// * Between the units of a launch data moves as *tagged words*: an element is stored as
+//   (tag << 16) | bf16 in one 32-bit word, relaxed at GPU scope, into the shadow the plan gave
+//   the output, and its readers load it until the tag is this launch's (a 32-bit word is
+//   single-copy atomic: the flag rides with the data, as in NCCL's LL protocol), so no
+//   counter, fence or barrier across blocks stands between a store and its readers. Outputs
+//   that outlive the launch are also stored plain.
+// * A consumer warp's chunks are the launch's (wide: 32 w + 512 i of its tile's k, 16 warps;
+//   narrow: 32 (w % 8) + 256 i, 8 warps a tile, warps 8-15 the task's second tile) and the
+//   warps' sums are added in warp order: the GEMV bits are the launches'.
+// * The tag is the launch's epoch (sync[0], raised by the last block to finish: graph replays
+//   need no memset) mod 65535, plus 1, so never 0; when it comes round again the last block
+//   clears the shadows, so a word left from 65535 launches before can never pass for this
+//   one's. The plan shows at load that every plain write comes after every read of the old
+//   value (runtime/backends/persist.py: `ws_units`); a wait that lasts past about a second
+//   traps rather than hang.
+#define WS_CONSUMERS 512
+#define WS_THREADS (WS_CONSUMERS + 32)
+#define WS_MAX_UNITS 16
+#define WS_PITCH (2048 + 64)  // a row's 2 KB segment, rows 64 bytes off the bank period
+#define WS_STAGE (16 * WS_PITCH)
+#define WS_SPINS (1 << 24)
+
+#define PRE_NONE 0
+#define PRE_RMSNORM 1
+#define PRE_ADD_RMSNORM 2
+#define PRE_SILU 3
+#define TAGGED_X 1  // Unit::tagged bits: the source is a shadow of tagged words
+#define TAGGED_R 2
+#define TAGGED_C 4
+
+// One unit (144 bytes; runtime/backends/persist.py packs it as WS_UNIT).
+struct Unit {
+  const bf16* w;          // [n, k]
+  const void* x;          // the GEMV's x (pre none), the norm's x, add_rmsnorm's x, gate_up
+  const void* r;          // add_rmsnorm: the residual before
+  const bf16* gamma;      // the norm's weight
+  const void* c;          // GEMV_ACC: C before
+  bf16* y;                // the GEMV's output, plain (null: a later unit writes it whole)
+  unsigned* y_tag;        // ... tagged (null: no later unit reads it)
+  bf16* side;             // the small kernel's output (normed, act), plain
+  unsigned* side_tag;
+  bf16* res;              // add_rmsnorm: the residual after, plain
+  unsigned* res_tag;
+  int acc, pre, tagged;   // acc: C = bf16(C + x.W^T)
+  int m, n, k, warps;     // warps a tile: 16 (wide) or 8 (narrow, two tiles a task)
+  int tasks, first;       // first: the run's tasks before this unit's
+  int threads, width;     // the small kernel's block and vector width (norm V; silu 8 or 1)
+  int block;              // silu: the gate/up block
+  float eps;
+  int pad;
+};
+static_assert(sizeof(Unit) == 144, "runtime/backends/persist.py's WS_UNIT");
+
+struct WsTable {
+  Unit unit[WS_MAX_UNITS];
+};
+
+__device__ __forceinline__ void ws_sync() {
+  asm volatile("bar.sync 1, %0;" :: "n"(WS_CONSUMERS) : "memory");
+}
+
+__device__ __forceinline__ void ws_store_tag(unsigned* p, unsigned tag, bf16 v) {
+  const unsigned word = tag << 16 | *reinterpret_cast<const unsigned short*>(&v);
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(word) : "memory");
+}
+
+__device__ __forceinline__ uint4 ws_relaxed4(const unsigned* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ unsigned ws_relaxed1(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Four elements from element `at` of a source (bf16, or tagged words loaded until all four
+// carry `tag`), as two bf16 pairs; `at` a multiple of 4.
+__device__ __forceinline__ uint2 ws_load4(const void* src, bool tagged, size_t at, unsigned tag) {
+  if (!tagged) return __ldcg(reinterpret_cast<const uint2*>(static_cast<const bf16*>(src) + at));
+  const unsigned* p = static_cast<const unsigned*>(src) + at;
+  uint4 v = ws_relaxed4(p);
+  for (int spins = 0; (v.x >> 16) != tag || (v.y >> 16) != tag || (v.z >> 16) != tag ||
+                      (v.w >> 16) != tag; ++spins) {
+    if (spins == WS_SPINS) asm volatile("trap;");  // a dependency bug: fail, never hang
+    v = ws_relaxed4(p);
+  }
+  return make_uint2((v.x & 0xFFFFu) | v.y << 16, (v.z & 0xFFFFu) | v.w << 16);
+}
+
+__device__ __forceinline__ float ws_load1(const void* src, bool tagged, size_t at, unsigned tag) {
+  if (!tagged) return __bfloat162float(__ldcg(static_cast<const bf16*>(src) + at));
+  const unsigned* p = static_cast<const unsigned*>(src) + at;
+  unsigned v = ws_relaxed1(p);
+  for (int spins = 0; (v >> 16) != tag; ++spins) {
+    if (spins == WS_SPINS) asm volatile("trap;");
+    v = ws_relaxed1(p);
+  }
+  return __uint_as_float((v & 0xFFFFu) << 16);
+}
+
+// count bf16 of xs (a multiple of 2, from a 4-byte boundary) out to the plain and tagged
+// copies (either may be null), the consumers' threads each a pair.
+__device__ __forceinline__ void ws_write_out(const bf16* xs, int count, bf16* plain,
+                                             unsigned* tagged, unsigned tag) {
+  for (int q = threadIdx.x; 2 * q < count; q += WS_CONSUMERS) {
+    const __nv_bfloat162 v = reinterpret_cast<const __nv_bfloat162*>(xs)[q];
+    if (plain) reinterpret_cast<__nv_bfloat162*>(plain)[q] = v;
+    if (tagged) {
+      ws_store_tag(tagged + 2 * q, tag, v.x);
+      ws_store_tag(tagged + 2 * q + 1, tag, v.y);
+    }
+  }
+}
+
+// norm.cu's block_sum over the launch's `threads` (whole warps) inside the consumers.
+__device__ __forceinline__ float ws_block_sum(float v, float* scratch, int threads) {
+  v = warp_sum(v);
+  ws_sync();
+  if ((threadIdx.x & 31) == 0 && (int)threadIdx.x < threads) scratch[threadIdx.x >> 5] = v;
+  ws_sync();
+  float total = 0.f;
+  for (int i = 0; i < threads >> 5; ++i) total += scratch[i];
+  return total;
+}
+
+// A row of xs normalized in place as norm.cu's block_norm over `threads` threads.
+template <int V>
+__device__ __forceinline__ void ws_norm_row(bf16* row, const Unit& u, float* scratch) {
+  const bool in = (int)threadIdx.x < u.threads;
+  const int first = V * threadIdx.x, step = V * u.threads;
+  const float ss = ws_block_sum(in ? squares<V>(row, u.k, first, step) : 0.f, scratch, u.threads);
+  if (in) scale<V>(row, u.gamma, row, u.k, rsqrtf(ss / (float)u.k + u.eps), first, step);
+}
+
+__device__ __forceinline__ void ws_norm_rows(bf16* xs, int xrow, const Unit& u, float* scratch) {
+  for (int row = 0; row < u.m; ++row) {
+    bf16* p = xs + (size_t)row * xrow;
+    if (u.width == 8) ws_norm_row<8>(p, u, scratch);
+    else if (u.width == 4) ws_norm_row<4>(p, u, scratch);
+    else ws_norm_row<2>(p, u, scratch);
+  }
+}
+
+// The unit's x (m x k, rows xrow apart) into xs, its folded small kernel computed; `owner`:
+// this block also writes the small kernel's outputs. Ends with the consumers' barrier.
+__device__ __forceinline__ void ws_stage(const Unit& u, bf16* xs, int xrow, bool owner,
+                                         unsigned tag, float* scratch) {
+  const int m = u.m, k = u.k, chunks = k / 4;
+  if (u.pre == PRE_SILU) {
+    const bool tagged = u.tagged & TAGGED_X;
+    const int inter = k, block = u.block;
+    for (int q = threadIdx.x; q < m * (inter / 4); q += WS_CONSUMERS) {
+      const int row = q / (inter / 4), i = 4 * (q % (inter / 4));
+      const size_t at = (size_t)row * 2 * inter + (size_t)(i / block) * 2 * block + i % block;
+      const uint2 g = ws_load4(u.x, tagged, at, tag), up = ws_load4(u.x, tagged, at + block, tag);
+      uint2 out;
+      if (u.width == 8) {  // silu_mul8's arithmetic on these four (it is elementwise)
+        const uint4 o = silu_mul8(make_uint4(g.x, g.y, 0, 0), make_uint4(up.x, up.y, 0, 0));
+        out = make_uint2(o.x, o.y);
+      } else {
+        const float2 g0 = unpack_bf16x2(g.x), g1 = unpack_bf16x2(g.y);
+        const float2 u0 = unpack_bf16x2(up.x), u1 = unpack_bf16x2(up.y);
+        out = make_uint2(pack_bf16x2(silu_mul(g0.x, u0.x), silu_mul(g0.y, u0.y)),
+                         pack_bf16x2(silu_mul(g1.x, u1.x), silu_mul(g1.y, u1.y)));
+      }
+      *reinterpret_cast<uint2*>(xs + (size_t)row * xrow + i) = out;
+    }
+    ws_sync();
+    if (owner && (u.side || u.side_tag)) {
+      for (int row = 0; row < m; ++row)
+        ws_write_out(xs + (size_t)row * xrow, k, u.side ? u.side + (size_t)row * k : nullptr,
+                     u.side_tag ? u.side_tag + (size_t)row * k : nullptr, tag);
+      ws_sync();
+    }
+    return;
+  }
+  // x as it is (pre none, rmsnorm), or bf16(r + x) (add_rmsnorm: row_add's one rounding)
+  for (int q = threadIdx.x; q < m * chunks; q += WS_CONSUMERS) {
+    const int row = q / chunks, col = 4 * (q % chunks);
+    const size_t at = (size_t)row * k + col;
+    uint2 v = ws_load4(u.x, u.tagged & TAGGED_X, at, tag);
+    if (u.pre == PRE_ADD_RMSNORM) {
+      const uint2 r = ws_load4(u.r, u.tagged & TAGGED_R, at, tag);
+      const float2 a0 = unpack_bf16x2(r.x), a1 = unpack_bf16x2(r.y);
+      const float2 b0 = unpack_bf16x2(v.x), b1 = unpack_bf16x2(v.y);
+      v = make_uint2(pack_bf16x2(a0.x + b0.x, a0.y + b0.y), pack_bf16x2(a1.x + b1.x, a1.y + b1.y));
+    }
+    *reinterpret_cast<uint2*>(xs + (size_t)row * xrow + col) = v;
+  }
+  ws_sync();
+  if (u.pre == PRE_NONE) return;
+  if (owner && u.pre == PRE_ADD_RMSNORM && (u.res || u.res_tag)) {
+    // the residual after, read before the norms' first barrier (ws_block_sum) rewrites xs
+    for (int row = 0; row < m; ++row)
+      ws_write_out(xs + (size_t)row * xrow, k, u.res ? u.res + (size_t)row * k : nullptr,
+                   u.res_tag ? u.res_tag + (size_t)row * k : nullptr, tag);
+  }
+  ws_norm_rows(xs, xrow, u, scratch);
+  ws_sync();
+  if (owner && (u.side || u.side_tag)) {
+    for (int row = 0; row < m; ++row)
+      ws_write_out(xs + (size_t)row * xrow, k, u.side ? u.side + (size_t)row * k : nullptr,
+                   u.side_tag ? u.side_tag + (size_t)row * k : nullptr, tag);
+    ws_sync();
+  }
+}
+
+struct WsCursor {  // a block's items: task s of unit j, item r of the task
+  int s, j, r;
+};
+
+// A task's items: a round of 1024 columns of its tile, or of each of its two (narrow: item
+// 2 r + h is round r of tile h).
+__device__ __forceinline__ int ws_items(const Unit& u) { return (u.warps == 16 ? 1 : 2) * u.k / 1024; }
+
+__device__ __forceinline__ int ws_unit_of(const Unit* units, int count, int s, int j) {
+  while (j + 1 < count && units[j + 1].first <= s) ++j;
+  return j;
+}
+
+__device__ __forceinline__ WsCursor ws_next(const Unit* units, int count, int total, WsCursor c) {
+  if (++c.r < ws_items(units[c.j])) return c;
+  c.s += gridDim.x;
+  c.r = 0;
+  if (c.s < total) c.j = ws_unit_of(units, count, c.s, c.j);
+  return c;
+}
+
+__device__ __forceinline__ void ws_wait(uint32_t bar, int parity) {
+  uint32_t done = 0;
+  while (!done)
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+
+// The task's tiles stored: each tile's warps' sums in warp order (persist_run_bf16's
+// gemv_store), plain and tagged as the plan asks.
+__device__ __forceinline__ void ws_store(const Unit& u, int task, const float (&acc)[4],
+                                         float (*partial)[32], unsigned tag) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) partial[warp * 4 + r][lane] = acc[r];
+  ws_sync();
+  const int half = threadIdx.x >> 7;
+  const int tile = u.warps == 16 ? task : 2 * task + half;
+  if (half < 16 / u.warps && 16 * tile < u.n) {
+    const int s = (threadIdx.x >> 5) & 3;
+    float sum = 0.f;
+    for (int v = 0; v < u.warps; ++v) sum += partial[(half * u.warps + v) * 4 + s][lane];
+    const int row = 16 * tile + (lane >> 2) + (s >= 2 ? 8 : 0);
+    const int col = 2 * (lane & 3) + (s & 1);
+    if (col < u.m) {
+      const size_t at = (size_t)col * u.n + row;
+      if (u.acc) sum += ws_load1(u.c, u.tagged & TAGGED_C, at, tag);
+      const bf16 y = __float2bfloat16(sum);
+      if (u.y) u.y[at] = y;
+      if (u.y_tag) ws_store_tag(u.y_tag + at, tag, y);
+    }
+  }
+  ws_sync();
+}
+
+// grid (the multiprocessors: every block resident), block WS_THREADS; `count` units; dynamic
+// shared memory: x (m rows of xrow bf16, 128-byte rounded) then `stages` ring stages of
+// WS_STAGE; sync: [epoch, finished blocks]; shadow: the `words` tagged words the plan uses.
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+    persist_ws_bf16(const WsTable given, int count, unsigned* __restrict__ sync,
+                    unsigned* __restrict__ shadow, int words, int xrow, int stages) {
+  pdl_begin();  // the epoch and every input after the kernels before have finished
+  extern __shared__ __align__(128) unsigned char dyn[];
+  __shared__ Unit units[WS_MAX_UNITS];
+  __shared__ float partial[16 * 4][32];
+  __shared__ float scratch[32];
+  __shared__ __align__(8) uint64_t bars[2 * 8];  // full[stages], empty[stages]; stages <= 8
+  __shared__ int last;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) units[i] = given.unit[i];
+  const int m = given.unit[0].m;
+  bf16* xs = reinterpret_cast<bf16*>(dyn);
+  unsigned char* ring = dyn + ((m * xrow * 2 + 127) & ~127);
+  const uint32_t ring0 = (uint32_t)__cvta_generic_to_shared(ring);
+  const uint32_t full0 = (uint32_t)__cvta_generic_to_shared(bars), empty0 = full0 + 8 * stages;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < stages; ++i) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(full0 + 8 * i) : "memory");
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 16;" :: "r"(empty0 + 8 * i)
+                   : "memory");
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  const unsigned epoch = *(volatile unsigned*)sync;
+  const unsigned tag = epoch % 65535u + 1u;
+  __syncthreads();  // the table, the mbarriers; the last barrier of all WS_THREADS threads
+  const int total = units[count - 1].first + units[count - 1].tasks;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const WsCursor start = {(int)blockIdx.x,
+                          ws_unit_of(units, count, min((int)blockIdx.x, total - 1), 0), 0};
+
+  if (warp == 16) {  // the producer
+    WsCursor p = start;
+    for (int i = 0; p.s < total; ++i) {
+      const int stage = i % stages;
+      if (i >= stages) ws_wait(empty0 + 8 * stage, (i / stages - 1) & 1);
+      const Unit& u = units[p.j];
+      const bool wide = u.warps == 16;
+      const int row0 = wide ? 16 * (p.s - u.first) : 32 * (p.s - u.first) + 16 * (p.r & 1);
+      const int round = wide ? p.r : p.r >> 1;
+      const int valid = max(0, min(16, u.n - row0));  // a missing second tile: none
+      if (lane == 0)
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(full0 + 8 * stage), "r"(valid * 2048) : "memory");
+      __syncwarp();
+      if (lane < valid) {
+        const bf16* src = u.w + (size_t)(row0 + lane) * u.k + (size_t)round * 1024;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                     "[%0], [%1], %2, [%3];"
+                     :: "r"(ring0 + stage * WS_STAGE + lane * WS_PITCH), "l"(src), "r"(2048),
+                        "r"(full0 + 8 * stage) : "memory");
+      }
+      p = ws_next(units, count, total, p);
+    }
+    return;
+  }
+
+  WsCursor c = start;
+  int staged = -1;  // the unit whose x is in xs
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; c.s < total; ++i) {
+    const int stage = i % stages;
+    const Unit& u = units[c.j];
+    if (c.j != staged) {  // block-uniform
+      ws_stage(u, xs, xrow, c.s == u.first, tag, scratch);
+      staged = c.j;
+    }
+    const WsCursor n = ws_next(units, count, total, c);
+    ws_wait(full0 + 8 * stage, (i / stages) & 1);
+    const unsigned char* base = ring + stage * WS_STAGE;
+    const int task = c.s - u.first;
+    if (u.warps == 16) {
+      const bf16* xa = xs + g * xrow + 8 * t + 32 * warp + c.r * 1024;
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const int col = 2 * (32 * warp + 512 * q + 8 * t);  // bytes into the row segment
+        const uint4 lo = *reinterpret_cast<const uint4*>(base + g * WS_PITCH + col);
+        const uint4 hi = *reinterpret_cast<const uint4*>(base + (g + 8) * WS_PITCH + col);
+        const uint4 x = g < m ? *reinterpret_cast<const uint4*>(xa + 512 * q)
+                              : make_uint4(0, 0, 0, 0);
+        mma_16816(acc, lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+        mma_16816(acc, lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+      }
+    } else if ((c.r & 1) == (warp >> 3) && 16 * (2 * task + (warp >> 3)) < u.n) {
+      // the item is this warp's tile (and the tile exists): 4 chunks of its round
+      const int wl = warp & 7;
+      const bf16* xa = xs + g * xrow + 8 * t + 32 * wl + (c.r >> 1) * 1024;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int col = 2 * (32 * wl + 256 * q + 8 * t);
+        const uint4 lo = *reinterpret_cast<const uint4*>(base + g * WS_PITCH + col);
+        const uint4 hi = *reinterpret_cast<const uint4*>(base + (g + 8) * WS_PITCH + col);
+        const uint4 x = g < m ? *reinterpret_cast<const uint4*>(xa + 256 * q)
+                              : make_uint4(0, 0, 0, 0);
+        mma_16816(acc, lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+        mma_16816(acc, lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(empty0 + 8 * stage)
+                                : "memory");  // the warp is done with the stage
+    if (c.r + 1 == ws_items(u)) {
+      ws_store(u, task, acc, partial, tag);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[q] = 0.f;
+    }
+    c = n;
+  }
+  // the last block out raises the epoch (and, when the tags come round, clears the shadows)
+  ws_sync();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(sync + 1, 1u) == gridDim.x - 1;
+  }
+  ws_sync();
+  if (!last) return;
+  const bool wrap = (epoch + 1u) % 65535u == 0u;
+  if (wrap)
+    for (int q = threadIdx.x; q < words; q += WS_CONSUMERS) shadow[q] = 0u;
+  ws_sync();
+  if (threadIdx.x == 0) {
+    sync[1] = 0;
+    sync[0] = epoch + 1u;
+    __threadfence();
+  }
+}

@@ -222,6 +222,8 @@ def test_a_launch_of_an_odd_shape_is_no_phase():
 class Kernel:
     """Records each launch's phases, read back from the table it was handed."""
 
+    steps = staticmethod(persist.one_launch)
+
     def __init__(self) -> None:
         self.launched: list[list[tuple]] = []
 

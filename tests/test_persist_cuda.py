@@ -31,7 +31,8 @@ def bundles(tmp_path_factory) -> dict:
     return whole_and_two(tmp_path_factory.mktemp("wide"), **WIDE)
 
 
-ENTRIES = ["persist_run_bf16", "persist_ring_bf16"]  # weights in registers / a smem ring
+# weights in registers / a shared-memory ring / a producer warp's ring with tagged words
+ENTRIES = ["persist_run_bf16", "persist_ring_bf16", "persist_ws_bf16"]
 
 
 def chain(bundle, persist: str | None, graphs: bool = True) -> Chain:
@@ -39,6 +40,7 @@ def chain(bundle, persist: str | None, graphs: bool = True) -> Chain:
 
     backend = CudaBackend(0)
     backend.persist = persist  # read when a Session loads: the kernel's entry, or None
+    backend.persist_max_m = 8  # persist_ws_bf16 takes the batched steps too (default: m = 1)
     return Chain(bundle, backend=backend, graphs=graphs)
 
 

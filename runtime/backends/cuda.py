@@ -232,7 +232,8 @@ class CudaBackend(Backend):
         # runs of decode launches as one persistent kernel: its entry, or None (off)
         self.persist: str | bool | None = persist.ENABLED
         self.persisted = 0  # persistent launches made
-        self._persistent: dict[str, persist.PersistentKernel | None] = {}  # by entry
+        self._persistent: dict[str, Any] = {}  # by entry: its kernel, or None
+        self.persist_max_m = persist.WS_MAX_M  # the rows persist_ws_bf16 takes (read at load)
         # the decode attention's split and combine as one launch (runtime/backends/attention.py)
         self.join_attention = attention.ENABLED
         self.joined = 0  # joined launches made
@@ -607,9 +608,14 @@ class CudaBackend(Backend):
             try:
                 sha = library.index()[persist.MODULE]["sha256"]
                 self.add_modules({sha: library.cubin_path(persist.MODULE)})
-                shared = persist.RING_SMEM if entry == persist.RING_ENTRY else 0
-                self._persistent[entry] = persist.PersistentKernel(
-                    self, check, self._function(entry, sha), shared)
+                function = self._function(entry, sha)
+                if entry == persist.WS_ENTRY:
+                    self._persistent[entry] = persist.WsKernel(self, check, function,
+                                                               self.persist_max_m)
+                else:
+                    shared = persist.RING_SMEM if entry == persist.RING_ENTRY else 0
+                    self._persistent[entry] = persist.PersistentKernel(self, check, function,
+                                                                       shared)
             except (BackendError, KeyError, OSError):
                 self._persistent[entry] = None  # no persist cubin: every site as prepared
         return self._persistent[entry]

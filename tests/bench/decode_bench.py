@@ -486,22 +486,35 @@ def fuse_ab(model: dict, cfg: dict, hbm: float, rounds: int = 2) -> None:
     RESULTS["fuse_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
 
 
+def persist_ab(model: dict, cfg: dict, hbm: float, rounds: int = 4) -> None:
+    """The decode runs as persist_ws_bf16 launches (runtime/backends/persist.py: a producer
+    warp's ring, tagged words, the small kernels folded) against the launches, every other
+    option at its default on both sides: `policy_ab`. It takes m = 1 only (WS_MAX_M), so the
+    8- and 32-sequence rows compare the same kernels: controls of the noise."""
+    defaults = {"join": attention.ENABLED, "fused": fuse.ENABLED, "pipe": attention_pipe.ENABLED}
+    policy_ab("persist", "persistent ws runs / launches", "runs", "persisted", model, cfg, hbm,
+              rounds, values=(persist.WS_ENTRY, None), base=defaults)
+
+
 def policy_ab(name: str, what_ab: str, option: str, counter: str, model: dict, cfg: dict,
-              hbm: float, rounds: int = 4, counted: tuple[str, ...] = ("whole", "two")) -> None:
+              hbm: float, rounds: int = 4, counted: tuple[str, ...] = ("whole", "two"),
+              values: tuple = (True, False), base: dict | None = None) -> None:
     """A chain_of option on against off, alternating: the batch-1 `decode` graph whole and in 2
     stages, and `decode_batch` steps of 8 and 32 sequences x CONTEXT tokens (graph replays),
     medians of `rounds`, as ms and the saving a layer; `counter` is the backend's count of
     the launches the option makes (it must move when on, in the bundles `counted`). The order
     flips each round, so an even count puts each side first equally often: with 3 rounds the
-    same kernels on both sides read 0.8 us a layer apart at 8 sequences (session 13)."""
+    same kernels on both sides read 0.8 us a layer apart at 8 sequences (session 13).
+    `values`: the option's (on, off); `base`: the other options (default: all off)."""
     layers = cfg["num_hidden_layers"]
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     times: dict[tuple, list[float]] = {}
+    base = {"join": False, "fused": False, "pipe": False} if base is None else base
     for r in range(rounds):
         for join in ((True, False) if r % 2 == 0 else (False, True)):
             for bundle in ("whole", "two"):
-                with chain_of(model[bundle], 8, True, **{"join": False, "fused": False,
-                                                         "pipe": False, option: join}) as chain:
+                options = {**base, option: values[0] if join else values[1]}
+                with chain_of(model[bundle], 8, True, **options) as chain:
                     Generator(chain).generate(prompt, 4, 512)  # captures the decode graph
                     times.setdefault((join, bundle, 1), []).append(graph_step_ms(chain))
                     if bundle == "whole":
@@ -823,6 +836,9 @@ def main() -> int:
         if "join" not in skip:
             with section("join", limit=300):
                 join_ab(model, cfg, hbm)
+        if "persist" not in skip:
+            with section("persist", limit=300):
+                persist_ab(model, cfg, hbm)
         if "pipe" not in skip:
             with section("pipe", limit=300):
                 pipe_ab(model, cfg, hbm)
