@@ -26,6 +26,8 @@
 #include "activation.cuh"
 #include "gemv.cuh"
 #include "norm.cuh"
+#include "qk_rope_kv.cuh"
+#include "attention_split.cuh"
 
 #define PERSIST_THREADS 512
 #define PERSIST_WARPS 16
@@ -456,8 +458,11 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
 // The same runs as persist_run_bf16 (runtime/backends/persist.py plans them as *units*), built
 // the way tests/bench/persistent_probe.py's chain_ws measured fastest (docs/benchmarks.md,
 // session 13: the small model's 96 GEMVs chained in 0.62 ms against the graph's 0.77):
-// * A unit is one GEMV launch and, folded into it, the rmsnorm, add_rmsnorm or silu_mul launch
-//   that computes its x. A block is 16 consumer warps and a producer warp.
+// * A unit is one GEMV launch and, folded into it, the rmsnorm, add_rmsnorm, silu_mul or decode
+//   attention combine launch that computes its x; or a rope launch (qk_norm_rope_kv_bf16) or a
+//   split attention launch (attn_decode_split_tc_bf16), whose tasks are the launch's rows and
+//   blocks: they store plain and count themselves (sync[2 + unit]), and the units after them
+//   wait for the count. A block is 16 consumer warps and a producer warp.
 // * The producer walks the block's weight items (16 rows x 1024 columns of a tile; a narrow
 //   task's two tiles take turns, round by round) in deal order and copies each into the next
 //   stage of a ring of shared memory (a 2 KB bulk copy a row: 1 KB rows halve the stream,
@@ -487,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
 //   traps rather than hang.
 #define WS_CONSUMERS 512
 #define WS_THREADS (WS_CONSUMERS + 32)
-#define WS_MAX_UNITS 16
+#define WS_MAX_UNITS 160  // 23 KB of parameters (CUDA 12.1+ takes up to 32 KB)
 #define WS_PITCH (2048 + 64)  // a row's 2 KB segment, rows 64 bytes off the bank period
 #define WS_STAGE (16 * WS_PITCH)
 #define WS_SPINS (1 << 24)
@@ -496,11 +501,22 @@ extern "C" __global__ void __launch_bounds__(PERSIST_THREADS, 1)
 #define PRE_RMSNORM 1
 #define PRE_ADD_RMSNORM 2
 #define PRE_SILU 3
+#define PRE_COMBINE 4  // the decode attention's combine (attn_decode_combine_bf16) folded
+#define OP_GEMV 0
+#define OP_GEMV_ACC 1
+#define OP_ROPE 2      // qk_norm_rope_kv_bf16's rows (head dim 128)
+#define OP_SPLIT 3     // attn_decode_split_tc_bf16's splits (head dim 128)
 #define TAGGED_X 1  // Unit::tagged bits: the source is a shadow of tagged words
 #define TAGGED_R 2
 #define TAGGED_C 4
 
-// One unit (144 bytes; runtime/backends/persist.py packs it as WS_UNIT).
+// One unit (144 bytes; runtime/backends/persist.py packs it as WS_UNIT). The fields of a GEMV
+// unit are as named; a rope unit's: x qkv (its source), y qkv (stored whole), gamma the q/k norm
+// weights, r positions, c the rope table, side slot_mapping, res the KV cache, m rows, n nq, k
+// nk; a split unit's: x qkv, r the KV cache, c block_table, gamma seq_lens, y the partials, m
+// seqs, n nq, k nk, block the table's width, pad max_splits, eps the scale; a combine folded
+// into a GEMV: x the partials, r seq_lens, side its output, block max_splits. `threads` and
+// `width` of a rope, split or combine: the unit whose counter it waits for, and the count.
 struct Unit {
   const bf16* w;          // [n, k]
   const void* x;          // the GEMV's x (pre none), the norm's x, add_rmsnorm's x, gate_up
@@ -513,7 +529,7 @@ struct Unit {
   unsigned* side_tag;
   bf16* res;              // add_rmsnorm: the residual after, plain
   unsigned* res_tag;
-  int acc, pre, tagged;   // acc: C = bf16(C + x.W^T)
+  int op, pre, tagged;    // op: OP_*; OP_GEMV_ACC: C = bf16(C + x.W^T)
   int m, n, k, warps;     // warps a tile: 16 (wide) or 8 (narrow, two tiles a task)
   int tasks, first;       // first: the run's tasks before this unit's
   int threads, width;     // the small kernel's block and vector width (norm V; silu 8 or 1)
@@ -617,11 +633,180 @@ __device__ __forceinline__ void ws_norm_rows(bf16* xs, int xrow, const Unit& u, 
   }
 }
 
+// ---- the decode attention as tasks: counters between them ----------------------------------
+// A rope task stores plain (qkv whole, the KV slots) and a split task plain partials, then
+// counts itself (the barrier orders every consumer thread's stores before thread 0's release,
+// which makes them visible with it); the tasks after wait for the count (acquire) and read at
+// L2. sync[2 + j] is unit j's count, zeroed again by the launch's last block.
+__device__ __forceinline__ void ws_wait_count(const unsigned* counter, unsigned target) {
+  if (threadIdx.x == 0) {
+    for (int spins = 0; (int)(load_acquire(counter) - target) < 0; ++spins)
+      if (spins == WS_SPINS) asm volatile("trap;");  // a dependency bug: fail, never hang
+    __threadfence();
+  }
+  ws_sync();
+}
+
+__device__ __forceinline__ void ws_count(unsigned* counter) {
+  ws_sync();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    raise_release(counter);
+  }
+}
+
+// Row `row` of qk_norm_rope_kv_bf16 (rows128: head dim 128, aligned), its heads dealt to the
+// 16 consumer warps (the bits do not depend on which warp takes a head); q and k heads normed
+// and roped, v heads as they are, all stored into qkv plain, k and v copied into the slot.
+__device__ __forceinline__ void ws_rope(const Unit& u, int row, unsigned tag) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nq = u.n, nk = u.k, heads = nq + 2 * nk;
+  float gq[4], gk[4];  // [q_norm | k_norm]
+  load_bf16<4>(u.gamma + 4 * lane, gq);
+  load_bf16<4>(u.gamma + 128 + 4 * lane, gk);
+  const int position = static_cast<const int*>(u.r)[row];
+  const float* t = static_cast<const float*>(u.c) + (long long)position * 128 + 4 * (lane & 15);
+  const long long slot = reinterpret_cast<const int*>(u.side)[row];
+  bf16* x = u.y + (long long)row * heads * 128 + 4 * lane;
+  bf16* kv_row = slot < 0 ? nullptr  // a padding row owns no slot
+                          : reinterpret_cast<bf16*>(reinterpret_cast<uint8_t*>(u.res) +
+                                                    slot * 4LL * nk * 128) + 4 * lane;
+  const float4 c = *reinterpret_cast<const float4*>(t);
+  const float4 sn = *reinterpret_cast<const float4*>(t + 64);
+  for (int head = warp; head < heads; head += WS_CONSUMERS / 32) {
+    const uint2 v = ws_load4(u.x, u.tagged & TAGGED_X,
+                             (size_t)row * heads * 128 + head * 128 + 4 * lane, tag);
+    const float2 a = unpack_bf16x2(v.x), b = unpack_bf16x2(v.y);
+    float f[4] = {a.x, a.y, b.x, b.y};
+    float g[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) g[i] = head < nq ? gq[i] : gk[i];
+    bf16* dst = head >= nq && kv_row ? kv_row + (head - nq) * 128 : nullptr;
+    head128_apply(f, head < nq + nk, g, c, sn, x + head * 128, dst, u.eps, lane);
+    if (head >= nq + nk) store_bf16<4>(x + head * 128, f);  // v: qkv is stored whole
+  }
+}
+
+// Consumer warps 0 .. DC_WARPS - 1 as one block of attn_decode_split_tc_bf16 (barrier 2).
+struct WsSplit {
+  int b_, kvh_;
+  __device__ __forceinline__ int b() const { return b_; }
+  __device__ __forceinline__ int kvh() const { return kvh_; }
+  __device__ __forceinline__ int tid() const { return threadIdx.x; }
+  __device__ __forceinline__ void sync() const {
+    asm volatile("bar.sync 2, %0;" :: "n"(DC_WARPS * 32) : "memory");
+  }
+  __device__ __forceinline__ uint4 load(const uint4* p) const { return __ldcg(p); }
+  __device__ __forceinline__ uint4 load_q(const uint4* p) const { return __ldcg(p); }
+};
+
+// The split's shared staging at the front of `smem` (x's region: the block stages x again
+// after the task): s_acc, s_q, s_stats, s_pages as attn_decode_split_entry declares them.
+template <int G>
+__device__ __forceinline__ void ws_split_g(const Unit& u, int b, int kvh, int split, int len,
+                                           unsigned char* smem) {
+  // s_acc also holds the warps' V tiles (16 rows of 128 bf16 each) before their partials
+  constexpr int ACC = 4 * DC_WARPS * G * 128 > 2 * DC_WARPS * 16 * 128 ? 4 * DC_WARPS * G * 128
+                                                                      : 2 * DC_WARPS * 16 * 128;
+  float* s_acc = reinterpret_cast<float*>(smem);
+  uint4* s_q = reinterpret_cast<uint4*>(smem + ACC);
+  float* s_stats = reinterpret_cast<float*>(s_q + G * 128 / 8);
+  int* s_pages = reinterpret_cast<int*>(s_stats + DC_WARPS * G * 2);
+  const int* table_row = static_cast<const int*>(u.c) + (long long)b * u.block;
+  attn_decode_split_tc<128, G, WsSplit>(static_cast<const bf16*>(u.x),
+                                        static_cast<const uint8_t*>(u.r), table_row, len, split,
+                                        reinterpret_cast<float*>(u.y), u.n, u.k, u.pad, u.eps,
+                                        s_pages, s_q, s_stats, s_acc, WsSplit{b, kvh});
+}
+
+// Task `task` of a split unit: (sequence, kv head, split) of the launch's grid (seqs, nk,
+// max_splits); a split past the sequence does nothing, as in the launch.
+__device__ __forceinline__ void ws_split(const Unit& u, int task, unsigned char* smem,
+                                         const unsigned* counters) {
+  const int ms = u.pad, b = task / (u.k * ms), kvh = (task / ms) % u.k, split = task % ms;
+  const int len = reinterpret_cast<const int*>(u.gamma)[b];  // block-uniform
+  if (split * DC_SPLIT >= len) return;  // nothing to wait for: it only counts
+  if (u.threads >= 0) ws_wait_count(counters + u.threads, (unsigned)u.width);  // the rope
+  if ((threadIdx.x >> 5) >= DC_WARPS) return;
+  switch (u.n / u.k) {
+    case 1: ws_split_g<1>(u, b, kvh, split, len, smem); break;
+    case 2: ws_split_g<2>(u, b, kvh, split, len, smem); break;
+    case 4: ws_split_g<4>(u, b, kvh, split, len, smem); break;
+    default: ws_split_g<8>(u, b, kvh, split, len, smem); break;
+  }
+}
+
+// attn_decode_combine_bf16's rows (head dim 128) into xs, a (sequence, q head) a warp and 4 dims
+// a lane, with the launch's arithmetic: M by the same lane-strided max and butterfly; each
+// split's weight f = 2^(m_s - M) computed by one lane and shuffled to all (every thread of the
+// launch computes the same value), L and O summed in split order. The loads of 8 splits go out
+// before their sums, so a pair costs a few L2 round trips, not one a split.
+__device__ __forceinline__ void ws_combine(const Unit& u, bf16* xs, int xrow) {
+  const int nq = u.k / 128, ms = u.block, lane = threadIdx.x & 31;
+  const float* part = static_cast<const float*>(u.x);
+  const int* lens = static_cast<const int*>(u.r);
+  const long long stride = 128 + 2;
+  for (int pair = threadIdx.x >> 5; pair < u.m * nq; pair += WS_CONSUMERS / 32) {
+    const int b = pair / nq, h = pair % nq;
+    const int len = lens[b];
+    const int n = len <= 0 ? 0 : min((len + DC_SPLIT - 1) / DC_SPLIT, ms);
+    const float* e = part + ((long long)b * nq + h) * ms * stride;
+    float mx = -INFINITY;
+    for (int s = lane; s < n; s += 32) mx = fmaxf(mx, __ldcg(e + s * stride));
+    mx = warp_max(mx);
+    float lsum = 0.f, o[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s0 = 0; s0 < n; s0 += 8) {
+      const int mine = s0 + (lane & 7);
+      float f_mine = 0.f, l_mine = 0.f;
+      if (mine < n) {
+        f_mine = fast_exp2(__ldcg(e + mine * stride) - mx);
+        l_mine = __ldcg(e + mine * stride + 1);
+      }
+      float2 v[8][2];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float* row = e + (s0 + j) * stride + 2 + 4 * lane;
+        v[j][0] = s0 + j < n ? __ldcg(reinterpret_cast<const float2*>(row)) : make_float2(0.f, 0.f);
+        v[j][1] = s0 + j < n ? __ldcg(reinterpret_cast<const float2*>(row + 2))
+                             : make_float2(0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float f = __shfl_sync(FULL_MASK, f_mine, j);
+        const float l = __shfl_sync(FULL_MASK, l_mine, j);
+        if (s0 + j < n) {  // warp-uniform
+          lsum += l * f;
+          o[0] += v[j][0].x * f;
+          o[1] += v[j][0].y * f;
+          o[2] += v[j][1].x * f;
+          o[3] += v[j][1].y * f;
+        }
+      }
+    }
+    const float inv = lsum > 0.f ? 1.f / lsum : 0.f;  // len == 0 gives zeros, not NaN
+    bf16* out = xs + (size_t)b * xrow + h * 128 + 4 * lane;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __float2bfloat16(o[i] * inv);
+  }
+}
+
 // The unit's x (m x k, rows xrow apart) into xs, its folded small kernel computed; `owner`:
 // this block also writes the small kernel's outputs. Ends with the consumers' barrier.
 __device__ __forceinline__ void ws_stage(const Unit& u, bf16* xs, int xrow, bool owner,
-                                         unsigned tag, float* scratch) {
+                                         unsigned tag, float* scratch, const unsigned* counters) {
   const int m = u.m, k = u.k, chunks = k / 4;
+  if (u.pre == PRE_COMBINE) {
+    if (u.threads >= 0) ws_wait_count(counters + u.threads, (unsigned)u.width);  // the splits
+    ws_combine(u, xs, xrow);
+    ws_sync();
+    if (owner && (u.side || u.side_tag)) {
+      for (int row = 0; row < m; ++row)
+        ws_write_out(xs + (size_t)row * xrow, k, u.side ? u.side + (size_t)row * k : nullptr,
+                     u.side_tag ? u.side_tag + (size_t)row * k : nullptr, tag);
+      ws_sync();
+    }
+    return;
+  }
   if (u.pre == PRE_SILU) {
     const bool tagged = u.tagged & TAGGED_X;
     const int inter = k, block = u.block;
@@ -687,7 +872,10 @@ struct WsCursor {  // a block's items: task s of unit j, item r of the task
 
 // A task's items: a round of 1024 columns of its tile, or of each of its two (narrow: item
 // 2 r + h is round r of tile h).
-__device__ __forceinline__ int ws_items(const Unit& u) { return (u.warps == 16 ? 1 : 2) * u.k / 1024; }
+__device__ __forceinline__ int ws_items(const Unit& u) {
+  if (u.op >= OP_ROPE) return 1;  // a rope or split task: one step, no weights
+  return (u.warps == 16 ? 1 : 2) * u.k / 1024;
+}
 
 __device__ __forceinline__ int ws_unit_of(const Unit* units, int count, int s, int j) {
   while (j + 1 < count && units[j + 1].first <= s) ++j;
@@ -727,7 +915,7 @@ __device__ __forceinline__ void ws_store(const Unit& u, int task, const float (&
     const int col = 2 * (lane & 3) + (s & 1);
     if (col < u.m) {
       const size_t at = (size_t)col * u.n + row;
-      if (u.acc) sum += ws_load1(u.c, u.tagged & TAGGED_C, at, tag);
+      if (u.op == OP_GEMV_ACC) sum += ws_load1(u.c, u.tagged & TAGGED_C, at, tag);
       const bf16 y = __float2bfloat16(sum);
       if (u.y) u.y[at] = y;
       if (u.y_tag) ws_store_tag(u.y_tag + at, tag, y);
@@ -738,18 +926,17 @@ __device__ __forceinline__ void ws_store(const Unit& u, int task, const float (&
 
 // grid (the multiprocessors: every block resident), block WS_THREADS; `count` units; dynamic
 // shared memory: x (m rows of xrow bf16, 128-byte rounded) then `stages` ring stages of
-// WS_STAGE; sync: [epoch, finished blocks]; shadow: the `words` tagged words the plan uses.
+// WS_STAGE; sync: [epoch, finished blocks, a count per unit]; shadow: the `words` tagged words the plan uses.
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     persist_ws_bf16(const WsTable given, int count, unsigned* __restrict__ sync,
                     unsigned* __restrict__ shadow, int words, int xrow, int stages) {
   pdl_begin();  // the epoch and every input after the kernels before have finished
   extern __shared__ __align__(128) unsigned char dyn[];
-  __shared__ Unit units[WS_MAX_UNITS];
   __shared__ float partial[16 * 4][32];
   __shared__ float scratch[32];
   __shared__ __align__(8) uint64_t bars[2 * 8];  // full[stages], empty[stages]; stages <= 8
   __shared__ int last;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) units[i] = given.unit[i];
+  const Unit* units = given.unit;  // read in place: the constant bank, warp-uniform
   const int m = given.unit[0].m;
   bf16* xs = reinterpret_cast<bf16*>(dyn);
   unsigned char* ring = dyn + ((m * xrow * 2 + 127) & ~127);
@@ -774,6 +961,8 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
   if (warp == 16) {  // the producer
     WsCursor p = start;
     for (int i = 0; p.s < total; ++i) {
+      while (p.s < total && units[p.j].op >= OP_ROPE) p = ws_next(units, count, total, p);
+      if (p.s >= total) break;
       const int stage = i % stages;
       if (i >= stages) ws_wait(empty0 + 8 * stage, (i / stages - 1) & 1);
       const Unit& u = units[p.j];
@@ -800,11 +989,24 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
   WsCursor c = start;
   int staged = -1;  // the unit whose x is in xs
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  unsigned* counters = sync + 2;
   for (int i = 0; c.s < total; ++i) {
-    const int stage = i % stages;
     const Unit& u = units[c.j];
+    if (u.op >= OP_ROPE) {  // block-uniform: a rope or split task, then its count
+      if (u.op == OP_ROPE) {
+        ws_rope(u, c.s - u.first, tag);
+      } else {
+        ws_split(u, c.s - u.first, dyn, counters);
+        staged = -1;  // its staging took x's place
+      }
+      ws_count(counters + c.j);
+      c = ws_next(units, count, total, c);
+      --i;  // no ring stage
+      continue;
+    }
+    const int stage = i % stages;
     if (c.j != staged) {  // block-uniform
-      ws_stage(u, xs, xrow, c.s == u.first, tag, scratch);
+      ws_stage(u, xs, xrow, c.s == u.first, tag, scratch, counters);
       staged = c.j;
     }
     const WsCursor n = ws_next(units, count, total, c);
@@ -861,6 +1063,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
     for (int q = threadIdx.x; q < words; q += WS_CONSUMERS) shadow[q] = 0u;
   ws_sync();
   if (threadIdx.x == 0) {
+    for (int j = 0; j < count; ++j) sync[2 + j] = 0;
     sync[1] = 0;
     sync[0] = epoch + 1u;
     __threadfence();

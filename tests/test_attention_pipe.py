@@ -29,6 +29,7 @@ from test_persist import decode_sites, issue, originals  # noqa: E402  (tests/ i
 
 SHA = library.index()[pipe.MODULE]["sha256"]
 SOURCE = library.KERNELS_DIR / "attention.cu"
+SPLIT = library.KERNELS_DIR / "attention_split.cuh"  # DC_WARPS and the split it pipelines
 SMS = 132  # an H200's multiprocessors
 # 2048 keys of context: 16 splits, so decode_batch's 8 blocks a kv head loop (decode: 16)
 LONG = {"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "max_context": 2048}
@@ -48,7 +49,7 @@ def wide(tmp_path_factory) -> dict[str, list]:
 
 
 def test_the_layout_constants_are_the_kernels():
-    text = SOURCE.read_text()
+    text = SOURCE.read_text() + SPLIT.read_text()
     defines = dict(re.findall(r"^#define (DC_WARPS|DP_\w+) (\d+)", text, flags=re.MULTILINE))
     assert {k: int(v) for k, v in defines.items()} == {
         "DC_WARPS": pipe.WARPS, "DP_MAX_SLOTS": pipe.MAX_SLOTS, "DP_SM_SHARED": pipe.SM_SHARED,

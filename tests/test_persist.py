@@ -223,6 +223,7 @@ class Kernel:
     """Records each launch's phases, read back from the table it was handed."""
 
     steps = staticmethod(persist.one_launch)
+    kinds, limit = persist.KERNEL_KINDS, persist.MAX_PHASES
 
     def __init__(self) -> None:
         self.launched: list[list[tuple]] = []

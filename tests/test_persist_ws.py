@@ -25,7 +25,7 @@ from test_persist import WIDE, decode_sites
 
 SOURCE = Path(library.__file__).resolve().parent / "persist.cu"
 SHADOW, WORDS, SHARED = 1 << 44, persist.WS_SHADOW_WORDS, 221440
-FIELDS = ("w x r gamma c y y_tag side side_tag res res_tag acc pre tagged m n k warps tasks "
+FIELDS = ("w x r gamma c y y_tag side side_tag res res_tag op pre tagged m n k warps tasks "
           "first threads width block eps pad").split()
 
 
@@ -78,7 +78,7 @@ def test_a_decode_layer_plans_as_its_four_units_in_one_launch(wide):
     first, layer, last = (units_of(run[0][0]) for run in steps)
     P = persist
     assert [u["pre"] for u in layer] == [P.PRE_NONE, P.PRE_ADD_RMSNORM, P.PRE_SILU, P.PRE_RMSNORM]
-    assert [u["acc"] for u in layer] == [0, 0, 1, 0]
+    assert [u["op"] for u in layer] == [0, 0, 1, 0]
     assert [u["warps"] for u in layer] == [16, 8, 16, 8]  # the GEMV launches' own tiles
     assert [u["first"] for u in layer] == [0, 128, 256, 384]
     o_proj, gate_up, down, qkv = layer
@@ -251,7 +251,7 @@ def test_every_read_is_the_value_the_launches_in_order_give(phases):
                    inputs.get(u["x"], ("input", u["x"])))
             assert got == want and u["x"] == (x_phase.pointers[0] if not
                                               u["tagged"] & persist.TAGGED_X else u["x"])
-            if u["acc"]:
+            if u["op"] == persist.OP_GEMV_ACC:
                 got = (shadows[u["c"]] if u["tagged"] & persist.TAGGED_C else
                        inputs.get(u["c"], ("input", u["c"])))
                 assert got == reads_seq[gi]["c"]
@@ -266,3 +266,81 @@ def test_every_read_is_the_value_the_launches_in_order_give(phases):
     # what the launches leave, for every range a plain store could reach
     for pointer, version in final_seq.items():
         assert memory.get(pointer) == version, pointer
+
+
+# ---- the decode attention as units: the whole step in one launch ------------------------------
+
+
+def ws_planned(sites, env, max_m: int = 1, extent=None) -> list[list]:
+    modules = persist.library_modules(persist.WS_KERNEL_KINDS)
+    out = []
+    for run in persist.runs(sites, modules, persist.WsKernel.limit):
+        phases = [persist.phase(s, s.grid_at(env), s.var_values(env)) for s in run]
+        out.append((run, persist.ws_steps(phases, SHADOW, WORDS, max_m, SHARED, extent)))
+    return out
+
+
+def test_the_decode_step_plans_as_one_launch_attention_included(wide):
+    (run, steps), = ws_planned(wide["decode"], {"tokens": 1, "seqs": 1})
+    assert run[0].label == "l0.input_norm" and run[-1].label == "l1.down_proj"
+    assert len(steps) == 1 and not isinstance(steps[0], int)
+    units = units_of(steps[0][0])
+    P = persist
+    assert [u["op"] for u in units] == [P.OP_GEMV, P.OP_ROPE, P.OP_SPLIT, P.OP_GEMV, P.OP_GEMV,
+                                        P.OP_GEMV_ACC] * 2
+    assert [u["pre"] for u in units][:6] == [P.PRE_RMSNORM, P.PRE_NONE, P.PRE_NONE,
+                                             P.PRE_COMBINE, P.PRE_ADD_RMSNORM, P.PRE_SILU]
+    for layer in (0, 6):
+        qkv, rope, split, o_proj = units[layer:layer + 4]
+        # the rope reads the qkv GEMV's tagged words and stores qkv whole, so the GEMV's own
+        # plain store is left out; the KV slot is the state's
+        assert rope["x"] == qkv["y_tag"] != 0 and rope["tagged"] == P.TAGGED_X
+        assert qkv["y"] == 0 and rope["y"] != 0 and rope["res"] != 0
+        # the split waits for the rope's count, the combine (in o_proj's staging) for the split's
+        assert (split["threads"], split["width"]) == (layer + 1, rope["tasks"])
+        assert (o_proj["threads"], o_proj["width"]) == (layer + 2, split["tasks"])
+        assert split["tasks"] == 1 * 8 * split["pad"]  # seqs x kv heads x max_splits
+        assert split["y"] == o_proj["x"] != 0  # the partials: stored plain, every layer
+        # attn_out: left out where the next layer's combine overwrites it whole
+        assert (o_proj["side"] != 0) == (layer == 6)
+    # a split's staging fits x's place in shared memory, rows aligned off the bank period
+    launch = steps[0][0]
+    assert 2 * launch.xrow >= max(persist.Unit(persist.Phase(persist.SPLIT, 1, 1, 16, 8), None,
+                                               (0,)).scratch(), 0)
+    assert launch.xrow % 64 == 32
+
+
+def test_every_row_count_plans_with_aligned_x_rows(wide):
+    for seqs in (1, 2, 3, 5, 8):
+        for run, steps in ws_planned(wide["decode_batch"], {"tokens": seqs, "seqs": seqs}, 8):
+            launches = [s[0] for s in steps if not isinstance(s, int)]
+            assert launches, seqs
+            for launch in launches:
+                assert launch.xrow % 64 == 32 and launch.m == seqs
+                split = persist.Unit(persist.Phase(persist.SPLIT, 1, seqs, 16, 8), None, (0,))
+                assert 2 * seqs * launch.xrow >= split.scratch()
+
+
+def test_a_split_reads_q_only_after_a_rope_counts_it():
+    """A GEMV's output passes as tagged words, which a split does not read: a split after a
+    GEMV that wrote its q (no rope between) goes in a launch of its own."""
+    split = persist.Phase(persist.SPLIT, 1 * 8 * 2, 1, 16, 8, eps=0.088,
+                          pointers=(B(0), W(50), B(2), B(3), B(4)), extra=(16, 2))
+    q = persist.Phase(persist.GEMV, 4096 // 32, 1, 4096, K, warps=8,
+                      pointers=(B(1), W(0), B(0), 0))
+    steps = persist.ws_steps([q, split], SHADOW, WORDS, 8, SHARED)
+    assert [s if isinstance(s, int) else s[0].count for s in steps] == [1, 1]
+
+
+def test_attention_launches_it_cannot_take_are_no_phase():
+    rope = (16, 32, 48, 64, 80, 96, 1, 16, 8, 128, 1e-6)
+    assert persist.attention_phase(persist.ROPE, rope, (1, 1, 1)).tasks == 1
+    assert persist.attention_phase(persist.ROPE, rope[:9] + (64,) + rope[10:], (1, 1, 1)) is None
+    assert persist.attention_phase(persist.ROPE, (24,) + rope[1:], (1, 1, 1)) is None  # rows128
+    split = (16, 32, 48, 64, 80, 2, 16, 8, 128, 16, 4, 0.088)
+    assert persist.attention_phase(persist.SPLIT, split, (2, 8, 4)).tasks == 2 * 8 * 4
+    assert persist.attention_phase(persist.SPLIT, split, (1, 8, 4)) is None  # a sequence left
+    assert persist.attention_phase(persist.SPLIT, split[:6] + (12,) + split[7:], (2, 8, 4)) is None
+    combine = (16, 32, 48, 2, 16, 128, 4)
+    assert persist.attention_phase(persist.COMBINE, combine, (2, 16, 1)).tasks == 32
+    assert persist.attention_phase(persist.COMBINE, combine, (2, 8, 1)) is None

@@ -23,10 +23,12 @@ THREADS), else one by one through their own launchers, in order. Nothing else re
 stream between the sites of a run (they are consecutive launches of one program, issued
 together), so issuing them at the last is issuing them in order.
 
-`KERNCC_PERSIST=ws` takes the same runs with a third entry, `persist_ws_bf16`: units of a GEMV and
-the small launch before it, a producer warp's ring, tagged words between the units (the plan and
-its hazards: "persist_ws_bf16" below). The same bits, and slower still as a launch a layer
-(docs/benchmarks.md, session 14).
+`KERNCC_PERSIST=ws` takes longer runs with a third entry, `persist_ws_bf16`: they reach across the
+decode attention (its rope, split and combine launches are candidates too), so a decode step goes
+out as one launch of units (a GEMV and the small launch before it; the rope; the split), with a
+producer warp's ring and tagged words or counts between the units (the plan and its hazards:
+"persist_ws_bf16" below). The same bits, and slower (1.75 against 1.15 ms a step of the example:
+docs/benchmarks.md, session 14).
 
 The table travels as the kernel's parameter (PHASE.size bytes a phase), so a graph captures it
 like any launch's arguments and nothing is allocated or copied per launch; the counters the
@@ -67,9 +69,14 @@ ENABLED = MODES[config.persist()]
 # struct Phase (kernels/persist.cu): p[4]; kind, tasks, first, m; n, k, warps, threads; eps; pad.
 PHASE = struct.Struct("<4Q4i4if3i")
 GEMV, GEMV_ACC, RMSNORM, ADD_RMSNORM, SILU_MUL = range(5)
+ROPE, SPLIT, COMBINE = 5, 6, 7  # the decode attention's launches: persist_ws_bf16 only
 GEMM_KINDS = {"cublaslt_bf16_tn": GEMV, "cublaslt_bf16_tn_acc": GEMV_ACC}
 KERNEL_KINDS = {"rmsnorm_bf16": ("norm", RMSNORM), "add_rmsnorm_bf16": ("norm", ADD_RMSNORM),
                 "silu_mul_bf16": ("activation", SILU_MUL)}
+# what persist_ws_bf16 takes besides: qk_rope_kv.cu's and attention.cu's decode launches
+WS_KERNEL_KINDS = {**KERNEL_KINDS, "qk_norm_rope_kv_bf16": ("qk_rope_kv", ROPE),
+                   "attn_decode_split_tc_bf16": ("attention", SPLIT),
+                   "attn_decode_combine_bf16": ("attention", COMBINE)}
 GEMV_WARPS = {gemv.NARROW_ENTRY: 8, gemv.WIDE_ENTRY: 16}  # entry_for(m <= 8, n) -> warps a tile
 
 Launcher = Callable[[tuple[int, int, int], int, Sequence[int]], None]
@@ -87,7 +94,8 @@ class Phase:
     warps: int = 0  # GEMV: warps a tile
     threads: int = 0  # norm, silu: the launch's block
     eps: float = 0.0
-    pointers: tuple[int, int, int, int] = (0, 0, 0, 0)
+    pointers: tuple[int, ...] = (0, 0, 0, 0)  # the attention phases': their pointer args
+    extra: tuple[int, ...] = ()  # split: (table width, max_splits); combine: (max_splits,)
 
     def pack(self, first: int) -> bytes:
         return PHASE.pack(*self.pointers, self.kind, self.tasks, first, self.m, self.n, self.k,
@@ -108,10 +116,10 @@ def table(phases: Sequence[Phase]) -> bytes:
 # ---- which sites, and which launches --------------------------------------------------------
 
 
-def library_modules() -> dict[str, str]:
+def library_modules(kinds: Mapping[str, tuple[str, int]] = KERNEL_KINDS) -> dict[str, str]:
     """{entry: the sha256 of the library module it must come from} for the kernel candidates."""
     index = library.index()
-    return {entry: index[module]["sha256"] for entry, (module, _) in KERNEL_KINDS.items()}
+    return {entry: index[module]["sha256"] for entry, (module, _) in kinds.items()}
 
 
 def candidate(site: Site, modules: Mapping[str, str]) -> bool:
@@ -120,15 +128,16 @@ def candidate(site: Site, modules: Mapping[str, str]) -> bool:
         return False
     if site.kind == "extern":
         return site.extern_name in GEMM_KINDS
-    return site.entry in KERNEL_KINDS and site.module == modules[site.entry]
+    return site.entry in modules and site.module == modules[site.entry]
 
 
-def runs(sites: Sequence[Site], modules: Mapping[str, str]) -> list[list[Site]]:
-    """A program's maximal stretches of consecutive candidates, two to MAX_PHASES long."""
+def runs(sites: Sequence[Site], modules: Mapping[str, str],
+         limit: int = MAX_PHASES) -> list[list[Site]]:
+    """A program's maximal stretches of consecutive candidates, two to `limit` long."""
     found: list[list[Site]] = []
     current: list[Site] = []
     for site in [*sites, None]:
-        if site is not None and candidate(site, modules) and len(current) < MAX_PHASES:
+        if site is not None and candidate(site, modules) and len(current) < limit:
             current.append(site)
             continue
         if len(current) >= 2:
@@ -145,7 +154,38 @@ def phase(site: Site, grid: tuple[int, int, int], scalars: Sequence[int]) -> Pha
     if site.kind == "extern":
         a, w, c, m, n, k = (int(x) for x in args)
         return gemm_phase(GEMM_KINDS[site.extern_name], a, w, c, m, n, k)
-    return kernel_phase(KERNEL_KINDS[site.entry][1], args, grid, site.block)
+    kind = WS_KERNEL_KINDS[site.entry][1]
+    if kind >= ROPE:
+        return attention_phase(kind, args, grid)
+    return kernel_phase(kind, args, grid, site.block)
+
+
+def attention_phase(kind: int, args: Sequence[Any], grid: tuple[int, int, int]) -> Phase | None:
+    """A decode attention launch as persist_ws_bf16 takes it: head dim 128, and the launch's
+    grid covering its sequences and heads (the rope's rows128 path: aligned)."""
+    if kind == ROPE:
+        qkv, w, positions, table_, slots, kv, rows, nq, nk, hd, eps = args
+        qkv, w, table_, kv, rows, nq, nk = (int(v) for v in (qkv, w, table_, kv, rows, nq, nk))
+        if int(hd) != 128 or (qkv | w | table_ | kv) % 16 or rows <= 0 or nq <= 0 or nk <= 0:
+            return None
+        return Phase(ROPE, rows, rows, nq, nk, eps=float(eps),
+                     pointers=(qkv, w, int(positions), table_, int(slots), kv))
+    if kind == SPLIT:
+        qkv, kv, block_table, seq_lens, part, seqs, nq, nk, hd, width, max_splits, scale = args
+        seqs, nq, nk, max_splits = int(seqs), int(nq), int(nk), int(max_splits)
+        if int(hd) != 128 or nk <= 0 or nq % nk or nq // nk not in (1, 2, 4, 8) or seqs <= 0:
+            return None
+        if grid[0] != seqs or grid[1] != nk or grid[2] < 1 or max_splits <= 0:
+            return None
+        return Phase(SPLIT, seqs * nk * max_splits, seqs, nq, nk, eps=float(scale),
+                     pointers=(int(qkv), int(kv), int(block_table), int(seq_lens), int(part)),
+                     extra=(int(width), max_splits))
+    part, seq_lens, out, seqs, nq, hd, max_splits = args
+    seqs, nq = int(seqs), int(nq)
+    if int(hd) != 128 or grid != (seqs, nq, 1) or seqs <= 0 or int(max_splits) <= 0:
+        return None
+    return Phase(COMBINE, seqs * nq, seqs, nq, pointers=(int(part), int(seq_lens), int(out)),
+                 extra=(int(max_splits),))
 
 
 def gemm_phase(kind: int, a: int, w: int, c: int, m: int, n: int, k: int) -> Phase | None:
@@ -242,10 +282,10 @@ def one_launch(phases: Sequence[Phase | None]) -> list:
 def join(kernel: PersistentKernel, programs: Mapping[str, Sequence[Site]],
          launchers: dict[int, Launcher]) -> dict[int, Launcher]:
     """The launchers with every run's sites recording into their run."""
-    modules = library_modules()
+    modules = library_modules(kernel.kinds)
     joined = dict(launchers)
     for sites in programs.values():
-        for found in runs(sites, modules):
+        for found in runs(sites, modules, kernel.limit):
             run = Run(kernel, found, [launchers[s.number] for s in found])
             for i, site in enumerate(found):
                 joined[site.number] = run.recorder(i)
@@ -254,6 +294,8 @@ def join(kernel: PersistentKernel, programs: Mapping[str, Sequence[Site]],
 
 class PersistentKernel:
     """The persist module's kernel on one cuda backend: its function, grid and counters."""
+
+    kinds, limit = KERNEL_KINDS, MAX_PHASES  # the launches its runs take, and how many
 
     def __init__(self, backend: Any, check: Callable[[Any, str], Any], function: Any,
                  shared: int = 0) -> None:
@@ -309,23 +351,27 @@ class PersistentKernel:
 # ---- persist_ws_bf16: units, shadows and the hazards, planned at load ----------------------------
 #
 # kernels/persist.cu's third entry takes a run as *units*: a GEMV launch and, folded into its x,
-# the norm or silu_mul launch before it that computes that x. Data moves between the units of a
-# launch as tagged words in the backend's shadow region, and outputs are stored plain where
-# they may be read after the launch. What `ws_plan` shows of a launch before it is issued:
-# * RAW: every input a unit reads is either untouched by the units before it (read plain) or
-#   exactly the whole output of one of them (read from that output's shadow);
-# * WAW: no two stores overlap but exactly, and then the earlier is left out (its readers in
-#   the launch read its shadow);
-# * WAR: every plain store comes after every read of what it replaces: the reader is the
-#   storing tile itself (a GEMV's C) or a unit every block of which the storing unit waited
-#   for (it read a GEMV output of that unit, or of a unit that had, transitively);
-# * nothing stores over a weight.
+# the norm, silu_mul or decode attention combine launch before it that computes that x; and the
+# decode attention's rope and split launches, each a unit of its own. GEMV outputs and folded
+# outputs pass to later units as tagged words in the backend's shadow region; a rope or split
+# unit stores plain and counts its tasks, and the units after it wait for the count. Outputs
+# are stored plain where they may be read after the launch. What `ws_plan` shows of a launch
+# before it is issued:
+# * RAW: every input a unit reads is untouched by the units before it (read plain), or exactly
+#   the whole output of one of them, read from that output's shadow or, for a rope or split
+#   unit's output, after that unit's count;
+# * WAW: no two stores overlap but exactly; the earlier is then left out when its readers read
+#   its shadow, else kept and the later unit waited for every block of the earlier;
+# * WAR: every plain store comes after every plain read of what it replaces: the reader is the
+#   storing tile itself (a GEMV's C) or a unit every block of which the storing unit waited for
+#   (it read a GEMV output or a count of that unit, or of a unit that had, transitively);
+# * nothing stores over a weight or a table.
 # Where one of them cannot be shown the launch ends before the unit, and a unit no launch can
 # take goes launch by launch.
 
 WS_ENTRY = "persist_ws_bf16"
 WS_UNIT = struct.Struct("<11Q12ifi")  # struct Unit
-WS_MAX_UNITS = 16
+WS_MAX_UNITS = 160
 WS_THREADS = 544
 WS_STAGE = 16 * (2048 + 64)
 WS_MAX_STAGES = 8
@@ -333,9 +379,15 @@ WS_MIN_STAGES = 3  # fewer starve the stream (tests/bench/persistent_probe.py)
 WS_XPAD = 32  # bf16 after each row of x in shared memory
 WS_MAX_M = 1  # the rows it takes by default: at m = 8 the probe's design lost to the launches
 WS_SHADOW_WORDS = 1 << 20  # the backend's shadow region, in tagged words (4 MiB)
-PRE_NONE, PRE_RMSNORM, PRE_ADD_RMSNORM, PRE_SILU = range(4)
+WS_DC_WARPS, WS_DC_SPLIT = 8, 128  # attention_split.cuh's DC_WARPS, DC_SPLIT
+PRE_NONE, PRE_RMSNORM, PRE_ADD_RMSNORM, PRE_SILU, PRE_COMBINE = range(5)
+OP_GEMV, OP_GEMV_ACC, OP_ROPE, OP_SPLIT = range(4)
 TAGGED_X, TAGGED_R, TAGGED_C = 1, 2, 4
-SMALL_PRE = {RMSNORM: PRE_RMSNORM, ADD_RMSNORM: PRE_ADD_RMSNORM, SILU_MUL: PRE_SILU}
+SMALL_PRE = {RMSNORM: PRE_RMSNORM, ADD_RMSNORM: PRE_ADD_RMSNORM, SILU_MUL: PRE_SILU,
+             COMBINE: PRE_COMBINE}
+TAGGABLE = ("x", "r", "c")  # the sources a unit may read as tagged words
+COUNTED = ("q", "kv", "part")  # the sources it reads after a rope or split unit's count
+MUST_STORE = ("qkv", "kv", "part")  # outputs read after a count: never left out
 
 
 def block_width(cols: int, addresses: int) -> int:
@@ -347,10 +399,14 @@ def block_width(cols: int, addresses: int) -> int:
     return 2
 
 
+Extent = Callable[[int], tuple[int, int] | None]  # a pointer's allocation (start, bytes)
+
+
 @attrs.frozen
 class Unit:
-    """A GEMV phase and the small phase folded into its x (None: x as it is); `indices`: the
-    run's launches it stands for."""
+    """A GEMV phase and the small phase folded into its x (None: x as it is), or a rope or
+    split phase alone (`gemv` is then that phase); `indices`: the run's launches it stands
+    for."""
 
     gemv: Phase
     small: Phase | None
@@ -360,9 +416,25 @@ class Unit:
     def m(self) -> int:
         return self.gemv.m
 
-    def reads(self) -> list[tuple[str, int, int]]:
+    @property
+    def op(self) -> int:
+        kind = self.gemv.kind
+        return {GEMV: OP_GEMV, GEMV_ACC: OP_GEMV_ACC, ROPE: OP_ROPE, SPLIT: OP_SPLIT}[kind]
+
+    def reads(self, extent: Extent) -> list[tuple[str, int, int]]:
         """(source, pointer, bytes): what the unit reads."""
         g, s, m = self.gemv, self.small, self.gemv.m
+        if g.kind == ROPE:
+            qkv, w, positions, table_, slots, kv = g.pointers
+            heads = g.n + 2 * g.k
+            return [("x", qkv, 2 * m * heads * 128), ("gamma", w, 2 * 256),
+                    ("const", positions, 4 * m), ("const", slots, 4 * m),
+                    ("const", *whole(extent, table_, 4 * 128))]
+        if g.kind == SPLIT:
+            qkv, kv, block_table, seq_lens, part = g.pointers
+            heads = g.n + 2 * g.k
+            return [("q", qkv, 2 * m * heads * 128), ("kv", *whole(extent, kv, 1)),
+                    ("const", block_table, 4 * m * g.extra[0]), ("const", seq_lens, 4 * m)]
         a, w, c, _ = g.pointers
         out = [("w", w, 2 * g.n * g.k)]
         if s is None:
@@ -371,20 +443,28 @@ class Unit:
             out.append(("x", s.pointers[0], 4 * m * g.k))
         elif s.kind == RMSNORM:
             out += [("x", s.pointers[0], 2 * m * g.k), ("gamma", s.pointers[1], 2 * g.k)]
-        else:
+        elif s.kind == ADD_RMSNORM:
             out += [("r", s.pointers[0], 2 * m * g.k), ("x", s.pointers[1], 2 * m * g.k),
                     ("gamma", s.pointers[2], 2 * g.k)]
+        else:  # the combine: the splits' partials
+            out += [("part", s.pointers[0], partials(m, s.n, s.extra[0])),
+                    ("const", s.pointers[1], 4 * m)]
         if g.kind == GEMV_ACC:
             out.append(("c", c, 2 * m * g.n))
         return out
 
-    def writes(self) -> list[tuple[str, int, int]]:
+    def writes(self, extent: Extent) -> list[tuple[str, int, int]]:
         """(output, pointer, bytes): what the unit stores."""
         g, s, m = self.gemv, self.small, self.gemv.m
+        if g.kind == ROPE:
+            qkv, kv = g.pointers[0], g.pointers[5]
+            return [("qkv", qkv, 2 * m * (g.n + 2 * g.k) * 128), ("kv", *whole(extent, kv, 1))]
+        if g.kind == SPLIT:
+            return [("part", g.pointers[4], partials(m, g.n, g.extra[1]))]
         out = [("y", g.pointers[2], 2 * m * g.n)]
         if s is not None and s.kind == SILU_MUL:
             out.append(("side", s.pointers[1], 2 * m * g.k))
-        elif s is not None and s.kind == RMSNORM:
+        elif s is not None and s.kind in (RMSNORM, COMBINE):
             out.append(("side", s.pointers[2], 2 * m * g.k))
         elif s is not None:
             out += [("res", s.pointers[0], 2 * m * g.k), ("side", s.pointers[3], 2 * m * g.k)]
@@ -393,7 +473,7 @@ class Unit:
     def width(self) -> int:
         """The small launch's vector width (norm.cu's, activation.cuh's)."""
         s = self.small
-        if s is None:
+        if s is None or s.kind == COMBINE:
             return 0
         p = s.pointers
         if s.kind == SILU_MUL:
@@ -403,9 +483,11 @@ class Unit:
     def fits(self, max_m: int) -> bool:
         """The shapes the kernel's loops take (its items, staging and folds)."""
         g, s = self.gemv, self.small
-        if not 0 < g.m <= max_m or g.tasks <= 0 or g.n % 16:
+        if not 0 < g.m <= max_m or g.tasks <= 0:
             return False
-        if g.k % 1024:  # whole items of 1024 columns
+        if g.kind in (ROPE, SPLIT):
+            return True  # attention_phase took only what the tasks compute
+        if g.n % 16 or g.k % 1024:  # whole items of 1024 columns
             return False
         if s is None:
             return True
@@ -413,8 +495,30 @@ class Unit:
             return False
         if s.kind == SILU_MUL:  # x = act, read 4 columns at a time inside one gate/up block
             return s.pointers[1] == g.pointers[0] and s.n == g.k and s.k > 0 and s.k % 4 == 0
+        if s.kind == COMBINE:
+            return s.pointers[2] == g.pointers[0] and s.n * 128 == g.k
         out = s.pointers[2] if s.kind == RMSNORM else s.pointers[3]
         return out == g.pointers[0] and s.n == g.k and s.threads <= WARPS * 32
+
+    def scratch(self) -> int:
+        """Shared bytes a split task stages (attention_split.cuh's arrays for its G)."""
+        if self.gemv.kind != SPLIT:
+            return 0
+        group = self.gemv.n // self.gemv.k
+        acc = max(4 * WS_DC_WARPS * group * 128, 2 * WS_DC_WARPS * 16 * 128)  # or the V tiles
+        return acc + 16 * group * 16 + 4 * WS_DC_WARPS * group * 2 + 4 * (WS_DC_SPLIT // 16)
+
+
+def partials(seqs: int, nq: int, max_splits: int) -> int:
+    """The bytes of the split launch's f32 partials: seqs x nq x max_splits x (hd + 2)."""
+    return 4 * seqs * nq * max_splits * (128 + 2)
+
+
+def whole(extent: Extent, pointer: int, size: int) -> tuple[int, int]:
+    """The allocation `pointer` lies in (its start and bytes), or `size` bytes from it when
+    the allocation is not known."""
+    found = extent(pointer) if extent is not None else None
+    return (pointer, size) if found is None else found
 
 
 def ws_units(phases: Sequence[Phase]) -> list[Unit | int]:
@@ -430,7 +534,7 @@ def ws_units(phases: Sequence[Phase]) -> list[Unit | int]:
                 out.append(unit)
                 i += 2
                 continue
-        if p.kind in (GEMV, GEMV_ACC):
+        if p.kind in (GEMV, GEMV_ACC, ROPE, SPLIT):
             out.append(Unit(p, None, (i,)))
         else:
             out.append(i)
@@ -456,7 +560,8 @@ class WsLaunch:
         return -(-2 * self.m * self.xrow // 128) * 128 + stages * WS_STAGE
 
 
-def ws_plan(units: Sequence[Unit], shadow: int, words: int) -> WsLaunch | str:
+def ws_plan(units: Sequence[Unit], shadow: int, words: int,
+            extent: Extent = None) -> WsLaunch | str:
     """`units` as one launch, with `words` tagged words at device address `shadow` for their
     shadows; or why not (the hazards above, the region's size)."""
     if not 0 < len(units) <= WS_MAX_UNITS or len({u.m for u in units}) != 1:
@@ -464,46 +569,61 @@ def ws_plan(units: Sequence[Unit], shadow: int, words: int) -> WsLaunch | str:
     written: list[tuple[int, int, int, str]] = []  # (pointer, bytes, unit, output)
     needed: list[tuple[int, str]] = []  # (unit, output) that a later unit reads tagged
     sources: list[dict[str, tuple]] = []  # per unit: source -> (pointer,) or ((unit, output),)
+    waits: list[int] = []  # per unit: the unit whose count it waits for, or -1
     full: list[set[int]] = []
     for u, unit in enumerate(units):
         mine: dict[str, tuple] = {}
         waited: set[int] = set()
-        for source, pointer, size in unit.reads():
+        wait = -1
+        for source, pointer, size in unit.reads(extent):
             hits = [wr for wr in written if _overlap(pointer, size, wr[0], wr[1])]
             if not hits:
                 mine[source] = (pointer,)
                 continue
             p, n, v, output = hits[-1]
-            if source in ("w", "gamma"):
-                return f"unit {u} reads a weight unit {v} stores"
+            if source in ("w", "gamma", "const"):
+                return f"unit {u} reads a weight or table unit {v} stores"
             if (p, n) != (pointer, size):
                 return f"unit {u} reads part of what unit {v} stores"
+            if source in COUNTED:  # after a rope or split unit's count
+                if output not in MUST_STORE or wait not in (-1, v):
+                    return f"unit {u} reads {source} of unit {v}, which does not count"
+                wait = v
+                mine[source] = (pointer,)
+                waited |= full[v] | {v}
+                continue
+            if output in MUST_STORE:
+                return f"unit {u} reads {source} of unit {v} as tagged words it has not"
             mine[source] = ((v, output),)
             if (v, output) not in needed:
                 needed.append((v, output))
             if source != "c":  # staged whole: every block of v (if a GEMV output) is done
                 waited |= full[v] | ({v} if output == "y" else set())
-        outs = unit.writes()
+        outs = unit.writes(extent)
         for i, (_, p, n) in enumerate(outs):
             if any(_overlap(p, n, q, k) for _, q, k in outs[:i]):
                 return f"unit {u} stores two outputs that overlap"
         written += [(p, n, u, output) for output, p, n in outs]
         sources.append(mine)
+        waits.append(wait)
         full.append(waited)
     live: list[tuple[int, int, int, str]] = []
     for i, (p, n, u, output) in enumerate(written):
         later = [wr for wr in written[i + 1:] if _overlap(p, n, wr[0], wr[1]) and wr[2] != u]
         if any((q, k) != (p, n) for q, k, _, _ in later):
             return f"unit {later[0][2]} stores over part of what unit {u} stores"
-        if not later:
+        if later and output in MUST_STORE:  # kept: the next store must come after it
+            if any(u not in full[v] for _, _, v, _ in later):
+                return f"unit {later[0][2]} stores over unit {u}'s {output} unordered"
+        if not later or output in MUST_STORE:
             live.append((p, n, u, output))
     for q, mine in enumerate(sources):
-        for source, pointer, size in units[q].reads():
+        for source, pointer, size in units[q].reads(extent):
             if isinstance(mine[source][0], tuple):
                 continue  # read tagged: no store touches a shadow
             for p, n, u, output in live:
-                if not _overlap(pointer, size, p, n):
-                    continue
+                if not _overlap(pointer, size, p, n) or u < q:
+                    continue  # an earlier store: the read is of the latest (RAW, WAW above)
                 if u == q and source == "c" and output == "y" and (p, n) == (pointer, size):
                     continue  # the tile reads C and stores over it itself
                 if u > q and q in full[u]:
@@ -517,7 +637,7 @@ def ws_plan(units: Sequence[Unit], shadow: int, words: int) -> WsLaunch | str:
         used += -(-(size // 2) // 4) * 4  # its elements' words, 16-byte aligned
     if used > words:
         return f"the shadows take {used} words of {words}"
-    tables, first = bytearray(WS_UNIT.size * WS_MAX_UNITS), 0
+    tables, first = bytearray(WS_UNIT.size * len(units)), 0
     for u, unit in enumerate(units):
         def source(name: str) -> tuple[int, bool]:
             value = sources[u].get(name)
@@ -527,29 +647,54 @@ def ws_plan(units: Sequence[Unit], shadow: int, words: int) -> WsLaunch | str:
                 return shadow + 4 * offsets[value[0]], True
             return value[0], False
 
-        stores = {}
-        for output, p, n in unit.writes():
-            plain = p if (p, n, u, output) in live else 0
-            tag = (u, output)
-            stores[output] = (plain, shadow + 4 * offsets[tag] if tag in offsets else 0)
-        x, r, c = source("x"), source("r"), source("c")
+        def store(output: str) -> tuple[int, int]:
+            for name, p, n in unit.writes(extent):
+                if name == output:
+                    tag = (u, output)
+                    return ((p if (p, n, u, output) in live else 0),
+                            shadow + 4 * offsets[tag] if tag in offsets else 0)
+            return 0, 0
+
         g, s = unit.gemv, unit.small
-        gamma = 0 if s is None or s.kind == SILU_MUL else source("gamma")[0]
-        y, side, res = stores["y"], stores.get("side", (0, 0)), stores.get("res", (0, 0))
-        tagged = TAGGED_X * x[1] | TAGGED_R * r[1] | TAGGED_C * c[1]
-        pre = PRE_NONE if s is None else SMALL_PRE[s.kind]
-        WS_UNIT.pack_into(
-            tables, u * WS_UNIT.size, g.pointers[1], x[0], r[0], gamma, c[0], *y, *side, *res,
-            int(g.kind == GEMV_ACC), pre, tagged, g.m, g.n, g.k, g.warps, g.tasks, first,
-            s.threads if s else 0, unit.width(), s.k if s and s.kind == SILU_MUL else 0,
-            s.eps if s else 0.0, 0)
+        wait, target = waits[u], units[waits[u]].gemv.tasks if waits[u] >= 0 else 0
+        if g.kind == ROPE:
+            qkv, w, positions, table_, slots, kv = g.pointers
+            x = source("x")
+            fields = (0, x[0], positions, w, table_, store("qkv")[0] and qkv, 0, slots, 0, kv,
+                      0, OP_ROPE, PRE_NONE, TAGGED_X * x[1], g.m, g.n, g.k, 128, g.tasks, first,
+                      -1, 0, 0, g.eps, 0)
+        elif g.kind == SPLIT:
+            qkv, kv, block_table, seq_lens, part = g.pointers
+            fields = (0, qkv, kv, seq_lens, block_table, part, 0, 0, 0, 0, 0, OP_SPLIT,
+                      PRE_NONE, 0, g.m, g.n, g.k, 128, g.tasks, first, wait, target,
+                      g.extra[0], g.eps, g.extra[1])
+        else:
+            x, r, c = source("x"), source("r"), source("c")
+            pre = PRE_NONE if s is None else SMALL_PRE[s.kind]
+            gamma = 0 if s is None or s.kind in (SILU_MUL, COMBINE) else source("gamma")[0]
+            if pre == PRE_COMBINE:
+                x, r = source("part"), (s.pointers[1], False)
+            threads = s.threads if s is not None and pre != PRE_COMBINE else wait
+            width = unit.width() if pre != PRE_COMBINE else target
+            block = s.k if pre == PRE_SILU else s.extra[0] if pre == PRE_COMBINE else 0
+            tagged = TAGGED_X * x[1] | TAGGED_R * r[1] | TAGGED_C * c[1]
+            fields = (g.pointers[1], x[0], r[0], gamma, c[0], *store("y"), *store("side"),
+                      *store("res"), int(g.kind == GEMV_ACC), pre, tagged, g.m, g.n, g.k,
+                      g.warps, g.tasks, first, threads, width, block,
+                      s.eps if s is not None else 0.0, 0)
+        WS_UNIT.pack_into(tables, u * WS_UNIT.size, *fields)
         first += g.tasks
-    xrow = max(u.gemv.k for u in units) + WS_XPAD
-    return WsLaunch(bytes(tables), len(units), used, xrow, units[0].m)
+    m = units[0].m
+    need = max(u.scratch() for u in units)  # a split's staging takes x's place
+    widest = max([u.gemv.k for u in units if u.gemv.kind in (GEMV, GEMV_ACC)]
+                 + [-(-need // (2 * m))])
+    # rows 16-byte aligned and WS_XPAD (64 bytes) off the 128-byte bank period
+    xrow = -(-widest // (2 * WS_XPAD)) * 2 * WS_XPAD + WS_XPAD
+    return WsLaunch(bytes(tables), len(units), used, xrow, m)
 
 
 def ws_steps(phases: Sequence[Phase | None], shadow: int, words: int, max_m: int,
-             max_shared: int) -> list:
+             max_shared: int, extent: Extent = None) -> list:
     """The run's launches as persist_ws_bf16 launches ((WsLaunch, stages)), each of as many
     consecutive units as `ws_plan` takes, and the launches no unit takes (their indices)."""
     items: list[Unit | int] = []
@@ -566,7 +711,7 @@ def ws_steps(phases: Sequence[Phase | None], shadow: int, words: int, max_m: int
         return min(WS_MAX_STAGES, (max_shared - launch.shared(0)) // WS_STAGE)
 
     def plan(units: Sequence[Unit]) -> tuple[WsLaunch, int] | None:
-        launch = ws_plan(units, shadow, words)
+        launch = ws_plan(units, shadow, words, extent)
         if isinstance(launch, str) or stages(launch) < WS_MIN_STAGES:
             return None
         return launch, stages(launch)
@@ -580,8 +725,12 @@ def ws_steps(phases: Sequence[Phase | None], shadow: int, words: int, max_m: int
         while (end < len(items) and end - i < WS_MAX_UNITS and isinstance(items[end], Unit)
                and items[end].fits(max_m)):
             end += 1
-        best = next(((planned, j) for j in range(end, i, -1)
-                     if (planned := plan(items[i:j])) is not None), None)
+        best = None
+        for j in range(end, i, -1):
+            planned = plan(items[i:j])
+            if planned is not None:
+                best = (planned, j)
+                break
         if best is None:
             item = items[i]
             steps += [item] if isinstance(item, int) else list(item.indices)
@@ -594,6 +743,8 @@ def ws_steps(phases: Sequence[Phase | None], shadow: int, words: int, max_m: int
 
 class WsKernel:
     """persist_ws_bf16 on one cuda backend: its function, grid, epoch and shadow region."""
+
+    kinds, limit = WS_KERNEL_KINDS, 2 * WS_MAX_UNITS
 
     def __init__(self, backend: Any, check: Callable[[Any, str], Any], function: Any,
                  max_m: int = WS_MAX_M) -> None:
@@ -617,7 +768,8 @@ class WsKernel:
         if per_sm < 1:
             raise BackendError("the persistent kernel does not fit a multiprocessor")
         self.grid = int(sms)  # one block a multiprocessor, all resident
-        self.sync = backend.allocate(8)  # [epoch, finished blocks], zeroed
+        # [epoch, finished blocks, a count per unit], zeroed
+        self.sync = backend.allocate(4 * (2 + WS_MAX_UNITS))
         self.shadow = backend.allocate(4 * WS_SHADOW_WORDS)  # zeroed: no word carries a tag
         self._table = ctypes.create_string_buffer(WS_UNIT.size * WS_MAX_UNITS)
         self._ints = [ctypes.c_int32(0) for _ in range(4)]  # count, words, xrow, stages
@@ -628,7 +780,15 @@ class WsKernel:
         self.configs = {False: gemv.launch_config(False), True: gemv.launch_config(True)}
 
     def steps(self, phases: Sequence[Phase | None]) -> list:
-        return ws_steps(phases, self.shadow.ptr, WS_SHADOW_WORDS, self.max_m, self.max_shared)
+        return ws_steps(phases, self.shadow.ptr, WS_SHADOW_WORDS, self.max_m, self.max_shared,
+                        self.extent)
+
+    def extent(self, pointer: int) -> tuple[int, int] | None:
+        """The backend allocation `pointer` lies in: (start, bytes)."""
+        for a in self.backend._allocations:
+            if a.ptr <= pointer < a.ptr + max(a.nbytes, 1):
+                return a.ptr, max(a.nbytes, 1)
+        return None
 
     def launch(self, launch: WsLaunch, stages: int) -> None:
         """One launch on the backend's stream (parameters copied at the launch, as above)."""
