@@ -155,12 +155,19 @@ __device__ __forceinline__ void gemv_store(const Phase& ph, const Item& it,
 // ---- the small phases: one task is one block of the launch, `threads` of this block's ------
 
 // norm.cu's block_sum over the launch's `threads` (a whole number of warps); the threads past
-// them add nothing but meet every barrier.
-__device__ __forceinline__ float task_sum(float v, float* scratch, int threads) {
+// them add nothing but meet every barrier (`sync`: the block's, or persist_ws_bf16's
+// consumers' named one).
+struct BlockSync {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+
+template <class Sync = BlockSync>
+__device__ __forceinline__ float task_sum(float v, float* scratch, int threads,
+                                          Sync sync = Sync()) {
   v = warp_sum(v);
-  __syncthreads();
+  sync();
   if ((threadIdx.x & 31) == 0 && (int)threadIdx.x < threads) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
+  sync();
   float total = 0.f;
   for (int i = 0; i < threads >> 5; ++i) total += scratch[i];
   return total;
@@ -604,23 +611,17 @@ __device__ __forceinline__ void ws_write_out(const bf16* xs, int count, bf16* pl
   }
 }
 
-// norm.cu's block_sum over the launch's `threads` (whole warps) inside the consumers.
-__device__ __forceinline__ float ws_block_sum(float v, float* scratch, int threads) {
-  v = warp_sum(v);
-  ws_sync();
-  if ((threadIdx.x & 31) == 0 && (int)threadIdx.x < threads) scratch[threadIdx.x >> 5] = v;
-  ws_sync();
-  float total = 0.f;
-  for (int i = 0; i < threads >> 5; ++i) total += scratch[i];
-  return total;
-}
+struct WsSync {  // the consumers' barrier
+  __device__ __forceinline__ void operator()() const { ws_sync(); }
+};
 
 // A row of xs normalized in place as norm.cu's block_norm over `threads` threads.
 template <int V>
 __device__ __forceinline__ void ws_norm_row(bf16* row, const Unit& u, float* scratch) {
   const bool in = (int)threadIdx.x < u.threads;
   const int first = V * threadIdx.x, step = V * u.threads;
-  const float ss = ws_block_sum(in ? squares<V>(row, u.k, first, step) : 0.f, scratch, u.threads);
+  const float ss = task_sum(in ? squares<V>(row, u.k, first, step) : 0.f, scratch, u.threads,
+                            WsSync());
   if (in) scale<V>(row, u.gamma, row, u.k, rsqrtf(ss / (float)u.k + u.eps), first, step);
 }
 

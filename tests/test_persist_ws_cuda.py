@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bundles import close_chains, cuda_chain, same_generations, whole_and_two
+from bundles import close_chains, cuda_chain, same_generations, same_served, whole_and_two
 from kerncc.runtime.backends import persist
-from kerncc.serve.engine import serve_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -46,14 +45,8 @@ def test_batched_steps_give_the_launches_bits(bundles):
     prompts = [[(i * (13 + s)) % 251 + 1 for i in range(9 + 7 * s)] for s in range(4)]
     on, off = ws_chain(bundles["whole"]), cuda_chain(bundles["whole"], persist=None)
     try:
-        requests, engine = serve_prompts(on, prompts, 10, chunk=32, logits=True)
-        requests2, _ = serve_prompts(off, prompts, 10, chunk=32, logits=True)
-        assert engine.calls["decode_batch"] > 0
-        for r, r2 in zip(requests, requests2):
-            assert r.generated == r2.generated
-            for a, b in zip(r.logits, r2.logits):
-                np.testing.assert_array_equal(np.asarray(a).view(np.uint32),
-                                              np.asarray(b).view(np.uint32))
+        same_served(on, off, prompts, 10, chunk=32)
+        assert on.backend.persisted > 0
     finally:
         close_chains(on, off)
 

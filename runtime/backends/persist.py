@@ -331,20 +331,9 @@ class PersistentKernel:
         """One launch of the kernel over the `count` phases of table `packed` on the backend's
         stream (the driver copies the parameters at the launch, so rewriting them after it is
         safe, also while capturing)."""
-        backend = self.backend
         ctypes.memmove(self._table, packed, PHASE.size * MAX_PHASES)
         self._count.value = count
-        overlap = backend.pdl and backend.capturing and backend.after_kernel
-        config = self.configs[overlap]
-        config.gridDimX, config.blockDimX = self.grid, THREADS
-        config.sharedMemBytes = self.shared
-        config.hStream = backend._launch_stream
-        self._check(cu.cuLaunchKernelEx(config, self.function, ctypes.addressof(self._params),
-                                        0), "cuLaunchKernelEx(persist)")
-        backend.overlapped += overlap
-        backend.after_kernel = True
-        backend.launches += 1
-        backend.persisted += 1
+        issue(self, THREADS, self.shared, "persist")
 
 
 
@@ -792,18 +781,24 @@ class WsKernel:
 
     def launch(self, launch: WsLaunch, stages: int) -> None:
         """One launch on the backend's stream (parameters copied at the launch, as above)."""
-        backend = self.backend
         ctypes.memmove(self._table, launch.table, len(launch.table))
         for value, v in zip(self._ints, (launch.count, launch.words, launch.xrow, stages)):
             value.value = v
-        overlap = backend.pdl and backend.capturing and backend.after_kernel
-        config = self.configs[overlap]
-        config.gridDimX, config.blockDimX = self.grid, WS_THREADS
-        config.sharedMemBytes = launch.shared(stages)
-        config.hStream = backend._launch_stream
-        self._check(cu.cuLaunchKernelEx(config, self.function, ctypes.addressof(self._params),
-                                        0), "cuLaunchKernelEx(persist_ws)")
-        backend.overlapped += overlap
-        backend.after_kernel = True
-        backend.launches += 1
-        backend.persisted += 1
+        issue(self, WS_THREADS, launch.shared(stages), "persist_ws")
+
+
+def issue(kernel: PersistentKernel | WsKernel, threads: int, shared: int, what: str) -> None:
+    """A launch of a persistent kernel's function over its parameters (set by the caller) on
+    its backend's stream, overlapping the kernel before it inside a capture (PDL)."""
+    backend = kernel.backend
+    overlap = backend.pdl and backend.capturing and backend.after_kernel
+    config = kernel.configs[overlap]
+    config.gridDimX, config.blockDimX = kernel.grid, threads
+    config.sharedMemBytes = shared
+    config.hStream = backend._launch_stream
+    kernel._check(cu.cuLaunchKernelEx(config, kernel.function, ctypes.addressof(kernel._params),
+                                      0), f"cuLaunchKernelEx({what})")
+    backend.overlapped += overlap
+    backend.after_kernel = True
+    backend.launches += 1
+    backend.persisted += 1
