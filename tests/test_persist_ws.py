@@ -344,3 +344,92 @@ def test_attention_launches_it_cannot_take_are_no_phase():
     combine = (16, 32, 48, 2, 16, 128, 4)
     assert persist.attention_phase(persist.COMBINE, combine, (2, 16, 1)).tasks == 32
     assert persist.attention_phase(persist.COMBINE, combine, (2, 8, 1)) is None
+
+
+@st.composite
+def attention_chains(draw):
+    """Decode-layer-shaped chains (qkv GEMV, rope, split, combine + o_proj) whose buffers are
+    drawn from small pools, so they alias now and then."""
+    phases = []
+    for layer in range(draw(st.integers(1, 3))):
+        qkv, kv = B(draw(st.integers(0, 2))), W(200 + draw(st.integers(0, 1)))
+        part, out = B(10 + draw(st.integers(0, 1))), B(20 + draw(st.integers(0, 1)))
+        phases.append(persist.Phase(persist.GEMV, 4096 // 32, 1, 4096, K, warps=8,
+                                    pointers=(B(30 + layer), W(layer), qkv, 0)))
+        if draw(st.booleans()):
+            phases.append(persist.Phase(persist.ROPE, 1, 1, 16, 8, eps=1e-6,
+                                        pointers=(qkv, W(100), B(40), W(101), B(41), kv)))
+        phases.append(persist.Phase(persist.SPLIT, 8 * 2, 1, 16, 8, eps=0.088,
+                                    pointers=(qkv, kv, B(42), B(43), part), extra=(16, 2)))
+        phases.append(persist.Phase(persist.COMBINE, 16, 1, 16, pointers=(part, B(43), out),
+                                    extra=(2,)))
+        phases.append(persist.Phase(persist.GEMV, K // 16, 1, K, K, warps=16,
+                                    pointers=(out, W(50 + layer), B(30 + layer + 1), 0)))
+    return phases
+
+
+def extent(pointer: int) -> tuple[int, int]:
+    """Every buffer of these chains is its own allocation of 64 KB (a KV state included)."""
+    return pointer - pointer % (1 << 16), 1 << 16
+
+
+def outputs(p: persist.Phase) -> list[int]:
+    if p.kind == persist.ROPE:
+        return [p.pointers[0], p.pointers[5]]
+    return [p.pointers[4] if p.kind == persist.SPLIT else p.pointers[2]]
+
+
+@given(attention_chains())
+def test_counted_reads_wait_for_the_unit_the_launches_in_order_say_wrote_them(phases):
+    """For each planned launch: a split reads q and the KV state only after the count of the
+    rope that last wrote them in the launch (or reads the launch's input when none did), the
+    combine reads the partials after the split that wrote them, and a rope reads the tagged
+    words of the GEMV that wrote its qkv."""
+    steps = persist.ws_steps(phases, SHADOW, WORDS, 8, SHARED, extent)
+    done = 0
+    for step in steps:
+        if isinstance(step, int):
+            done = step + 1
+            continue
+        launch = step[0]
+        units = units_of(launch)
+        # the launches this launch stands for, and the unit each one is part of
+        owner, j = {}, done
+        for u, unit in enumerate(units):
+            span = 2 if unit["pre"] != persist.PRE_NONE else 1
+            for i in range(j, j + span):
+                owner[i] = u
+            j += span
+        for i in range(done, j):  # each read's last writer among the launches before it
+            p = phases[i]
+            def last_writer(pointer, size):
+                for w in range(i - 1, done - 1, -1):
+                    if any(extent(o)[0] == extent(pointer)[0] for o in outputs(phases[w])):
+                        return w
+                return None
+            unit = units[owner[i]]
+            if p.kind == persist.SPLIT:
+                writer = last_writer(p.pointers[0], 1)
+                if writer is None:
+                    assert unit["threads"] == -1
+                else:
+                    assert phases[writer].kind == persist.ROPE
+                    assert unit["threads"] == owner[writer]
+                    assert unit["width"] == units[owner[writer]]["tasks"]
+            if p.kind == persist.COMBINE:
+                writer = last_writer(p.pointers[0], 1)
+                waited = units[owner[i]]
+                if writer is None:
+                    assert waited["threads"] == -1
+                else:
+                    assert phases[writer].kind == persist.SPLIT
+                    assert waited["threads"] == owner[writer]
+            if p.kind == persist.ROPE:
+                writer = last_writer(p.pointers[0], 1)
+                if writer is None:
+                    assert unit["tagged"] == 0 and unit["x"] == p.pointers[0]
+                else:
+                    assert unit["tagged"] == persist.TAGGED_X
+                    assert unit["x"] == units[owner[writer]]["y_tag"] != 0
+        done = j
+    assert done == len(phases)
