@@ -217,6 +217,60 @@ def test_a_request_queued_before_stop_is_told_it_was_cancelled(whole):
     assert engine.pool.free == engine.pool.pages
 
 
+class Logged:
+    """A listener that logs what it hears into a log it shares with the runner's calls."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def token(self, request: Request, token: int) -> None:
+        self.log.append(("token", request.id, token))
+
+    def done(self, request: Request) -> None:
+        self.log.append(("done", request.id, request.finish))
+
+
+def test_listeners_hear_a_step_s_tokens_once_the_next_step_is_issued(model, prompts,
+                                                                      monkeypatch):
+    """The device is not kept waiting on the listeners: they hear a call's tokens while a
+    call issued after it runs, never while the device has nothing to do and the engine has
+    more to issue. Every token is still heard, in order, each request's end last, and they
+    are the tokens of an engine with no listeners."""
+    runner = Chain(lower_to_bundle(model))
+    quiet, _ = serve_prompts(runner, prompts[:6], MAX_NEW, chunk=8, max_running=4)
+    log: list[tuple] = []
+    real_submit = runner.submit
+
+    def submit(program, *args, **kwargs):
+        log.append(("submit", program))
+        pending = real_submit(program, *args, **kwargs)
+        real_result = pending.result
+
+        def result():
+            log.append(("collect", program))
+            return real_result()
+
+        pending.result = result
+        return pending
+
+    monkeypatch.setattr(runner, "submit", submit)
+    engine = Engine(runner, Config(max_running=4, chunk=8))
+    requests = [engine.submit(Request(p, MAX_NEW, listener=Logged(log))) for p in prompts[:6]]
+    engine.run_until_idle()
+    for request, alone in zip(requests, quiet):
+        heard = [e for e in log if e[0] in ("token", "done") and e[1] == request.id]
+        assert [e[2] for e in heard[:-1]] == request.generated == alone.generated
+        assert heard[-1] == ("done", request.id, "length")
+    last_submit = max(i for i, e in enumerate(log) if e[0] == "submit")
+    running, heard_running = 0, 0
+    for i, event in enumerate(log[:last_submit]):
+        running += {"submit": 1, "collect": -1}.get(event[0], 0)
+        if event[0] in ("token", "done"):
+            assert running > 0, f"{event} heard with the device idle and calls to come"
+            heard_running += 1
+    assert heard_running > len(requests) * (MAX_NEW - 2)
+
+
 class Broken:
     """A runner whose decode_batch fails as a launch would."""
 

@@ -11,7 +11,8 @@ since `Chain.submit` returns once issued) and waits only for the oldest.
 `submit`, `cancel` and `stop` may be called from any thread: they only queue a command; the
 loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
 before its next step. A request's `listener` hears each token and the end, on the engine's
-thread. A runtime error in a stage fails the requests its item touched with a message that
+thread, in order; a step's tokens once the next step is issued, so that the device does not
+wait on the listeners (`tick`). A runtime error in a stage fails the requests its item touched with a message that
 names the stage and the program, every other request with it, and stops the engine (`fault`
 says why; no more admissions).
 """
@@ -136,6 +137,8 @@ class Engine:
         self._plain = _plain_inputs(self.sessions) if local else frozenset()
         self._held: dict[str, tuple[tuple, np.ndarray]] = {}
         self._rows: dict[int, tuple[list[int], np.ndarray]] = {}  # page-table rows by sequence
+        # (request, token, or None for its end) that its listener has not heard yet (`tick`)
+        self._told: deque[tuple[Request, int | None]] = deque()
 
     # ------------------------------------------------------------------------ limits
 
@@ -259,28 +262,36 @@ class Engine:
             if self._stopping and self.fault is None and self.requests:
                 self._cancel_all()
         self._apply_commands()  # requests queued just before `stop` end too (cancelled)
+        self._notify()
 
     def run_until_idle(self) -> None:
         """Serve what was submitted until nothing is left (the command line's loop)."""
         self._held.clear()  # the runner may have run other work since the engine last served
         while self.tick():
             pass
+        self._notify()
         if self.fault is not None:
             raise KernccError.single(self.fault)
 
     def tick(self) -> bool:
-        """One turn of the loop; False when there was nothing to do."""
+        """One turn of the loop; False when there was nothing to do. Listeners hear what
+        happened before the turn ends, but the tokens a collect lands are told only after the
+        next turn has issued the next step (`_notify`): the device is not kept waiting for
+        the listeners (at 32 sequences, 32 calls into the HTTP layer a step)."""
         self._apply_commands()
         if self.fault is not None:
+            self._notify()
             return False
         try:
             if len(self.inflight) < self.depth:
                 plan = sch.schedule(self.state, self.limits)
                 if not plan.empty:
                     self._issue(plan)
+                    self._notify()
                     return True
+            self._notify()
             if self.inflight:
-                self._collect(self.inflight.popleft())
+                self._collect(self.inflight.popleft())  # told at the next turn
                 return True
         except KernccError as err:
             self._fail(str(err), getattr(err, "requests", []))
@@ -289,6 +300,15 @@ class Engine:
             self._fail(f"internal error: {type(err).__name__}: {err}", [])
             return True
         return False
+
+    def _notify(self) -> None:
+        """Tell the listeners what they have not heard yet, in the order it happened."""
+        while self._told:
+            request, token = self._told.popleft()
+            if token is None:
+                request.listener.done(request)
+            else:
+                request.listener.token(request, token)
 
     def _apply_commands(self) -> None:
         while True:
@@ -490,7 +510,7 @@ class Engine:
         request.generated.append(token)
         request.token_times.append(now)
         if request.listener is not None:
-            request.listener.token(request, token)
+            self._told.append((request, token))
         if token in request.stop_ids:
             self._end(request, "stop")
         elif len(request.generated) >= request.max_new:
@@ -504,7 +524,7 @@ class Engine:
         self.pool.release(request.id)
         request.finish, request.error = reason, error
         if request.listener is not None:
-            request.listener.done(request)
+            self._told.append((request, None))
 
     def _fail(self, message: str, touched: Sequence[Request]) -> None:
         """A stage failed: its requests fail with `message`, every other one after them."""
