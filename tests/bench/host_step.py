@@ -27,32 +27,11 @@ from kerncc.example import generate
 from kerncc.runtime import Chain
 from kerncc.runtime import generate as gen
 from kerncc.runtime import session as sess
-from kerncc.runtime.backends.cpu import CpuBackend
+from simulated import Device, Idle  # noqa: E402 - beside this script
 
 # the `small` model's decode interface (24 layers, vocab 32000, 4096 keys) on tiny widths
 SHAPE = {"layers": 24, "hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128,
          "intermediate": 512, "vocab": 32000, "max_context": 4096, "max_tokens": 512}
-
-
-class Idle(CpuBackend):
-    """The cpu backend with launches that do nothing and graphs that replay nothing."""
-
-    graphs = True
-
-    def __init__(self) -> None:
-        self.replays: list[float] = []
-
-    def launch_kernel(self, geometry, args) -> None:
-        pass
-
-    def launch_extern(self, name, args) -> None:
-        pass
-
-    def capture(self, issue):
-        return object()
-
-    def replay(self, graph) -> None:
-        self.replays.append(time.perf_counter())
 
 
 def main() -> None:

@@ -1,8 +1,11 @@
 """Load on `kerncc serve` over loopback: tokens/s, TTFT and inter-token latency p50/p99 at
 concurrency 1, 8 and 32, printed side by side with the ratio to concurrency 1.
 
-The server runs in this process (uvicorn on a thread, 127.0.0.1, a free port) over the example
-model (generated into --dir unless it is there), whole or cut (--pipeline), on --backend.
+The server runs in a process of its own (uvicorn on a thread, 127.0.0.1, a free port), as
+`kerncc serve` does, over the example model (generated into --dir unless it is there), whole or
+cut (--pipeline), on --backend; `--backend sim` serves on the CPU over a simulated device whose
+decode steps take --step-ms (tests/bench/simulated.py) and adds the device's median wait for
+the host before each step: the host's cost a step, measured without a GPU.
 Every level sends `--requests-per-level x concurrency` streaming requests of random token-id
 prompts (`--prompt-len`, `--max-tokens`, fixed seed), at most `concurrency` at once; each
 request's TTFT is the time to its first streamed token, its ITLs the gaps between the next ones.
@@ -11,6 +14,7 @@ Bounded: a level stops after --budget seconds.
   python tests/bench/serve_bench.py --size small --backend cuda                     # whole
   python tests/bench/serve_bench.py --size small --backend cuda --pipeline 'cut,slice-derive,emit'
   python tests/bench/serve_bench.py --size tiny --backend cpu --levels 1,4 --max-tokens 16
+  python tests/bench/serve_bench.py --size small --backend sim --step-ms 2.0        # no GPU
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import argparse
 import asyncio
 import itertools
 import json
+import multiprocessing
 import socket
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -97,13 +104,42 @@ def start_server(chain: Chain, max_seqs: int, model: str) -> tuple[str, uvicorn.
     return f"http://127.0.0.1:{sock.getsockname()[1]}", uv
 
 
+def serve(conn: Connection, args: argparse.Namespace, manifest: Path) -> None:
+    """The server's process: load, serve on loopback, answer the bench's questions (`idle`:
+    the simulated device's wait for the host a step, then reset; `stop`) until told to stop."""
+    bundle = lower_to_bundle(manifest, args.pipeline)
+    devices = [int(d) for d in args.devices.split(",")] if args.devices else None
+    if args.backend == "sim":
+        from simulated import Device  # beside this script
+
+        backend: Any = Device(args.step_ms)
+        chain = Chain(bundle, backend=backend, graphs=True,
+                      token_capacity=args.max_seqs * (args.prompt_len + args.max_tokens + 64))
+    else:
+        backend = None
+        chain = Chain(bundle, backend=args.backend, devices=devices)
+    model = bundle.stages[0].manifest.model
+    url, uv = start_server(chain, args.max_seqs, model)
+    conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
+               len(bundle.stages), getattr(backend, "wake_us", None)))
+    while (asked := conn.recv()) != "stop":
+        conn.send(backend.idle_us() if asked == "idle" and backend is not None else None)
+        if backend is not None:
+            backend.reset()
+    uv.should_exit = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=("tiny", "small"), default="small")
     p.add_argument("--dir", default="/tmp/kerncc-serve-bench", help="example model folder")
     p.add_argument("--max-seqs", type=int, default=32, help="example's seqs bound and the "
                    "engine's sequences at once (default 32)")
-    p.add_argument("--backend", default="cuda")
+    p.add_argument("--backend", default="cuda", help="cuda, cpu, or sim (launches that compute "
+                   "nothing and decode steps of --step-ms on a simulated device: the host's "
+                   "cost, measured on the CPU)")
+    p.add_argument("--step-ms", type=float, default=2.0, help="--backend sim: a replayed "
+                   "step's device time (default 2.0, the small model's 32-sequence step)")
     p.add_argument("--devices", default=None, help="e.g. 0,1")
     p.add_argument("--pipeline", default="emit", help="e.g. 'cut,slice-derive,emit'")
     p.add_argument("--levels", default="1,8,32")
@@ -118,36 +154,64 @@ def main() -> None:
     manifest = folder / "model.json"
     if not manifest.exists():
         generate(folder, args.size, max_seqs=args.max_seqs)
-    devices = [int(d) for d in args.devices.split(",")] if args.devices else None
-    bundle = lower_to_bundle(manifest, args.pipeline)
-    chain = Chain(bundle, backend=args.backend, devices=devices)
-    model = bundle.stages[0].manifest.model
-    url, uv = start_server(chain, args.max_seqs, model)
-    vocab = bundle.stages[0].manifest.buffers["embed.w"].shape[0]
+    # The server in a process of its own, as `kerncc serve` runs: the clients' work here does
+    # not take the server's interpreter lock (in one process it doubled the ITL at 32).
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    child = context.Process(target=serve, args=(theirs, args, manifest), daemon=True)
+    child.start()
+    try:
+        if not mine.poll(600):
+            raise SystemExit("serve_bench: the server did not start in 600 s")
+        url, model, vocab, stages, wake_us = mine.recv()
+        rows = measure(args, mine, url, model, vocab)
+        mine.send("stop")
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.terminate()
+    report(args, stages, rows, wake_us)
+
+
+def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
+            vocab: int) -> list[tuple[int, dict[str, float]]]:
     rng = np.random.default_rng(0)
     levels = [int(x) for x in args.levels.split(",")]
     # warm up: graphs and allocations of every decode batch size on the way
     asyncio.run(level(url, model, max(levels), [rng.integers(0, vocab, args.prompt_len).tolist()
                                                 for _ in range(max(levels))], 4, args.budget))
+    conn.send("idle")
+    conn.recv()
     rows = []
     for conc in levels:
         prompts = [rng.integers(0, vocab, args.prompt_len).tolist()
                    for _ in range(conc * args.requests_per_level)]
-        rows.append((conc, asyncio.run(level(url, model, conc, prompts, args.max_tokens,
-                                             args.budget))))
-    uv.should_exit = True
-    stages = len(bundle.stages)
+        row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget))
+        conn.send("idle")
+        row["idle_us"] = conn.recv()
+        rows.append((conc, row))
+    return rows
+
+
+def report(args: argparse.Namespace, stages: int, rows: list[tuple[int, dict]],
+           wake_us: float | None) -> None:
+    sim = args.backend == "sim"
     print(f"serve_bench: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
           f"{args.prompt_len}, max_tokens {args.max_tokens}")
+    if sim:
+        print(f"simulated device: {args.step_ms} ms a step; its idle time counts a sleep's "
+              f"late wake-up here, {wake_us:.0f} us, which a GPU does not pay")
+    extra = " device idle a step us |" if sim else ""
     print("| concurrency | requests | tokens/s | x conc 1 | TTFT p50 ms | TTFT p99 ms "
-          "| ITL p50 ms | ITL p99 ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"| ITL p50 ms | ITL p99 ms |{extra}")
+    print("| --- " * (8 + sim) + "|")
     base = rows[0][1]["tok_s"]
     for conc, r in rows:
+        idle = f" {r['idle_us']:.0f} |" if sim else ""
         print(f"| {conc} | {r['requests']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | "
               f"{r['ttft_p50'] * 1e3:.1f} | {r['ttft_p99'] * 1e3:.1f} | "
-              f"{r['itl_p50'] * 1e3:.2f} | {r['itl_p99'] * 1e3:.2f} |")
+              f"{r['itl_p50'] * 1e3:.2f} | {r['itl_p99'] * 1e3:.2f} |{idle}")
 
 
 if __name__ == "__main__":
