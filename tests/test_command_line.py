@@ -414,22 +414,44 @@ def test_every_command_reports_its_own_usage(argv: list[str], capsys) -> None:
 # --------------------------------------------------------------------------- run: bad flags
 
 
+def usage_error(argv: list[str], capsys) -> str:
+    """What `kerncc ARGV` says on stderr, having exited 2 with its command's usage (flags that
+    contradict each other are usage errors, as argparse's own conflicts are) and printed
+    nothing on stdout."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2, err
+    assert err.startswith(f"usage: kerncc {argv[0]}") and out == "", err
+    return err
+
+
 def test_sampling_flags_are_refused_where_they_would_be_ignored(tiny, capsys) -> None:
     """Several prompts are served greedily, and greedy decoding reads no top-k, top-p or seed:
     those flags were silently dropped (the run printed greedy tokens as if it had sampled)."""
     base = ["run", str(tiny), "--max-new", "2"]
-    assert main([*base, "--prompt", "1,2", "--prompt", "3", "--temperature", "1"]) == 1
-    out, err = capsys.readouterr()
+    err = usage_error([*base, "--prompt", "1,2", "--prompt", "3", "--temperature", "1"], capsys)
     assert "--temperature 1.0" in err and "give one --prompt" in err
-    assert out == "" and "loaded" not in err
+    assert "loaded" not in err
     for flag, value in (("--top-k", "5"), ("--top-p", "0.5"), ("--seed", "3")):
-        assert main([*base, "--prompt", "1,2", flag, value]) == 1
-        out, err = capsys.readouterr()
+        err = usage_error([*base, "--prompt", "1,2", flag, value], capsys)
         assert f"{flag} {value}" in err and "--temperature" in err, err
-        assert out == "" and "loaded" not in err
+        assert "loaded" not in err
+        err = usage_error([*base, "--prompt", "1,2", "--prompt", "3", flag, value], capsys)
+        assert f"{flag} {value}" in err and "give one --prompt" in err, err
     assert main([*base, "--prompt", "1,2", "--temperature", "1", "--top-k", "5",
                  "--seed", "3"]) == 0
     capsys.readouterr()
+
+
+def test_devices_without_the_cuda_backend_is_a_usage_error(tiny, capsys) -> None:
+    """It exited 1 like bad input while the placement flags' conflicts exited 2."""
+    err = usage_error(["run", str(tiny), "--prompt", "1,2", "--backend", "cpu", "--devices",
+                       "0"], capsys)
+    assert "--devices needs --backend cuda" in err and "loaded" not in err
+    err = usage_error(["serve", str(tiny), "--backend", "cpu", "--devices", "0,1",
+                       "--transport", "host"], capsys)
+    assert "--devices needs --backend cuda" in err and "--transport" in err, err
 
 
 @pytest.mark.parametrize("several", [False, True])
@@ -442,7 +464,13 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(
     blocker.write_text("not a directory")
     target = blocker / "deeper" / "out"
     prompts = ["--prompt", "1,2"] + (["--prompt", "3"] if several else [])
-    code = main(["run", str(tiny), *prompts, "--max-new", "1", flag, str(target)])
+    argv = ["run", str(tiny), *prompts, "--max-new", "1", flag, str(target)]
+    if several and flag == "--logits":  # one prompt's flag: a usage error before the path's
+        err = usage_error(argv, capsys)
+        assert "--logits saves one prompt's logits" in err and "loaded" not in err
+        assert blocker.read_text() == "not a directory"
+        return
+    code = main(argv)
     out, err = capsys.readouterr()
     assert code == 1, err
     assert f"{flag} `{target}`" in err and f"`{blocker}` is not a directory" in err
@@ -523,10 +551,9 @@ def test_single_prompt_flags_are_refused_with_several_before_the_weights_load(
     garbage.write_bytes(b"not a checkpoint")  # loading it would fail: the refusal comes first
     argv = ["run", str(tiny), "--weights", str(garbage), "--prompt", "1,2", "--prompt", "3",
             *[str(tmp_path / f) if f.endswith(".npy") else f for f in flag]]
-    assert main(argv) == 1
-    out, err = capsys.readouterr()
+    err = usage_error(argv, capsys)
     assert flag[0] in err and "give one --prompt" in err, err
-    assert out == "" and "loaded" not in err and "checkpoint" not in err
+    assert "loaded" not in err and "checkpoint" not in err
 
 
 def test_ctrl_c_ends_the_streamed_line_first(tiny, capsys, monkeypatch) -> None:

@@ -22,7 +22,8 @@ from kerncc.cli.args import limit_flags
 EXIT_CODES = """exit status:
   0  success
   1  the input is wrong: every problem printed, one per line, located (file:line:col)
-  2  usage error: an unknown flag, a missing argument (the command's usage is printed)
+  2  usage error: an unknown flag, a missing argument, flags that contradict each other
+     (the command's usage is printed)
   3  a bug in kerncc (KERNCC_DEBUG=1 shows the traceback)
 
 `-` in place of a file reads standard input."""

@@ -44,7 +44,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_run_args(args)
     several = args.prompt is not None and len(args.prompt) > 1
     say = _say if args.verbosity >= 0 else _silent
-    sampling = _check_flags(args, several, say)
+    sampling = _check_flags(args, say)
     started = time.perf_counter()
     bundle = open_run_target(args.target, args.pipeline)
     text = None if several else TextRun.of(args, bundle)  # ids, eos ids, streamed text
@@ -98,41 +98,63 @@ def _run_one(args: argparse.Namespace, chain, text, sampling, timeline, say) -> 
     return 0
 
 
-def _check_flags(args: argparse.Namespace, several: bool, say):
-    """The flags that need no bundle, checked before anything loads; the run's SamplingParams."""
-    if args.devices and args.backend != "cuda":
-        raise KernccError.single("--devices needs --backend cuda")
+def _check_flags(args: argparse.Namespace, say):
+    """The flags that need no bundle, checked before anything loads; the run's SamplingParams.
+    (Flags that contradict each other were refused as usage errors already: `conflicts`.)"""
     for flag, path in (("--trace", args.trace), ("--logits", args.logits)):
         if path is not None:
             _check_output(flag, path)
-    if several:
-        _check_several(args)
     sampling = _sampling(args)
-    if several and not sampling.greedy:  # kerncc.serve.run serves several prompts greedily
-        raise KernccError.single(f"--temperature {args.temperature}: several prompts are "
-                                 "decoded greedily; give one --prompt to sample")
-    ignored = [f"{flag} {value}" for flag, value, off in (
-        ("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--seed", args.seed, None))
-        if value != off]
-    if sampling.greedy and ignored:
-        raise KernccError.single(f"{', '.join(ignored)}: greedy decoding (--temperature 0) "
-                                 "reads no sampling flag; give --temperature T to sample")
     if not sampling.greedy:
         say(f"sampling: temperature {sampling.temperature}, top-k {sampling.top_k or 'off'}, "
             f"top-p {sampling.top_p}, seed {sampling.seed}")
     return sampling
 
 
-def _check_several(args: argparse.Namespace) -> None:
+def conflicts(args: argparse.Namespace) -> str | None:
+    """The usage error of `kerncc run` flags that contradict each other or that the rest of the
+    command line leaves unread (kerncc.cli.main.parse: exit 2 with run's usage, before
+    anything loads), the placement flags' among them."""
+    problems = [devices_conflict(args), placement.unread(args)]
+    several = args.prompt is not None and len(args.prompt) > 1
+    if several:  # kerncc.serve.run serves several prompts greedily, and one line each
+        problems.append(_several_conflict(args))
+    elif args.temperature == 0 and _sampling_flags(args):
+        problems.append(f"{_sampling_flags(args)}: greedy decoding (--temperature 0) reads no "
+                        "sampling flag; give --temperature T to sample")
+    return "; ".join(p for p in problems if p) or None
+
+
+def _sampling_flags(args: argparse.Namespace) -> str:
+    """The sampling flags given besides --temperature, as the command line said them."""
+    return ", ".join(f"{flag} {value}" for flag, value, off in (
+        ("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--seed", args.seed, None))
+        if value != off)
+
+
+def devices_conflict(args: argparse.Namespace) -> str | None:
+    """--devices without the cuda backend (`kerncc run` and `kerncc serve`)."""
+    if args.devices and args.backend != "cuda":
+        return "--devices needs --backend cuda"
+    return None
+
+
+def _several_conflict(args: argparse.Namespace) -> str | None:
     """The flags of one prompt's run, refused with several (kerncc.serve.run would ignore
-    them): refused before anything loads."""
+    them), and sampling flags (several prompts are decoded greedily)."""
+    if args.temperature != 0:
+        return (f"--temperature {args.temperature}: several prompts are decoded greedily; "
+                "give one --prompt to sample")
+    if _sampling_flags(args):
+        return (f"{_sampling_flags(args)}: several prompts are decoded greedily, which reads "
+                "no sampling flag (--temperature 0); give one --prompt to sample")
     if getattr(args, "format", "text") == "json":
-        raise KernccError.single("--format json prints one prompt's run; give one --prompt")
+        return "--format json prints one prompt's run; give one --prompt"
     if args.logits:
-        raise KernccError.single("--logits saves one prompt's logits; give one --prompt")
+        return "--logits saves one prompt's logits; give one --prompt"
     if args.verbosity > 0:  # the engine counts calls per program, not their order
-        raise KernccError.single("--verbose lists one prompt's runs in order; give one "
-                                 "--prompt")
+        return "--verbose lists one prompt's runs in order; give one --prompt"
+    return None
 
 
 def _check_output(flag: str, path: str) -> None:
@@ -405,7 +427,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="print only the tokens (and errors): no progress or summary")
     loud.add_argument("-v", "--verbose", dest="verbosity", action="store_const", const=1,
                       help="the summary lists every run in order (program×rows)")
-    p.set_defaults(handler=cmd_run, format="text", verbosity=0)
+    p.set_defaults(handler=cmd_run, format="text", verbosity=0, check_usage=conflicts)
 
     p = sub.add_parser("example", help="write an example model (manifest and checkpoint)")
     p.set_defaults(command_parser=p)

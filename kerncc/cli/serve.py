@@ -17,7 +17,7 @@ from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 from kerncc.cli.args import devices, open_run_target, port, positive
-from kerncc.cli.run import check_chunk, checkpoint_for
+from kerncc.cli.run import check_chunk, checkpoint_for, devices_conflict
 
 GRACE = 3.0  # seconds streams may go on after SIGTERM
 
@@ -28,8 +28,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise KernccError.single("`kerncc serve` needs the serve extra: "
                                  "pip install 'kerncc[serve]'") from None
-    if args.devices and args.backend != "cuda":
-        raise KernccError.single("--devices needs --backend cuda")
     if args.tokenizer and not Path(args.tokenizer).is_dir():
         raise KernccError.single(f"--tokenizer {args.tokenizer}: no such folder")
     bundle = open_run_target(args.target, args.pipeline)
@@ -114,6 +112,13 @@ class _Uvicorn:
         return Draining(uv)
 
 
+def conflicts(args: argparse.Namespace) -> str | None:
+    """The usage error of `kerncc serve` flags that contradict each other or go unread
+    (kerncc.cli.main.parse: exit 2 with serve's usage, before anything loads)."""
+    problems = [devices_conflict(args), placement.unread(args)]
+    return "; ".join(p for p in problems if p) or None
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `serve` to the `kerncc` command line (called by kerncc.cli.main)."""
     p = sub.add_parser("serve", help="serve a bundle over HTTP (OpenAI-compatible)")
@@ -141,4 +146,4 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "(default: the bundle's, the checkpoint's, the manifest's)")
     p.add_argument("--pipeline", metavar="SPEC",
                    help="passes lowering a manifest target (default: emit)")
-    p.set_defaults(handler=cmd_serve, format="text")
+    p.set_defaults(handler=cmd_serve, format="text", check_usage=conflicts)
