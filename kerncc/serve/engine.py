@@ -12,9 +12,9 @@ since `Chain.submit` returns once issued) and waits only for the oldest.
 loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
 before its next step. A request's `listener` hears each token and the end, on the engine's
 thread, in order; a step's tokens once the next step is issued, so that the device does not
-wait on the listeners (`tick`). A runtime error in a stage fails the requests its item touched with a message that
-names the stage and the program, every other request with it, and stops the engine (`fault`
-says why; no more admissions).
+wait on the listeners (`tick`). A runtime error in a stage fails the requests its item
+touched with a message that names the stage and the program, every other request with it,
+and stops the engine (`fault` says why; no more admissions).
 """
 
 from __future__ import annotations

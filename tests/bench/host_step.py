@@ -27,7 +27,7 @@ from kerncc.example import generate
 from kerncc.runtime import Chain
 from kerncc.runtime import generate as gen
 from kerncc.runtime import session as sess
-from simulated import Device, Idle  # noqa: E402 - beside this script
+from simulated import Idle  # beside this script
 
 # the `small` model's decode interface (24 layers, vocab 32000, 4096 keys) on tiny widths
 SHAPE = {"layers": 24, "hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128,
