@@ -439,6 +439,9 @@ def test_sampling_flags_are_refused_where_they_would_be_ignored(tiny, capsys) ->
         assert "loaded" not in err
         err = usage_error([*base, "--prompt", "1,2", "--prompt", "3", flag, value], capsys)
         assert f"{flag} {value}" in err and "give one --prompt" in err, err
+    # a value out of range is bad input (exit 1), whatever else the flags say
+    assert main([*base, "--prompt", "1,2", "--prompt", "3", "--top-p", "0"]) == 1
+    assert "`top_p`" in capsys.readouterr().err
     assert main([*base, "--prompt", "1,2", "--temperature", "1", "--top-k", "5",
                  "--seed", "3"]) == 0
     capsys.readouterr()

@@ -115,14 +115,36 @@ def conflicts(args: argparse.Namespace) -> str | None:
     """The usage error of `kerncc run` flags that contradict each other or that the rest of the
     command line leaves unread (kerncc.cli.main.parse: exit 2 with run's usage, before
     anything loads), the placement flags' among them."""
-    problems = [devices_conflict(args), placement.unread(args)]
     several = args.prompt is not None and len(args.prompt) > 1
-    if several:  # kerncc.serve.run serves several prompts greedily, and one line each
-        problems.append(_several_conflict(args))
-    elif args.temperature == 0 and _sampling_flags(args):
-        problems.append(f"{_sampling_flags(args)}: greedy decoding (--temperature 0) reads no "
-                        "sampling flag; give --temperature T to sample")
+    problems = [devices_conflict(args), placement.unread(args),
+                _several_conflict(args) if several else None]
+    # sampling values out of range are bad input, said as such by the run (exit 1)
+    if _valid_sampling(args):
+        problems.append(_sampling_conflict(args, several))
     return "; ".join(p for p in problems if p) or None
+
+
+def _sampling_conflict(args: argparse.Namespace, several: bool) -> str | None:
+    """Sampling flags where nothing samples: several prompts are decoded greedily, and greedy
+    decoding reads no top-k, top-p or seed."""
+    if several and args.temperature != 0:
+        return (f"--temperature {args.temperature}: several prompts are decoded greedily; "
+                "give one --prompt to sample")
+    if several and _sampling_flags(args):
+        return (f"{_sampling_flags(args)}: several prompts are decoded greedily, which reads "
+                "no sampling flag (--temperature 0); give one --prompt to sample")
+    if args.temperature == 0 and _sampling_flags(args):
+        return (f"{_sampling_flags(args)}: greedy decoding (--temperature 0) reads no "
+                "sampling flag; give --temperature T to sample")
+    return None
+
+
+def _valid_sampling(args: argparse.Namespace) -> bool:
+    try:
+        _sampling(args)
+    except KernccError:
+        return False
+    return True
 
 
 def _sampling_flags(args: argparse.Namespace) -> str:
@@ -141,13 +163,7 @@ def devices_conflict(args: argparse.Namespace) -> str | None:
 
 def _several_conflict(args: argparse.Namespace) -> str | None:
     """The flags of one prompt's run, refused with several (kerncc.serve.run would ignore
-    them), and sampling flags (several prompts are decoded greedily)."""
-    if args.temperature != 0:
-        return (f"--temperature {args.temperature}: several prompts are decoded greedily; "
-                "give one --prompt to sample")
-    if _sampling_flags(args):
-        return (f"{_sampling_flags(args)}: several prompts are decoded greedily, which reads "
-                "no sampling flag (--temperature 0); give one --prompt to sample")
+    them)."""
     if getattr(args, "format", "text") == "json":
         return "--format json prints one prompt's run; give one --prompt"
     if args.logits:
