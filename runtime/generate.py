@@ -405,29 +405,11 @@ class Generator:
 
     def _feeder(self) -> Callable[[dict[str, int]], None] | None:
         """How a one-row step's token input is written on the device from the step before
-        it (`Session.feed`), or None where the stages cannot prove the fed values fit that
-        input's domain, or the runner is not a Session or an in-process Chain."""
-        forward = self.step_program
-        if (not LOOKAHEAD or forward is None or forward.emits is None
-                or type(self.runner) not in (Session, Chain)):
+        it (`device_feeder`), or None where it cannot be."""
+        if not LOOKAHEAD or self.step_program is None:
             return None
-        names = {f.name for f in self.protocol.fills if f.fill == "token"}
-        runs = [s for s in self.sessions if forward.name in s.sites]
-        if len(names) != 1 or not runs:
-            return None
-        name, source = next(iter(names)), runs[-1]
-        span = source.token_range(forward.name, forward.emits)
-        targets = [s for s in self.sessions if name in s.stage.host_inputs]
-        vars = self.protocol.vars(1, 1, 1, 1)
-        if span is None or not targets or not all(
-                t.fits_domain(name, *span, _vars_of(t, vars)) for t in targets):
-            return None
-
-        def feed(vars: dict[str, int]) -> None:
-            for target in targets:
-                target.feed(name, source, forward.emits, _vars_of(target, vars))
-
-        return feed
+        return device_feeder(self.runner, self.protocol, self.sessions, self.step_program,
+                             self.protocol.vars(1, 1, 1, 1))
 
     def _prefill(self, seq: Served, chunk: int, record: _Record, stage: bool) -> int:
         """The prompt in chunks, the last chunk's token; or, when the chunk program hands back
@@ -593,6 +575,34 @@ class Generator:
             return [0] + [rows] * (f.axis.n - 1)  # type: ignore[union-attr]
         return [0]  # span_at: no run in a plain call
 
+
+
+def device_feeder(runner: Any, protocol: proto.Protocol, sessions: Sequence[Session],
+                  forward: proto.Forward, vars: dict[str, int]
+                  ) -> Callable[[dict[str, int]], None] | None:
+    """How a call of `forward` at `vars` has its token input written on the device from the
+    token output of the call of `forward` before it (`Session.feed`, row for row), or None
+    where the stages cannot prove the fed values fit that input's domain (`token_range`,
+    `fits_domain`: those bytes pass no host check), `forward` hands back no token, or the
+    runner is not a Session or an in-process Chain."""
+    if forward.emits is None or type(runner) not in (Session, Chain):
+        return None
+    names = {f.name for f in protocol.fills if f.fill == "token"}
+    runs = [s for s in sessions if forward.name in s.sites]
+    if len(names) != 1 or not runs:
+        return None
+    name, source = next(iter(names)), runs[-1]
+    span = source.token_range(forward.name, forward.emits)
+    targets = [s for s in sessions if name in s.stage.host_inputs]
+    if span is None or not targets or not all(
+            t.fits_domain(name, *span, _vars_of(t, vars)) for t in targets):
+        return None
+
+    def feed(vars: dict[str, int]) -> None:
+        for target in targets:
+            target.feed(name, source, forward.emits, _vars_of(target, vars))
+
+    return feed
 
 
 def _vars_of(session: Session, vars: dict[str, int]) -> dict[str, int]:
