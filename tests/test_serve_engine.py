@@ -54,11 +54,14 @@ def test_prompts_served_together_give_each_prompt_alone(whole, prompts, alone, c
         assert engine.packed > 0, "prefill chunks packed several sequences"
 
 
-def test_decode_calls_send_only_what_the_device_does_not_hold(model, prompts, monkeypatch):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_decode_calls_send_only_what_the_device_does_not_hold(model, prompts, monkeypatch,
+                                                              ahead):
     """While a decode call runs the engine stages the same sequences' next positions, slots
     and lengths; a call sends only the inputs that differ from what the device holds (at
-    steady decode: the tokens). The tokens and logits are those of an engine that sends every
-    input with every call, as sequences join, finish and take pages."""
+    steady decode: the tokens; a step issued ahead has its tokens fed on the device, and
+    sends nothing). The tokens and logits are those of an engine that sends every input with
+    every call, as sequences join, finish and take pages."""
     from kerncc.serve import engine as engine_module
 
     runner = Chain(lower_to_bundle(model))
@@ -75,12 +78,13 @@ def test_decode_calls_send_only_what_the_device_does_not_hold(model, prompts, mo
 
     monkeypatch.setattr(runner, "submit", submit)
     monkeypatch.setattr(runner, "stage_inputs", stage)
-    config = dict(chunk=8, max_running=3, logits=True)
+    config = dict(chunk=8, max_running=3, logits=True, ahead=ahead)
     staged, _ = serve_prompts(runner, prompts, MAX_NEW, **config)
     decodes = [names for program, names in sent if program.startswith("decode")]
-    # decode calls after decode calls of the same sequences send their tokens alone; after a
-    # prefill chunk (it writes the same input buffers) a decode call sends what changed
-    assert ("token_ids",) in decodes, "steady decode calls send the tokens alone"
+    # decode calls after decode calls of the same sequences send their tokens alone (or, a
+    # step ahead, nothing); after a prefill chunk (it writes the same input buffers) a decode
+    # call sends what changed
+    assert (() if ahead else ("token_ids",)) in decodes, "steady decode calls send the least"
     assert any(program == "stage" for program, _ in sent)
     monkeypatch.setattr(engine_module, "_plain_inputs", lambda sessions: frozenset())
     plain, _ = serve_prompts(runner, prompts, MAX_NEW, **config)
@@ -217,6 +221,41 @@ def test_a_request_queued_before_stop_is_told_it_was_cancelled(whole):
     assert engine.pool.free == engine.pool.pages
 
 
+def test_steps_issued_ahead_give_the_tokens_and_logits_of_steps_one_at_a_time(whole, prompts):
+    """Greedy decode steps issued a step ahead (Config.ahead), their tokens fed on the device:
+    the same tokens and logits, bit for bit, as steps one at a time, with sequences that stop
+    on a token while the step after is already issued (its row is dropped), that cross into
+    new pages on a step issued ahead, and that end by length."""
+    four = prompts[:4]
+    quiet, _ = serve_prompts(whole, four, 40, max_running=4, logits=True, ahead=False)
+    stops = [quiet[0].generated[9], quiet[2].generated[25]]  # two sequences stop early
+    one, _ = serve_prompts(whole, four, 40, max_running=4, logits=True, ahead=False,
+                           stop_ids=stops)
+    ahead, engine = serve_prompts(whole, four, 40, max_running=4, logits=True, ahead=True,
+                                  stop_ids=stops)
+    assert engine.ahead_steps >= 20, "the steady decode went ahead"
+    assert [r.finish for r in one] == [r.finish for r in ahead]
+    assert {r.finish for r in one} == {"stop", "length"}
+    for a, b in zip(one, ahead):
+        assert a.generated == b.generated
+        assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                              np.stack(b.logits).view(np.uint32))
+    assert engine.pool.free == engine.pool.pages
+    engine.pool.check()
+
+
+def test_a_sampled_request_keeps_the_steps_one_at_a_time(whole, prompts):
+    """A sampled token is drawn on the host: nothing can be fed on the device, so a batch
+    holding a sampled request does not go ahead."""
+    engine = Engine(whole, Config(max_running=2))
+    greedy = engine.submit(Request(prompts[1], 12))
+    sampled = engine.submit(Request(prompts[2], 12, sampling_hook.Params(temperature=0.7,
+                                                                         seed=1)))
+    engine.run_until_idle()
+    assert greedy.finish == sampled.finish == "length"
+    assert engine.ahead_steps == 0
+
+
 class Logged:
     """A listener that logs what it hears into a log it shares with the runner's calls."""
 
@@ -318,6 +357,29 @@ def test_on_a_gpu_stages_equal_the_whole_for_the_same_batch(model, prompts, tmp_
     agree = sum(r.generated == t for r, t in zip(a, alone))
     with capsys.disabled():
         print(f"\ncuda: {agree} of {len(prompts)} prompts served together equal them alone")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_steps_issued_ahead_give_the_bits_of_steps_one_at_a_time(model, prompts,
+                                                                          tmp_path):
+    """On cuda the tokens of a step issued ahead are fed device to device (Session.feed,
+    across the stages of a cut bundle too): the tokens and every logit, bit for bit, of the
+    same steps one at a time (the same batches: every request admitted at once, all ending
+    by length)."""
+    target = tmp_path / "two"
+    assert main(["lower", str(model), "-p", "cut{at=12},slice-derive,emit", "-o",
+                 str(target)]) == 0
+    for chain in (Chain(lower_to_bundle(model), backend="cuda"),
+                  Chain(Bundle(target), backend="cuda")):
+        one, _ = serve_prompts(chain, prompts[:4], 24, max_running=4, logits=True,
+                               ahead=False)
+        ahead, engine = serve_prompts(chain, prompts[:4], 24, max_running=4, logits=True,
+                                      ahead=True)
+        assert engine.ahead_steps > 0
+        for a, b in zip(one, ahead):
+            assert a.generated == b.generated
+            assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                                  np.stack(b.logits).view(np.uint32))
 
 
 @pytest.mark.skipif(not sampling_hook.available(), reason="kerncc.runtime.sampling not merged")

@@ -1,7 +1,8 @@
 """kerncc.serve.engine under adversarial but legal use (the tiny example, cpu backend), with
 hypothesis: random prompts, lengths, chunk sizes, concurrency, pipeline depth, arrival order,
 cancellations at random points (queued, prefilling, decoding), stop tokens, seeded sampling,
-a full queue, a cut bundle and pools too small for every sequence at once.
+a full queue, a cut bundle, pools too small for every sequence at once, and decode steps
+issued a step ahead or not.
 
 Properties: every request that is not cancelled generates exactly what it generates alone
 (a Generator on the same chain), tokens and logits bit for bit, a cancelled one a prefix of
@@ -89,7 +90,7 @@ def loads(draw, capacity: int, longest: int = 24):
         requests.append((prompt, max_new, params, stop, arrival, cancel))
     config = Config(max_running=draw(st.integers(1, 6)), max_queue=draw(st.integers(1, 8)),
                     chunk=draw(st.integers(1, 64)), depth=draw(st.integers(1, 3)),
-                    logits=True)
+                    logits=True, ahead=draw(st.booleans()))
     return requests, config
 
 

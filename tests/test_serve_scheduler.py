@@ -75,6 +75,8 @@ def test_a_simulated_engine_finishes_everything_without_leaking_pages(load):
             state = sch.add(state, seq_id, prompt)
         if len(inflight) < depth:
             plan = sch.schedule(state, limits)
+            # what a driver asks before it plans a step of its own (kerncc.serve.engine)
+            assert sch.admits(state, limits) == bool(plan.admitted)
             for victim in plan.preempted:
                 pool.release(victim)
             for seq_id, more in plan.grants:

@@ -8,6 +8,15 @@ the oldest item's outputs, turn them into tokens (kerncc.serve.sampling_hook), f
 It keeps up to `depth` items in flight (by default one per stage: a cut pipeline stays full,
 since `Chain.submit` returns once issued) and waits only for the oldest.
 
+Greedy decoding goes a step ahead (`Config.ahead`, on): when the next step is the decode step
+in flight again (every running sequence in it, greedy, none ending on its token by length,
+nobody to admit), the engine issues it before that step's tokens are here, its token input
+written on the device from that step's token output (`device_feeder`, as the Generator's
+lookahead), so the device goes from step to step without waiting for the host. The scheduler
+hears of it once the step before has landed; a sequence that ends on that step's token (a
+stop token, a cancel) has its row's token dropped. The tokens and logits are a step at a
+time's (tests/test_serve_engine.py, the property tests).
+
 `submit`, `cancel` and `stop` may be called from any thread: they only queue a command; the
 loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
 before its next step. A request's `listener` hears each token and the end, on the engine's
@@ -24,7 +33,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -34,13 +43,17 @@ from kerncc import protocol as proto
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.domains import is_whole
-from kerncc.runtime.generate import INPUT_FILLS, LOGITS, Generator, chunk_tokens, slots
+from kerncc.runtime.generate import (INPUT_FILLS, LOGITS, Generator, chunk_tokens,
+                                     device_feeder, slots)
 from kerncc.runtime.memory import numpy_dtype
 from kerncc.runtime.session import Session
 from kerncc.serve import sampling_hook
 from kerncc.serve import scheduler as sch
 from kerncc.serve.pack import Bounds
 from kerncc.serve.pool import KVPool
+
+
+Feed = Callable[[dict[str, int]], None]  # writes a call's token input on the device
 
 
 class Listener(Protocol):
@@ -86,6 +99,7 @@ class Config:
     chunk: int | None = None  # prefill rows per step; default: the rows bound
     depth: int | None = None  # items in flight; default: one per stage
     logits: bool = False  # keep every token's logits row on its request (tests, debugging)
+    ahead: bool = True  # greedy decode steps issued a step ahead, tokens fed on the device
 
 
 @attrs.define
@@ -139,6 +153,14 @@ class Engine:
         self._rows: dict[int, tuple[list[int], np.ndarray]] = {}  # page-table rows by sequence
         # (request, token, or None for its end) that its listener has not heard yet (`tick`)
         self._told: deque[tuple[Request, int | None]] = deque()
+        # a step ahead (`_go_ahead`): the flight the scheduler has not heard of yet, and how
+        # each decode forward's token input is fed on the device (None: it cannot be)
+        self.ahead = config.ahead and bool(self._plain)
+        self.ahead_steps = 0  # decode steps issued ahead (counts: a server runs long)
+        self._ahead: _Flight | None = None
+        self._feeds: dict[tuple[str, int], Feed | None] = {}
+        tokens = [f.name for f in self.protocol.fills if f.fill == "token"]
+        self._token_input = tokens[0] if tokens else None
 
     # ------------------------------------------------------------------------ limits
 
@@ -283,15 +305,21 @@ class Engine:
             self._notify()
             return False
         try:
-            if len(self.inflight) < self.depth:
+            if self._room():
                 plan = sch.schedule(self.state, self.limits)
                 if not plan.empty:
                     self._issue(plan)
                     self._notify()
                     return True
+            if self._go_ahead():
+                self._notify()
+                return True
             self._notify()
             if self.inflight:
-                self._collect(self.inflight.popleft())  # told at the next turn
+                flight = self.inflight.popleft()
+                self._collect(flight)  # told at the next turn
+                if self._ahead is not None and self._ahead is not flight:
+                    self._adopt_ahead()
                 return True
         except KernccError as err:
             self._fail(str(err), getattr(err, "requests", []))
@@ -300,6 +328,18 @@ class Engine:
             self._fail(f"internal error: {type(err).__name__}: {err}", [])
             return True
         return False
+
+    def _room(self) -> bool:
+        """Whether the scheduler plans a step now: none issued ahead that it has not heard of
+        yet, and fewer items in flight than `depth`, or, when steps go ahead, one more while
+        someone waits who can be admitted (steps ahead keep the device a step busier: the
+        newcomer's prefill then waits no longer than without them)."""
+        if self._ahead is not None:
+            return False
+        if len(self.inflight) < self.depth:
+            return True
+        return (self.ahead and len(self.inflight) == self.depth
+                and sch.admits(self.state, self.limits))
 
     def _notify(self) -> None:
         """Tell the listeners what they have not heard yet, in the order it happened."""
@@ -347,11 +387,13 @@ class Engine:
         for item in plan.items:
             self.inflight.append(self._submit(item))
 
-    def _submit(self, item: sch.Item) -> _Flight:
+    def _submit(self, item: sch.Item, feed: Feed | None = None) -> _Flight:
+        """Issue `item`; `feed`: its token input is written on the device from the call
+        before it (`_go_ahead`), not sent from the host."""
         requests = [self.requests[seq_id] for seq_id, _, _ in item.parts]
         groups, rows = len(item.parts), sum(n for _, _, n in item.parts)
         forward = self._forward(item.kind, groups)
-        inputs = self._inputs(item, requests)
+        inputs = self._inputs(item, requests, tokens=feed is None)
         longest = max(start + n for _, start, n in item.parts)
         vars = self.protocol.vars(groups, rows, rows, longest)
         wanted = {forward.emits} if forward.emits and item.emits else set()
@@ -359,6 +401,9 @@ class Engine:
             wanted.add(LOGITS)
         send = self._unheld(inputs, vars)
         try:
+            if feed is not None:
+                feed(vars)
+                self._held.pop(self._token_input, None)  # the device's, not the host's
             if isinstance(self.runner, Chain):
                 pending = self.runner.submit(forward.name, send, vars, rows=rows,
                                              outputs=wanted)
@@ -374,6 +419,65 @@ class Engine:
         self.rows[forward.name] += rows
         self.packed += item.kind == "chunk" and groups > 1
         return _Flight(item, forward, pending, requests)
+
+    # ------------------------------------------------------------------------ a step ahead
+
+    def _go_ahead(self) -> bool:
+        """Issue the decode step after the one in flight before its tokens are here, each
+        sequence's token fed on the device from that step's token output, when that step
+        is all the scheduler would plan next: every running sequence in it, decoding
+        greedily, none that can end on its token by length, nobody it would admit. A
+        sequence whose next row starts a page gets the page now. The scheduler hears of the
+        step once the one before has landed (`_adopt_ahead`); a sequence that ends on that
+        one's token (a stop token, a cancel) has its row's token dropped. False when it
+        cannot go ahead."""
+        if not self.ahead or self._ahead is not None or len(self.inflight) != 1:
+            return False
+        flight = self.inflight[0]
+        item, requests = flight.item, flight.requests
+        if item.kind != "decode" or len(item.emits) != len(item.parts):
+            return False
+        if len(self.state.running) != len(item.parts) or sch.admits(self.state, self.limits):
+            return False  # the scheduler would plan more than this step
+        grants = []
+        for request, (seq_id, start, _) in zip(requests, item.parts):
+            if (self.requests.get(seq_id) is not request or request.sampler is not None
+                    or len(request.generated) + 2 > request.max_new
+                    or (start + 1) // self.stride >= self.limits.pages_per_seq):
+                return False
+            if start + 1 >= len(self.pool.held(seq_id)) * self.stride:
+                grants.append((seq_id, 1))
+        feed = self._feed_for(flight.forward, len(item.parts))
+        if feed is None or len(grants) > self.pool.free:
+            return False
+        for seq_id, more in grants:
+            self.pool.take(seq_id, more)
+        self.state = sch.apply(self.state, sch.Plan(grants=tuple(grants)))
+        nxt = sch.Item("decode", tuple((seq_id, start + 1, 1) for seq_id, start, _ in item.parts),
+                       item.emits)
+        self._ahead = self._submit(nxt, feed)
+        self.inflight.append(self._ahead)
+        self.ahead_steps += 1
+        return True
+
+    def _feed_for(self, forward: proto.Forward, groups: int) -> Feed | None:
+        """`device_feeder` for `forward` at `groups` sequences, worked out once."""
+        key = (forward.name, groups)
+        if key not in self._feeds:
+            vars = self.protocol.vars(groups, groups, groups, 1)
+            self._feeds[key] = device_feeder(self.runner, self.protocol, self.sessions,
+                                             forward, vars)
+        return self._feeds[key]
+
+    def _adopt_ahead(self) -> None:
+        """The step issued ahead, told to the scheduler now that the step before it has
+        landed: as if it had planned it, for the sequences still served."""
+        ahead, self._ahead = self._ahead, None
+        parts = tuple(p for p, r in zip(ahead.item.parts, ahead.requests)
+                      if self.requests.get(r.id) is r)
+        if parts:
+            item = sch.Item("decode", parts, tuple(seq_id for seq_id, _, _ in parts))
+            self.state = sch.apply(self.state, sch.Plan(items=(item,)))
 
     def _unheld(self, inputs: dict[str, np.ndarray], vars: dict[str, int]
                 ) -> dict[str, np.ndarray]:
@@ -533,6 +637,7 @@ class Engine:
             why = message if request in touched else f"the engine stopped: {message}"
             self._end(request, "error", why)
         self.inflight.clear()
+        self._ahead = None
 
 
 def _token_at(request: Request, index: int) -> int:
@@ -563,14 +668,15 @@ def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
 
 def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max_new: int,
                   chunk: int | None = None, max_running: int | None = None,
-                  logits: bool = False, stop_ids: Collection[int] = ()
+                  logits: bool = False, stop_ids: Collection[int] = (), ahead: bool = True
                   ) -> tuple[list[Request], Engine]:
     """Serve every prompt together through an Engine; the finished requests, in prompt order
     (each one's `generated`, ending at one of `stop_ids` or after `max_new`, and its `logits`
-    rows with `logits`), and the engine (its `calls` and `rows`). Every prompt is checked
-    before any is served."""
+    rows with `logits`), and the engine (its `calls` and `rows`); `ahead`: Config.ahead. Every
+    prompt is checked before any is served."""
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
-                                   max_queue=max(1, len(prompts)), logits=logits))
+                                   max_queue=max(1, len(prompts)), logits=logits,
+                                   ahead=ahead))
     stops = frozenset(int(t) for t in stop_ids)
     requests = [Request([int(t) for t in p], max_new, stop_ids=stops) for p in prompts]
     for number, request in enumerate(requests, 1):

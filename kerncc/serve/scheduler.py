@@ -199,10 +199,23 @@ def schedule(state: State, limits: Limits) -> Plan:
                 tuple(items))
 
 
+def admits(state: State, limits: Limits) -> bool:
+    """Whether the next step would admit the oldest waiting sequence (the rule `_admit`
+    applies): a driver that plans a step of its own first asks this."""
+    return bool(state.waiting) and _fits(state.waiting[0], len(state.running), state.free,
+                                         limits)
+
+
+def _fits(seq: Seq, running: int, free: int, limits: Limits) -> bool:
+    """Room for `seq` beside `running` sequences: a place, and its prompt's pages plus a
+    page of headroom for each running one."""
+    return running < limits.max_running and free >= cdiv(seq.tokens, limits.stride) + running
+
+
 def _admit(draft: _Draft, limits: Limits) -> None:
-    while draft.waiting and len(draft.order) < limits.max_running:
+    while draft.waiting:
         seq = draft.waiting[0]
-        if draft.free < cdiv(seq.tokens, limits.stride) + len(draft.order):
+        if not _fits(seq, len(draft.order), draft.free, limits):
             return
         draft.waiting.pop(0)
         draft.order.append(seq.id)
