@@ -30,9 +30,11 @@ if [[ $parts == *" decode "* && "$tests" -eq 0 ]]; then
 fi
 
 if [[ $parts == *" serve "* ]]; then
-  timeout "${SERVE_S:-300}" python3 tests/bench/serve_bench.py --size small --levels 1,8,32 \
-    --requests-per-level 2 --prompt-len 128 --max-tokens 64 --budget 40 2>&1 \
-    | tee "$out/serve.txt" | tail -12
+  for ahead in off on off on; do  # the engine's steps ahead (session 15), alternating
+    timeout "${SERVE_S:-150}" python3 tests/bench/serve_bench.py --size small --levels 1,8,32 \
+      --requests-per-level 2 --prompt-len 128 --max-tokens 64 --budget 40 --ahead $ahead 2>&1 \
+      | tee -a "$out/serve.txt" | tail -5
+  done
 fi
 
 if [[ $parts == *" gpu "* ]]; then

@@ -52,9 +52,8 @@ class _Later:
         self.value, self.ready = value, ready
 
     def result(self) -> np.ndarray:
-        # as a wait on a stream: the interpreter lock free all the while (a spin would hold it
-        # between its checks and starve the server's event loop); the sleep wakes late by
-        # `Device.wake_us`, which the idle time then counts too
+        # as a wait on a stream: the interpreter lock free all the while; the sleep wakes
+        # late by `Device.wake_us`, which the idle time then counts too
         left = self.ready - time.perf_counter()
         if left > 0:
             time.sleep(left)
