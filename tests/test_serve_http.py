@@ -111,6 +111,18 @@ def test_24_requests_at_once_each_get_their_prompt_alone(base, chain):
     assert metric(base, "kerncc_kv_pages_free") == metric(base, "kerncc_kv_pages_total")
 
 
+def test_a_lone_greedy_request_decodes_a_step_ahead(base, model):
+    """The engine's steps ahead (tokens fed on the device) show on /metrics, and the tokens
+    are the request's alone (on a chain of their own: the server's stays the engine's)."""
+    ask = prompts(1)[0]
+    alone = Generator(Chain(lower_to_bundle(model))).generate(ask, 12).tokens
+    before = metric(base, "kerncc_decode_steps_ahead")
+    answer = complete(base, prompt=ask, max_tokens=12)
+    assert answer.status_code == 200
+    assert answer.json()["choices"][0]["token_ids"] == alone
+    assert metric(base, "kerncc_decode_steps_ahead") >= before + 5
+
+
 def test_the_openai_client_streams_what_it_gets_whole(base):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)

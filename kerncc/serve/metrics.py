@@ -23,6 +23,8 @@ class Metrics:
             ("kerncc_requests_waiting", "requests waiting for admission", lambda: engine.waiting),
             ("kerncc_kv_pages_free", "free pages of the KV pool", lambda: engine.pool.free),
             ("kerncc_kv_pages_total", "pages of the KV pool", lambda: engine.pool.pages),
+            ("kerncc_decode_steps_ahead", "decode steps issued a step ahead, their tokens fed "
+             "on the device (since the start)", lambda: engine.ahead_steps),
         )
         for name, doc, read in gauges:
             Gauge(name, doc, registry=self.registry).set_function(read)
