@@ -15,6 +15,7 @@ Bounded: a level stops after --budget seconds.
   python tests/bench/serve_bench.py --size small --backend cuda --pipeline 'cut,slice-derive,emit'
   python tests/bench/serve_bench.py --size tiny --backend cpu --levels 1,4 --max-tokens 16
   python tests/bench/serve_bench.py --size small --backend sim --step-ms 2.0        # no GPU
+  python tests/bench/serve_bench.py --size small --backend sim --ahead ab           # A/B
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import itertools
 import json
 import multiprocessing
 import socket
+import statistics
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -121,7 +123,7 @@ def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True
     return f"http://127.0.0.1:{sock.getsockname()[1]}", uv
 
 
-def serve(conn: Connection, args: argparse.Namespace, manifest: Path) -> None:
+def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: bool) -> None:
     """The server's process: load, serve on loopback, answer the bench's questions (`idle`:
     the simulated device's wait for the host a step, then reset; `stop`) until told to stop."""
     bundle = lower_to_bundle(manifest, args.pipeline)
@@ -136,7 +138,7 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path) -> None:
         backend = None
         chain = Chain(bundle, backend=args.backend, devices=devices)
     model = bundle.stages[0].manifest.model
-    url, uv = start_server(chain, args.max_seqs, model, ahead=args.ahead == "on")
+    url, uv = start_server(chain, args.max_seqs, model, ahead=ahead)
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
                len(bundle.stages), getattr(backend, "wake_us", None)))
     while (asked := conn.recv()) != "stop":
@@ -157,8 +159,9 @@ def main() -> None:
                    "cost, measured on the CPU)")
     p.add_argument("--step-ms", type=float, default=2.0, help="--backend sim: a replayed "
                    "step's device time (default 2.0, the small model's 32-sequence step)")
-    p.add_argument("--ahead", choices=("on", "off"), default="on", help="greedy decode steps "
-                   "issued a step ahead by the engine (default on; off for an A/B)")
+    p.add_argument("--ahead", choices=("on", "off", "ab"), default="on", help="greedy decode "
+                   "steps issued a step ahead by the engine (default on); ab: off and on, "
+                   "alternating over two rounds of servers, with the ratios")
     p.add_argument("--devices", default=None, help="e.g. 0,1")
     p.add_argument("--pipeline", default="emit", help="e.g. 'cut,slice-derive,emit'")
     p.add_argument("--levels", default="1,8,32")
@@ -173,11 +176,22 @@ def main() -> None:
     manifest = folder / "model.json"
     if not manifest.exists():
         generate(folder, args.size, max_seqs=args.max_seqs)
+    settings = {"on": [True], "off": [False], "ab": [False, True, False, True]}[args.ahead]
+    runs = [(ahead, *served(args, manifest, ahead)) for ahead in settings]
+    for ahead, stages, rows, wake_us in runs:
+        report(args, stages, rows, wake_us, ahead)
+    if args.ahead == "ab":
+        compare([r for r in runs if r[0]], [r for r in runs if not r[0]])
+
+
+def served(args: argparse.Namespace, manifest: Path, ahead: bool
+           ) -> tuple[int, list[tuple[int, dict[str, float]]], float | None]:
+    """One server's levels: (stages, rows, the simulated device's late wake-up)."""
     # The server in a process of its own, as `kerncc serve` runs: the clients' work here does
     # not take the server's interpreter lock (in one process it doubled the ITL at 32).
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
-    child = context.Process(target=serve, args=(theirs, args, manifest), daemon=True)
+    child = context.Process(target=serve, args=(theirs, args, manifest, ahead), daemon=True)
     child.start()
     try:
         if not mine.poll(600):
@@ -189,7 +203,7 @@ def main() -> None:
         child.join(10)
         if child.is_alive():
             child.terminate()
-    report(args, stages, rows, wake_us)
+    return stages, rows, wake_us
 
 
 def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
@@ -213,11 +227,12 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
 
 
 def report(args: argparse.Namespace, stages: int, rows: list[tuple[int, dict]],
-           wake_us: float | None) -> None:
+           wake_us: float | None, ahead: bool) -> None:
     sim = args.backend == "sim"
     print(f"serve_bench: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
-          f"{args.prompt_len}, max_tokens {args.max_tokens}, a step ahead {args.ahead}")
+          f"{args.prompt_len}, max_tokens {args.max_tokens}, a step ahead "
+          f"{'on' if ahead else 'off'}")
     if sim:
         print(f"simulated device: {args.step_ms} ms a step; its idle time counts a sleep's "
               f"late wake-up here, {wake_us:.0f} us, which a GPU does not pay")
@@ -231,6 +246,20 @@ def report(args: argparse.Namespace, stages: int, rows: list[tuple[int, dict]],
         print(f"| {conc} | {r['requests']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | "
               f"{r['ttft_p50'] * 1e3:.1f} | {r['ttft_p99'] * 1e3:.1f} | "
               f"{r['itl_p50'] * 1e3:.2f} | {r['itl_p99'] * 1e3:.2f} |{idle}")
+
+
+def compare(on: list[tuple], off: list[tuple]) -> None:
+    """--ahead ab: each measure's median over the rounds, on against off."""
+    print("a step ahead against one step at a time (the medians of the rounds, on / off):")
+    print("| concurrency | tokens/s | TTFT p50 | ITL p50 | ITL p99 |")
+    print("| --- | --- | --- | --- | --- |")
+    for i, (conc, _) in enumerate(on[0][2]):
+        ratios = []
+        for key in ("tok_s", "ttft_p50", "itl_p50", "itl_p99"):
+            mine = statistics.median(run[2][i][1][key] for run in on)
+            theirs = statistics.median(run[2][i][1][key] for run in off)
+            ratios.append(f"{mine / theirs:.2f}x")
+        print(f"| {conc} | {' | '.join(ratios)} |")
 
 
 if __name__ == "__main__":
