@@ -581,6 +581,47 @@ def test_pieces_and_stops_are_those_of_the_whole_text(stops):
         assert detok.stopped == bool(cuts)
 
 
+@pytest.mark.parametrize("stops", [("c d",), ("q",), ()])
+def test_tokens_queued_behind_one_go_out_as_one_piece_with_the_same_text(stops):
+    """A stream's loop that fell behind the engine catches up in one event (`_catch_up`):
+    the pieces, joined, are the text and ids of one token a piece, cut at the same stop; a
+    stop token or the end (None) ends the piece where it stands."""
+    from kerncc.serve.engine import Request
+    from kerncc.serve.http import _catch_up, _Detok
+    from kerncc.serve.text import Text
+
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, len(LETTERS), 60).tolist()
+    whole = Letters().decode(ids)
+    cuts = [i for i in (whole.find(s) for s in stops) if i >= 0]
+
+    async def drain(batches: list[int]) -> list:
+        queue: asyncio.Queue = asyncio.Queue()
+        detok, request, pieces, rest = _Detok(Text(Letters()), stops), Request([1], 60), [], ids
+        for size in batches:
+            for t in rest[:size]:
+                queue.put_nowait(t)
+            rest = rest[size:]
+            if not rest:
+                queue.put_nowait(None)
+            piece, ended = _catch_up(queue.get_nowait(), queue, request, detok)
+            pieces.append(piece)
+            if ended:
+                return pieces + ([] if piece.finish == "stop" else [detok.rest()])
+        raise AssertionError("the generation did not end")
+
+    pieces = asyncio.run(drain([1, 5, 1, 20, 3, 30]))
+    text = "".join(p if isinstance(p, str) else p.text for p in pieces)
+    assert text == (whole[:min(cuts)] if cuts else whole)
+    got = [t for p in pieces if not isinstance(p, str) for t in p.token_ids]
+    assert got == (ids[:len(got)] if cuts else ids)
+    assert max(len(p.token_ids) for p in pieces if not isinstance(p, str)) > 1
+    if cuts:
+        assert pieces[-1].finish == "stop"
+    else:
+        assert isinstance(pieces[-1], str)  # the end came: what the detok held back
+
+
 @pytest.mark.parametrize("body, param, code", [
     ({"prompt": [1] * 200, "max_tokens": 100}, "max_tokens", "context_length_exceeded"),
     ({"prompt": [1] * 300, "max_tokens": 1}, "prompt", "context_length_exceeded"),

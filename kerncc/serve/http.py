@@ -380,13 +380,13 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch
                 if await http.is_disconnected():
                     return
                 continue
-            if item is None:
-                break
-            text = "" if item in request.stop_ids else detok.add(item)  # eos: no text
-            if detok.stopped:
-                yield _Piece(text, [item], "stop")
+            piece, ended = _catch_up(item, bridge.queue, request, detok)
+            if piece.token_ids:
+                yield piece
+            if piece.finish == "stop":
                 return
-            yield _Piece(text, [item])
+            if ended:
+                break
         if request.finish == "error":
             raise ApiError(500, request.error or "the engine failed", code="engine_fault")
         if request.finish == "cancelled":
@@ -396,6 +396,24 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch
     finally:
         if request.finish is None:
             server.engine.cancel(request)
+
+
+def _catch_up(item: int | None, queue: asyncio.Queue, request: Request, detok: _Detok
+              ) -> tuple[_Piece, bool]:
+    """`item` and every token queued behind it as one piece, and whether the generation
+    ended (None came). One token a piece while the loop keeps up; when it has fallen behind
+    the engine (at 32 streams it can), the tokens waiting go out in one event, one write."""
+    ids: list[int] = []
+    texts: list[str] = []
+    while item is not None:
+        texts.append("" if item in request.stop_ids else detok.add(item))  # eos: no text
+        ids.append(item)
+        if detok.stopped:
+            return _Piece("".join(texts), ids, "stop"), True
+        if queue.empty():
+            return _Piece("".join(texts), ids), False
+        item = queue.get_nowait()
+    return _Piece("".join(texts), ids), True
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
