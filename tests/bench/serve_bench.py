@@ -38,7 +38,7 @@ import uvicorn
 
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
-from kerncc.runtime import Bundle, Chain
+from kerncc.runtime import Chain
 from kerncc.serve.engine import Config, Engine
 from kerncc.serve.http import Server, create_app
 
@@ -148,6 +148,16 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
     uv.should_exit = True
 
 
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got `{text}`") from None
+    if not 0 < value < 1e4:
+        raise argparse.ArgumentTypeError(f"expected 0 < milliseconds < 10000, got {text}")
+    return value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=("tiny", "small"), default="small")
@@ -157,7 +167,7 @@ def main() -> None:
     p.add_argument("--backend", default="cuda", help="cuda, cpu, or sim (launches that compute "
                    "nothing and decode steps of --step-ms on a simulated device: the host's "
                    "cost, measured on the CPU)")
-    p.add_argument("--step-ms", type=float, default=2.0, help="--backend sim: a replayed "
+    p.add_argument("--step-ms", type=_milliseconds, default=2.0, help="--backend sim: a replayed "
                    "step's device time (default 2.0, the small model's 32-sequence step)")
     p.add_argument("--ahead", choices=("on", "off", "ab"), default="on", help="greedy decode "
                    "steps issued a step ahead by the engine (default on); ab: off and on, "
