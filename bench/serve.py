@@ -224,7 +224,7 @@ def served(args: argparse.Namespace, manifest: Path, ahead: bool
     child.start()
     try:
         if not mine.poll(600):
-            raise SystemExit("serve_bench: the server did not start in 600 s")
+            raise SystemExit("bench.serve: the server did not start in 600 s")
         url, model, vocab, stages, wake_us = mine.recv()
         rows = measure(args, mine, url, model, vocab)
         mine.send("stop")
@@ -258,7 +258,7 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
 def report(args: argparse.Namespace, stages: int, rows: list[tuple[int, dict]],
            wake_us: float | None, ahead: bool) -> None:
     sim = args.backend == "sim"
-    print(f"serve_bench: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
+    print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
           f"{args.prompt_len}, max_tokens {args.max_tokens}, a step ahead "
           f"{'on' if ahead else 'off'}")

@@ -103,3 +103,12 @@ def test_every_bench_answers_help_on_the_cpu_with_the_shared_options(name, capsy
     assert exit.value.code == 0
     shown = capsys.readouterr().out
     assert f"python -m bench.{name}" in shown and "--doc" in shown and "--out" in shown
+
+
+def test_the_results_page_holds_one_table_of_every_bench_and_stays_short():
+    page = (Path(__file__).parent.parent / "docs" / "benchmarks.md").read_text()
+    for name in ("lower", "decode", "serve", "host_step", "hf_fidelity", "placement"):
+        begin = f"<!-- {name} rows: begin (written by the bench; edit the bench, not these lines) -->"
+        assert page.count(begin) == page.count(f"<!-- {name} rows: end -->") == 1, name
+        assert f"`python -m bench.{name}" in page.split(begin, 1)[1].splitlines()[1], name
+    assert len(page.splitlines()) <= 300
