@@ -29,7 +29,6 @@ from bench.simulated import Idle
 from kerncc.cli.main import main as kerncc
 from kerncc.example import generate
 from kerncc.runtime import Chain
-from kerncc.runtime import generate as gen
 from kerncc.runtime import session as sess
 
 REPORT = Report("host_step")
@@ -55,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def generator_steps(args: argparse.Namespace) -> None:
     """Each greedy token's host time through the one-sequence runner, a step ahead and not."""
+    from kerncc.runtime import generate as gen  # imported here: --engine and --help need none
+
     root = Path(tempfile.mkdtemp())
     model, _ = generate(root / "model", "tiny", **SHAPE)
     assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
