@@ -270,7 +270,7 @@ def ops(c: QwenConfig) -> dict[str, dict]:
     rows = "tokens"
     return {
         # embed and silu_mul have Numba-CUDA twins (embedding_gather_bf16_nb, silu_mul_bf16_nb:
-        # same bits). tests/bench/numba_bench.py on an H200: the embedding twin takes the CUDA C
+        # same bits). A one-off probe on an H200: the embedding twin takes the CUDA C
         # time, the silu_mul twin 1.03x it; the example keeps the CUDA C entries (not slower).
         "embed": kernel_op([IN_I32, IN_BF16, OUT_BF16, "i32"], "embedding_gather_bf16",
                            ["i32"], [i32(c.hidden)], [rows], 128),

@@ -1,6 +1,6 @@
 """Process placement on GPUs (issue 21), measured side by side in one run; a table is printed last.
 
-    python tests/bench/placement_bench.py [--out DIR] [--sizes tiny,small] [--skip ttft,...]
+    python -m bench.placement [--out DIR] [--sizes tiny,small] [--skip ttft,...] [--doc FILE]
 
 Sections (each guarded: a failing section is reported and the others still run):
   correctness  the 2-stage bundle as two stage processes against the in-process chain on the
@@ -16,14 +16,14 @@ Sections (each guarded: a failing section is reported and the others still run):
                (CudaBackend.send), 1 MiB .. 256 MiB, GB/s (two GPUs).
   serve        tokens/s at concurrency 32 (kerncc.serve.engine.serve_prompts, when it exists):
                in-process chain against 2 stage processes, on 2 GPUs (1 GPU: shared).
-Everything is written under --out (default $OUT or ./placement-bench): results.json and the log.
+Everything is written under --out (default $OUT or ./placement-bench): results.json; --doc
+docs/benchmarks.md also writes the table there, between the file's `placement` markers.
 Needs the cuda extra; NCCL needs nccl4py (pip install 'kerncc[nccl]').
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
@@ -32,14 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.gpu import build, device_count, device_name, greedy, ttft
+from bench.report import Report, say
+from kerncc.runtime import Chain
+from kerncc.runtime.placement.process import ProcessChain
+from kerncc.runtime.placement.transport import nccl_missing
 
-from gpu_bench import RESULTS, TABLE, build, device_count, row, say, section, ttft  # noqa: E402
-
-from kerncc.runtime import Chain  # noqa: E402
-from kerncc.runtime.generate import Generator  # noqa: E402
-from kerncc.runtime.placement.process import ProcessChain  # noqa: E402
-from kerncc.runtime.placement.transport import nccl_missing  # noqa: E402
+REPORT = Report("placement")
+RESULTS = REPORT.results
+row = REPORT.row
 
 MIB = 1 << 20
 BACKEND = ["cuda"]  # --backend cpu smoke-tests the script's logic without a GPU
@@ -62,21 +63,20 @@ def transports(gpus: int) -> list[str]:
 
 def correctness(model: dict, size: str, gpus: int) -> None:
     devices = stage_devices(gpus)
-    thread = Generator(Chain(model["two"], backend=BACKEND[0], devices=devices))
+    thread = Chain(model["two"], backend=BACKEND[0], devices=devices)
     rng = np.random.default_rng(3)
     lengths = (1, 17, 65, 200) if size == "tiny" else (1, 65, 700)
     prompts = [[int(t) for t in rng.integers(1, 200, n)] for n in lengths]
     for transport in transports(gpus):
         with ProcessChain(model["two"], backend=BACKEND[0], devices=devices,
                           transport=transport) as chain:
-            process = Generator(chain)
             same = 0
             for prompt in prompts:
                 for chunk in (16, 64):
-                    want = thread.generate(prompt, 8, chunk)
-                    got = process.generate(prompt, 8, chunk)
-                    same += got.tokens == want.tokens and np.array_equal(
-                        got.logits.view(np.uint8), want.logits.view(np.uint8))
+                    want_tokens, want_logits = greedy(thread, prompt, 8, chunk)
+                    got_tokens, got_logits = greedy(chain, prompt, 8, chunk)
+                    same += got_tokens == want_tokens and np.array_equal(
+                        got_logits.view(np.uint8), want_logits.view(np.uint8))
             total = len(prompts) * 2
             row("correctness", f"{size}: 2 stage processes on GPUs {devices} ({transport}) vs "
                 "in-process chain, bitwise equal runs", f"{same}/{total}")
@@ -242,17 +242,16 @@ def serve_section(model: dict, gpus: int) -> None:
 # ---------------------------------------------------------------------------------- main
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or "placement-bench")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.placement",
+                                     description=__doc__.splitlines()[0])
+    REPORT.add_options(parser)
     parser.add_argument("--sizes", default="tiny,small")
     parser.add_argument("--skip", default="", help="sections to skip, comma-separated")
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke test of the script itself (no GPU figures)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     BACKEND[0] = args.backend
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     skip = set(args.skip.split(","))
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "kerncc-placement-bench"
     gpus = device_count() if args.backend == "cuda" else 0
@@ -260,29 +259,26 @@ def main() -> int:
     RESULTS["gpus"] = gpus
     models = {}
     for size in args.sizes.split(","):
-        with section(f"build {size}"):
+        with REPORT.section(f"build {size}"):
             models[size] = build(work, size)
     try:
         for size, model in models.items():
             if "correctness" not in skip:
-                with section(f"correctness {size}"):
+                with REPORT.section(f"correctness {size}"):
                     correctness(model, size, gpus)
         small = models.get("small")
         if small is not None and "ttft" not in skip:
-            with section("ttft"):
+            with REPORT.section("ttft"):
                 ttft_section(small, gpus)
         if "bandwidth" not in skip:
-            with section("bandwidth"):
+            with REPORT.section("bandwidth"):
                 bandwidth(gpus)
         if small is not None and "serve" not in skip:
-            with section("serve"):
+            with REPORT.section("serve"):
                 serve_section(small, gpus)
     finally:
-        (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
-        say("\n| section | measure | value |\n| --- | --- | --- |")
-        for sec, what, value in TABLE:
-            say(f"| {sec} | {what} | {value} |")
-    return 0
+        status = REPORT.finish(args, device_name() if args.backend == "cuda" else "the cpu", argv)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""serve_bench's load generator and simulated.py's device, on the CPU: the hand-written HTTP/1.1
+"""bench/serve.py's load generator and bench/simulated.py's device, on the CPU: the hand-written HTTP/1.1
 client reads every streamed token of the server's answer (and the server's refusal as an
 error), and the simulated device queues its steps as a stream does, makes a download wait for
 the work before it, and counts only the time it waited for the host."""
@@ -11,12 +11,12 @@ import time
 import numpy as np
 import pytest
 
+from bench.gpu import greedy
+from bench.serve import level, one, start_server
+from bench.simulated import Device
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
-from kerncc.runtime.generate import Generator
-from serve_bench import level, one, start_server
-from simulated import Device
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_one_request_s_tokens_are_all_read_and_timed(served):
     url, model, alone = served
     prompt = [5, 17, 3, 250, 9]
     ttft, gaps, tokens = asyncio.run(one(url, model, prompt, 7))
-    assert tokens == 7 == len(Generator(alone).generate(prompt, 7).tokens)
+    assert tokens == 7 == len(greedy(alone, prompt, 7)[0])
     assert len(gaps) == 6 and min(gaps) >= 0 and ttft > 0
 
 
@@ -58,12 +58,13 @@ def test_the_simulated_device_queues_steps_and_counts_only_its_waits():
     data = np.arange(16, dtype=np.uint8)
     device.replay(None)
     device.replay(None)  # queued behind the first: the device never waited
-    ready = device.busy_until
-    assert ready - device.replays[0] >= 0.010  # two steps of 5 ms, one after the other
+    ready = device.busy_until  # integer nanoseconds: the sums below are exact
+    assert ready - device.replays[0] >= 2 * 5_000_000  # two steps of 5 ms, one after the other
     out = device.download_async(data, 0, 16).result()
-    assert time.perf_counter() >= ready and np.array_equal(out, data)
+    assert time.perf_counter_ns() >= ready and np.array_equal(out, data)
     time.sleep(0.003)  # the host keeps the device waiting
     device.replay(None)
-    assert device.gaps[0] == 0.0 and device.gaps[1] >= 0.003
+    assert device.gaps[0] == 0 and device.gaps[1] >= 3_000_000
+    assert device.idle_us() >= 1500  # the median of 0 and at least 3000 us
     device.reset()
-    assert np.isnan(device.idle_us()) and device.busy_until == 0.0
+    assert np.isnan(device.idle_us()) and device.busy_until == 0

@@ -1,6 +1,6 @@
 """Imported Hugging Face models on the GPU against transformers itself, side by side.
 
-    python tests/bench/hf_fidelity.py [--out DIR] [--cases qwen3,llama3,...]
+    python -m bench.hf_fidelity [--out DIR] [--cases qwen3,llama3,...] [--doc FILE]
 
 For each case a small random model is built with transformers (its own config class and
 modeling code), given unit-variance random weights, saved with `save_pretrained` (sharded
@@ -12,7 +12,8 @@ max |logit| of kerncc against transformers float32, the same for transformers' o
 (teacher-forced on kerncc's tokens), near-ties counted apart. The `example` case loads the
 example model's folder with transformers as written (AutoModelForCausalLM, AutoTokenizer) and
 compares its logits, ids and rendered chat templates with kerncc's. Results go to
---out/results.json.
+--out/results.json; --doc docs/benchmarks.md also writes the table between the file's
+`hf_fidelity` markers.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -29,6 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report import Report, say
+
+REPORT = Report("hf_fidelity")
 PROMPT_LEN, NEW, NEAR_TIE = 96, 16, 1e-2
 
 CASES = {
@@ -59,10 +62,6 @@ CASES = {
                          "float16", "30MB"),
 }
 VOCAB, CONTEXT = 8000, 256
-
-
-def say(*parts) -> None:
-    print(*parts, flush=True)
 
 
 def hf_model(family: str, fields: dict, seed: int):
@@ -107,8 +106,8 @@ def run_case(name: str, root: Path) -> dict:
 
     from kerncc.hf.importer import import_model
     from kerncc.lower import open_target
+    from bench.gpu import greedy
     from kerncc.runtime import Chain
-    from kerncc.runtime.generate import Generator
 
     family, fields, dtype, shard = CASES[name]
     folder = root / name
@@ -123,8 +122,7 @@ def run_case(name: str, root: Path) -> dict:
     rng = np.random.default_rng(len(name))
     prompt = [int(t) for t in rng.integers(0, VOCAB, PROMPT_LEN)]
     chain = Chain(open_target(done.path), backend="cuda")
-    result = Generator(chain).generate(prompt, NEW)
-    tokens, ours = result.tokens, result.logits
+    tokens, ours = greedy(chain, prompt, NEW)
     del chain
     sequence = prompt + tokens[:-1]
     f32 = hf_logits(folder, family, sequence, torch.float32)[PROMPT_LEN - 2:]
@@ -168,22 +166,22 @@ def example_checks(root: Path) -> dict:
     from kerncc.example import generate
     from kerncc.hf.tokenizer import TextCodec
     from kerncc.lower import open_target
+    from bench.gpu import greedy
     from kerncc.runtime import Chain
-    from kerncc.runtime.generate import Generator
 
     folder = root / "example"
     manifest, _ = generate(folder, "tiny")
     prompt = [1, 2, 3, 40, 50, 60, 70, 80]
-    result = Generator(Chain(open_target(manifest), backend="cuda")).generate(prompt, 8)
+    tokens, logits = greedy(Chain(open_target(manifest), backend="cuda"), prompt, 8)
     model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     with torch.no_grad():
-        ids = torch.tensor([prompt + result.tokens[:-1]], device="cuda")
+        ids = torch.tensor([prompt + tokens[:-1]], device="cuda")
         f32 = model(ids).logits[0].float().cpu().numpy()[len(prompt) - 2:]
     scale = float(np.abs(f32).max())
     out = {"case": "example", "model_class": type(model).__name__,
-           "kerncc_vs_f32": float(np.abs(result.logits - f32).max()) / scale,
-           "tokens_equal": sum(int(np.argmax(r)) == t for r, t in zip(f32[1:], result.tokens)),
-           "tokens": len(result.tokens)}
+           "kerncc_vs_f32": float(np.abs(logits - f32).max()) / scale,
+           "tokens_equal": sum(int(np.argmax(r)) == t for r, t in zip(f32[1:], tokens)),
+           "tokens": len(tokens)}
     hf_tok = tf.AutoTokenizer.from_pretrained(folder)
     codec = TextCodec.from_dir(folder)
     out["encode_equal"] = [hf_tok(t).input_ids == codec.encode(t) for t in TEXTS]
@@ -204,14 +202,37 @@ def example_checks(root: Path) -> dict:
     return out
 
 
+def rows(result: dict) -> None:
+    """One case's rows: kerncc and transformers' own bf16 against transformers in float32."""
+    case = result["case"]
+    if "error" in result:
+        REPORT.row(case, "FAILED", result["error"].strip().splitlines()[-1][:300])
+    elif case == "example":
+        REPORT.row(case, f"{result['model_class']} as written: kerncc vs HF f32 (max |diff| / "
+                   "max |logit|); greedy = f32 argmax", f"{result['kerncc_vs_f32']:.2e}; "
+                   f"{result['tokens_equal']}/{result['tokens']}")
+        REPORT.row(case, "tokenizer vs AutoTokenizer: encode, decode, chat templates equal",
+                   f"{sum(result['encode_equal'])}/{len(result['encode_equal'])}, "
+                   f"{sum(result['decode_equal'])}/{len(result['decode_equal'])}, "
+                   f"{sum(result['templates_equal'].values())}/{len(result['templates_equal'])}")
+    else:
+        REPORT.row(case, "kerncc vs HF f32 / HF bf16 vs HF f32 (max |diff| / max |logit|); "
+                   "greedy = f32 argmax; near-ties", f"{result['kerncc_vs_f32']:.2e} / "
+                   f"{result['hf_bf16_vs_f32']:.2e}; {result['tokens_equal']}/"
+                   f"{result['tokens']}; {result['near_ties']}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "hf-fidelity"))
-    parser.add_argument("--cases", default=",".join([*CASES, "example"]))
+    parser = argparse.ArgumentParser(prog="python -m bench.hf_fidelity",
+                                     description=__doc__.splitlines()[0])
+    REPORT.add_options(parser)
+    parser.add_argument("--cases", default=",".join([*CASES, "example"]),
+                        help="comma-separated (default: all)")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    results = []
+    unknown = set(args.cases.split(",")) - {*CASES, "example"}
+    if unknown:
+        parser.error(f"unknown cases: {', '.join(sorted(unknown))}")
+    results = REPORT.results.setdefault("cases", [])
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.cases.split(","):
             say(f"== {name}")
@@ -222,22 +243,11 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:  # noqa: BLE001 - one failing case is reported, the rest run
                 traceback.print_exc()
                 results.append({"case": name, "error": traceback.format_exc(limit=3)})
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    say("\n| case | kerncc vs HF f32 | HF bf16 vs HF f32 | greedy = f32 argmax | near-ties |")
-    say("|---|---|---|---|---|")
-    for r in results:
-        if r["case"] == "example" and "error" not in r:
-            say(f"| example ({r['model_class']}, as written) | {r['kerncc_vs_f32']:.2e} | | "
-                f"{r['tokens_equal']}/{r['tokens']} | |")
-            say(f"example tokenizer vs AutoTokenizer: encode {r['encode_equal']}, decode "
-                f"{r['decode_equal']}, chat templates {r['templates_equal']}")
-            continue
-        if "error" in r:
-            say(f"| {r['case']} | error | | | |")
-            continue
-        say(f"| {r['case']} | {r['kerncc_vs_f32']:.2e} | {r['hf_bf16_vs_f32']:.2e} | "
-            f"{r['tokens_equal']}/{r['tokens']} | {r['near_ties']} |")
-    return 0 if all("error" not in r for r in results) else 1
+            rows(results[-1])
+    from bench.gpu import device_name
+
+    status = REPORT.finish(args, device_name(), argv)
+    return status or (0 if all("error" not in r for r in results) else 1)
 
 
 if __name__ == "__main__":

@@ -1,49 +1,49 @@
-"""Decode and prefill against the H200's limits (issue 20), side by side in one run.
+"""Decode and prefill on one GPU (two for `pipeline`) against the machine's limits, side by
+side in one run; the table is printed last.
 
-    python tests/bench/decode_bench.py [--out DIR] [--layers 24] [--skip gemm,profile,...] [--defaults-only]
-        [--ablate]
+    python -m bench.decode [--out DIR] [--layers 24] [--skip gemm,profile,...] [--only decode,...]
+        [--defaults-only] [--ablate] [--doc docs/benchmarks.md]
 
 Builds the `small` example (24 layers, hidden 2048; `--layers` for a quicker look) whole and
 cut at the middle layer, then measures, each section guarded so a failure leaves the rest:
-  gemm     each decode GEMM shape of the model at m = 1, 8, 16, 32: cuBLAS against kerncc's GEMV
-           kernels (kernels/gemv.cu), events around back-to-back launches over rotating
-           weight copies (more bytes than the L2 holds), as achieved weight bandwidth.
-  copy     the HBM ceiling: a large device-to-device copy (bytes read + written).
-  profile  the batch-1 decode step after a 512-token prompt, each launch between events behind
-           a busy stream, summed per op, for cuBLAS only and with the GEMV kernels.
-  decode   ms/token at batch 1 (Generator, 32 steps, 512-token prompt, host included) and the
-           decode graph's replay (GPU only) for each entry of POLICIES (cuBLAS only, the
-           default GEMV choice, an alternative, the opt-in persistent runs, 2 stages on the
-           same GPU; --defaults-only: the defaults and the persistent runs); and the batched
-           step at 8 and 32 sequences (graph replays of `decode_batch`, 512 tokens each), all
-           against the roofline of the bytes they must read (weights once + every sequence's KV).
-  torch    the PyTorch reference's decode step (tests/bench/torch_ref.py), eager and eager
-           captured in one CUDA graph, against the same roofline.
-  fuse     the input norm, the silu_mul and both computed in the GEMVs after them (runtime/
-           backends/fuse.py, opt-in) against their own launches, in turn: batch 1 and 8
-           sequences.
-  join     the decode attention's split and combine as one launch (runtime/backends/
-           attention.py, opt-in) against the two, alternating, as fuse.
-  pipe     the batched decode's split attention pipelined across each block's splits, with
-           the backend's own Z (runtime/backends/attention_pipe.py, the default) against the
-           split kernel, alternating, as join: batch 1 (the `decode` program keeps the split
-           kernel) and 8 sequences (below the threshold: the split kernel too) are controls of
-           the noise; 32 sequences go out pipelined.
-  lookahead greedy decoding a step ahead of the host (the next step's token fed on the
-           device) against one step at a time, alternating: ms/token at batch 1, whole and
-           2 stages.
-  attention the batched decode at 32/8/2 sequences and 512-4096 tokens with the attention's split
-           blocks per (sequence, kv head) at max_splits (a block per split), 16, 8 and 4.
-  bitwise  whole vs 2 stages on one GPU (prompts x chunks, 9 tokens): identical bits.
-  ablate   (only with --ablate) the batch-1 decode graph and an 8-sequence step with each
-           kind of layer launch left out in turn (ABLATIONS): what each kernel costs the step
-           inside the graph, overlap included.
-  prefill  TTFT of 4096 tokens at chunks 2048 / 1024 / 512 with the wgmma prefill attention
-           (the default) and the mma.sync one, alternating, and the per-op GPU time of one
-           2048-row chunk at context 2048, against the bf16 tensor-core roofline.
+  copy      the HBM ceiling: a large device-to-device copy (bytes read + written).
+  gemm      each decode GEMM shape of the model at m = 1, 8, 16, 32: cuBLAS against kerncc's
+            GEMV kernels (kernels/gemv.cu), events around back-to-back launches over rotating
+            weight copies (more bytes than the L2 holds), as achieved weight bandwidth.
+  profile   the batch-1 decode step after a 512-token prompt (and a 32-sequence step), each
+            launch between events behind a busy stream, summed per op, for cuBLAS only and with
+            the GEMV kernels.
+  launch    the decode step launched eagerly against its graph: host issue per launch and what
+            an eager launch costs over the graph.
+  decode    ms/token at batch 1 (host included, 32 steps after a 512-token prompt) and the
+            decode graph's replay (GPU only) for each entry of POLICIES (cuBLAS only, the
+            default GEMV choice, without overlapping launches, 2 stages on the same GPU;
+            --defaults-only: the defaults, whole and 2 stages), and the batched step at 8 and 32
+            sequences (graph replays of `decode_batch`, 512 tokens each), each against the
+            roofline of the bytes it must read (weights once + every sequence's KV).
+  pipe      the batched decode's split attention pipelined (runtime/backends/attention_pipe.py,
+            the default) against the split kernel, alternating: batch 1 and 8 sequences run the
+            same kernels on both sides (controls of the noise); 32 sequences go out pipelined.
+  attention the batched decode at 32/8/2/1 sequences and 512-4096 tokens with the attention's
+            split blocks per (sequence, kv head) at max_splits (a block per split), 16, 8, 4.
+  torch     the PyTorch reference (bench/torch_ref.py) on the same weights: its decode step
+            eager and captured in one CUDA graph against kerncc's, the first token's logits,
+            and TTFT of 8192 tokens.
+  bitwise   whole vs 2 stages on one GPU (and on two, and the whole on GPU 1, when there are
+            two), prompts x chunks, 9 tokens: identical bits.
+  prefill   TTFT of 4096 tokens at chunks 2048 / 1024 / 512 with the wgmma prefill attention
+            (the default) and the mma.sync one, alternating, and the per-op GPU time of one
+            2048-row chunk, against the bf16 tensor-core roofline.
+  first-token TTFT of 4096 tokens through the serving engine with the first token from the last
+            prefill chunk (the default) against a one-row step for the last prompt token.
+  pipeline  (two GPUs) TTFT of 513 / 2049 / 8192 tokens: the whole model on one GPU against 2
+            stages on 2 GPUs (chunked prefill pipelined), and the share of time in transfers.
+  ablate    (only with --ablate) the batch-1 decode graph and an 8-sequence step with each
+            kind of layer launch left out in turn (ABLATIONS): what each kernel costs the step
+            inside the graph, overlap included.
 The table is printed last and written with everything else to --out (results.json); --doc
-docs/benchmarks.md also writes it there, between the file's decode_bench markers, headed by
-the command, the commit, the device and the date.
+docs/benchmarks.md also writes it there, between the file's `decode` markers, headed by the
+command, the commit, the device and the date.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -59,42 +58,36 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench.gpu import Busy, build, decode_step_s, device_count, device_name, greedy, kerncc, ttft
+from bench.report import Report, say
 
-from gpu_bench import (RESULTS, TABLE, Busy, DocError, build, decode_step_s, row, say,  # noqa: E402
-                       section, ttft, write_rows)
-
-from kerncc.runtime import Chain  # noqa: E402
-from kerncc.runtime.backends import attention, attention_pipe, fuse, gemv, persist  # noqa: E402
-from kerncc.runtime.generate import Generator, Served, _Record  # noqa: E402
-
+REPORT = Report("decode")
+RESULTS = REPORT.results
+row = REPORT.row
 HBM_TBS = 4.0  # the ceiling measured in `copy` replaces this when that section runs
-TC_TFLOPS = 800.0  # bf16 dense, measured on these machines (KINDS.md: 769-798)
+TC_TFLOPS = 800.0  # bf16 dense, as measured on H200s (769-798 TFLOP/s on random data)
 CAPACITY = 32 * 1024  # tokens of KV per chain: 32 sequences of 1024, or one 8k prompt
 CONTEXT = 512
 
 
-def chain_of(bundle: Path, max_m: int, pdl: bool = True, runs: str | None = None,
-             join: bool = False, fused: bool | frozenset = False, pipe: bool = False) -> Chain:
+def chain_of(bundle: Path, max_m: int, pdl: bool = True, pipe: bool | None = None):
     """A cuda chain with GEMV kernels up to m = max_m, with or without overlapping launches
-    (programmatic dependent launch, runtime/backends/cuda.py), with or without persistent
-    runs (runtime/backends/persist.py), the joined decode attention
-    (runtime/backends/attention.py), the GEMVs fused with the small kernel before them
-    (runtime/backends/fuse.py) and the pipelined batched decode attention
-    (runtime/backends/attention_pipe.py; the last four decided as the stages load)."""
+    (programmatic dependent launch, runtime/backends/cuda.py), with or without the pipelined
+    batched decode attention (runtime/backends/attention_pipe.py; None: the default)."""
+    from kerncc.runtime import Chain
+    from kerncc.runtime.backends import attention_pipe, gemv
+
     gemv.MAX_M = max_m
-    before = persist.ENABLED, attention.ENABLED, fuse.ENABLED, attention_pipe.ENABLED
-    persist.ENABLED, attention.ENABLED, fuse.ENABLED, attention_pipe.ENABLED = (
-        runs, join, fused, pipe)
+    before = attention_pipe.ENABLED
+    if pipe is not None:
+        attention_pipe.ENABLED = pipe
     try:
         chain = Chain(bundle, backend="cuda", token_capacity=CAPACITY)
     finally:
-        persist.ENABLED, attention.ENABLED, fuse.ENABLED, attention_pipe.ENABLED = before
+        attention_pipe.ENABLED = before
     for backend in chain.backends:
         backend.pdl = pdl
     return chain
-
-
 def config(model: dict) -> dict:
     return json.loads((model["dir"] / "config.json").read_text())
 
@@ -145,9 +138,11 @@ def gemm_shapes(cfg: dict) -> list[tuple[str, int, int, str]]:
 
 
 def gemm_bench(cfg: dict) -> None:
+    from kerncc.runtime.backends import gemv
     from kerncc.runtime.backends.cuda import CudaBackend
 
     gemv.MAX_M = 32  # every size, to compare
+    policy = gemv.NARROW_ENTRY, gemv.WIDE_MAX_TILES
     backend = CudaBackend(0)
     rng = np.random.default_rng(0)
     busy = Busy(backend)
@@ -167,7 +162,7 @@ def gemm_bench(cfg: dict) -> None:
         try:
             gemm_shape(backend, busy, site, out, (op, n, k, extern), (a, c, ws, copies, wbytes))
         finally:  # the policy is module state: a failure must not leave it changed
-            gemv.NARROW_ENTRY, gemv.WIDE_MAX_TILES = DEFAULT_POLICY[0], DEFAULT_POLICY[2]
+            gemv.NARROW_ENTRY, gemv.WIDE_MAX_TILES = policy
         for wa in ws:
             backend.free(wa)
         backend.free(a), backend.free(c)
@@ -176,6 +171,8 @@ def gemm_bench(cfg: dict) -> None:
 
 def gemm_shape(backend, busy, site, out: dict, shape: tuple, data: tuple) -> None:
     """One GEMM shape at m = 1, 8, 16, 32: cuBLAS against each GEMV kernel, one row each."""
+    from kerncc.runtime.backends import gemv
+
     op, n, k, extern = shape
     a, c, ws, copies, wbytes = data
     for m in (1, 8, 16, 32):
@@ -204,13 +201,13 @@ def gemm_shape(backend, busy, site, out: dict, shape: tuple, data: tuple) -> Non
         out[f"{op} m={m}"] = results
 
 
-def decode_profile(chain: Chain, label: str, seqs: int = 1) -> None:
+def decode_profile(chain, label: str, seqs: int = 1) -> None:
     """Each launch of one decode step between events, summed per op: batch 1 (`decode`, after
     a 512-token prompt) or `seqs` sequences of CONTEXT tokens (`decode_batch`)."""
     session, backend = chain.sessions[0], chain.sessions[0].backend
     if seqs == 1:
         prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
-        Generator(chain).generate(prompt, 2, 512)
+        greedy(chain, prompt, 2, 512)
         env, program = dict(session.last_vars), "decode"
     else:
         inputs, vars = batch_inputs(chain, seqs, CONTEXT)
@@ -273,7 +270,7 @@ def decode_profile(chain: Chain, label: str, seqs: int = 1) -> None:
                                                 "ops": {n: [counts[n], best[n]] for n in best}}
 
 
-def batch_inputs(chain: Chain, seqs: int, context: int) -> tuple[dict, dict]:
+def batch_inputs(chain, seqs: int, context: int) -> tuple[dict, dict]:
     """`decode_batch`'s inputs and vars for `seqs` sequences at `context` tokens each."""
     pages = -(-context // 16)
     table_width = chain.sessions[0].manifest.buffers["block_table"].shape[1]
@@ -291,7 +288,7 @@ def batch_inputs(chain: Chain, seqs: int, context: int) -> tuple[dict, dict]:
     return inputs, {"seqs": seqs, "tokens": seqs}
 
 
-def batch_step_ms(chain: Chain, seqs: int, context: int) -> float:
+def batch_step_ms(chain, seqs: int, context: int) -> float:
     """One `decode_batch` step of `seqs` sequences at `context` tokens each: graph replays."""
     session, backend = chain.sessions[0], chain.sessions[0].backend
     inputs, vars = batch_inputs(chain, seqs, context)
@@ -317,16 +314,13 @@ def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False)
         f"{CONTEXT} tokens at {hbm:.2f} TB/s), ms", f"{roof_ms:.3f}")
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     out = {}
-    for label, bundle, max_m, policy, pdl, runs, *join in POLICIES:
-        if defaults_only and not any(f"({kind}" in label
-                                     for kind in ("the default)", "persistent", "joined")):
+    for label, bundle, max_m, pdl in POLICIES:
+        if defaults_only and "(the default)" not in label:
             continue
-        gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = policy
-        chain = chain_of(model[bundle], max_m, pdl, runs, *join)
-        generator = Generator(chain)
-        step = decode_step_s(lambda p, n: generator.generate(p, n, 512).tokens, prompt)
+        chain = chain_of(model[bundle], max_m, pdl)
+        step = decode_step_s(lambda p, n, chain=chain: greedy(chain, p, n, 512), prompt)
         ms = step * 1e3
-        row("decode", f"decode batch 1, {label}: ms/token (Generator, host included), x roofline",
+        row("decode", f"decode batch 1, {label}: ms/token (host included), x roofline",
             f"{ms:.3f}, {ms / roof_ms:.2f}x")
         out[label] = ms
         gms = graph_step_ms(chain)
@@ -344,35 +338,19 @@ def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False)
                 row("decode", f"decode {seqs} sequences x {CONTEXT} tokens, {label}: step ms, "
                     f"roofline ms, x roofline", f"{bms:.3f}, {roof:.3f}, {bms / roof:.2f}x")
                 out[f"{label}, {seqs} sequences"] = [bms, roof]
-        del chain, generator
+        del chain
         gc.collect()
-    gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N = DEFAULT_POLICY
     RESULTS["decode_ms"] = out
     RESULTS["decode_roofline_ms"] = roof_ms
 
 
-DEFAULT_POLICY = (gemv.NARROW_ENTRY, gemv.WIDE_ENTRY, gemv.WIDE_MAX_TILES, gemv.CUBLAS_MIN_N)
-BIG = 1 << 30
-POLICIES = [  # label, bundle, GEMV max m, (narrow entry, wide entry, wide max tiles, cuBLAS min n),
-    # overlapping launches (PDL), persistent runs (KERNCC_PERSIST)[, the joined decode attention:
-    # KERNCC_JOIN_ATTENTION, off unless given]
-    ("cuBLAS only, no PDL", "whole", 0, DEFAULT_POLICY, False, None),
-    ("GEMV m<=8, no PDL (the default before this round)", "whole", 8, DEFAULT_POLICY, False,
-     None),
-    ("GEMV m<=8 + PDL (the default)", "whole", 8, DEFAULT_POLICY, True, None),
-    ("GEMV m<=8 + PDL + the attention's split and combine as one launch (joined, opt-in)",
-     "whole", 8, DEFAULT_POLICY, True, None, True),
-    ("GEMV m<=8 + PDL + persistent runs (persistent, opt-in)", "whole", 8, DEFAULT_POLICY, True,
-     persist.ENTRY),
-    ("GEMV m<=8 + PDL + persistent runs, weights in a shared-memory ring (persistent, opt-in)",
-     "whole", 8, DEFAULT_POLICY, True, persist.RING_ENTRY),
-    ("cuBLAS only + PDL", "whole", 0, DEFAULT_POLICY, True, None),
-    ("2 stages on 1 GPU, GEMV m<=8, no PDL", "two", 8, DEFAULT_POLICY, False, None),
-    ("2 stages on 1 GPU, GEMV m<=8 + PDL (the default)", "two", 8, DEFAULT_POLICY, True, None),
-    ("2 stages on 1 GPU, GEMV m<=8 + PDL + the attention as one launch (joined, opt-in)",
-     "two", 8, DEFAULT_POLICY, True, None, True),
-    ("2 stages on 1 GPU, GEMV m<=8 + PDL + persistent runs (persistent, opt-in)", "two", 8,
-     DEFAULT_POLICY, True, persist.ENTRY),
+POLICIES = [  # label, bundle, GEMV max m, overlapping launches (PDL)
+    ("cuBLAS only, no PDL", "whole", 0, False),
+    ("GEMV m<=8, no PDL", "whole", 8, False),
+    ("GEMV m<=8 + PDL (the default)", "whole", 8, True),
+    ("cuBLAS only + PDL", "whole", 0, True),
+    ("2 stages on 1 GPU, GEMV m<=8, no PDL", "two", 8, False),
+    ("2 stages on 1 GPU, GEMV m<=8 + PDL (the default)", "two", 8, True),
 ]
 
 
@@ -423,9 +401,8 @@ def ablate(model: dict, cfg: dict, rounds: int = 2) -> None:
             for name in (list(variants) if r % 2 == 0 else list(variants)[::-1]):
                 skip.clear()
                 skip.update(variants[name])
-                # the attention's two launches apart (not joined), so each can be left out
-                with chain_of(model["whole"], 8, True, join=False) as chain:
-                    Generator(chain).generate(prompt, 4, 512)  # captures the decode graph
+                with chain_of(model["whole"], 8, True) as chain:
+                    greedy(chain, prompt, 4, 512)  # captures the decode graph
                     times[name][1].append(graph_step_ms(chain))
                     times[name][8].append(batch_step_ms(chain, 8, CONTEXT))
                 gc.collect()
@@ -441,87 +418,37 @@ def ablate(model: dict, cfg: dict, rounds: int = 2) -> None:
         RESULTS.setdefault("ablate", {})[name] = {"batch 1": got[1], "8 sequences": got[8]}
 
 
-def join_ab(model: dict, cfg: dict, hbm: float, rounds: int = 4) -> None:
-    """The decode attention's split and combine as one launch (runtime/backends/attention.py)
-    against the two launches: `policy_ab`."""
-    policy_ab("join", "joined attention / two launches", "join", "joined", model, cfg, hbm,
-              rounds)
-
-
 def pipe_ab(model: dict, cfg: dict, hbm: float, rounds: int = 4) -> None:
     """The batched decode's split attention pipelined (runtime/backends/attention_pipe.py)
     against the split kernel: `policy_ab`. Only `decode_batch` at 17 sequences or more (of 8 kv
     heads, on 132 multiprocessors) goes out pipelined, so the batch-1 and 8-sequence rows
     compare the same kernels: controls of the noise."""
-    policy_ab("pipe", "pipelined attention / one split a block", "pipe", "piped", model, cfg,
-              hbm, rounds, counted=("whole",))
+    policy_ab("pipe", "pipelined attention / one split a block", "piped", model, cfg, hbm,
+              rounds, counted=("whole",))
 
 
-def fuse_ab(model: dict, cfg: dict, hbm: float, rounds: int = 2) -> None:
-    """The input norm, the silu_mul and both computed in the GEMVs after them
-    (runtime/backends/fuse.py) against their own launches, in turn (rotated each round): the
-    batch-1 `decode` graph and `decode_batch` steps of 8 sequences x CONTEXT tokens, medians
-    of `rounds`, as ms and the saving a layer against none."""
-    layers = cfg["num_hidden_layers"]
-    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
-    variants = {"none": frozenset(), "norm": fuse.CHOICES["norm"],
-                "silu": fuse.CHOICES["silu"], "both": fuse.CHOICES["1"]}
-    times: dict[tuple, list[float]] = {}
-    names = list(variants)
-    for r in range(rounds):
-        for name in names[r % 4:] + names[:r % 4]:
-            with chain_of(model["whole"], 8, True, fused=variants[name]) as chain:
-                Generator(chain).generate(prompt, 4, 512)
-                if variants[name] and not any(b.fused for b in chain.backends):
-                    raise RuntimeError(f"fuse {name}: no launch went out fused")
-                times.setdefault((name, 1), []).append(graph_step_ms(chain))
-                times.setdefault((name, 8), []).append(batch_step_ms(chain, 8, CONTEXT))
-            gc.collect()
-    for seqs in (1, 8):
-        base = statistics.median(times[("none", seqs)])
-        got = {n: statistics.median(times[(n, seqs)]) for n in names}
-        row("fuse", f"decode {'batch 1' if seqs == 1 else f'{seqs} sequences'}: fused none / "
-            f"norm / silu / both, ms (us a layer saved)", " / ".join(
-                f"{got[n]:.4f} ({(base - got[n]) / layers * 1e3:.2f})" for n in names))
-    RESULTS["fuse_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
-
-
-def persist_ab(model: dict, cfg: dict, hbm: float, rounds: int = 4) -> None:
-    """The decode runs as persist_ws_bf16 launches (runtime/backends/persist.py: a producer
-    warp's ring, tagged words, the small kernels folded) against the launches, every other
-    option at its default on both sides: `policy_ab`. It takes m = 1 only (WS_MAX_M), so the
-    8- and 32-sequence rows compare the same kernels: controls of the noise."""
-    defaults = {"join": attention.ENABLED, "fused": fuse.ENABLED, "pipe": attention_pipe.ENABLED}
-    policy_ab("persist", "persistent ws runs / launches", "runs", "persisted", model, cfg, hbm,
-              rounds, values=(persist.WS_ENTRY, None), base=defaults)
-
-
-def policy_ab(name: str, what_ab: str, option: str, counter: str, model: dict, cfg: dict,
-              hbm: float, rounds: int = 4, counted: tuple[str, ...] = ("whole", "two"),
-              values: tuple = (True, False), base: dict | None = None) -> None:
-    """A chain_of option on against off, alternating: the batch-1 `decode` graph whole and in 2
+def policy_ab(name: str, what_ab: str, counter: str, model: dict, cfg: dict, hbm: float,
+              rounds: int = 4, counted: tuple[str, ...] = ("whole", "two")) -> None:
+    """chain_of's `pipe` on against off, alternating: the batch-1 `decode` graph whole and in 2
     stages, and `decode_batch` steps of 8 and 32 sequences x CONTEXT tokens (graph replays),
     medians of `rounds`, as ms and the saving a layer; `counter` is the backend's count of
     the launches the option makes (it must move when on, in the bundles `counted`). The order
     flips each round, so an even count puts each side first equally often: with 3 rounds the
-    same kernels on both sides read 0.8 us a layer apart at 8 sequences (session 13).
-    `values`: the option's (on, off); `base`: the other options (default: all off)."""
+    same kernels on both sides read 0.8 us a layer apart at 8 sequences."""
     layers = cfg["num_hidden_layers"]
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
     times: dict[tuple, list[float]] = {}
-    base = {"join": False, "fused": False, "pipe": False} if base is None else base
     for r in range(rounds):
-        for join in ((True, False) if r % 2 == 0 else (False, True)):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
             for bundle in ("whole", "two"):
-                options = {**base, option: values[0] if join else values[1]}
-                with chain_of(model[bundle], 8, True, **options) as chain:
-                    Generator(chain).generate(prompt, 4, 512)  # captures the decode graph
-                    times.setdefault((join, bundle, 1), []).append(graph_step_ms(chain))
+                with chain_of(model[bundle], 8, True, pipe=on) as chain:
+                    greedy(chain, prompt, 4, 512)  # captures the decode graph
+                    times.setdefault((on, bundle, 1), []).append(graph_step_ms(chain))
                     if bundle == "whole":
                         for seqs in (8, 32):
-                            times.setdefault((join, bundle, seqs), []).append(
+                            times.setdefault((on, bundle, seqs), []).append(
                                 batch_step_ms(chain, seqs, CONTEXT))
-                    if (join and bundle in counted
+                    if (on and bundle in counted
                             and not any(getattr(b, counter) for b in chain.backends)):
                         raise RuntimeError(f"{name}: no launch went out {counter}")
                 gc.collect()
@@ -537,49 +464,11 @@ def policy_ab(name: str, what_ab: str, option: str, counter: str, model: dict, c
     RESULTS[f"{name}_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
 
 
-def lookahead_ab(model: dict, cfg: dict, hbm: float, rounds: int = 3) -> None:
-    """Greedy decoding one step ahead of the host (runtime/generate.py LOOKAHEAD: the next
-    step issued before this one's token is known, its token fed on the device) against one
-    step at a time, alternating: ms/token through the Generator at batch 1 (host included),
-    whole and in 2 stages, beside the decode graph's replay (the GPU's own step)."""
-    from kerncc.runtime import generate as gen
-
-    roof_ms = (weight_bytes(cfg) + kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
-    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT)]
-    before = gen.LOOKAHEAD
-    try:
-        for bundle in ("whole", "two"):
-            with chain_of(model[bundle], 8, True) as chain:
-                generator = Generator(chain)
-                gen.LOOKAHEAD = True  # the rounds of the bundle before left it as they ended
-                if generator._feeder() is None:
-                    raise RuntimeError("the decode steps cannot be fed on the device")
-                times: dict[bool, list[float]] = {True: [], False: []}
-                for r in range(rounds):
-                    for ahead in ((True, False) if r % 2 == 0 else (False, True)):
-                        gen.LOOKAHEAD = ahead
-                        times[ahead].append(1e3 * decode_step_s(
-                            lambda p, n: generator.generate(p, n, 512).tokens, prompt))
-                gms = graph_step_ms(chain)
-            on, off = (statistics.median(times[k]) for k in (True, False))
-            row("lookahead", f"decode batch 1, {bundle}: ms/token a step ahead / one step at "
-                f"a time (x roofline); the graph's step", f"{on:.3f} ({on / roof_ms:.2f}x) / "
-                f"{off:.3f} ({off / roof_ms:.2f}x); {gms:.3f}")
-            RESULTS.setdefault("lookahead_ms", {})[bundle] = {"ahead": times[True],
-                                                              "one at a time": times[False],
-                                                              "graph": gms}
-            gc.collect()
-    finally:
-        gen.LOOKAHEAD = before
-
-
 def attention_blocks(model: dict, cfg: dict, hbm: float) -> None:
     """The batched decode's step with Z split blocks per (sequence, kv head) (the grid z of
     `attn_decode_batch`; the bits are the same for any Z): a block per split (Z = max_splits,
     the code before), 16, the default 8, and 4, at short and long contexts, one sequence too
     (what `decode`'s grid would give)."""
-    from gpu_bench import kerncc
-
     source = json.loads(Path(model["manifest"]).read_text())
     splits = source["ops"]["attn_decode"]["impl"]["launches"][0]["grid"][2]
     for blocks in (splits, 16, 8, 4):
@@ -602,8 +491,8 @@ def attention_blocks(model: dict, cfg: dict, hbm: float) -> None:
         gc.collect()
 
 
-def graph_step_ms(chain: Chain) -> float:
-    """The batch-1 `decode` step's GPU time: every stage's graph (captured by the Generator)
+def graph_step_ms(chain) -> float:
+    """The batch-1 `decode` step's GPU time: every stage's graph (captured by `greedy`)
     replayed in order, with the hand-over copies between stages, back to back (one GPU)."""
     backend = chain.sessions[0].backend
     steps = []
@@ -623,54 +512,124 @@ def graph_step_ms(chain: Chain) -> float:
     return backend.elapsed_ms(start, end) / replays
 
 
-def torch_graph(model: dict, cfg: dict, hbm: float) -> None:
-    """The PyTorch reference's decode step (tests/bench/torch_ref.py) at context 512, eager
-    and captured in one CUDA graph (warmed up on a side stream, then replayed)."""
+def torch_rows(model: dict, cfg: dict, hbm: float) -> None:
+    """The PyTorch reference (bench/torch_ref.py) on the same weights: its decode step at
+    context 512, eager and captured in one CUDA graph, against kerncc's decode graph and the
+    roofline; greedy tokens and the first token's logits side by side (the example's random
+    weights make near-ties, so a flip is told apart by torch's top-2 gap); TTFT of 8192
+    tokens, kerncc at chunk 512 against torch eager in one shot."""
     import torch
-    from torch_ref import TorchQwen, decode_step_ms
+
+    from bench.gpu import ttft_fn
+    from bench.torch_ref import TorchQwen, decode_step_ms
 
     roof_ms = (weight_bytes(cfg) + kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
-    ref = TorchQwen(model["dir"], "cuda")
     prompt = [int(t) for t in np.random.default_rng(3).integers(1, 32000, CONTEXT - 1)]
+    chain = chain_of(model["whole"], 8)
+    ours_tokens, _ = greedy(chain, prompt, 9, 512)  # also captures the decode graph
+    ours = graph_step_ms(chain)
+    ref = TorchQwen(model["dir"], "cuda")
     eager, replay = decode_step_ms(ref, prompt)
     row("torch", "PyTorch decode step at context 512, eager (host-bound), ms, x roofline",
         f"{eager:.3f}, {eager / roof_ms:.2f}x")
     row("torch", "PyTorch decode step at context 512, eager captured in one CUDA graph, ms, "
         "x roofline", f"{replay:.3f}, {replay / roof_ms:.2f}x")
-    RESULTS["torch_graph_ms"] = replay
-    RESULTS["torch_eager_ms"] = eager
-    del ref
+    row("torch", "decode step GPU time: kerncc's graph / torch's graph, ms",
+        f"{ours:.3f} / {replay:.3f} = {ours / replay:.2f}x")
+    ref.reset()
+    theirs_tokens = ref.generate(prompt, 9)
+    equal = sum(a == b for a, b in zip(ours_tokens, theirs_tokens))
+    row("torch", "greedy tokens equal to torch's (9; a near-tie may flip)", f"{equal}/9")
+    ours_logits = np.asarray(greedy(chain, prompt, 1, 512)[1][-1], np.float32)
+    ref.reset()
+    theirs_logits = ref.prefill(prompt).float().cpu().numpy().reshape(-1)
+    scale = float(np.abs(theirs_logits).max())
+    top2 = np.sort(theirs_logits)[-2:]
+    row("torch", "first token's logits: max |diff| vs torch / max |logit|; torch's top-2 gap "
+        "/ max |logit|", f"{float(np.abs(ours_logits - theirs_logits).max()) / scale:.2e}; "
+        f"{float(top2[1] - top2[0]) / scale:.2e}")
+
+    def torch_first(tokens: list[int]) -> None:
+        ref.reset()
+        ref.generate(tokens, 1)
+        torch.cuda.synchronize()
+
+    long = [int(t) for t in np.random.default_rng(4).integers(1, 32000, 8192)]
+    ours_ttft, theirs_ttft = ttft(chain, long, 512), ttft_fn(lambda: torch_first(long))
+    row("torch", "TTFT 8192: kerncc chunk 512 / torch eager (SDPA), ms",
+        f"{ours_ttft * 1e3:.1f} / {theirs_ttft * 1e3:.1f} = {ours_ttft / theirs_ttft:.2f}x")
+    RESULTS["torch"] = {"eager_ms": eager, "graph_ms": replay, "kerncc_graph_ms": ours,
+                        "ttft_ms": theirs_ttft * 1e3, "kerncc_ttft_ms": ours_ttft * 1e3}
+    ref = chain = None  # their weights freed before the next section
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def bitwise(model: dict) -> None:
-    whole, two = chain_of(model["whole"], 8), chain_of(model["two"], 8)
+def bitwise(model: dict, gpus: int) -> None:
+    """Whole against 2 stages on one GPU, against itself again, and with two GPUs against 2
+    stages on both and the whole on GPU 1: the same tokens and logits, bit for bit."""
+    from kerncc.runtime import Chain
+
+    whole = chain_of(model["whole"], 8)
+    others = {"2 stages on 1 GPU": chain_of(model["two"], 8), "whole again": whole}
+    if gpus >= 2:
+        others["2 stages on 2 GPUs"] = Chain(model["two"], backend="cuda", devices=[0, 1],
+                                             token_capacity=CAPACITY)
+        others["whole on GPU 1"] = Chain(model["whole"], backend="cuda", devices=[1],
+                                         token_capacity=CAPACITY)
     rng = np.random.default_rng(7)
-    same = total = 0
-    for n in (1, 7, 33, 65, 513):
-        prompt = [int(t) for t in rng.integers(1, 32000, n)]
-        for chunk in (512, 16):
-            if n > 100 and chunk == 16:
+    cases = [([int(t) for t in rng.integers(1, 32000, n)], chunk)
+             for n in (1, 7, 33, 65, 513) for chunk in (512, 16) if n < 100 or chunk == 512]
+    expected = [greedy(whole, prompt, 9, chunk) for prompt, chunk in cases]
+    assert all(np.abs(logits).max() > 0 for _, logits in expected), "all-zero logits"
+    for name, chain in others.items():
+        same = 0
+        for (prompt, chunk), (tokens, logits) in zip(cases, expected):
+            tokens2, logits2 = greedy(chain, prompt, 9, chunk)
+            if tokens == tokens2 and logits.tobytes() == logits2.tobytes():
+                same += 1
                 continue
-            t1, l1 = (lambda r: (r.tokens, r.logits))(Generator(whole).generate(prompt, 9, chunk))
-            t2, l2 = (lambda r: (r.tokens, r.logits))(Generator(two).generate(prompt, 9, chunk))
-            t3, l3 = (lambda r: (r.tokens, r.logits))(Generator(whole).generate(prompt, 9, chunk))
-            assert np.abs(l1).max() > 0
-            total += 1
-            ok = t1 == t2 == t3 and l1.tobytes() == l2.tobytes() == l3.tobytes()
-            same += ok
-            if not ok:
-                say(f"    differs: prompt {n} chunk {chunk}: max |diff| "
-                    f"{np.abs(l1 - l2).max():.3e} / rerun {np.abs(l1 - l3).max():.3e}")
-    row("bitwise", "GEMV m<=8: whole vs 2 stages on 1 GPU vs whole again (prompts x chunks, "
-        "9 tokens)", f"{same}/{total} identical")
-    RESULTS["bitwise"] = [same, total]
+            say(f"    differs: {name}, prompt {len(prompt)}, chunk {chunk}: max |diff| "
+                f"{np.abs(logits - logits2).max():.3e}")
+        row("bitwise", f"whole vs {name} (prompts x chunks, 9 tokens)",
+            f"{same}/{len(cases)} identical")
+        RESULTS.setdefault("bitwise", {})[name] = [same, len(cases)]
 
 
-def prefill_profile(chain: Chain, context: int, chunk: int) -> None:
+def first_token(model: dict, rounds: int = 5) -> None:
+    """TTFT of a 4096-token prompt at chunk 2048 through the serving engine: the first token
+    from the last prefill chunk (the default) against a one-row step for the last prompt
+    token, alternating; the first round is a warm-up."""
+    import attrs
+
+    from kerncc.serve.engine import Config, Engine, Request
+
+    chain = chain_of(model["whole"], 8)
+    prompt = [int(t) for t in np.random.default_rng(4).integers(1, 32000, 4096)]
+    engine = Engine(chain, Config(max_running=4, chunk=2048))
+    base = engine.limits
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for emits in (True, False):
+            engine.limits = attrs.evolve(base, chunk_emits=emits)
+            request = Request(list(prompt), 1)
+            started = time.perf_counter()
+            engine.submit(request)
+            engine.run_until_idle()
+            times[emits].append(time.perf_counter() - started)
+            if request.finish != "length":
+                raise RuntimeError(f"the request finished with {request.finish}")
+    on, off = (statistics.median(times[emits][1:]) * 1e3 for emits in (True, False))
+    row("first-token", "TTFT 4096 at chunk 2048 through the engine: the first token from the "
+        "last chunk / from a one-row step, ms", f"{on:.2f} / {off:.2f} = {on / off:.2f}x")
+    RESULTS["first_token_ms"] = {"from the chunk": times[True], "one-row step": times[False]}
+
+
+def prefill_profile(chain, context: int, chunk: int) -> None:
+    from kerncc.runtime.generate import Generator, Served, _Record
+
     session, backend = chain.sessions[0], chain.sessions[0].backend
-    generator = Generator(chain)
+    generator = Generator(chain)  # its chunk feeding, to put `context` tokens in the cache
     program = generator.chunk_program
     prompt = [int(t) for t in np.random.default_rng(5).integers(1, 32000, context + chunk)]
     seq, record = Served(prompt), _Record()
@@ -730,8 +689,6 @@ def prefill_flops(cfg: dict, tokens: int) -> float:
 def mma_sync_bundle(model: dict, cfg: dict) -> Path:
     """The small model lowered with the mma.sync prefill attention (attention.cu) in place of
     the wgmma one (attention_sm90a.cu), the default before it."""
-    from gpu_bench import kerncc
-
     from kerncc.example.qwen import attn_prefill_smem, ceil_div
     from kerncc.kernels import library
 
@@ -769,149 +726,271 @@ def prefill_rows(model: dict, cfg: dict) -> None:
             RESULTS.setdefault("ttft_ms", {}).setdefault(how, {})[chunk] = ms
     del chains
     gc.collect()
+    from kerncc.runtime import Chain
+    from kerncc.runtime.backends import gemv
+
     gemv.MAX_M = 8
     chain = Chain(model["whole"], backend="cuda", token_capacity=CAPACITY, graphs="off")
     for context in (0, 2048):  # the 4096-token prompt's two chunks
         prefill_profile(chain, context, 2048)
 
 
+
+def launch_overhead(model: dict) -> None:
+    chain = chain_of(model["whole"], 8)
+    session, backend = chain.sessions[0], chain.sessions[0].backend
+    greedy(chain, list(range(1, 101)), 2, 512)  # a 100-token context in the cache
+    env = dict(session.last_vars)
+    program = "decode"
+    backend.sync()
+
+    say("  prefilled; timing eager launches")
+    before = backend.launches
+    session._issue_program(program, env)
+    backend.sync()
+    per_step = backend.launches - before
+
+    issue, step = [], []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        session._issue_program(program, env)
+        t1 = time.perf_counter()
+        backend.sync()
+        issue.append(t1 - t0)
+        step.append(time.perf_counter() - t0)
+
+    say("  timing each kernel behind a busy stream")
+    busy = Busy(backend)
+    kernels = []
+    originals = dict(session._launchers)
+    try:
+        marks: list[tuple] = []
+
+        def timed(launcher):
+            def launch(grid, shared, scalars):
+                start = backend.mark()
+                launcher(grid, shared, scalars)
+                marks.append((start, backend.mark()))
+            return launch
+
+        session._launchers = {n: timed(fn) for n, fn in originals.items()}
+        for _ in range(5):
+            marks.clear()
+            with busy:
+                session._issue_program(program, env)
+            backend.sync()
+            kernels.append(sum(backend.elapsed_ms(a, b) for a, b in marks))
+    finally:
+        session._launchers = originals
+    queued = []
+    for _ in range(5):  # the same launches queued back to back, events only around them all
+        with busy:
+            start = backend.mark()
+            session._issue_program(program, env)
+            end = backend.mark()
+        queued.append(backend.elapsed_ms(start, end))
+
+    say("  capturing and replaying the graph")
+    graph = backend.capture(lambda: session._issue_program(program, env))
+    backend.replay(graph)
+    backend.sync()
+    replays = 200
+    with busy:
+        start = backend.mark()
+        for _ in range(replays):
+            backend.replay(graph)
+        end = backend.mark()
+    graph_ms = backend.elapsed_ms(start, end) / replays
+    kernel_ms = statistics.median(kernels)
+    row("launch", "decode step launches", str(per_step))
+    row("launch", "sum of kernel times (events), ms", f"{kernel_ms:.3f}")
+    row("launch", "graph replay per step, ms", f"{graph_ms:.3f}")
+    row("launch", "graph replay / kernel sum (gate <= 1.1)", f"{graph_ms / kernel_ms:.3f}")
+    queued_ms = statistics.median(queued)
+    row("launch", "same kernels queued back to back (no events between), ms", f"{queued_ms:.3f}")
+    row("launch", "graph replay / back-to-back kernels", f"{graph_ms / queued_ms:.3f}")
+    eager_ms = statistics.median(step) * 1e3
+    row("launch", "eager step (issue + run), ms", f"{eager_ms:.3f}")
+    row("launch", "eager host issue per launch, us",
+        f"{statistics.median(issue) / per_step * 1e6:.2f}")
+    row("launch", "eager cost per launch over graph, us",
+        f"{(eager_ms - graph_ms) / per_step * 1e3:.2f}")
+    RESULTS["launch"] = {"launches": per_step, "kernel_sum_ms": kernel_ms, "graph_ms": graph_ms,
+                         "queued_ms": queued_ms,
+                         "eager_ms": eager_ms,
+                         "issue_us_per_launch": statistics.median(issue) / per_step * 1e6}
+
+
+def breakdown(chain, prompt: list[int], chunk: int) -> None:
+    """Where a pipelined TTFT goes: host issue until the last item is in, then the wait."""
+    greedy(chain, prompt, 1, chunk)
+    submits: list[float] = []
+    original = chain.submit
+
+    def submit(*args, **kwargs):
+        pending = original(*args, **kwargs)
+        submits.append(time.perf_counter())
+        return pending
+
+    chain.submit = submit  # type: ignore[method-assign]
+    try:
+        t0 = time.perf_counter()
+        greedy(chain, prompt, 1, chunk)
+        total = time.perf_counter() - t0
+    finally:
+        del chain.submit
+    row("pipeline", f"TTFT 8192 on 2 GPUs, chunk {chunk}: first item issued / last issued / "
+        "done, ms", f"{(submits[0] - t0) * 1e3:.1f} / {(submits[-1] - t0) * 1e3:.1f} / "
+        f"{total * 1e3:.1f}")
+
+
+def pipeline(model: dict, out: Path, gpus: int) -> None:
+    from kerncc.runtime import Chain
+    from kerncc.runtime.trace import Timeline
+
+    if gpus < 2:
+        row("pipeline", "skipped", "one GPU")
+        return
+    whole = Chain(model["whole"], backend="cuda")
+    two = Chain(model["two"], backend="cuda", devices=[0, 1])
+    rng = np.random.default_rng(5)
+    for n in (513, 2049, 8192):
+        prompt = [int(t) for t in rng.integers(1, 32000, n)]
+        base = ttft(whole, prompt, 512)
+        base_max = ttft(whole, prompt, 2048)
+        piped = ttft(two, prompt, 512)
+        row("pipeline", f"TTFT {n}: whole 1 GPU chunk 512 / chunk 2048, ms",
+            f"{base * 1e3:.1f} / {base_max * 1e3:.1f}")
+        row("pipeline", f"TTFT {n}: 2 stages 2 GPUs chunk 512, ms", f"{piped * 1e3:.1f}")
+        row("pipeline", f"TTFT {n}: speedup vs whole chunk 512 (gate >= 1.7 at 8192)",
+            f"{base / piped:.3f}")
+        row("pipeline", f"TTFT {n}: speedup vs whole's best chunk",
+            f"{min(base, base_max) / piped:.3f}")
+        RESULTS.setdefault("pipeline", {})[n] = {"whole_ms": base * 1e3,
+                                                 "whole_2048_ms": base_max * 1e3,
+                                                 "two_gpus_ms": piped * 1e3}
+    prompt = [int(t) for t in rng.integers(1, 32000, 8192)]
+    for chunk in (256, 1024):
+        row("pipeline", f"TTFT 8192, chunk {chunk}: whole 1 GPU / 2 GPUs, ms",
+            "{:.1f} / {:.1f}".format(ttft(whole, prompt, chunk) * 1e3,
+                                     ttft(two, prompt, chunk) * 1e3))
+    breakdown(two, prompt, 512)
+    whole_marked = Chain(model["whole"], backend="cuda", graphs="marked")
+    two_marked = Chain(model["two"], backend="cuda", devices=[0, 1], graphs="marked")
+    base, piped = ttft(whole_marked, prompt, 512), ttft(two_marked, prompt, 512)
+    row("pipeline", "TTFT 8192, prefill launched kernel by kernel (graphs=marked): whole / "
+        "2 GPUs, ms", f"{base * 1e3:.1f} / {piped * 1e3:.1f} ({base / piped:.3f}x)")
+    timeline = Timeline()
+    traced = Chain(model["two"], backend="cuda", devices=[0, 1], trace=timeline)
+    prompt = [int(t) for t in rng.integers(1, 32000, 8192)]
+    greedy(traced, prompt, 1, 512)
+    timeline.spans.clear()
+    t0 = time.perf_counter()
+    greedy(traced, prompt, 1, 512)
+    total_ms = (time.perf_counter() - t0) * 1e3
+    rows = timeline.rows()
+    copy_ms = sum(r["done_ms"] - r["start_ms"] for r in rows if "buffer" in r)
+    copied = sum(1 for r in rows if "buffer" in r)
+    row("pipeline", "transfers in the 8192 run: count, ms, share of TTFT",
+        f"{copied}, {copy_ms:.2f}, {copy_ms / total_ms:.2%}")
+    timeline.write(out / "trace-8192-two-gpus.json")
+    RESULTS.setdefault("pipeline", {})["transfer_share"] = copy_ms / total_ms
+
+
 # ---------------------------------------------------------------------------------- main
 
+SECTIONS = ("copy", "gemm", "profile", "launch", "decode", "pipe", "attention", "torch",
+            "bitwise", "prefill", "first-token", "pipeline")
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or "decode-bench")
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.decode", description=__doc__.splitlines()[0],
+        epilog="sections: " + " ".join(SECTIONS) + " (and ablate with --ablate)")
+    REPORT.add_options(parser)
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
-    parser.add_argument("--skip", default="")
+    parser.add_argument("--skip", default="", help="sections to leave out, comma-separated")
+    parser.add_argument("--only", default="", help="the only sections to run, comma-separated")
     parser.add_argument("--defaults-only", action="store_true",
                         help="decode: only the default policies (whole and 2 stages)")
     parser.add_argument("--ablate", action="store_true",
                         help="also the ablation of the decode graph (about a minute)")
-    parser.add_argument("--doc", type=Path, default=None,
-                        help="write the run's rows into this markdown file (docs/benchmarks.md) "
-                        "between its decode_bench markers")
-    parser.add_argument("--commit", default=os.environ.get("KERNCC_COMMIT", ""),
-                        help="the commit the rows name (default: git's HEAD, if it answers)")
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    skip = set(args.skip.split(","))
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / "kerncc-decode-bench"
-    t0 = time.perf_counter()
-    try:
-        with section("build small"):
-            import gpu_bench
+    args = parser.parse_args(argv)
+    chosen = {s for s in (args.only or ",".join(SECTIONS)).split(",") if s}
+    unknown = (chosen | set(filter(None, args.skip.split(",")))) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))} (known: "
+                     f"{', '.join(SECTIONS)})")
+    args.sections = chosen - set(args.skip.split(","))
+    return args
 
-            if args.layers:
-                original = gpu_bench.generate
-                gpu_bench.generate = lambda d, s, **o: original(d, s, layers=args.layers, **o)
-            model = build(work, "small")
-        say(f"  built in {time.perf_counter() - t0:.1f} s")
+
+def main(argv: list[str] | None = None) -> int:
+    import os
+
+    args = parse(argv)
+    run = args.sections
+    work = Path(os.environ.get("TMPDIR", "/tmp")) / "kerncc-decode-bench"
+    started = time.perf_counter()
+    try:
+        with REPORT.section("build small"):
+            model = build(work, "small", args.layers)
+        say(f"  built in {time.perf_counter() - started:.1f} s")
         cfg = config(model)
+        gpus = device_count()
         hbm = HBM_TBS
-        if "copy" not in skip:
-            with section("copy"):
+        if "copy" in run:
+            with REPORT.section("copy"):
                 from kerncc.runtime.backends.cuda import CudaBackend
                 hbm = copy_ceiling(CudaBackend(0))
-        if "gemm" not in skip:
-            with section("gemm"):
+        if "gemm" in run:
+            with REPORT.section("gemm"):
                 gemm_bench(cfg)
-        if "profile" not in skip:
+        if "profile" in run:
             for label, max_m in (("cuBLAS", 0), ("GEMV m<=8", 8)):
-                with section(f"profile {label}"):
+                with REPORT.section(f"profile {label}"):
                     decode_profile(chain_of(model["whole"], max_m, False), label)
                 gc.collect()
-            with section("profile 32 sequences"):
+            with REPORT.section("profile 32 sequences"):
                 decode_profile(chain_of(model["whole"], 8, False), "32 sequences", seqs=32)
             gc.collect()
+        if "launch" in run:
+            with REPORT.section("launch"):
+                launch_overhead(model)
+            gc.collect()
         if args.ablate:
-            with section("ablate", limit=400):
+            with REPORT.section("ablate", limit=400):
                 ablate(model, cfg)
-        if "decode" not in skip:
-            with section("decode", limit=400):
+        if "decode" in run:
+            with REPORT.section("decode", limit=400):
                 decode_rows(model, cfg, hbm, args.defaults_only)
-        if "fuse" not in skip:
-            with section("fuse", limit=300):
-                fuse_ab(model, cfg, hbm)
-        if "join" not in skip:
-            with section("join", limit=300):
-                join_ab(model, cfg, hbm)
-        if "persist" not in skip:
-            with section("persist", limit=300):
-                persist_ab(model, cfg, hbm)
-        if "pipe" not in skip:
-            with section("pipe", limit=300):
+        if "pipe" in run:
+            with REPORT.section("pipe", limit=300):
                 pipe_ab(model, cfg, hbm)
-        if "lookahead" not in skip:
-            with section("lookahead", limit=300):
-                lookahead_ab(model, cfg, hbm)
-        if "attention" not in skip:
-            with section("attention"):
+        if "attention" in run:
+            with REPORT.section("attention"):
                 attention_blocks(model, cfg, hbm)
-        if "torch" not in skip:
-            with section("torch"):
-                torch_graph(model, cfg, hbm)
-        if "bitwise" not in skip:
-            with section("bitwise"):
-                bitwise(model)
+        if "torch" in run:
+            with REPORT.section("torch"):
+                torch_rows(model, cfg, hbm)
+        if "bitwise" in run:
+            with REPORT.section("bitwise"):
+                bitwise(model, gpus)
         gc.collect()
-        if "prefill" not in skip:
-            with section("prefill"):
+        if "prefill" in run:
+            with REPORT.section("prefill"):
                 prefill_rows(model, cfg)
+        if "first-token" in run:
+            with REPORT.section("first-token"):
+                first_token(model)
+        gc.collect()
+        if "pipeline" in run:
+            with REPORT.section("pipeline"):
+                pipeline(model, Path(args.out), gpus)
     finally:
-        (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str) + "\n")
-        say(f"\ntotal {time.perf_counter() - t0:.1f} s")
-        say("\n| section | measure | value |\n| --- | --- | --- |")
-        for sec, what, value in TABLE:
-            say(f"| {sec} | {what} | {value} |")
-        if args.doc is not None:
-            try:
-                write_rows(args.doc, "decode_bench", TABLE, doc_header(args.commit),
-                           anchor=DOC_ANCHOR)
-                say(f"rows written into {args.doc}")
-            except DocError as err:
-                say(f"decode_bench: --doc: {err}")
-                return 1
-    return 0
-
-
-DOC_ANCHOR = "### Where a decode step's time goes"  # the rows go before it the first time
-UNSHOWN = ("--doc", "--commit", "--out")  # options of the run, not of what it measures
-
-
-def shown_command(argv: list[str]) -> str:
-    """The command that measures the same again: these arguments without UNSHOWN's options
-    (as `--doc X` or `--doc=X`)."""
-    shown, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in UNSHOWN:
-            skip = True
-        elif not arg.startswith(tuple(f"{o}=" for o in UNSHOWN)):
-            shown.append(arg)
-    return " ".join(["python tests/bench/decode_bench.py", *shown])
-
-
-def doc_header(commit: str) -> str:
-    """The line above the rows: how to get them again, from which commit, on what, when."""
-    import subprocess
-
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                    text=True, timeout=10, check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            commit = "an unknown commit"
-    try:
-        from cuda.core import Device
-
-        device = Device(0).name
-    except Exception:  # noqa: BLE001 - the header names what it can
-        device = "an unknown device"
-    command = shown_command(sys.argv[1:])
-    return (f"The latest rows of `{command}`, at {commit} on {device}, "
-            f"{time.strftime('%Y-%m-%d')} (each x is the ratio to the roofline its row names):")
+        say(f"\ntotal {time.perf_counter() - started:.1f} s")
+        status = REPORT.finish(args, device_name(), argv)
+    return status
 
 
 if __name__ == "__main__":

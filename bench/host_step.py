@@ -9,7 +9,9 @@ checked, the call issued, the outputs taken in).
   plan, the call's inputs, the tokens taken in), prefill left out. The engine waits for each
   step's tokens before it plans the next, so on a GPU this time adds to every step's.
 
-    python tests/bench/host_step.py [--tokens 400] [--engine] [--profile]   # ~10-30 s, no GPU
+--doc docs/benchmarks.md writes the rows between the file's `host_step` markers.
+
+    python -m bench.host_step [--tokens 400] [--engine] [--profile]   # ~10-30 s, no GPU
 """
 
 from __future__ import annotations
@@ -22,27 +24,38 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.report import Report
+from bench.simulated import Idle
 from kerncc.cli.main import main as kerncc
 from kerncc.example import generate
 from kerncc.runtime import Chain
-from kerncc.runtime import generate as gen
 from kerncc.runtime import session as sess
-from simulated import Idle  # beside this script
 
+REPORT = Report("host_step")
 # the `small` model's decode interface (24 layers, vocab 32000, 4096 keys) on tiny widths
 SHAPE = {"layers": 24, "hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128,
          "intermediate": 512, "vocab": 32000, "max_context": 4096, "max_tokens": 512}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_step",
+                                     description=__doc__.splitlines()[0])
+    REPORT.add_options(parser)
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument("--profile", action="store_true", help="also cProfile one run")
     parser.add_argument("--engine", action="store_true", help="the serving engine's steps")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.engine:
         engine_steps(args)
-        return
+    else:
+        generator_steps(args)
+    return REPORT.finish(args, "the CPU (launches that do nothing)", argv)
+
+
+def generator_steps(args: argparse.Namespace) -> None:
+    """Each greedy token's host time through the one-sequence runner, a step ahead and not."""
+    from kerncc.runtime import generate as gen  # imported here: --engine and --help need none
+
     root = Path(tempfile.mkdtemp())
     model, _ = generate(root / "model", "tiny", **SHAPE)
     assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
@@ -74,6 +87,8 @@ def main() -> None:
             line += (f"; a token in hand to the next replay (the device waits): median "
                      f"{statistics.median(gaps) * 1e6:.1f} us over {len(gaps)} steps")
         print(line)
+        REPORT.row("runner", f"{'a step ahead' if ahead else 'one step at a time'}: host work "
+                   "a token, us", f"{per_token:.1f}")
     sess.Pending.result = result
     if args.profile:
         profile = cProfile.Profile()
@@ -110,9 +125,11 @@ def engine_steps(args) -> None:
             profile.disable()
         print(f"engine, {seqs} sequences: {statistics.median(steps) * 1e6:.0f} us of host work "
               f"a decode step (median of {len(steps)})")
+        REPORT.row("engine", f"{seqs} sequences: host work a decode step, us (median of "
+                   f"{len(steps)})", f"{statistics.median(steps) * 1e6:.0f}")
         if profile:
             pstats.Stats(profile).sort_stats("tottime").print_stats(20)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

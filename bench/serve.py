@@ -4,18 +4,20 @@ concurrency 1, 8 and 32, printed side by side with the ratio to concurrency 1.
 The server runs in a process of its own (uvicorn on a thread, 127.0.0.1, a free port), as
 `kerncc serve` does, over the example model (generated into --dir unless it is there), whole or
 cut (--pipeline), on --backend; `--backend sim` serves on the CPU over a simulated device whose
-decode steps take --step-ms (tests/bench/simulated.py) and adds the device's median wait for
+decode steps take --step-ms (bench/simulated.py) and adds the device's median wait for
 the host before each step: the host's cost a step, measured without a GPU.
 Every level sends `--requests-per-level x concurrency` streaming requests of random token-id
 prompts (`--prompt-len`, `--max-tokens`, fixed seed), at most `concurrency` at once; each
 request's TTFT is the time to its first streamed token, its ITLs the gaps between the next ones.
 Bounded: a level stops after --budget seconds.
 
-  python tests/bench/serve_bench.py --size small --backend cuda                     # whole
-  python tests/bench/serve_bench.py --size small --backend cuda --pipeline 'cut,slice-derive,emit'
-  python tests/bench/serve_bench.py --size tiny --backend cpu --levels 1,4 --max-tokens 16
-  python tests/bench/serve_bench.py --size small --backend sim --step-ms 2.0        # no GPU
-  python tests/bench/serve_bench.py --size small --backend sim --ahead ab           # A/B
+--doc docs/benchmarks.md writes the rows between the file's `serve` markers.
+
+  python -m bench.serve --size small --backend cuda                     # whole
+  python -m bench.serve --size small --backend cuda --pipeline 'cut,slice-derive,emit'
+  python -m bench.serve --size tiny --backend cpu --levels 1,4 --max-tokens 16
+  python -m bench.serve --size small --backend sim --step-ms 2.0        # no GPU
+  python -m bench.serve --size small --backend sim --ahead ab           # A/B
 """
 
 from __future__ import annotations
@@ -36,11 +38,15 @@ from typing import Any
 import numpy as np
 import uvicorn
 
+from bench.report import Report
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
 from kerncc.serve.engine import Config, Engine
 from kerncc.serve.http import Server, create_app
+
+
+REPORT = Report("serve")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -129,7 +135,7 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
     bundle = lower_to_bundle(manifest, args.pipeline)
     devices = [int(d) for d in args.devices.split(",")] if args.devices else None
     if args.backend == "sim":
-        from simulated import Device  # beside this script
+        from bench.simulated import Device
 
         backend: Any = Device(args.step_ms)
         chain = Chain(bundle, backend=backend, graphs=True,
@@ -158,8 +164,9 @@ def _milliseconds(text: str) -> float:
     return value
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.splitlines()[0])
+    REPORT.add_options(p)
     p.add_argument("--size", choices=("tiny", "small"), default="small")
     p.add_argument("--dir", default="/tmp/kerncc-serve-bench", help="example model folder")
     p.add_argument("--max-seqs", type=int, default=32, help="example's seqs bound and the "
@@ -180,7 +187,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--budget", type=float, default=120.0, help="seconds per level at most")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     folder = Path(args.dir) / f"{args.size}-{args.max_seqs}"
     manifest = folder / "model.json"
@@ -192,6 +199,18 @@ def main() -> None:
         report(args, stages, rows, wake_us, ahead)
     if args.ahead == "ab":
         compare([r for r in runs if r[0]], [r for r in runs if not r[0]])
+    return REPORT.finish(args, device(args), argv)
+
+
+def device(args: argparse.Namespace) -> str:
+    """What served, for the --doc header."""
+    if args.backend == "sim":
+        return f"a simulated device ({args.step_ms} ms a step) on the CPU"
+    if args.backend == "cuda":
+        from bench.gpu import device_name
+
+        return device_name()
+    return f"the {args.backend} backend"
 
 
 def served(args: argparse.Namespace, manifest: Path, ahead: bool
@@ -205,7 +224,7 @@ def served(args: argparse.Namespace, manifest: Path, ahead: bool
     child.start()
     try:
         if not mine.poll(600):
-            raise SystemExit("serve_bench: the server did not start in 600 s")
+            raise SystemExit("bench.serve: the server did not start in 600 s")
         url, model, vocab, stages, wake_us = mine.recv()
         rows = measure(args, mine, url, model, vocab)
         mine.send("stop")
@@ -239,7 +258,7 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
 def report(args: argparse.Namespace, stages: int, rows: list[tuple[int, dict]],
            wake_us: float | None, ahead: bool) -> None:
     sim = args.backend == "sim"
-    print(f"serve_bench: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
+    print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
           f"{args.prompt_len}, max_tokens {args.max_tokens}, a step ahead "
           f"{'on' if ahead else 'off'}")
@@ -251,11 +270,20 @@ def report(args: argparse.Namespace, stages: int, rows: list[tuple[int, dict]],
           f"| ITL p50 ms | ITL p99 ms |{extra}")
     print("| --- " * (8 + sim) + "|")
     base = rows[0][1]["tok_s"]
+    label = f"{stages} stage(s), ahead {'on' if ahead else 'off'}"
     for conc, r in rows:
         idle = f" {r['idle_us']:.0f} |" if sim else ""
         print(f"| {conc} | {r['requests']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | "
               f"{r['ttft_p50'] * 1e3:.1f} | {r['ttft_p99'] * 1e3:.1f} | "
               f"{r['itl_p50'] * 1e3:.2f} | {r['itl_p99'] * 1e3:.2f} |{idle}")
+        waited = f"; {r['idle_us']:.0f}" if sim else ""
+        REPORT.row(label, f"concurrency {conc}: tokens/s (x conc 1); TTFT p50 / p99 ms; ITL p50 "
+                   f"/ p99 ms{'; device idle a step us' if sim else ''}",
+                   f"{r['tok_s']:.1f} ({r['tok_s'] / base:.2f}x); {r['ttft_p50'] * 1e3:.1f} / "
+                   f"{r['ttft_p99'] * 1e3:.1f}; {r['itl_p50'] * 1e3:.2f} / "
+                   f"{r['itl_p99'] * 1e3:.2f}{waited}")
+    REPORT.results.setdefault("runs", []).append({"ahead": ahead, "stages": stages,
+                                                  "rows": rows})
 
 
 def compare(on: list[tuple], off: list[tuple]) -> None:
@@ -270,7 +298,9 @@ def compare(on: list[tuple], off: list[tuple]) -> None:
             theirs = statistics.median(run[2][i][1][key] for run in off)
             ratios.append(f"{mine / theirs:.2f}x")
         print(f"| {conc} | {' | '.join(ratios)} |")
+        REPORT.row("ahead on / off", f"concurrency {conc}: tokens/s, TTFT p50, ITL p50, ITL p99 "
+                   "(medians of the rounds)", ", ".join(ratios))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

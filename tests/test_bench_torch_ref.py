@@ -1,4 +1,4 @@
-"""The PyTorch eager baseline (torch_ref.TorchQwen) against the numpy oracle, on the CPU.
+"""The PyTorch eager baseline (bench/torch_ref.py) against the numpy oracle, on the CPU.
 
 Skipped where torch is not importable. With bf16 attention (what the baseline runs) the last
 row's logits agree with the oracle within about 1.2% of the largest logit: the oracle keeps the
@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_ref import TorchQwen
+from bench.torch_ref import TorchQwen
 
 from kerncc.example import generate
 from kerncc.example.oracle import Oracle
