@@ -195,7 +195,7 @@ class CudaBackend(Backend):
         self._open_blas()
         self._gemv: gemv.Gemv | bool | None = None  # loaded at the first GEMM site
         self._open_pinned()
-        self._landings: dict[tuple[int, int], _Landing] = {}  # peer copies' (send)
+        self._landings: dict[tuple[int, int], _Landing] = {}  # peer copies' landing buffers
         self.launches = 0
         self.pdl = PDL  # may be switched per backend (benchmarks compare both in one run)
         self.after_kernel = False  # the stream's last operation is a kernel launched here
