@@ -408,28 +408,6 @@ GEMV_ENTRIES = ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb2", "gemv_bf16_tn_mb3", "gem
 KERNELS.update({name: _int_scalars(gemv_bf16_tn) for name in GEMV_ENTRIES})
 
 
-def gemv_rmsnorm_bf16_tn(launch: Any, x, gn, y, eps, norm_threads, w, c, m, n, k,
-                         mode) -> None:
-    """kernels/gemv.cu's gemv_rmsnorm_bf16_tn_mb1[_w16]: rmsnorm_bf16 of x into y (as launched
-    with `norm_threads` threads a block: the numpy norm is that launch's function), then the
-    GEMV of y."""
-    rmsnorm_bf16(launch, x, gn, y, m, k, eps)
-    gemv_bf16_tn(launch, y, w, c, m, n, k, mode)
-
-
-def gemv_silu_bf16_tn(launch: Any, gate_up, act, block, w, c, m, n, k, mode) -> None:
-    """kernels/gemv.cu's gemv_silu_bf16_tn_mb1[_w16]: silu_mul_bf16 of gate_up into act, then
-    the GEMV of act."""
-    silu_mul_bf16(launch, gate_up, act, m, k, block)
-    gemv_bf16_tn(launch, act, w, c, m, n, k, mode)
-
-
-KERNELS.update({name: _int_scalars(fn) for name, fn in (
-    ("gemv_rmsnorm_bf16_tn_mb1", gemv_rmsnorm_bf16_tn),
-    ("gemv_rmsnorm_bf16_tn_mb1_w16", gemv_rmsnorm_bf16_tn),
-    ("gemv_silu_bf16_tn_mb1", gemv_silu_bf16_tn),
-    ("gemv_silu_bf16_tn_mb1_w16", gemv_silu_bf16_tn))})
-
 EXTERNS: dict[str, Callable[..., None]] = {
     fn.__name__: _int_scalars(fn)
     for fn in (cublaslt_bf16_tn, cublaslt_bf16_tn_acc, cublas_bf16_tn_f32)

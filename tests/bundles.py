@@ -23,8 +23,8 @@ def whole_and_two(root: Path, size: str = "tiny", **overrides) -> dict[str, Path
 
 def cuda_chain(bundle: Path, graphs: bool = True, **backend: object):
     """A Chain over `bundle` on a CudaBackend of its own, with the backend's attributes in
-    `backend` set first (they are read when a Session loads: `persist`, `join_attention`,
-    `fuse_gemv`, `pipe_attention`). Close it with `close_chains`."""
+    `backend` set first (they are read when a Session loads: `pipe_attention`,
+    `pipe_columns`). Close it with `close_chains`."""
     from kerncc.runtime import Chain
     from kerncc.runtime.backends.cuda import CudaBackend
 

@@ -20,12 +20,6 @@ kernel, which has nothing to overlap there), the head dim is one the kernel take
 arguments and grid x, y, takes `blocks` (the Z rule) for grid z and `shared_bytes(hd, G)` of
 dynamic shared memory, whose limit the backend raises once at load.
 
-With the joined attention (runtime/backends/attention.py, KERNCC_JOIN_ATTENTION): the pipe is
-applied first and the join after, over its launchers, so where a split and combine pair goes out
-joined the joined kernel runs (the split kernel's blocks: join wins there), and every split
-launch that does not (its pair does not fit at those values, or it is no pair's) goes out
-pipelined where it fits.
-
 On by default; off with `KERNCC_PIPE_ATTENTION=0`, or `CudaBackend.pipe_attention = False`
 before a Session loads. Measured on an H200 (docs/benchmarks.md, commit 2e4b997; `python -m
 bench.decode`'s `pipe` section compares it with the split kernel at batch 1, 8 and 32 sequences): at 32

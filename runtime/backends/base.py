@@ -129,11 +129,12 @@ class Backend(abc.ABC):
 
         return kernel
 
-    def join_runs(self, programs: Mapping[str, Sequence[Site]],
-                  launchers: dict[int, Launcher]) -> dict[int, Launcher]:
+    def rewrite_launchers(self, programs: Mapping[str, Sequence[Site]],
+                          launchers: dict[int, Launcher]) -> dict[int, Launcher]:
         """The launchers a Session issues with, given each program's sites in order: a backend
-        may let a stretch of consecutive sites go out as one launch that computes the same bits
-        (cuda: runtime/backends/persist.py). The default issues each site as prepared."""
+        may put another launch that computes the same bits in a site's place (cuda: the
+        pipelined decode attention, runtime/backends/attention_pipe.py). The default issues
+        each site as prepared."""
         return launchers
 
     def stream_joined(self) -> None:
