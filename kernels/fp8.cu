@@ -133,3 +133,12 @@ extern "C" __global__ void gemv_fp8_bf16(const bf16* __restrict__ a, const uint8
     }
   }
 }
+
+// y f32[n] = x bf16[n], exact: the bf16 block scales some FP8 checkpoints ship (Qwen3's dense
+// FP8 models), widened at load for the kernels above. Grid-stride: any grid is correct.
+extern "C" __global__ void cast_bf16_f32(const bf16* __restrict__ x, float* __restrict__ y,
+                                         int n) {
+  pdl_begin();
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    y[i] = __bfloat162float(x[i]);
+}

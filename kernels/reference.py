@@ -536,5 +536,10 @@ def gemv_fp8_bf16(launch: Any, a, w, s, c, m, n, k, mode) -> None:
     C[...] = bf16(out + f32(C)) if mode == 1 else bf16(out)
 
 
+def cast_bf16_f32(launch: Any, x, y, n) -> None:
+    view(y, F32, n)[...] = f32(view(x, BF16, n))
+
+
 KERNELS.update({fn.__name__: _int_scalars(fn)
-                for fn in (fp8_quantize_bf16, fp8_dequantize_bf16, gemv_fp8_bf16)})
+                for fn in (fp8_quantize_bf16, fp8_dequantize_bf16, gemv_fp8_bf16,
+                           cast_bf16_f32)})

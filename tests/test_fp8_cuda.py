@@ -67,6 +67,13 @@ def test_dequantize_gives_the_reference_bits_on_any_grid(gpu, grid):
     assert np.array_equal(gpu.download(out, want).view(np.uint16), want.view(np.uint16))
 
 
+def test_bf16_scales_widen_to_the_reference_bits(gpu):
+    x = (np.random.default_rng(5).standard_normal(5000) * 1e-3).astype(np.float32).astype(BF16)
+    out = gpu.upload(np.zeros(5000, np.float32))
+    gpu.launch("fp8", "cast_bf16_f32", 7, 256, [gpu.upload(x), out, i32(5000)])
+    assert np.array_equal(gpu.download(out, np.zeros(5000, np.float32)), x.astype(np.float32))
+
+
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (3, 1024, 4112), (8, 384, 12288),
                                      (33, 136, 512)])

@@ -125,3 +125,10 @@ def test_dequantize_inverts_quantize_within_e4m3_precision():
     x = w.astype(np.float32)
     scale = np.repeat(np.repeat(s, 128, 0), 128, 1)
     assert np.all(np.abs(back - x) <= np.abs(x) / 16 + scale * 2.0 ** -9)
+
+
+def test_bf16_scales_widen_exactly():
+    x = (np.random.default_rng(8).standard_normal(300) * 1e-3).astype(np.float32).astype(BF16)
+    out = ptr(np.zeros(300, np.float32))
+    KERNELS["cast_bf16_f32"](None, ptr(x), out, np.int32(300))
+    assert np.array_equal(read(out, np.float32, (300,)), x.astype(np.float32))

@@ -393,13 +393,37 @@ def linear(b: Binding, base: str, shape: list[int], bind: list[dict]) -> dict[st
     is quantized at load), else as `bound` gives it."""
     dtypes = {b.dtypes.get(name, "bf16") for name in bind_tensors(bind)}
     if dtypes == {FP8}:
-        return {f"{base}.w": weight(FP8, shape, bind),
-                f"{base}.s": weight("f32", scale_shape(shape), scale_bind(bind, base))}
+        return {f"{base}.w": weight(FP8, shape, bind), **scales(b, base, shape, bind)}
     if dtypes == {"bf16"} and b.quantize:
         return {f"{base}.src": weight("bf16", shape, bind, kind="source"),
                 f"{base}.w": {"dtype": FP8, "shape": shape, "kind": "carry"},
                 f"{base}.s": {"dtype": "f32", "shape": scale_shape(shape), "kind": "carry"}}
     return bound(b, base, shape, bind)
+
+
+def scales(b: Binding, base: str, shape: list[int], bind: list[dict]) -> dict[str, dict]:
+    """`<base>.s` f32 bound to the scale tensors; bf16 scales (Qwen3's dense FP8 models ship
+    them) bind a source `<base>.s.src` that the derive program widens to the f32 carry."""
+    sbind = scale_bind(bind, base)
+    dtypes = {b.dtypes.get(name, "f32") for name in bind_tensors(sbind)}
+    if dtypes == {"f32"}:
+        return {f"{base}.s": weight("f32", scale_shape(shape), sbind)}
+    if dtypes != {"bf16"}:
+        raise ValueError(f"the scales of `{base}` are {', '.join(sorted(dtypes))}, not all f32 "
+                         "or all bf16")
+    return {f"{base}.s.src": weight("bf16", scale_shape(shape), sbind, kind="source"),
+            f"{base}.s": {"dtype": "f32", "shape": scale_shape(shape), "kind": "carry"}}
+
+
+def scale_casts_of(buffers: dict[str, dict]) -> list[tuple[str, int]]:
+    """(base, elements) of every bf16 scale source the derive program widens to f32."""
+    return [(name.removesuffix(".s.src"), math.prod(b["shape"]))
+            for name, b in sorted(buffers.items()) if name.endswith(".s.src")]
+
+
+def scale_cast_ops(casts: list[tuple[str, int]]) -> dict[str, dict]:
+    return {f"cast_bf16_f32_{n}": kernel_op([IN_BF16, OUT_F32], "cast_bf16_f32", ["i32"],
+                                            [i32(n)], [ceil(n, 256)], 256) for _, n in casts}
 
 
 def fp8_linears(buffers: dict[str, dict]) -> frozenset[str]:
@@ -411,7 +435,8 @@ def fp8_linears(buffers: dict[str, dict]) -> frozenset[str]:
 def quantizes_of(buffers: dict[str, dict]) -> list[tuple[str, int, int]]:
     """(base, n, k) of every bf16 source the derive program quantizes to FP8."""
     return [(name.removesuffix(".src"), *b["shape"]) for name, b in sorted(buffers.items())
-            if b["kind"] == "source" and buffers[name.removesuffix(".src") + ".w"]["dtype"] == FP8]
+            if b["kind"] == "source" and not name.endswith(".s.src")
+            and buffers[name.removesuffix(".src") + ".w"]["dtype"] == FP8]
 
 
 def linear_shapes(c: QwenConfig) -> dict[str, tuple[int, int, str]]:
@@ -639,7 +664,8 @@ def forward_calls(c: QwenConfig, prefill: bool, batched: bool = False,
 
 def programs(c: QwenConfig, casts: list[tuple[str, str, int]],
              quantizes: list[tuple[str, int, int]] = (),
-             fp8: frozenset[str] = frozenset()) -> dict[str, dict]:
+             fp8: frozenset[str] = frozenset(),
+             scale_casts: list[tuple[str, int]] = ()) -> dict[str, dict]:
     out = {
         # packed: up to `seqs` sequences per chunk, split by `cu_seqlens` (spec §4.4, §6.2)
         "prefill": {"batch": {"groups": c.max_seqs, "rows": "tokens"},
@@ -654,6 +680,8 @@ def programs(c: QwenConfig, casts: list[tuple[str, str, int]],
                    buf(f"{base}.w")) for base, dtype, n in casts]
     derive += [call(f"{base}.quantize", quantize_op_name(n, k), buf(f"{base}.src"),
                     buf(f"{base}.w"), buf(f"{base}.s")) for base, n, k in quantizes]
+    derive += [call(f"{base}.s.cast", f"cast_bf16_f32_{n}", buf(f"{base}.s.src"),
+                    buf(f"{base}.s")) for base, n in scale_casts]
     if derive:
         out["convert"] = {"derive": True, "calls": derive}
     return out
@@ -673,8 +701,9 @@ def manifest(c: QwenConfig, model: str, binding: Binding | None = None) -> dict[
     model_bufs = model_buffers(c, b)
     casts = casts_of(model_bufs)
     quantizes, fp8 = quantizes_of(model_bufs), fp8_linears(model_bufs)
+    scale_casts = scale_casts_of(model_bufs)
     op_map = {**bf16_ops(c, fp8), **cast_ops(c, casts), **fp8_ops(c, fp8),
-              **quantize_ops(quantizes)}
+              **quantize_ops(quantizes), **scale_cast_ops(scale_casts)}
     return {
         "schema_version": 5,
         "model": model,
@@ -687,7 +716,7 @@ def manifest(c: QwenConfig, model: str, binding: Binding | None = None) -> dict[
         "buffers": sorted_map({**io_buffers(c), **model_bufs, **workspaces(c)}),
         "modules": sorted_map(modules(op_map)),
         "ops": sorted_map(op_map),
-        "programs": sorted_map(programs(c, casts, quantizes, fp8)),
+        "programs": sorted_map(programs(c, casts, quantizes, fp8, scale_casts)),
     }
 
 

@@ -105,9 +105,9 @@ def _fp8_problems(hf: HFConfig, table: Table, name: str, shape: tuple[int, ...],
         return problems + [Diagnostic(f"tensor `{scale}` is missing (the block scales of the "
                                       f"FP8 `{name}`)", Location(pointer(scale), file=str(where)))]
     at = table.reference.parent / found.file
-    if found.dtype != "F32" or found.shape != blocks:
+    if found.dtype not in ("F32", "BF16") or found.shape != blocks:
         problems.append(Diagnostic(f"tensor `{scale}` is {found.dtype} {list(found.shape)}, but "
-                                   f"the scales of `{name}` are F32 {list(blocks)}",
+                                   f"the scales of `{name}` are F32 or BF16 {list(blocks)}",
                                    Location(pointer(scale), file=str(at))))
     return problems
 
@@ -149,6 +149,8 @@ def check_tensors(hf: HFConfig, table: Table, quantize: str | None = None) -> No
 def binding(hf: HFConfig, table: Table, quantize: str | None = None) -> Binding:
     dtypes = {name: FP8 if table.tensors[name].dtype == "F8_E4M3" else table.kern_dtype(name)
               for name in expected_shapes(hf)}
+    dtypes.update({scale_tensor(name): table.kern_dtype(scale_tensor(name))
+                   for name, dtype in list(dtypes.items()) if dtype == FP8})
     return Binding(dtypes, tied=hf.tied, kv_repeat=hf.kv_repeat, quantize=quantize == "fp8")
 
 

@@ -109,6 +109,28 @@ def test_fp8_logits_stay_within_fp8_rounding_of_the_dequantized_bf16_model(folde
     assert np.abs(logits_ref).std() > 0.1 * scale
 
 
+def test_bf16_scales_are_widened_at_load(folders, tmp_path):
+    """Qwen3's dense FP8 models ship bf16 `weight_scale_inv`: bound as sources and widened to
+    the f32 scales by the derive program, they run to the bits of the same scales in f32."""
+    def scales_as(dtype):
+        return lambda t: t.update({n: v.astype(ml_dtypes.bfloat16).astype(dtype)
+                                   for n, v in t.items() if n.endswith("_scale_inv")})
+
+    narrow, wide = _copy(folders, tmp_path / "bf16"), _copy(folders, tmp_path / "f32")
+    rewrite(narrow, scales_as(ml_dtypes.bfloat16))
+    rewrite(wide, scales_as(np.float32))
+    done = import_model(narrow, **LIMITS)
+    buffers = done.manifest["buffers"]
+    assert buffers["l0.o_proj.s.src"] == {**buffers["l0.o_proj.s.src"], "dtype": "bf16",
+                                          "kind": "source"}
+    assert buffers["l0.o_proj.s"] == {"dtype": "f32", "shape": [1, 2], "kind": "carry"}
+    ops = [c["op"] for c in done.manifest["programs"]["convert"]["calls"]]
+    assert len(ops) == 4 * SIZES["layers"] and all(o.startswith("cast_bf16_f32_") for o in ops)
+    tokens, logits = run(done.path)
+    tokens_f32, logits_f32 = run(import_model(wide, **LIMITS).path)
+    assert tokens == tokens_f32 and np.array_equal(logits, logits_f32)
+
+
 def test_an_fp8_model_cut_in_two_gives_the_whole_bits(folders):
     path = import_model(folders["fp8"], **LIMITS).path
     whole, cut = run(path), run(path, "cut,slice-derive,emit")
@@ -135,10 +157,10 @@ def rewrite(folder, change) -> None:
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def _copy(folders, tmp_path, name="fp8"):
+def _copy(folders, root, name="fp8"):
     import shutil
 
-    target = tmp_path / name
+    target = root / name
     shutil.copytree(folders[name], target, ignore=shutil.ignore_patterns("model.json"))
     return target
 
@@ -148,8 +170,8 @@ SCALE = "model.layers.1.mlp.up_proj.weight_scale_inv"
 
 @pytest.mark.parametrize("change, message", [
     (lambda t: t.pop(SCALE), f"tensor `{SCALE}` is missing"),
-    (lambda t: t.update({SCALE: t[SCALE][:1]}), "are F32 [2, 1]"),
-    (lambda t: t.update({SCALE: t[SCALE].astype(ml_dtypes.bfloat16)}), "is BF16 [2, 1]"),
+    (lambda t: t.update({SCALE: t[SCALE][:1]}), "are F32 or BF16 [2, 1]"),
+    (lambda t: t.update({SCALE: t[SCALE].astype(np.float16)}), "is F16 [2, 1]"),
     (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(
         ml_dtypes.float8_e4m3fn)}), "only the layers' linear weights may be FP8"),
 ])
