@@ -182,7 +182,7 @@ def test_serve_prints_the_memory_before_loading(bundles, monkeypatch):
 
 
 def _cuda_model(tmp_path_factory) -> Path:
-    """Weights of some 600 MB, so that what the plan leaves out (cubins, the driver's own
+    """Weights of some 740 MB, so that what the plan leaves out (cubins, the driver's own
     bookkeeping) stays well under 2% of what it counts."""
     manifest, _ = generate(tmp_path_factory.mktemp("mid"), "tiny", layers=4, hidden=2048,
                            heads=16, kv_heads=8, head_dim=128, intermediate=8192, vocab=32000)
@@ -197,7 +197,9 @@ def test_cuda_device_reading_agrees_with_the_plan(tmp_path_factory):
 
     path = _cuda_model(tmp_path_factory)
     backend = make_backend("cuda")
-    capacity = 1 << 16  # a KV pool of 1 GiB beside the weights
+    # a KV pool of 4 GiB beside 0.74 GB of weights: the ~30 small allocations (inputs, norms)
+    # stay far under 2% however the driver rounds them
+    capacity = 1 << 18
     planned = sum(f.resident(backend.device_bytes) for f in footprints(path, capacity))
     Chain(path, backend, token_capacity=capacity).close()  # modules and cuBLAS warmed
     before = backend.free_bytes()
