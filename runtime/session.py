@@ -32,6 +32,7 @@ from kerncc.runtime import domains
 from kerncc.runtime.backends import make_backend
 from kerncc.runtime.backends.base import Backend, BackendError, Launcher
 from kerncc.runtime.bundle import Bundle, Stage, bundle_error
+from kerncc.runtime.footprint import check_fits, stage_footprint
 from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
 from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype
 from kerncc.runtime.weights import CheckpointLike, assemble_buffer, open_checkpoint
@@ -125,6 +126,7 @@ class Session:
         self._graphs: dict[tuple, Any] = {}
         self._seen: dict[tuple, int] = {}
         self.token_capacity = token_capacity or default_token_capacity(self.manifest)
+        self._check_fits()
         self.memory = Memory(self.backend, self.manifest, self.stage.plan, self.token_capacity)
         self.last_vars = self._vars({})
         self._env = self.last_vars
@@ -153,6 +155,14 @@ class Session:
         return bool(self._fast)
 
     # ------------------------------------------------------------------------ loading
+
+    def _check_fits(self) -> None:
+        """Refuse a stage whose planned memory does not fit the device, before any allocation
+        (a Chain has checked its stages together already; this covers a Session alone)."""
+        footprint = stage_footprint(self.stage.index, self.manifest, self.stage.plan,
+                                    self.token_capacity)
+        check_fits([footprint], self.backend.free_bytes(), repr(self.backend),
+                   self.backend.device_bytes)
 
     def _load(self, interpret: bool) -> None:
         derive = sorted((n for n, p in self.manifest.programs.items() if p.derive),

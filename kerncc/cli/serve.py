@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
     from kerncc.serve.engine import Config, Engine
     from kerncc.serve.http import Server, create_app
 
+    _print_memory(bundle)
     with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
         engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
                                       chunk=args.chunk))
@@ -67,6 +68,15 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
         _Uvicorn(uv, server).run(sockets=[sock])
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _print_memory(bundle: Any) -> None:
+    """The planned device memory of every stage, before any weight moves (a load that does
+    not fit is refused then, naming what to lower)."""
+    from kerncc.runtime.footprint import bundle_footprints, summary
+
+    for f in bundle_footprints([(s.manifest, s.plan) for s in bundle.stages]):
+        print(f"kerncc serve: {summary(f)}", file=sys.stderr, flush=True)
 
 
 def _tokenizer(folders: list[Path | None], given: str | None) -> Any:

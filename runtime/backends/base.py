@@ -102,6 +102,16 @@ class Backend(abc.ABC):
     def sync(self) -> None:
         """Wait until every issued launch and copy has finished."""
 
+    def free_bytes(self) -> int | None:
+        """Device memory free now, in bytes; None where there is no device limit (the cpu's
+        host memory). A load is refused before any allocation when its plan does not fit
+        (kerncc.runtime.footprint)."""
+        return None
+
+    def device_bytes(self, nbytes: int) -> int:
+        """What an allocation of `nbytes` takes of the device (its rounding)."""
+        return nbytes
+
     # ---- what the Session uses beyond the basics (defaults: synchronous, no graphs) ----
 
     graphs: bool = False  # whether `capture` / `replay` work

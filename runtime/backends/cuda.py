@@ -60,6 +60,9 @@ from kerncc.runtime.backends.probe import cuda_devices
 from kerncc.runtime.launch import Pack, Site, VarScalar
 
 SLOT_BYTES = 1 << 20  # pinned upload slot
+LARGE_PAGE = 2 << 20  # the device pages cuMemAlloc takes for all but small allocations
+SMALL_ALLOCATION = 1 << 20
+SMALL_ALIGN = 512
 SLOTS = 32
 PARAM_ALIGN = 16
 SCALAR_FORMATS = {"i32": ("<i", -2**31, 2**31 - 1), "i64": ("<q", -2**63, 2**63 - 1),
@@ -293,6 +296,17 @@ class CudaBackend(Backend):
         allocation = Allocation(ptr, int(nbytes), self.index)
         self._allocations.append(allocation)
         return allocation
+
+    def free_bytes(self) -> int | None:
+        self.activate()
+        free, _total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
+    def device_bytes(self, nbytes: int) -> int:
+        """cuMemAlloc's rounding: past a small size an allocation takes whole 2 MiB pages;
+        below it the driver packs allocations at 512-byte alignment."""
+        unit = LARGE_PAGE if nbytes > SMALL_ALLOCATION else SMALL_ALIGN
+        return -(-max(int(nbytes), 1) // unit) * unit
 
     def free(self, allocation: Any) -> None:
         if not isinstance(allocation, Allocation) or allocation.ptr == 0 or self.closed:
