@@ -294,3 +294,69 @@ def test_a_stream_of_several_choices_gives_what_the_whole_answer_does(client):
                 logprobs.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
     assert streamed == {c.index: ids(c) for c in whole.choices}
     assert logprobs == {c.index: c.logprobs.token_logprobs for c in whole.choices}
+
+
+# ------------------------------------------------------------------------- access
+
+
+def test_an_api_key_guards_every_route_but_health_and_each_request_is_logged(chain, caplog):
+    with serving(chain, MODEL) as (url, server):
+        server.api_key = "s3cret"
+        with caplog.at_level(logging.INFO, logger="kerncc.serve.access"):
+            keyless = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as caught:
+                keyless.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+            assert caught.value.body["code"] == "invalid_api_key"
+            for path in ("/v1/models", "/metrics", "/v1/nowhere"):
+                answer = httpx.get(f"{url}{path}", timeout=10)
+                assert answer.status_code == 401 and answer.json()["error"]["message"], path
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+            answer = keyed.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+            assert ids(answer.choices[0]) == greedy(chain, PROMPT, 2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kerncc.serve.access"]
+    assert len(lines) == 6
+    assert "POST /v1/completions 401" in lines[0] and "POST /v1/completions 200" in lines[-1]
+
+
+def test_listening_beyond_loopback_without_a_key_warns(caplog):
+    from kerncc.cli.serve import warn_if_open
+
+    with caplog.at_level(logging.WARNING, logger="kerncc.serve"):
+        assert not warn_if_open("127.0.0.1", None) and not warn_if_open("::1", None)
+        assert not warn_if_open("localhost", None) and not warn_if_open("0.0.0.0", "k")
+        assert warn_if_open("0.0.0.0", None)
+    assert "0.0.0.0 without an API key" in caplog.text
+
+
+def test_serve_takes_its_key_from_the_environment_and_a_served_model_name(model):
+    import os
+    import re
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",
+               "--backend", "cpu", "--served-model-name", "tiny-chat"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KERNCC_API_KEY": "k3y"}
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = None
+        for _ in range(100):  # bounded: the start's lines
+            found = re.search(r"listening on (http://\S+)", proc.stderr.readline())
+            if found:
+                url = found.group(1)
+                break
+        assert url, "the server did not start"
+        assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+        answer = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=2)
+        assert len(ids(answer.choices[0])) == 2
+        proc.terminate()
+        assert proc.wait(15) == 0
+        log = proc.stderr.read()
+        assert "GET /v1/models 401" in log and "POST /v1/completions 200" in log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -42,6 +43,7 @@ from starlette.routing import Route
 
 from kerncc.diagnostics import KernccError
 from kerncc.serve import fields, sampling_hook
+from kerncc.serve.access import Access
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
 from kerncc.serve.metrics import Metrics
 from kerncc.serve.text import Text
@@ -102,9 +104,10 @@ class Server:
     """The engine on its thread, the model's name and tokenizer, the metrics."""
 
     def __init__(self, engine: Engine, model: str, text: Text | None = None,
-                 lenient: bool = False) -> None:
+                 lenient: bool = False, api_key: str | None = None) -> None:
         self.engine, self.model, self.text = engine, model, text
         self.lenient = lenient  # unknown request fields accepted and ignored (logged)
+        self.api_key = api_key  # None: every client is served (kerncc.serve.access)
         self.metrics = Metrics(engine)
         self.draining = False
         self.thread = threading.Thread(target=engine.run_forever, name="kerncc-engine",
@@ -576,7 +579,8 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: http_error})
+                     exception_handlers={HTTPException: http_error},
+                     middleware=[Middleware(Access, key=lambda: server.api_key)])
 
 
 async def _body(http: HttpRequest) -> bytes:
