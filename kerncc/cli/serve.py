@@ -85,15 +85,27 @@ def warn_if_open(host: str, key: str | None) -> bool:
     return True
 
 
+class _Stderr(logging.StreamHandler):
+    """The server's own lines (warnings, the access log) on whatever sys.stderr is now."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("kerncc serve: %(message)s"))
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _logging() -> None:
-    """The server's own lines (warnings, the access log) on stderr."""
     logger = logging.getLogger("kerncc.serve")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("kerncc serve: %(message)s"))
-        logger.addHandler(handler)
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        logger.addHandler(_Stderr())
         logger.setLevel(logging.INFO)
-        logger.propagate = False
 
 
 def _tokenizer(folders: list[Path | None], given: str | None) -> Any:
