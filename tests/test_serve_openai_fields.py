@@ -86,7 +86,9 @@ def test_an_unknown_field_is_refused_naming_it(client, route):
     ("store", True), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "high"), ("modalities", ["text", "audio"]),
     ("chat_template_kwargs", {"enable_thinking": False}),
-    ("response_format", {"type": "json_object"}), ("top_logprobs", 2),
+    ("response_format", {"type": "xml"}), ("top_logprobs", 2),
+    ("guided_regex", "(unclosed"), ("guided_json", "{not json"),
+    ("guided_grammar", "start: nowhere"),
 ])
 def test_a_chat_field_not_served_is_a_400_naming_it(served, field, value):
     answer = httpx.post(f"{served[0]}/v1/chat/completions", timeout=30, json={
@@ -360,3 +362,46 @@ def test_serve_takes_its_key_from_the_environment_and_a_served_model_name(model)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ------------------------------------------------------------------------- structured output
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "ok": {"type": "boolean"}}}
+
+
+def test_100_sampled_json_schema_answers_parse_and_validate(client):
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    form = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    answers = []
+    for seed in range(10):
+        chat = client.chat.completions.create(
+            model=MODEL, n=10, temperature=1.0, seed=seed, max_tokens=80, response_format=form,
+            messages=[{"role": "user", "content": "who?"}])
+        answers += [c.message.content for c in chat.choices]
+        assert {c.finish_reason for c in chat.choices} == {"stop"}
+    assert len(answers) == 100 and len(set(answers)) > 10  # sampled, not one answer
+    for text in answers:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_and_a_regex_constrain_the_output(client):
+    import json
+    import re
+
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=1.0, seed=4, max_tokens=120, n=4,
+        response_format={"type": "json_object"}, messages=[{"role": "user", "content": "x"}])
+    for choice in chat.choices:
+        if choice.finish_reason == "stop":  # an object may run past max_tokens
+            assert isinstance(json.loads(choice.message.content), dict)
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, n=5,
+                                     temperature=1.0, seed=2,
+                                     extra_body={"guided_regex": "[a-c]{3}-[0-9]{2}"})
+    for choice in text.choices:
+        assert re.fullmatch("[a-c]{3}-[0-9]{2}", choice.text), choice.text
+        assert choice.finish_reason == "stop"

@@ -143,7 +143,7 @@ class Options:
 def options(body: dict, chat: bool, vocab: int | None) -> Options:
     """The served fields of `body`, checked (a FieldError names the first one that is off)."""
     n = integer(body, "n", 1, 1, MAX_N)
-    best_of = 1 if chat else integer(body, "best_of", n, 1, MAX_N)
+    best_of = n if chat else integer(body, "best_of", n, 1, MAX_N)
     if best_of < n:
         raise FieldError("best_of", f"`best_of` ({best_of}) must be at least `n` ({n})")
     if best_of > n and body.get("stream"):

@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kerncc.diagnostics import KernccError
-from kerncc.serve import fields, sampling_hook
+from kerncc.serve import fields, grammar, sampling_hook
 from kerncc.serve.access import Access
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
 from kerncc.serve.metrics import Metrics
@@ -108,6 +108,7 @@ class Server:
         self.engine, self.model, self.text = engine, model, text
         self.lenient = lenient  # unknown request fields accepted and ignored (logged)
         self.api_key = api_key  # None: every client is served (kerncc.serve.access)
+        self._grammars: grammar.Grammars | None = None  # made at the first grammar asked
         self.metrics = Metrics(engine)
         self.draining = False
         self.thread = threading.Thread(target=engine.run_forever, name="kerncc-engine",
@@ -144,7 +145,7 @@ class Server:
             served = fields.options(body, chat, self.engine.vocab)
         except fields.FieldError as err:
             raise ApiError(400, err.message, err.param) from None
-        _refuse_grammar(body)
+        form = self._grammar(body)
         try:
             if chat:
                 prompts, texts = [self._chat_prompt(body)], ("",)
@@ -161,7 +162,7 @@ class Server:
         if served.min_tokens > max_new:
             raise ApiError(400, f"`min_tokens` ({served.min_tokens}) is past `{max_field}` "
                            f"({max_new})", "min_tokens")
-        params = self._processing(_params(body), served)
+        params = attrs.evolve(self._processing(_params(body), served), grammar=form)
         options = body.get("stream_options") or {}
         return Ask(prompt, max_new, params, self._stops(body.get("stop")),
                    bool(_field(body, "stream", bool, False)),
@@ -195,11 +196,33 @@ class Server:
             suppress=self._stop_ids(served) if served.min_tokens else frozenset(),
             logprobs=served.logprobs, ranked=ranked)
 
-    def _stop_ids(self, served: fields.Options) -> frozenset[int]:
+    def _stop_ids(self, served: fields.Options, form: Any = None) -> frozenset[int]:
         """The tokens that end a sequence: the tokenizer's eos (unless `ignore_eos`) and
-        `stop_token_ids`."""
+        `stop_token_ids`; with a grammar, the eos that ends it."""
         eos = self.text.eos if self.text is not None and not served.ignore_eos else frozenset()
-        return eos | served.stop_token_ids
+        done = frozenset((self._grammars.eos,)) if form is not None else frozenset()
+        return eos | served.stop_token_ids | done
+
+    def _grammar(self, body: dict) -> Any:
+        """The grammar the request's output must follow (kerncc.serve.grammar), or None."""
+        asked = next((name for name in grammar.FIELDS if body.get(name) is not None), None)
+        if asked is None or body.get("response_format") == {"type": "text"} and not any(
+                body.get(name) is not None for name in grammar.FIELDS[1:]):
+            return None
+        if not grammar.available():
+            raise ApiError(400, f"`{asked}` needs llguidance: pip install 'kerncc[serve]'",
+                           asked)
+        codec = getattr(self.text, "codec", None)
+        if getattr(codec, "tokenizer", None) is None or not self.text.eos \
+                or self.engine.vocab is None:
+            raise ApiError(400, f"`{asked}` needs the model's tokenizer.json and an eos token",
+                           asked, "no_tokenizer")
+        if self._grammars is None:
+            self._grammars = grammar.Grammars(codec, self.engine.vocab, min(self.text.eos))
+        try:
+            return self._grammars.of(body)
+        except grammar.GrammarError as err:
+            raise ApiError(400, err.message, err.param) from None
 
     def _prompts(self, prompt: Any) -> tuple[list[list[int]], tuple[str, ...]]:
         """A completions request's prompts (a list of texts or of token-id lists is several)
@@ -263,7 +286,7 @@ class Server:
             raise ApiError(503, self.engine.fault and f"the engine stopped: {self.engine.fault}"
                            or "the server is shutting down", code="unavailable")
         request = Request(list(prompt or ask.prompt), ask.max_new, params or ask.params,
-                          self._stop_ids(ask.options), listener)
+                          self._stop_ids(ask.options, ask.params.grammar), listener)
         try:
             return self.engine.submit(request)
         except QueueFull as err:
@@ -294,15 +317,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _refuse_grammar(body: dict) -> None:
-    """Structured output, until a grammar engine serves it: only plain text passes."""
-    form = body.get("response_format")
-    if form is not None and form != {"type": "text"}:
-        raise ApiError(400, "`response_format` other than text is not served yet",
-                       "response_format")
-    for name in ("guided_regex", "guided_json", "guided_grammar"):
-        if body.get(name) is not None:
-            raise ApiError(400, f"`{name}` is not served yet", name)
 
 
 def _params(body: dict) -> sampling_hook.Params:
