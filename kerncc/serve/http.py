@@ -5,9 +5,10 @@ own thread (kerncc.serve.engine); a request is checked, queued with `Engine.subm
 blocks), and its tokens come back through a per-request asyncio queue fed from the engine's
 thread, so the event loop never waits on the engine.
 
-Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids;
-max_tokens, temperature, top_p, top_k, seed, stop (up to 4 strings of up to 256 characters),
-stream, n = 1), POST /v1/chat/completions (when the tokenizer has a chat template),
+Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids,
+or a list of prompts; max_tokens, temperature, top_p, top_k, seed, stop (up to 4 strings of up
+to 256 characters), stream, n, best_of, echo, logprobs, and the fields of kerncc.serve.fields),
+POST /v1/chat/completions (when the tokenizer has a chat template),
 GET /v1/models (and /v1/models/{id}), GET /health (200, or 503 after a fault or while
 stopping), GET /metrics
 (Prometheus text). Errors are OpenAI's shape,
@@ -15,7 +16,8 @@ stopping), GET /metrics
 model or route, 413 for a body past 4 MiB, 429 at once when the queue is full, 500 when a stage
 failed (the message names the stage and program), 503 when the engine does not admit. A client
 that goes away cancels its sequence, whose pages are free before the engine's next step.
-Defaults where OpenAI's differ: temperature 0 (greedy) and max_tokens 16.
+Defaults where OpenAI's differ: temperature 0 (greedy) and max_tokens 16 (chat: the rest of the
+context, as OpenAI's). Every request field is served or refused by name (kerncc.serve.fields).
 """
 
 from __future__ import annotations
