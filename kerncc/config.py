@@ -8,6 +8,7 @@ KERNCC_PDL=0     no programmatic dependent launch in CUDA graphs (1, the default
 KERNCC_GEMV_MAX_M=N   the largest m kerncc's GEMV kernels take, 0 to 32 (default 8; 0: cuBLAS)
 KERNCC_PIPE_ATTENTION=0   the batched decode's split attention one split a block as before (1,
                  the default: pipelined across each block's splits, faster on an H200)
+KERNCC_API_KEY   the key `kerncc serve` asks clients for (as --api-key; the flag wins)
 A value outside these is an error naming the variable, never ignored.
 """
 
@@ -58,3 +59,8 @@ def pipe_attention() -> bool:
     """Whether the cuda backend launches the batched decode's split attention pipelined
     (runtime/backends/attention_pipe.py)."""
     return _choice("KERNCC_PIPE_ATTENTION", "1", ("0", "1")) == "1"
+
+
+def api_key() -> str | None:
+    """KERNCC_API_KEY, or None when unset or empty."""
+    return os.environ.get("KERNCC_API_KEY") or None
