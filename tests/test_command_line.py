@@ -216,7 +216,7 @@ def test_limits_are_checked_before_the_weights_load(tiny, tmp_path, capsys) -> N
 def test_check_request_names_what_the_caller_calls_things(tiny) -> None:
     from kerncc.diagnostics import KernccError
     from kerncc.lower import lower_to_bundle
-    from kerncc.runtime.generate import check_request, request_limits
+    from kerncc.runtime.model_runner import check_request, request_limits
 
     limits = request_limits([s.manifest for s in lower_to_bundle(tiny).stages])
     assert limits.context == 256 and limits.token_high == 255

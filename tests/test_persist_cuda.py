@@ -15,7 +15,7 @@ import pytest
 
 from bundles import whole_and_two
 from kerncc.runtime import Chain
-from kerncc.runtime.generate import Generator
+from reference_loop import alone
 from kerncc.serve.engine import serve_prompts
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +45,7 @@ def chain(bundle, persist: str | None, graphs: bool = True) -> Chain:
 
 
 def generated(c: Chain, prompt: list[int], chunk: int = 64):
-    result = Generator(c).generate(prompt, 9, chunk)
+    result = alone(c, prompt, 9, chunk)
     return result.tokens, result.logits
 
 
@@ -102,7 +102,7 @@ def test_prefill_goes_launch_by_launch(bundles):
 
 
 def generated_n(c: Chain, prompt: list[int], max_new: int) -> list[int]:
-    return Generator(c).generate(prompt, max_new, 64).tokens
+    return alone(c, prompt, max_new, 64).tokens
 
 
 def close(*chains: Chain) -> None:

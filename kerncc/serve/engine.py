@@ -44,7 +44,7 @@ from kerncc import protocol as proto
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.domains import is_whole
-from kerncc.runtime.model_runner import LOGITS, Feed, ModelRunner, Rows, token_ids
+from kerncc.runtime.model_runner import LOGITS, Feed, ModelRunner, Rows, check_whole, token_ids
 from kerncc.runtime.session import Session
 from kerncc.serve import sampling_hook
 from kerncc.serve import scheduler as sch
@@ -146,7 +146,7 @@ class Engine:
     def _limits(self, config: Config) -> sch.Limits:
         model, protocol = self.model, self.model.protocol
         rows = protocol.rows.max
-        chunk_rows = config.chunk or rows
+        chunk_rows = rows if config.chunk is None else config.chunk
         if not 1 <= chunk_rows <= rows:  # cut down to the bound, it would be a flag ignored
             raise KernccError.single(f"chunk {config.chunk} is outside [1, {rows}] "
                                      f"(`{protocol.rows.var}` <= {rows})")
@@ -531,6 +531,7 @@ def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max
     rows with `logits` and its `runs` with `runs`), and the engine (its `calls` and `rows`);
     every request samples by `params` and is heard by `listener`; `ahead`: Config.ahead.
     Every prompt is checked before any is served."""
+    _check_kinds(max_new, chunk, params, stop_ids, listener)
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
                                    max_queue=max(1, len(prompts)), logits=logits,
                                    ahead=ahead, runs=runs))
@@ -546,3 +547,20 @@ def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max
         engine.submit(request)
     engine.run_until_idle()
     return requests, engine
+
+
+def _check_kinds(max_new: Any, chunk: Any, params: Any, stop_ids: Any, listener: Any) -> None:
+    """serve_prompts' arguments are of their kind (else they fail mid-run, deep inside, or
+    mean something else: chunk 2.5)."""
+    check_whole(max_new, "max_new")
+    if chunk is not None:
+        check_whole(chunk, "chunk")
+    if not isinstance(params, sampling_hook.Params):
+        raise KernccError.single(f"params: expected sampling_hook.Params, got "
+                                 f"{type(params).__name__}")
+    if not isinstance(stop_ids, Collection) or not all(is_whole(t) for t in stop_ids):
+        raise KernccError.single(f"stop_ids: expected token ids, got {stop_ids!r}")
+    if listener is not None and not all(callable(getattr(listener, name, None))
+                                        for name in ("token", "done")):
+        raise KernccError.single(f"listener: expected a Listener (token and done), got "
+                                 f"{type(listener).__name__}")
