@@ -85,8 +85,10 @@ def alone(runner: Any, prompt: Sequence[int], max_new: int, chunk: int | None = 
 
     params = Params() if sampling is None else Params(
         sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
-    (request,), _ = serve_prompts(runner, [prompt], max_new, chunk, logits=True, stop_ids=stop,
-                                  ahead=ahead, params=params, listener=listener, runs=True)
+    (request,), engine = serve_prompts(runner, [prompt], max_new, chunk, logits=True,
+                                       stop_ids=stop, ahead=ahead, params=params,
+                                       listener=listener, runs=True)
+    assert engine.pool.free == engine.pool.pages, "every page came back"
     rows = [row for _, _, row in request.runs if row is not None]
     return Generation(request.generated, np.stack(rows) if rows else None,
                       [(program, n) for program, n, _ in request.runs])
