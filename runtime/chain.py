@@ -41,6 +41,8 @@ class Chain:
     item and every transfer.
     """
 
+    in_process = True  # every stage in this process: inputs staged ahead, fed on the device
+
     def __init__(self, bundle: Bundle | str | os.PathLike, backend: str | Backend = "cpu",
                  checkpoint: CheckpointLike = None, token_capacity: int | None = None,
                  interpret: bool = False, devices: Sequence[int] | None = None,

@@ -105,6 +105,8 @@ def _var_value(value: Any) -> bool:
 class Session:
     """One stage of a bundle, loaded on a backend and ready to run programs."""
 
+    in_process = True  # inputs may be staged ahead and fed on the device (model_runner)
+
     def __init__(self, bundle: Bundle | str | os.PathLike, stage: int = 0,
                  backend: str | Backend = "cpu", checkpoint: CheckpointLike = None,
                  token_capacity: int | None = None, interpret: bool = False,

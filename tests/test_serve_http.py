@@ -26,7 +26,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
-from kerncc.runtime.generate import Generator
+from reference_loop import reference
 from kerncc.serve import sampling_hook
 from serving import serving as serve_on_loopback
 
@@ -93,7 +93,7 @@ def metric(base: str, name: str, missing: float | None = None) -> float:
 
 def test_24_requests_at_once_each_get_their_prompt_alone(base, chain):
     asks = prompts(24)
-    alone = [Generator(chain).generate(p, 6).tokens for p in asks]
+    alone = [reference(chain, p, 6).tokens for p in asks]
 
     async def all_at_once():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -115,7 +115,7 @@ def test_a_lone_greedy_request_decodes_a_step_ahead(base, model):
     """The engine's steps ahead (tokens fed on the device) show on /metrics, and the tokens
     are the request's alone (on a chain of their own: the server's stays the engine's)."""
     ask = prompts(1)[0]
-    alone = Generator(Chain(lower_to_bundle(model))).generate(ask, 12).tokens
+    alone = reference(Chain(lower_to_bundle(model)), ask, 12).tokens
     before = metric(base, "kerncc_decode_steps_ahead")
     answer = complete(base, prompt=ask, max_tokens=12)
     assert answer.status_code == 200

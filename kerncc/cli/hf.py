@@ -112,7 +112,7 @@ class TextRun:
         if wants_text and codec is None:
             raise KernccError.single(f"--text and --chat need a tokenizer.json in the model "
                                      f"folder ({folder or 'unknown: give --tokenizer DIR'})")
-        prompt = args.prompt[0] if args.prompt else None  # several: kerncc.serve.run
+        prompt = args.prompt[0] if args.prompt else None  # several: no TextRun
         if text is not None:
             prompt = codec.encode(text)
         elif chat is not None:
