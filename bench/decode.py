@@ -626,18 +626,21 @@ def first_token(model: dict, rounds: int = 5) -> None:
 
 
 def prefill_profile(chain, context: int, chunk: int) -> None:
-    from kerncc.runtime.generate import Generator, Served, _Record
+    from kerncc.runtime.model_runner import ModelRunner, Rows
 
     session, backend = chain.sessions[0], chain.sessions[0].backend
-    generator = Generator(chain)  # its chunk feeding, to put `context` tokens in the cache
-    program = generator.chunk_program
+    model = ModelRunner(chain)  # the protocol's inputs, to put `context` tokens in the cache
+    program = model.chunk_program
     prompt = [int(t) for t in np.random.default_rng(5).integers(1, 32000, context + chunk)]
-    seq, record = Served(prompt), _Record()
-    while seq.cached < context:
-        generator._feed(seq, min(chunk, context - seq.cached), program, record, wait=False)
-    generator._reserve(seq, context + chunk)
-    inputs = generator._inputs(seq, context, context + chunk)
-    vars = generator.protocol.vars(1, chunk, chunk, context + chunk)
+    pages = list(range(-(-(context + chunk) // model.stride)))
+    cached = 0
+    while cached < context:
+        n = min(chunk, context - cached)
+        chain.submit(program.name, model.inputs([Rows(0, prompt, [], pages, cached, n)]),
+                     model.protocol.vars(1, n, n, cached + n), outputs=False)
+        cached += n
+    inputs = model.inputs([Rows(0, prompt, [], pages, context, chunk)])
+    vars = model.protocol.vars(1, chunk, chunk, context + chunk)
     backend.sync()
     originals = dict(session._launchers)
     marks: list[tuple] = []

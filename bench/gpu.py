@@ -40,12 +40,14 @@ def build(root: Path, size: str, layers: int = 0) -> dict:
 
 def greedy(chain, prompt: list[int], max_new: int, chunk: int | None = None
            ) -> tuple[list[int], np.ndarray]:
-    """Greedy decoding of one prompt on `chain`: (tokens, every step's logits). The benches'
-    one use of the one-sequence model runner, so a change of that API is made here."""
-    from kerncc.runtime.generate import Generator
+    """Greedy decoding of one prompt on `chain` as `kerncc run` serves it: (tokens, every
+    call's last-row logits). The benches' one use of the engine for a lone prompt, so a change
+    of that API is made here."""
+    from kerncc.serve.engine import serve_prompts
 
-    result = Generator(chain).generate(prompt, max_new, chunk)
-    return result.tokens, result.logits
+    (request,), _ = serve_prompts(chain, [prompt], max_new, chunk, logits=True, runs=True)
+    rows = [row for _, _, row in request.runs if row is not None]
+    return request.generated, np.stack(rows) if rows else None
 
 
 def device_count() -> int:

@@ -2,9 +2,10 @@
 replays do nothing, so what is timed is the Python between two steps (the inputs written and
 checked, the call issued, the outputs taken in).
 
-* The Generator (`kerncc run`): for greedy decoding one step at a time it also times the
-  stretch the device waits for, from a step's token in hand to the next replay; a step ahead
-  (runtime/generate.py LOOKAHEAD) that stretch runs while the next step is on the device.
+* One prompt through the engine (`kerncc run`): for greedy decoding one step at a time it
+  also times the stretch the device waits for, from a step's token in hand to the next replay;
+  a step ahead (the engine's `Config.ahead`) that stretch runs while the next step is on the
+  device.
 * The serving engine (`--engine`): a decode step of 1, 8 and 32 sequences (the scheduler's
   plan, the call's inputs, the tokens taken in), prefill left out. The engine waits for each
   step's tokens before it plans the next, so on a GPU this time adds to every step's.
@@ -48,19 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine:
         engine_steps(args)
     else:
-        generator_steps(args)
+        one_prompt_steps(args)
     return REPORT.finish(args, "the CPU (launches that do nothing)", argv)
 
 
-def generator_steps(args: argparse.Namespace) -> None:
-    """Each greedy token's host time through the one-sequence runner, a step ahead and not."""
-    from kerncc.runtime import generate as gen  # imported here: --engine and --help need none
+def one_prompt_steps(args: argparse.Namespace) -> None:
+    """Each greedy token's host time for one prompt through the engine, a step ahead and not."""
+    from kerncc.serve.engine import serve_prompts
 
     root = Path(tempfile.mkdtemp())
     model, _ = generate(root / "model", "tiny", **SHAPE)
     assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
     backend = Idle()
-    g = gen.Generator(Chain(root / "whole", backend=backend, graphs=True))
+    chain = Chain(root / "whole", backend=backend, graphs=True)
     prompt = list(range(1, 40))
     tokens_in_hand: list[float] = []
     result = sess.Pending.result
@@ -72,12 +73,11 @@ def generator_steps(args: argparse.Namespace) -> None:
 
     sess.Pending.result = timed_result
     for ahead in (False, True):
-        gen.LOOKAHEAD = ahead
-        g.generate(prompt, 8, 64)  # warm-up
+        serve_prompts(chain, [prompt], 8, 64, ahead=ahead)  # warm-up
         tokens_in_hand.clear()
         backend.replays.clear()
         start = time.perf_counter()
-        g.generate(prompt, args.tokens, 64)
+        serve_prompts(chain, [prompt], args.tokens, 64, ahead=ahead)
         per_token = (time.perf_counter() - start) / args.tokens * 1e6
         line = f"{'a step ahead' if ahead else 'one step at a time'}: {per_token:.1f} us of " \
                "host work a token"
@@ -93,7 +93,7 @@ def generator_steps(args: argparse.Namespace) -> None:
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
-        g.generate(prompt, args.tokens, 64)
+        serve_prompts(chain, [prompt], args.tokens, 64)
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(20)
 

@@ -194,14 +194,20 @@ def decode(path: Path, backend: str, capacity: int, prompt: list[int],
            steps: int) -> dict[str, float]:
     """Startup (load, first token) and the decode time per token at batch 1."""
     from kerncc.runtime import Chain
-    from kerncc.runtime.generate import Generator
+    from kerncc.serve.engine import serve_prompts
+
+    class Stamps(list):  # the engine's listener: when each token reached the host
+        def token(self, request, token) -> None:
+            self.append(time.perf_counter())
+
+        def done(self, request) -> None:
+            pass
 
     chain, load = timed(Chain, path, backend=backend, token_capacity=capacity)
     try:
-        _, first = timed(Generator(chain).generate, [1], 1)
-        stamps: list[float] = []
-        Generator(chain).generate(prompt, steps + 1,
-                                  on_token=lambda _t: stamps.append(time.perf_counter()))
+        _, first = timed(serve_prompts, chain, [[1]], 1)
+        stamps = Stamps()
+        serve_prompts(chain, [prompt], steps + 1, listener=stamps)
     finally:
         chain.close()
         gc.collect()

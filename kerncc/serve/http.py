@@ -144,7 +144,7 @@ class Server:
         self._known_fields(body, chat)
         try:
             fields.refuse_off_only(body)
-            served = fields.options(body, chat, self.engine.vocab)
+            served = fields.options(body, chat, self.engine.model.vocab)
         except fields.FieldError as err:
             raise ApiError(400, err.message, err.param) from None
         form = self._grammar(body)
@@ -216,11 +216,11 @@ class Server:
                            asked)
         codec = getattr(self.text, "codec", None)
         if getattr(codec, "tokenizer", None) is None or not self.text.eos \
-                or self.engine.vocab is None:
+                or self.engine.model.vocab is None:
             raise ApiError(400, f"`{asked}` needs the model's tokenizer.json and an eos token",
                            asked, "no_tokenizer")
         if self._grammars is None:
-            self._grammars = grammar.Grammars(codec, self.engine.vocab, min(self.text.eos))
+            self._grammars = grammar.Grammars(codec, self.engine.model.vocab, min(self.text.eos))
         try:
             return self._grammars.of(body)
         except grammar.GrammarError as err:

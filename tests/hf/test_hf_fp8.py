@@ -26,7 +26,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.hf.importer import import_model
 from kerncc.lower import open_target
 from kerncc.runtime import Chain
-from kerncc.runtime.generate import Generator
+from reference_loop import alone
 
 from .fp8_models import write_dequantized, write_fp8
 from .models import write_model
@@ -50,7 +50,7 @@ def folders(tmp_path_factory):
 
 def run(path, pipeline: str = "emit") -> tuple[list[int], np.ndarray]:
     chain = Chain(open_target(path, pipeline), backend="cpu")
-    result = Generator(chain).generate(PROMPT, NEW)
+    result = alone(chain, PROMPT, NEW)
     return result.tokens, result.logits
 
 
