@@ -375,7 +375,6 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
 
 def test_100_sampled_json_schema_answers_parse_and_validate(client):
     import json
-import time
 
     jsonschema = pytest.importorskip("jsonschema")
     form = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
