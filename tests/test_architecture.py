@@ -9,6 +9,8 @@ functions and under TYPE_CHECKING (a lazy import hides a cycle, it does not remo
 from __future__ import annotations
 
 import ast
+import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -51,33 +53,148 @@ def _imported_names(node: ast.AST, module: str, is_package: bool) -> list[str]:
     return [f"{base}.{alias.name}" for alias in node.names] + [base]
 
 
-def import_graph() -> nx.DiGraph:
-    modules = source_modules()
+@dataclasses.dataclass(frozen=True)
+class DynamicImport:
+    """An `importlib.import_module(...)` or `__import__(...)` call: the modules it may load
+    (`prefix*` when part of the name is computed), or `unread` when the test cannot tell."""
 
+    names: tuple[str, ...] = ()
+    prefix: str | None = None
+    unread: str | None = None
+
+
+def _dynamic_imports(tree: ast.AST, module: str, path: Path) -> list[DynamicImport]:
+    """Every call that imports by name. A literal name is an edge; an f-string's literal head
+    (`__name__` read as the module) stands for every module it may complete to; a loop variable
+    over a literal tuple stands for each item; anything else is `unread` (and fails a test)."""
+    loops: dict[str, tuple[str, ...]] = {}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.For) and isinstance(node.target, ast.Name)
+                and isinstance(node.iter, (ast.Tuple, ast.List))
+                and all(isinstance(e, ast.Constant) and isinstance(e.value, str)
+                        for e in node.iter.elts)):
+            loops[node.target.id] = tuple(e.value for e in node.iter.elts)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _is_import_call(node.func) and node.args:
+            found.append(_dynamic_target(node.args[0], module, loops,
+                                         f"{_shown(path)}:{node.lineno}"))
+    return found
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _is_import_call(func: ast.expr) -> bool:
+    if isinstance(func, ast.Attribute):
+        return func.attr == "import_module"
+    return isinstance(func, ast.Name) and func.id in ("import_module", "__import__")
+
+
+def _dynamic_target(arg: ast.expr, module: str, loops: dict[str, tuple[str, ...]],
+                    where: str) -> DynamicImport:
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return DynamicImport(names=(arg.value,))
+    if isinstance(arg, ast.Name) and arg.id in loops:
+        return DynamicImport(names=loops[arg.id])
+    if isinstance(arg, ast.JoinedStr):
+        head = ""
+        for part in arg.values:
+            if isinstance(part, ast.Constant):
+                head += str(part.value)
+            elif isinstance(part.value, ast.Name) and part.value.id == "__name__":
+                head += module
+            else:
+                return DynamicImport(prefix=head)
+        return DynamicImport(names=(head,))
+    return DynamicImport(unread=f"{where}: {ast.unparse(arg)}")
+
+
+def _packages_above(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _module_edges(module: str, path: Path, modules: dict[str, Path]
+                  ) -> tuple[set[str], set[str], list[str]]:
+    """(what importing `module` runs, the packages it names itself, unread dynamic imports).
+
+    Importing `a.b.c` also runs `a/__init__` and `a/b/__init__`: an edge to each package above
+    the target, except the module's own packages (already running when it is imported). A
+    package `module` names itself (`from kerncc.passes import register`) is an edge too."""
     def resolve(name: str) -> str | None:
         while name and name not in modules:
             name = name.rpartition(".")[0]
         return name or None
 
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    named: set[str] = set()
+    unread: list[str] = []
+    for node in ast.walk(tree):
+        names = _imported_names(node, module, path.name == "__init__.py")
+        if isinstance(node, ast.ImportFrom):  # `from pkg import mod` names the module only
+            names = [n for n in names[:-1] if n in modules] or names[-1:]
+        named.update(t for t in map(resolve, names) if t is not None)
+    for dynamic in _dynamic_imports(tree, module, path):
+        if dynamic.unread:
+            unread.append(dynamic.unread)
+        named.update(t for t in map(resolve, dynamic.names) if t is not None)
+        if dynamic.prefix is not None:
+            named.update(m for m in modules if m.startswith(dynamic.prefix))
+    named.discard(module)
+    own = set(_packages_above(module))
+    runs = set(named)
+    for target in named:
+        runs.update(p for p in _packages_above(target) if p in modules and p not in own)
+    return runs, named & own, unread
+
+
+@functools.cache
+def _read_graph() -> tuple[nx.DiGraph, dict[str, set[str]], tuple[str, ...]]:
+    modules = source_modules()
     graph = nx.DiGraph()
     graph.add_nodes_from(modules)
+    own_packages: dict[str, set[str]] = {}
+    unread: list[str] = []
     for module, path in modules.items():
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        for node in ast.walk(tree):
-            names = _imported_names(node, module, path.name == "__init__.py")
-            if isinstance(node, ast.ImportFrom):  # `from pkg import mod` names the module only
-                names = [n for n in names[:-1] if n in modules] or names[-1:]
-            for name in names:
-                target = resolve(name)
-                if target is not None and target != module:
-                    graph.add_edge(module, target)
-    return graph
+        runs, own, lost = _module_edges(module, path, modules)
+        graph.add_edges_from((module, target) for target in runs)
+        if own:
+            own_packages[module] = own
+        unread += lost
+    return graph, own_packages, tuple(unread)
+
+
+def import_graph() -> nx.DiGraph:
+    """module -> every module importing it runs (package `__init__`s and dynamic imports
+    included); a fresh copy, so a test may change it."""
+    return _read_graph()[0].copy()
 
 
 def test_the_import_graph_has_no_cycle() -> None:
     graph = import_graph()
     cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
-    assert cycles == []
+    assert cycles == [], "import cycles (each a set of modules that import one another): " + (
+        "; ".join(", ".join(c) for c in cycles))
+
+
+def test_no_module_imports_its_own_package() -> None:
+    """A module imports its siblings, never the `__init__` of a package it sits in: that
+    `__init__` is still running when the module is imported (a half-made package). The one
+    exception is `kerncc` itself for `__version__`: its `__init__` imports nothing, so it has
+    run to its end before any module below it starts."""
+    init = (ROOT / "kerncc" / "__init__.py").read_text(encoding="utf-8")
+    assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(ast.parse(init)))
+    own = {m: p - {"kerncc"} for m, p in _read_graph()[1].items() if p - {"kerncc"}}
+    assert own == {}, "\n".join(f"{m} imports {', '.join(sorted(p))}: import the sibling "
+                                "module that defines the name instead" for m, p in own.items())
+
+
+def test_every_dynamic_import_is_read() -> None:
+    """`importlib.import_module(x)` is an edge only if the test can read x: a literal, an
+    f-string's literal head, or a loop over a literal tuple."""
+    assert _read_graph()[2] == ()
 
 
 def test_the_graph_reader_sees_lazy_imports(tmp_path: Path) -> None:
@@ -86,6 +203,30 @@ def test_the_graph_reader_sees_lazy_imports(tmp_path: Path) -> None:
     names = [n for node in ast.walk(tree) for n in _imported_names(node, "kerncc.x", False)]
     assert "kerncc.manifest.reader" in names
     assert ("kerncc.manifest.reader", "kerncc.manifest.model") in import_graph().edges
+
+
+def test_the_graph_reader_sees_dynamic_imports_and_package_inits(tmp_path: Path) -> None:
+    """The edges a plain `import` reader misses, each of which once hid a cycle."""
+    source = tmp_path / "x.py"
+    source.write_text(
+        "import importlib\n"
+        "def f(name):\n"
+        "    importlib.import_module('kerncc.a.b')\n"
+        "    importlib.import_module(f'{__name__}s.{name}')\n"
+        "    for m in ('kerncc.c', 'kerncc.d'):\n"
+        "        __import__(m)\n"
+        "    importlib.import_module(name)\n"
+        "    from kerncc.a import thing\n")
+    modules = {m: source for m in ("kerncc", "kerncc.a", "kerncc.a.b", "kerncc.c", "kerncc.d",
+                                   "kerncc.a.xs", "kerncc.a.xs.p", "kerncc.a.x")}
+    runs, own, unread = _module_edges("kerncc.a.x", source, modules)
+    # kerncc and kerncc.a are the module's own packages: importing it already ran them.
+    assert runs == {"kerncc.a", "kerncc.a.b", "kerncc.a.xs", "kerncc.a.xs.p", "kerncc.c",
+                    "kerncc.d"}
+    assert own == {"kerncc.a"}  # `from kerncc.a import thing`: a name of its own package
+    assert len(unread) == 1 and unread[0].endswith(":7: name")
+    runs, _, _ = _module_edges("kerncc.c", source, modules)
+    assert "kerncc.a" in runs  # importing kerncc.a.b runs kerncc/a/__init__
 
 
 def test_every_source_compiles_without_a_warning() -> None:

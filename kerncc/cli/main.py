@@ -297,11 +297,9 @@ def cmd_lower(args: argparse.Namespace) -> int:
 def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
            out: str | None = None):
     """Load, verify, run the pipeline (`spec`, then up to the pass `upto`); the final IR."""
-    import attrs
-
     from kerncc.ir import IR
-    from kerncc.pipeline import (instruments_from_args, pass_spec, resolve_pipeline,
-                                 run_pipeline)
+    from kerncc.lower import run_lowering, with_output
+    from kerncc.pipeline import instruments_from_args, resolve_pipeline
 
     manifest, locate = _load(args.file)
     ir = _verified(IR.from_manifest(manifest, source=args.file), locate)
@@ -312,17 +310,13 @@ def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
     if args.file == "-" and any(p.name == "emit" for p in passes):
         raise KernccError.elsewhere("a bundle records its input manifest's file, and `-` "
                                     "(standard input) is none: save it to a file to emit it")
-    if out:
-        passes = _with_output(passes, out)
-    printed = ",".join(str(pass_spec(p)) for p in passes)
-    ir = attrs.evolve(ir, pipeline=printed, history=tuple(p.name for p in passes))
     instruments = instruments_from_args(
         getattr(args, "print_ir_after", None), getattr(args, "print_ir_after_all", False),
         getattr(args, "print_ir_after_change", False), getattr(args, "time_passes", False),
         getattr(args, "dump_dir", None), sys.stderr)
     try:
-        return run_pipeline(ir, passes, instruments, verify=not getattr(args, "no_verify", False),
-                            input_name=args.file)
+        return run_lowering(ir, with_output(passes, out) if out else passes, instruments,
+                            verify=not getattr(args, "no_verify", False), input_name=args.file)
     except KernccError as err:
         raise err.located(locate) from None
 
@@ -336,13 +330,6 @@ def _verified(ir, locate: Callable):
     except KernccError as err:
         raise err.located(locate) from None
     return ir
-
-
-def _with_output(passes, out: str):
-    """`-o OUT` sets `emit{out=...}` when the pipeline emits and names no directory."""
-    import attrs
-
-    return tuple(attrs.evolve(p, out=p.out or out) if p.name == "emit" else p for p in passes)
 
 
 def cmd_passes(args: argparse.Namespace) -> int:
