@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -292,3 +293,149 @@ def test_running_a_bundle_loads_no_compiler_module(bundle: Path, tiny_model) -> 
     tokens, loaded = json.loads(done.stdout)
     assert len(tokens) == 2
     assert [m for m in loaded if m.startswith(COMPILER)] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/architecture.md's folder table, read and held against the import graph.
+
+PAGE = ROOT / "docs" / "architecture.md"
+_TICKED = re.compile(r"`([^`]+)`")
+
+
+@dataclasses.dataclass
+class Row:
+    """One row of the folder table: its units (folders or files, as the first cell names them),
+    the module files its job cell names, and the units its "imports from" cell names."""
+
+    line: int
+    first: str
+    units: tuple[str, ...]
+    named: frozenset[str]
+    imports: frozenset[str] | None  # None: the cell names something that is no unit
+
+
+def unit_paths() -> dict[str, str]:
+    """unit short name -> its path as the table writes it: `kerncc/manifest/` is `manifest`,
+    `kerncc/ir.py` is `ir`, `passes/` is `passes`, `kerncc/__init__.py` is `kerncc`."""
+    units = {"kerncc": "kerncc/__init__.py"}
+    for package, folder in PACKAGE_DIRS.items():
+        if package != "kerncc":
+            units[package.rpartition(".")[2]] = f"{folder.relative_to(ROOT)}/"
+    for path in (ROOT / "kerncc").iterdir():
+        if path.is_dir() and (path / "__init__.py").exists():
+            units[path.name] = f"kerncc/{path.name}/"
+        elif path.suffix == ".py" and path.name != "__init__.py":
+            units[path.stem] = f"kerncc/{path.name}"
+    return units
+
+
+def unit_of(module: str) -> str:
+    """The unit a module belongs to: `kerncc.manifest.reader` -> `manifest`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "kerncc"
+
+
+def unit_modules(unit: str, paths: dict[str, str]) -> dict[str, Path]:
+    """module -> file, for every module of the unit."""
+    return {m: p for m, p in source_modules().items() if unit_of(m) == unit}
+
+
+def read_table(text: str, paths: dict[str, str]) -> list[Row]:
+    by_path = {path: unit for unit, path in paths.items()}
+    rows = []
+    lines = text.splitlines()
+    start = lines.index("| folder | its one job | imports from |")
+    for number, line in enumerate(lines[start + 2:], start + 3):
+        if not line.startswith("|"):
+            break
+        first, job, imports = (cell.strip() for cell in line.strip("|").split("|"))
+        units = tuple(by_path[t] for t in _TICKED.findall(first) if t in by_path)
+        named = frozenset(t for t in _TICKED.findall(job) if t.endswith(".py"))
+        words = {w.strip() for w in re.sub(r"\([^)]*\)", "", imports).split(",") if w.strip()}
+        imported = None if not words <= set(paths) | {"nothing"} else frozenset(words - {"nothing"})
+        rows.append(Row(number, first, units, named, imported))
+    return rows
+
+
+def _cell(units: set[str] | frozenset[str]) -> str:
+    return ", ".join(sorted(units)) or "nothing"
+
+
+def floor_plan_problems(text: str, graph: nx.DiGraph) -> list[str]:
+    """What to change in the table, a line per row: the page is wrong where this is not empty."""
+    paths = unit_paths()
+    rows = read_table(text, paths)
+    problems = []
+    placed = {unit for row in rows for unit in row.units}
+    for unit in sorted(set(paths) - placed):
+        problems.append(f"`{paths[unit]}` is in no row: add a row `{paths[unit]}` | its job | "
+                        f"{_cell(_imports_of({unit}, graph))} |, or name it in a row's first cell")
+    for row in rows:
+        problems += _row_problems(row, paths, graph)
+    return problems
+
+
+def _imports_of(units: set[str], graph: nx.DiGraph) -> set[str]:
+    return {unit_of(b) for a, b in graph.edges if unit_of(a) in units} - units
+
+
+def _row_problems(row: Row, paths: dict[str, str], graph: nx.DiGraph) -> list[str]:
+    where = f"docs/architecture.md:{row.line}, row {row.first}"
+    actual = _imports_of(set(row.units), graph)
+    problems = []
+    if row.units and row.imports != actual:
+        if row.imports is None:
+            change = "it names something that is no module or folder of kerncc"
+        else:
+            change = "; ".join(filter(None, [
+                f"add {_cell(actual - row.imports)}" if actual - row.imports else "",
+                f"drop {_cell(row.imports - actual)}" if row.imports - actual else ""]))
+        problems.append(f"{where}: set \"imports from\" to `{_cell(actual)}` ({change})")
+    for unit in row.units:
+        if paths[unit].endswith("/"):
+            problems += _named_problems(where, row, paths[unit], unit_modules(unit, paths))
+    return problems
+
+
+def _named_problems(where: str, row: Row, folder: str, modules: dict[str, Path]) -> list[str]:
+    """A folder's row names each of its modules (`cpu.py` or `backends/cpu.py`; a package's
+    `__init__.py` may go unnamed) and names no module the folder lacks."""
+    files = {p.relative_to(ROOT / folder).as_posix() for p in modules.values()}
+    spoken = {f for f in files if f in row.named or f.rpartition("/")[2] in row.named}
+    problems = [f"{where}: name `{name}` in its job cell (a module of {folder})"
+                for name in sorted(files - spoken) if not name.endswith("__init__.py")]
+    known = files | {f.rpartition("/")[2] for f in files}
+    if len(row.units) == 1:
+        problems += [f"{where}: drop `{name}` from its job cell ({folder} has no such module)"
+                     for name in sorted(row.named - known)]
+    return problems
+
+
+def test_the_floor_plan_is_the_import_graph() -> None:
+    """docs/architecture.md's table names every module, and each row's "imports from" is what
+    its modules import (other rows' units, package `__init__`s and dynamic imports counted)."""
+    problems = floor_plan_problems(PAGE.read_text(encoding="utf-8"), import_graph())
+    assert problems == [], "docs/architecture.md is out of date:\n" + "\n".join(problems)
+
+
+def test_the_floor_plan_test_says_which_row_to_change_and_how() -> None:
+    """What the lead reads when a module comes, goes or gains an import."""
+    text = PAGE.read_text(encoding="utf-8")
+    line = next(n for n, t in enumerate(text.splitlines(), 1) if t.startswith("| `kerncc/dot.py`"))
+    graph = import_graph()
+    graph.add_edge("kerncc.dot", "kerncc.symbolic")
+    graph.remove_edge("kerncc.dot", "kerncc.ir")
+    text = text.replace("`weights.py`, ", "`gone.py`, ")
+    problems = floor_plan_problems(text, graph)
+    runtime = next(n for n, t in enumerate(text.splitlines(), 1) if t.startswith("| `runtime/`"))
+    assert problems == [
+        f"docs/architecture.md:{line}, row `kerncc/dot.py`: set \"imports from\" to "
+        "`diagnostics, manifest, symbolic` (add symbolic; drop ir)",
+        f"docs/architecture.md:{runtime}, row `runtime/` (`kerncc.runtime`): name `weights.py` "
+        "in its job cell (a module of runtime/)",
+        f"docs/architecture.md:{runtime}, row `runtime/` (`kerncc.runtime`): drop `gone.py` "
+        "from its job cell (runtime/ has no such module)"]
+    text = text.replace("| `kerncc/testing.py` |", "| testing |")
+    assert floor_plan_problems(text, graph)[0] == (
+        "`kerncc/testing.py` is in no row: add a row `kerncc/testing.py` | its job | config |, "
+        "or name it in a row's first cell")
