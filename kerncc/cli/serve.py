@@ -59,11 +59,14 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
         model = bundle.stages[0].manifest.model
         server = Server(engine, model, codec)
         host, port = sock.getsockname()[:2]
+        uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=GRACE)
+        # Listen before saying so: a client that connects the moment the line appears is
+        # queued until uvicorn accepts, never refused (a bound socket refuses until listen()).
+        sock.listen(uv.backlog)
         print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
               f"{engine.stride} tokens; tokenizer: {'yes' if server.text else 'none'}; "
               f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
-        uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=GRACE)
         _Uvicorn(uv, server).run(sockets=[sock])
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
