@@ -421,7 +421,8 @@ def test_the_floor_plan_is_the_import_graph() -> None:
 def test_the_floor_plan_test_says_which_row_to_change_and_how() -> None:
     """What the lead reads when a module comes, goes or gains an import."""
     text = PAGE.read_text(encoding="utf-8")
-    line = next(n for n, t in enumerate(text.splitlines(), 1) if t.startswith("| `kerncc/dot.py`"))
+    line = next(n for n, t in enumerate(text.splitlines(), 1)
+                if t.startswith("| `kerncc/dot.py`"))
     graph = import_graph()
     graph.add_edge("kerncc.dot", "kerncc.symbolic")
     graph.remove_edge("kerncc.dot", "kerncc.ir")

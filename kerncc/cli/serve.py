@@ -16,8 +16,8 @@ from typing import Any
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, open_run_target, port, positive
-from kerncc.cli.run import check_chunk, checkpoint_for, devices_conflict
+from kerncc.cli.args import devices, no_stdin, open_run_target, port, positive
+from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
 
 GRACE = 3.0  # seconds streams may go on after SIGTERM
 
@@ -126,7 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `serve` to the `kerncc` command line (called by kerncc.cli.main)."""
     p = sub.add_parser("serve", help="serve a bundle over HTTP (OpenAI-compatible)")
     p.set_defaults(command_parser=p)  # usage errors print serve's usage (kerncc.cli.main.parse)
-    p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
+    p.add_argument("target", metavar="BUNDLE_OR_MANIFEST", type=no_stdin(TARGET_NOT_STDIN),
                    help="a bundle directory or a manifest file (lowered with --pipeline)")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
                    help="where the stages run (default: KERNCC_BACKEND, else cpu)")
