@@ -47,6 +47,8 @@ class IR:
     reports: dict[str, Any] = attrs.field(factory=dict)
     history: tuple[str, ...] = ()
     source: str | None = None
+    # The pipeline the driver (kerncc.lower.run_lowering) runs on this IR, required passes
+    # inserted: what a bundle records. Empty when passes run outside the driver.
     pipeline: str = ""
 
     @classmethod

@@ -120,7 +120,7 @@ def numba_entries(source: Path) -> dict[str, str]:
         raise SystemExit(f"building {source.name} needs numba-cuda ({err}): "
                          "pip install 'kerncc[build]'") from None
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    cmd = [sys.executable, "-m", "kerncc.kernels.nb", source.stem]
+    cmd = [sys.executable, "-m", "kerncc.kernels.nb_ptx", source.stem]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-12:])

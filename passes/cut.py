@@ -30,8 +30,7 @@ from kerncc.analysis.liveness import buffer_sizes
 from kerncc.bundle.format import CUT_HEADLINE
 from kerncc.diagnostics import Diagnostics, KernccError, pointer
 from kerncc.ir import IR, Edge, verify_stages
-from kerncc.passes import register
-from kerncc.pipeline.base import Pass
+from kerncc.passes.base import Pass, register
 from kerncc.stage import assemble, keep_programs
 
 HEADLINE = CUT_HEADLINE

@@ -38,11 +38,9 @@ from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer, split
 from kerncc.ir import IR
 from kerncc.kernels import library
 from kerncc.manifest import writer
-from kerncc.passes import register
+from kerncc.passes.base import Pass, register
 from kerncc.passes.plan_memory import MemoryReport, StageArena, plan_stage
 from kerncc.passes.slicing import staging_plan
-from kerncc.pipeline import (Pass, PassSpec, PipelineSpec, parse_pipeline, pass_spec,
-                             resolve_pipeline, schedule_passes)
 from kerncc.checkpoint.shards import checkpoint_beside
 from kerncc.symbolic import Proof, check_stages
 from kerncc.verify import verify
@@ -176,12 +174,12 @@ class BundleMeta:
         if ir.source is None:
             # No file: the canonical text stands in for the input's bytes.
             digest = sha256(writer.dumps(ir.whole).encode())
-            return cls(recorded_pipeline(ir, emit), None, digest, None, None)
+            return cls(ir.pipeline, None, digest, None, None)
         source = Path(ir.source)
         digest = sha256(_read(source, "the input manifest"))
         checkpoint = checkpoint_beside(source.parent)  # model.safetensors or a shard index
         identity = _identity(checkpoint) if checkpoint is not None else None
-        return cls(recorded_pipeline(ir, emit), bundle_relative(source, emit.out), digest,
+        return cls(ir.pipeline, bundle_relative(source, emit.out), digest,
                    bundle_relative(checkpoint, emit.out) if identity else None,
                    source.parent, identity)
 
@@ -208,30 +206,6 @@ def bundle_relative(path: Path, out: str) -> str:
         return os.path.relpath(os.path.abspath(path), os.path.abspath(out))
     except ValueError:  # another drive (Windows): no relative path exists
         return os.path.abspath(path)
-
-
-def recorded_pipeline(ir: IR, emit: Emit) -> str:
-    """The passes that ran up to this emit, required passes included, printed as a spec.
-
-    The IR carries the spec the driver ran (`pipeline`, else the pass names in `history`);
-    re-scheduling it restores the inserted passes. Emit's `out` is left out: a bundle does not
-    record where it was written, so moving it changes nothing.
-    """
-    text = ir.pipeline or ",".join(ir.history)
-    written = list(parse_pipeline(text).passes) if text else []
-    names = [p.name for p in written]
-    if "emit" in names:  # nothing runs after emit, but an IR may carry a longer spec
-        written = written[:names.index("emit") + 1]
-    passes = list(resolve_pipeline(PipelineSpec(tuple(written)))) if written else []
-    passes += [] if "emit" in names else [emit]
-    specs = [pass_spec(item.pass_) for item in schedule_passes(passes)]
-    return ",".join(str(_without_out(s)) for s in specs)
-
-
-def _without_out(spec: PassSpec) -> PassSpec:
-    if spec.name != "emit":
-        return spec
-    return PassSpec(spec.name, tuple((k, v) for k, v in spec.options if k != "out"))
 
 
 def stage_arenas(ir: IR) -> list[StageArena]:

@@ -14,8 +14,7 @@ from kerncc import manifest as m
 from kerncc.analysis.liveness import Liveness, ProgramLiveness, analyze
 from kerncc.diagnostics import KernccError
 from kerncc.ir import IR
-from kerncc.passes import register
-from kerncc.pipeline.base import Pass
+from kerncc.passes.base import Pass, register
 
 
 @attrs.frozen

@@ -25,8 +25,7 @@ from kerncc.analysis.liveness import buffer_sizes, live_ins
 from kerncc.bundle.plan import scratch_slot
 from kerncc.ir import IR
 from kerncc.analysis.layout import ArenaLayout, Interval, arena_layout
-from kerncc.passes import register
-from kerncc.pipeline.base import Pass
+from kerncc.passes.base import Pass, register
 
 
 @attrs.frozen

@@ -19,9 +19,8 @@ from kerncc import manifest as m
 from kerncc.analysis.access import call_access
 from kerncc.diagnostics import Diagnostics
 from kerncc.ir import IR
-from kerncc.passes import register
+from kerncc.passes.base import Pass, register
 from kerncc.passes.cut import HEADLINE, check_regions
-from kerncc.pipeline.base import Pass
 from kerncc.stage import assemble, crossing_kinds, unchanged_or
 
 

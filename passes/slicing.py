@@ -27,8 +27,7 @@ from kerncc.analysis.dataflow import backward_slice, execution_order
 from kerncc.analysis.liveness import buffer_sizes
 from kerncc.ir import IR
 from kerncc.analysis.layout import StagingLayout, Window, staging_layout
-from kerncc.passes import register
-from kerncc.pipeline.base import Pass
+from kerncc.passes.base import Pass, register
 from kerncc.stage import assemble, crossing_kinds, unchanged_or
 
 

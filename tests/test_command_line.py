@@ -449,9 +449,11 @@ def test_sampling_flags_are_refused_where_they_would_be_ignored(tiny, capsys) ->
         assert "loaded" not in err
         err = usage_error([*base, "--prompt", "1,2", "--prompt", "3", flag, value], capsys)
         assert f"{flag} {value}" in err and "give one --prompt" in err, err
-    # a value out of range is bad input (exit 1), whatever else the flags say
+    # a value out of range is bad input (exit 1), whatever else the flags say, said once and
+    # of the flag (it came twice, once more under the request body's pointer)
     assert main([*base, "--prompt", "1,2", "--prompt", "3", "--top-p", "0"]) == 1
-    assert "`top_p`" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "error: --top-p 0.0: must be in (0, 1] (1 is off)\n", err
     assert main([*base, "--prompt", "1,2", "--temperature", "1", "--top-k", "5",
                  "--seed", "3"]) == 0
     capsys.readouterr()
@@ -613,3 +615,74 @@ def test_a_chunk_past_the_rows_bound_is_refused_before_anything_loads(tiny, tmp_
     assert main([command[0], str(alone), *command[1:], "--chunk", "65"]) == 1
     err = capsys.readouterr().err
     assert "--chunk 65 is outside [1, 64]" in err and "checkpoint" not in err
+
+
+# --------------------------------------------------------------------------- trip points
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["run", "-", "--prompt", "1"], "argument BUNDLE_OR_MANIFEST: `-` (standard input) cannot "
+     "be a bundle or a manifest to run"),
+    (["serve", "-"], "argument BUNDLE_OR_MANIFEST: `-` (standard input) cannot be a bundle"),
+    (["report", "-"], "argument BUNDLE: `-` (standard input) cannot be a bundle: a bundle is a "
+     "folder"),
+    (["check", "-"], "`-` (standard input) cannot be a bundle: a bundle is a folder"),
+    (["check", "-", "somewhere"], "`-` (standard input) cannot be WHOLE against a bundle"),
+    (["check", "-", "a.json", "-"], "`-` (standard input) can stand for one manifest only"),
+])
+def test_stdin_where_no_manifest_can_come_from_it_is_a_usage_error(argv, said, capsys) -> None:
+    """`-` used to reach the command, which said `-` does not exist, or asked for a prompt."""
+    err = usage_error(argv, capsys)
+    assert said in err, err
+
+
+def test_only_commands_that_read_stdin_say_so_in_their_help() -> None:
+    helps = {name: p.format_help() for name, p in _subparsers(build_parser())}
+    for name in ("verify", "fmt", "dump", "lower"):
+        assert "`-` in place of a FILE reads standard input" in helps[name], name
+    assert "`-` in place of WHOLE or one STAGE manifest" in helps["check"]
+    for name in ("report", "passes", "run", "serve"):
+        assert "standard input" not in helps[name].replace("\n", " "), name
+
+
+def test_check_reads_the_whole_from_stdin(tmp_path) -> None:
+    stages = tmp_path / "stages"
+    assert _kerncc("lower", LAYERS3, "-p", "cut", "-o", str(stages)).returncode == 0
+    text = Path(LAYERS3).read_text()
+    done = _kerncc("check", "-", str(stages / "stage0.json"), str(stages / "stage1.json"),
+                   stdin=text)
+    assert done.returncode == 0 and "proved" in done.stdout, done.stderr
+
+
+def test_prompt_forms_that_contradict_are_a_usage_error(tiny, capsys) -> None:
+    """The README: flags that contradict each other exit 2 with the usage (it was 1)."""
+    err = usage_error(["run", str(tiny), "--prompt", "1", "--text", "a"], capsys)
+    assert "give exactly one of --prompt, --text and --chat (got --prompt, --text)" in err
+    err = usage_error(["run", str(tiny)], capsys)
+    assert "give exactly one of --prompt, --text and --chat" in err
+
+
+def test_a_model_folder_is_not_a_bundle_and_the_error_says_what_to_give(tiny, capsys) -> None:
+    folder = tiny.parent
+    assert main(["run", str(folder), "--prompt", "1,2"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: `{folder}` is a folder but no bundle (it has no bundle.json); to "
+                   f"run the manifest in it, give `{folder / 'model.json'}`\n"), err
+
+
+@pytest.mark.parametrize("argv", [["fmt", LAYERS3], ["verify", "--format", "json", "BAD"]])
+def test_a_closed_pipe_exits_141_quietly(argv, tmp_path) -> None:
+    """`kerncc ... | head -1` under `set -o pipefail`: the output was cut short, so not 0 (it
+    was), and no traceback nor Python's `Exception ignored` line. The pipe's reader is gone
+    before kerncc starts, so its first write fails, whatever the timing."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(Path(LAYERS3).read_text().replace('"schema_version": 5', '"schema_version": 4'))
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "kerncc",
+                               *[str(bad) if a == "BAD" else a for a in argv]],
+                              stdout=write, stderr=subprocess.PIPE, cwd=ROOT, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and done.stderr == b"", done.stderr

@@ -25,9 +25,11 @@ from kerncc.example.qwen import generate
 from kerncc.ir import IR
 from kerncc.passes import emit as emit_mod
 from kerncc.passes.cut import cut_ir
-from kerncc.passes.emit import Emit, recorded_pipeline, whole_protocol
+from kerncc.passes.emit import Emit, whole_protocol
 from kerncc.passes.plan_memory import PlanMemory, plan_stage, workspace_intervals
-from kerncc.pipeline import run_pipeline
+from kerncc.lower import lower as lower_file
+from kerncc.lower import run_lowering, with_output
+from kerncc.pipeline import resolve_pipeline, run_pipeline
 from kerncc.runtime import Bundle
 from kerncc.testing import Xorshift, random_manifest
 from kerncc.verify import verify
@@ -51,11 +53,11 @@ def mini(tmp_path: Path) -> Path:
 
 
 def lower(path: Path, spec: str) -> IR:
-    """What `kerncc lower` does: load, verify, record the spec, run it."""
+    """What `kerncc lower` does: load, verify, run the spec through the driver."""
     man = m.load(str(path))
     verify(man)
-    ir = attrs.evolve(IR.from_manifest(man, source=str(path)), pipeline=spec)
-    return run_pipeline(ir, spec)
+    return run_lowering(IR.from_manifest(man, source=str(path)), resolve_pipeline(spec),
+                        input_name=str(path))
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
@@ -219,14 +221,18 @@ def test_uncut_is_one_stage(mini: Path, tmp_path: Path) -> None:
     check_bundle(out)
 
 
-def test_recorded_pipeline_restores_required_passes_and_drops_out() -> None:
+def test_the_driver_records_the_schedule_without_out(tmp_path: Path) -> None:
+    """The bundle records the pipeline the driver scheduled (required passes inserted,
+    emit's `out` left out), handed to emit on the IR; emit reads no spec itself."""
+    out = tmp_path / "b"
+    lower_file(GOLDEN_MODEL / "model.json", "cut{at=4},emit{check=false}", out)
+    index = json.loads((out / "bundle.json").read_text())
+    assert index["pipeline"] == "cut{at=4},plan-memory,emit{check=false}"
     ir = IR.from_manifest(m.load(str(GOLDEN_MODEL / "model.json")))
-    emit = Emit(out="/somewhere")
-    assert recorded_pipeline(ir, emit) == "plan-memory,emit"
-    ir = attrs.evolve(ir, pipeline='cut{at=4},emit{out="/x",check=false},liveness')
-    assert recorded_pipeline(ir, emit) == "cut{at=4},plan-memory,emit{check=false}"
-    ir = attrs.evolve(ir, pipeline="", history=("cut", "slice-derive"))
-    assert recorded_pipeline(ir, emit) == "cut,slice-derive,plan-memory,emit"
+    done = run_lowering(ir, with_output(resolve_pipeline("liveness,emit"), tmp_path / "c"))
+    assert done.pipeline == "liveness,plan-memory,emit"
+    assert done.history == ("liveness", "plan-memory", "emit")
+    assert json.loads((tmp_path / "c" / "bundle.json").read_text())["pipeline"] == done.pipeline
 
 
 def test_emit_needs_a_directory(mini: Path) -> None:

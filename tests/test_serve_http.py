@@ -519,6 +519,33 @@ def test_seeded_sampling_is_reproducible(base):
     assert other != first
 
 
+def test_the_server_accepts_the_moment_it_says_it_listens(model):
+    """A client that connects the instant `listening on` appears is accepted (the line used to
+    come before uvicorn called listen(), so such a client was refused: 5 of 5 tries)."""
+    command = [sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",
+               "--backend", "cpu"]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        found = None
+        for _ in range(100):  # bounded: the lines before it are few
+            found = re.search(r"listening on http://([^:]+):(\d+)", proc.stderr.readline())
+            if found:
+                break
+        assert found, "the server did not start"
+        with socket.create_connection((found.group(1), int(found.group(2))), timeout=10) as raw:
+            raw.sendall(b"GET /health HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
+            raw.settimeout(30)
+            assert raw.recv(64).startswith(b"HTTP/1.1 200")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def test_sigterm_cancels_what_is_in_flight_and_exits(model, tmp_path):
     command = [sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",
                "--backend", "cpu"]

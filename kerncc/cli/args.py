@@ -27,6 +27,29 @@ def positive(text: str) -> int:
     return value
 
 
+def no_stdin(what: str) -> Callable[[str], str]:
+    """A path argument that `-` cannot stand for (`what` says why), refused as a usage error:
+    a bundle is a folder, and a manifest that `run` or `serve` lowers is read beside its
+    checkpoint, which standard input has none of."""
+    def path(text: str) -> str:
+        if text == "-":
+            raise argparse.ArgumentTypeError(f"`-` (standard input) cannot be {what}")
+        return text
+
+    return path
+
+
+def prompt_conflict(args: argparse.Namespace) -> str | None:
+    """`kerncc run` takes exactly one of --prompt, --text and --chat (the text flags are
+    there when the hf extra registered them): a usage error otherwise."""
+    given = [f for f, v in (("--prompt", args.prompt), ("--text", getattr(args, "text", None)),
+                            ("--chat", getattr(args, "chat", None))) if v is not None]
+    if len(given) == 1:
+        return None
+    forms = "--prompt, --text and --chat" if hasattr(args, "text") else "--prompt"
+    return f"give exactly one of {forms}" + (f" (got {', '.join(given)})" if given else "")
+
+
 def devices(text: str) -> list[int]:
     """GPU ids, `0,1`."""
     try:
@@ -92,7 +115,20 @@ def open_run_target(target: str, pipeline: str | None) -> Any:
     is refused (it is lowered already: the flag would do nothing)."""
     from kerncc.lower import open_target
 
+    _check_folder(Path(target))
     if pipeline is not None and Path(target).is_dir():
         raise KernccError.single(f"--pipeline {pipeline}: `{target}` is a bundle directory, "
                                  "lowered already (--pipeline lowers a manifest file)")
     return open_target(target, pipeline or "emit")
+
+
+def _check_folder(folder: Path) -> None:
+    """A folder that is no bundle (no bundle.json), said with the manifest it holds, if any:
+    `kerncc run FOLDER` is what a newcomer types for a model folder."""
+    if not folder.is_dir() or (folder / "bundle.json").exists():
+        return
+    manifests = [folder / n for n in ("model.json", "model.kir") if (folder / n).is_file()]
+    hint = (f"to run the manifest in it, give `{manifests[0]}`" if manifests else
+            "give a bundle directory (kerncc lower FILE -p ...,emit -o DIR) or a manifest file")
+    raise KernccError.single(f"`{folder}` is a folder but no bundle (it has no bundle.json); "
+                             f"{hint}")

@@ -188,13 +188,9 @@ def _run_flags(run: argparse.ArgumentParser) -> None:
 
 
 def check_run_args(args: argparse.Namespace) -> None:
-    """Exactly one of --prompt, --text, --chat; a --tokenizer folder that is there (one that
-    is not gave no eos ids, and the run went on past eos)."""
-    given = [f for f, v in (("--prompt", args.prompt), ("--text", getattr(args, "text", None)),
-                            ("--chat", getattr(args, "chat", None))) if v is not None]
-    if len(given) != 1:
-        raise KernccError.single("give exactly one of --prompt, --text and --chat"
-                                 + (f" (got {', '.join(given)})" if given else ""))
+    """A --tokenizer folder that is there (one that is not gave no eos ids, and the run went
+    on past eos). Exactly one of --prompt, --text, --chat is a usage error, checked at parse
+    time (kerncc.cli.args.prompt_conflict)."""
     tokenizer = getattr(args, "tokenizer", None)
     if tokenizer and not Path(tokenizer).is_dir():
         raise KernccError.single(f"--tokenizer {tokenizer}: no such folder")

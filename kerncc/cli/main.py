@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, TextIO
 
 from kerncc import config
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import limit_flags
+from kerncc.cli.args import limit_flags, no_stdin
 
 
 EXIT_CODES = """exit status:
@@ -25,8 +26,14 @@ EXIT_CODES = """exit status:
   2  usage error: an unknown flag, a missing argument, flags that contradict each other
      (the command's usage is printed)
   3  a bug in kerncc (KERNCC_DEBUG=1 shows the traceback)
+141  standard output was closed before all was written (a reader such as `head` stopped
+     reading): kerncc stops quietly, as a program the pipe's SIGPIPE stopped would"""
 
-`-` in place of a file reads standard input."""
+# What a command's help says of `-`: only commands that read a manifest from it.
+STDIN_NOTE = "`-` in place of a FILE reads standard input."
+# A process that SIGPIPE stopped exits 128 + 13 in a shell; kerncc (which Python keeps from
+# that signal) says the same, so `set -o pipefail` sees the output was cut short.
+OUTPUT_CLOSED = 141
 
 
 # Objects the cyclic collector's youngest generation takes before a collection (CPython: 700).
@@ -50,6 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command not in LONG_LIVED_COMMANDS:
         gc.set_threshold(GC_YOUNG_THRESHOLD)
     try:
+        code = _dispatch(args, argv)
+        sys.stdout.flush()  # a closed pipe is told here, not by the interpreter at exit
+        return code
+    except BrokenPipeError:
+        return _output_closed()
+    finally:
+        gc.unfreeze()  # as it was: main() may run inside another program
+        gc.set_threshold(*before)
+
+
+def _dispatch(args: argparse.Namespace, argv: list[str] | None) -> int:
+    try:
         return args.handler(args) or 0
     except KernccError as err:
         report(err, getattr(args, "diag_format", "text"), sys.stderr,
@@ -59,12 +78,21 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        return 0
+        raise  # main's: the output's reader left
     except Exception as err:  # noqa: BLE001 - the last line of defence: a bug, said plainly
         return internal_error(err, argv)
-    finally:
-        gc.unfreeze()  # as it was: main() may run inside another program
-        gc.set_threshold(*before)
+
+
+def _output_closed() -> int:
+    """Standard output's reader left (`| head -1`): exit OUTPUT_CLOSED with no word more.
+    Standard output is pointed at /dev/null first, or the interpreter's last flush would
+    print its own BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (main() run inside another program)
+        pass
+    return OUTPUT_CLOSED
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -297,11 +325,9 @@ def cmd_lower(args: argparse.Namespace) -> int:
 def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
            out: str | None = None):
     """Load, verify, run the pipeline (`spec`, then up to the pass `upto`); the final IR."""
-    import attrs
-
     from kerncc.ir import IR
-    from kerncc.pipeline import (instruments_from_args, pass_spec, resolve_pipeline,
-                                 run_pipeline)
+    from kerncc.lower import run_lowering, with_output
+    from kerncc.pipeline import instruments_from_args, resolve_pipeline
 
     manifest, locate = _load(args.file)
     ir = _verified(IR.from_manifest(manifest, source=args.file), locate)
@@ -312,17 +338,13 @@ def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
     if args.file == "-" and any(p.name == "emit" for p in passes):
         raise KernccError.elsewhere("a bundle records its input manifest's file, and `-` "
                                     "(standard input) is none: save it to a file to emit it")
-    if out:
-        passes = _with_output(passes, out)
-    printed = ",".join(str(pass_spec(p)) for p in passes)
-    ir = attrs.evolve(ir, pipeline=printed, history=tuple(p.name for p in passes))
     instruments = instruments_from_args(
         getattr(args, "print_ir_after", None), getattr(args, "print_ir_after_all", False),
         getattr(args, "print_ir_after_change", False), getattr(args, "time_passes", False),
         getattr(args, "dump_dir", None), sys.stderr)
     try:
-        return run_pipeline(ir, passes, instruments, verify=not getattr(args, "no_verify", False),
-                            input_name=args.file)
+        return run_lowering(ir, with_output(passes, out) if out else passes, instruments,
+                            verify=not getattr(args, "no_verify", False), input_name=args.file)
     except KernccError as err:
         raise err.located(locate) from None
 
@@ -336,13 +358,6 @@ def _verified(ir, locate: Callable):
     except KernccError as err:
         raise err.located(locate) from None
     return ir
-
-
-def _with_output(passes, out: str):
-    """`-o OUT` sets `emit{out=...}` when the pipeline emits and names no directory."""
-    import attrs
-
-    return tuple(attrs.evolve(p, out=p.out or out) if p.name == "emit" else p for p in passes)
 
 
 def cmd_passes(args: argparse.Namespace) -> int:
@@ -383,6 +398,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"proved: {len(proof.programs)} driven programs, {proof.outputs} outputs, "
           f"{proof.carries} carries, {proof.regions} state regions equal the whole's")
     return 0
+
+
+def _check_paths(args: argparse.Namespace) -> str | None:
+    """`-` in `kerncc check`: one manifest, the WHOLE of WHOLE STAGE0 STAGE1 ... or a stage;
+    never a bundle (a folder), nor WHOLE against a bundle (read from its file, whose sha256
+    the bundle recorded)."""
+    paths = args.files
+    if paths.count("-") > 1:
+        return "`-` (standard input) can stand for one manifest only"
+    if "-" not in paths or len(paths) > 2:
+        return None
+    if paths[-1] == "-":
+        return "`-` (standard input) cannot be a bundle: a bundle is a folder"
+    return ("`-` (standard input) cannot be WHOLE against a bundle: the bundle recorded its "
+            "input's sha256, read from the file; give its path")
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -453,23 +483,27 @@ def build_parser() -> argparse.ArgumentParser:
     limit_flags(p)
     p.set_defaults(handler=cmd_lower)
 
-    p = command(sub, "check", "prove that stages (or a bundle) compute the whole")
+    p = command(sub, "check", "prove that stages (or a bundle) compute the whole",
+                "`-` in place of WHOLE or one STAGE manifest reads standard input (a BUNDLE is "
+                "a folder, and\nWHOLE BUNDLE reads WHOLE from its file: the bundle records its "
+                "sha256).")
     p.usage = "kerncc check [options] BUNDLE | WHOLE BUNDLE | WHOLE STAGE0 STAGE1 ..."
     p.add_argument("files", nargs="+", metavar="PATH",
                    help="a bundle directory (proved against the input it records), the whole "
                    "manifest and a bundle, or the whole manifest then every stage manifest")
     _format_flag(p, "the proof's counts and diagnostics as text, or as one JSON document")
     limit_flags(p)
-    p.set_defaults(handler=cmd_check)
+    p.set_defaults(handler=cmd_check, check_usage=_check_paths)
 
     p = command(sub, "report", "summarise a bundle: stages, calls, crossings, states, "
-                "memory, modules")
-    p.add_argument("bundle", metavar="BUNDLE", help="a bundle directory (kerncc lower ... emit)")
+                "memory, modules", stdin=None)
+    p.add_argument("bundle", metavar="BUNDLE", type=no_stdin("a bundle: a bundle is a folder"),
+                   help="a bundle directory (kerncc lower ... emit)")
     _format_flag(p, "the report and its diagnostics as text or JSON")
     limit_flags(p)
     p.set_defaults(handler=cmd_report)
 
-    p = command(sub, "passes", "list the passes with their options")
+    p = command(sub, "passes", "list the passes with their options", stdin=None)
     p.add_argument("--markdown", action="store_true", help="the reference as markdown")
     p.set_defaults(handler=cmd_passes)
 
@@ -480,10 +514,13 @@ def build_parser() -> argparse.ArgumentParser:
 FILE_HELP = "a manifest: .json, or .kir text; `-` reads standard input"
 
 
-def command(sub, name: str, help: str) -> argparse.ArgumentParser:
-    """A subcommand that reports its own usage errors (see `parse`) and lists exit codes."""
+def command(sub, name: str, help: str, stdin: str | None = STDIN_NOTE
+            ) -> argparse.ArgumentParser:
+    """A subcommand that reports its own usage errors (see `parse`) and lists exit codes, and
+    what `-` reads (`stdin`; None: the command reads no manifest from standard input)."""
+    epilog = EXIT_CODES + (f"\n\n{stdin}" if stdin else "")
     p = sub.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".",
-                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(command_parser=p)
     return p
 

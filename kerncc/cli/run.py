@@ -13,6 +13,7 @@ example model (manifest, checkpoint, config) with kerncc.example.generate.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -22,8 +23,8 @@ from kerncc import config
 from kerncc.atomic import write_atomic
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import (devices, limit_flags, number, open_run_target, positive,
-                             token_ids)
+from kerncc.cli.args import (devices, limit_flags, no_stdin, number, open_run_target,
+                             positive, prompt_conflict, token_ids)
 
 if TYPE_CHECKING:  # numpy loads only when a command runs: `kerncc --help` stays fast
     import numpy as np
@@ -151,12 +152,17 @@ def _check_flags(args: argparse.Namespace, say):
     return sampling
 
 
+# Why `kerncc run -` / `kerncc serve -` is refused (kerncc.cli.args.no_stdin).
+TARGET_NOT_STDIN = ("a bundle or a manifest to run: a bundle is a folder, and a manifest is "
+                    "run with the checkpoint beside it; give its path")
+
+
 def conflicts(args: argparse.Namespace) -> str | None:
     """The usage error of `kerncc run` flags that contradict each other or that the rest of the
     command line leaves unread (kerncc.cli.main.parse: exit 2 with run's usage, before
     anything loads), the placement flags' among them."""
     several = args.prompt is not None and len(args.prompt) > 1
-    problems = [devices_conflict(args), placement.unread(args),
+    problems = [prompt_conflict(args), devices_conflict(args), placement.unread(args),
                 _several_conflict(args) if several else None]
     # sampling values out of range are bad input, said as such by the run (exit 1)
     if _valid_sampling(args):
@@ -230,7 +236,19 @@ def _sampling(args: argparse.Namespace):
     from kerncc.runtime.sampling import SamplingParams
 
     seed = 0 if args.seed is None else args.seed  # 0 by default: a sampled run repeats
-    return SamplingParams(args.temperature, args.top_k, args.top_p, seed)
+    try:
+        return SamplingParams(args.temperature, args.top_k, args.top_p, seed)
+    except KernccError as err:  # said once, of the flag (its pointer is a request body's)
+        raise KernccError.single(_flag_error(err.headline)) from None
+
+
+def _flag_error(message: str) -> str:
+    """`sampling parameter `top_p` = 2.0: RULE` as the command line says it: `--top-p 2.0: RULE`."""
+    found = re.fullmatch(r"sampling parameter `(\w+)` = (.*?): (.*)", message, re.S)
+    if found is None:
+        return message
+    name, value, rule = found.groups()
+    return f"--{name.replace('_', '-')} {value}: {rule}"
 
 
 class TokenStream:
@@ -435,7 +453,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=RUN_DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(command_parser=p)  # usage errors print run's usage (kerncc.cli.main.parse)
-    p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
+    p.add_argument("target", metavar="BUNDLE_OR_MANIFEST", type=no_stdin(TARGET_NOT_STDIN),
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
                    help="where the kernels run (default: $KERNCC_BACKEND, else cpu; now "

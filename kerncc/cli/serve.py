@@ -17,8 +17,8 @@ from typing import Any
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, open_run_target, port, positive
-from kerncc.cli.run import check_chunk, checkpoint_for, devices_conflict
+from kerncc.cli.args import devices, no_stdin, open_run_target, port, positive
+from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
 from kerncc.serve import access
 
 LOG = logging.getLogger("kerncc.serve")
@@ -67,11 +67,14 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
         server = Server(engine, model, codec, lenient=args.lenient,
                         api_key=args.api_key or config.api_key())
         host, port = sock.getsockname()[:2]
+        uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
+                            timeout_graceful_shutdown=GRACE)
+        # Listen before saying so: a client that connects the moment the line appears is
+        # queued until uvicorn accepts, never refused (a bound socket refuses until listen()).
+        sock.listen(uv.backlog)
         print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
               f"{engine.stride} tokens; tokenizer: {'yes' if server.text else 'none'}; "
               f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
-        uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=GRACE)
         _Uvicorn(uv, server).run(sockets=[sock])
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
@@ -172,7 +175,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add `serve` to the `kerncc` command line (called by kerncc.cli.main)."""
     p = sub.add_parser("serve", help="serve a bundle over HTTP (OpenAI-compatible)")
     p.set_defaults(command_parser=p)  # usage errors print serve's usage (kerncc.cli.main.parse)
-    p.add_argument("target", metavar="BUNDLE_OR_MANIFEST",
+    p.add_argument("target", metavar="BUNDLE_OR_MANIFEST", type=no_stdin(TARGET_NOT_STDIN),
                    help="a bundle directory or a manifest file (lowered with --pipeline)")
     p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
                    help="where the stages run (default: KERNCC_BACKEND, else cpu)")

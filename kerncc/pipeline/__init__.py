@@ -1,6 +1,6 @@
-"""Pass pipelines (kerncc.pipeline): the Pass base, the `-p` spec, resolution, the runner, instruments.
+"""Pass pipelines (kerncc.pipeline): the `-p` spec, resolution, the runner, instruments.
 
-`base` (Pass, scheduling), `spec` (the `-p` syntax), `instruments` (print-ir, time-passes,
+`base` (scheduling; the Pass base itself is kerncc.passes.base), `spec` (the `-p` syntax), `instruments` (print-ir, time-passes,
 dump-dir), `runner` (resolve and run) and `docgen` (the pass reference); this package
 re-exports the runner's public names.
 """

@@ -1,13 +1,14 @@
-"""The Pass base class and the schedule: each pass preceded by the passes it `requires`.
+"""The schedule: each pass preceded by the passes it `requires`.
 
-Pass modules (`passes/`) import only this module of the pipeline package, so that the runner
-(which imports the registry) and the passes never import each other.
+The Pass base class lives with the registry in kerncc.passes.base (re-exported by the runner):
+pass modules import nothing of the pipeline package, so the pipeline, which imports the
+passes, is never imported back by them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
@@ -24,24 +25,6 @@ class PassIR(Protocol):
 
 
 IRT = TypeVar("IRT", bound=PassIR)
-
-
-class Pass:
-    """Base of every pass. Subclasses are frozen attrs classes registered with `@register`.
-
-    `name` is the kebab-case name a spec uses; `requires` names passes that must have run before
-    (the runner inserts missing ones); options are attrs fields with a default and
-    `metadata={"help": ...}`; `run` returns a new IR and never mutates its argument.
-    """
-
-    name: ClassVar[str] = ""
-    requires: ClassVar[tuple[str, ...]] = ()
-    # A pass that writes files (emit) comes last: a pass after it could fail with the output
-    # already written, and `kerncc lower -o DIR` promises no output when it fails.
-    writes_output: ClassVar[bool] = False
-
-    def run(self, ir: Any) -> Any:
-        raise NotImplementedError(f"pass `{self.name}` does not define run()")
 
 
 @attrs.frozen

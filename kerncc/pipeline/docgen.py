@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from kerncc.passes import PassRegistry, pass_options, pass_summary, registry
-from kerncc.pipeline import default_text
+from kerncc.pipeline.runner import default_text
 
 DEFAULT_PATH = "docs/passes.md"
 REGENERATE = "python -m kerncc.pipeline.docgen"

@@ -8,8 +8,8 @@ wrong type, are reported together, each with a caret under the text and a did-yo
 `run_pipeline` runs the passes in order, inserting the passes each one `requires`, verifies the
 IR after each, and calls instruments around every pass (MLIR's PassInstrumentation):
 `PrintIRAfter`, `PrintIRAfterAll`, `PrintIRAfterChange`, `TimePasses`, `DumpDir`.
-The Pass base and the scheduler live in kerncc.pipeline.base, the spec's syntax in
-kerncc.pipeline.spec and the instruments in kerncc.pipeline.instruments; the package
+The Pass base lives in kerncc.passes.base, the scheduler in kerncc.pipeline.base, the spec's
+syntax in kerncc.pipeline.spec and the instruments in kerncc.pipeline.instruments; the package
 `kerncc.pipeline` re-exports all of them.
 
 A pass that raises a KernccError fails as `PassFailed`, whose headline names the pass and the
@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import attrs
 
 from kerncc.diagnostics import Diagnostic, Diagnostics, KernccError
-from kerncc.pipeline.base import IRT, Pass, PassIR, ScheduledPass, schedule_passes
+from kerncc.pipeline.base import IRT, PassIR, ScheduledPass, schedule_passes
 from kerncc.pipeline.instruments import (
     DumpDir,
     Instrument,
@@ -37,7 +37,8 @@ from kerncc.pipeline.instruments import (
     TimePasses,
     instruments_from_args,
 )
-from kerncc.passes import OptionInfo, PassRegistry, pass_options, pass_summary, registry
+from kerncc.passes import registry
+from kerncc.passes.base import OptionInfo, Pass, PassRegistry, pass_options, pass_summary
 from kerncc.pipeline.spec import (
     INVALID_PIPELINE,
     PassSpec,

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from kerncc.diagnostics import SOURCE_WINDOW, Diagnostic, KernccError, Location, source_window
-from kerncc.passes import pass_options
+from kerncc.passes.base import pass_options
 
 INVALID_PIPELINE = "invalid pass pipeline:"
 

@@ -182,11 +182,13 @@ def test_run_stops_at_eos_unless_told(example, capsys):
 
 
 def test_run_prompt_forms_are_exclusive(example, capsys):
+    """A usage error (exit 2, as contradicting flags are), before anything loads."""
     target = str(example / "model.json")
-    assert main(["run", target, "--backend", "cpu", "--prompt", "1", "--text", "a"]) == 1
-    assert "exactly one of --prompt, --text and --chat" in capsys.readouterr().err
-    assert main(["run", target, "--backend", "cpu"]) == 1
-    assert "exactly one of" in capsys.readouterr().err
+    for extra in (["--prompt", "1", "--text", "a"], []):
+        with pytest.raises(SystemExit) as exit:
+            main(["run", target, "--backend", "cpu", *extra])
+        assert exit.value.code == 2
+        assert "exactly one of --prompt, --text and --chat" in capsys.readouterr().err
 
 
 def test_text_without_the_library_names_the_install_command(monkeypatch, example):
