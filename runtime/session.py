@@ -174,7 +174,8 @@ class Session:
         self.sites = self._parse_sites()
         self._by_number = {s.number: s for sites in self.sites.values() for s in sites}
         self.backend.add_modules(dict(self.stage.modules))
-        self._launchers = self.backend.rewrite_launchers(self.sites, self._prepare_sites())
+        self._launchers = self.backend.rewrite_launchers(self.sites, self._prepare_sites(),
+                                                         self.manifest.vars_max())
         self._graph_vars = {name: sorted(set().union(*(s.vars_read() for s in sites)))
                             for name, sites in self.sites.items()}
         self._fast = {} if interpret else self._load_stage_py()

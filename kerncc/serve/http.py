@@ -44,6 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kerncc.diagnostics import KernccError
+from kerncc.runtime.backends.fingerprint import of_runner
 from kerncc.serve import fields, grammar, sampling_hook
 from kerncc.serve.access import Access
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
@@ -112,6 +113,7 @@ class Server:
         self.api_key = api_key  # None: every client is served (kerncc.serve.access)
         self._grammars: grammar.Grammars | None = None  # made at the first grammar asked
         self.metrics = Metrics(engine)
+        self.fingerprint = of_runner(engine.model.runner)  # system_fingerprint
         self.draining = False
         self.thread = threading.Thread(target=engine.run_forever, name="kerncc-engine",
                                        daemon=True)
@@ -829,7 +831,7 @@ def _head(server: Server, chat: bool, stream: bool) -> dict[str, Any]:
         else "text_completion"
     prefix = "chatcmpl" if chat else "cmpl"
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-            "model": server.model}
+            "model": server.model, "system_fingerprint": server.fingerprint}
 
 
 async def _sse(server: Server, ask: Ask, chat: bool, first: tuple[int, _Piece] | None,
