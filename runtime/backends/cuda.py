@@ -589,7 +589,7 @@ class CudaBackend(Backend):
             return self._prepare_extern(site)
         pinned = None
         if max_m is None or max_m > gemv.DECODE_MAX_M:
-            pinned = self._pinned(name, n, k, max_m or PREFILL_ROWS, _alignment(a, w, c))
+            pinned = self._pinned_gemm(name, n, k, max_m or PREFILL_ROWS, _alignment(a, w, c))
         self.gemm_paths[site.number] = "gemv" if pinned is None else "pinned"
         m_at = fixed[3]
 
@@ -619,7 +619,7 @@ class CudaBackend(Backend):
                 self._gemv = False
         return self._gemv.site(name, invariant=True) if self._gemv else None
 
-    def _pinned(self, name: str, n: int, k: int, max_m: int, align: int) -> Any:
+    def _pinned_gemm(self, name: str, n: int, k: int, max_m: int, align: int) -> Any:
         """The pinned cuBLASLt GEMM of (name, n, k, max_m), or None where cuBLASLt has none."""
         try:
             if self._lt is None:
