@@ -51,6 +51,7 @@ from kerncc.serve import sampling_hook
 from kerncc.serve import scheduler as sch
 from kerncc.serve.pack import Bounds
 from kerncc.serve.pool import KVPool
+from kerncc.serve.prefix import PrefixCache
 
 
 Feed = Callable[[dict[str, int]], None]  # writes a call's token input on the device
@@ -100,6 +101,7 @@ class Config:
     depth: int | None = None  # items in flight; default: one per stage
     logits: bool = False  # keep every token's logits row on its request (tests, debugging)
     ahead: bool = True  # greedy decode steps issued a step ahead, tokens fed on the device
+    prefix_cache: bool = True  # full prompt pages kept for later prompts (kerncc.serve.prefix)
 
 
 @attrs.define
@@ -122,6 +124,7 @@ class Engine:
         self.chunk_program = driver.chunk_program
         self.step_program = driver.step_program
         self.pool = KVPool(max(1, self.sessions[0].token_capacity // self.stride))
+        self.prefix = PrefixCache(self.pool, self.stride, config.prefix_cache)
         self.limits = self._limits(config)
         self.depth = config.depth or len(self.sessions)
         self.max_queue = config.max_queue
@@ -277,6 +280,7 @@ class Engine:
     def run_forever(self, idle: float = 0.05) -> None:
         """Serve until `stop` (or a fault, after which every request has been failed)."""
         self._held.clear()  # the runner may have run other work since the engine last served
+        self.prefix.forget()  # and written the pages it keeps
         while not self._stopping or self.requests:
             self._wake.clear()  # before the tick: a command queued during it wakes the wait
             if not self.tick():
@@ -289,6 +293,7 @@ class Engine:
     def run_until_idle(self) -> None:
         """Serve what was submitted until nothing is left (the command line's loop)."""
         self._held.clear()  # the runner may have run other work since the engine last served
+        self.prefix.forget()  # and written the pages it keeps
         while self.tick():
             pass
         self._notify()
@@ -305,6 +310,7 @@ class Engine:
             self._notify()
             return False
         try:
+            self._refresh_prefixes()
             if self._room():
                 plan = sch.schedule(self.state, self.limits)
                 if not plan.empty:
@@ -377,15 +383,41 @@ class Engine:
     # ------------------------------------------------------------------------ issuing
 
     def _issue(self, plan: sch.Plan) -> None:
+        self._share_prefixes(plan)  # before any take: a take may evict a cached page
         for victim in plan.preempted:  # recomputed later from its known tokens
             self.pool.release(victim)
+            self.prefix.released(victim)
             self.preemptions += 1
         for seq_id, more in plan.grants:
             if self.pool.take(seq_id, more) is None:
                 raise AssertionError("the scheduler granted pages the pool does not have")
         self.state = sch.apply(self.state, plan)
+        self._sync_pool()
         for item in plan.items:
             self.inflight.append(self._submit(item))
+            self.prefix.issued(item, self._prompt_of)
+
+    # ------------------------------------------------------------------------ prefix cache
+
+    def _refresh_prefixes(self) -> None:
+        """Tell the waiting sequences the next step may admit what the cache holds for them
+        (kerncc.serve.prefix.PrefixCache.refresh)."""
+        if self.state.waiting:
+            self.state = self.prefix.refresh(self.state, self.limits, self._prompt_of)
+
+    def _share_prefixes(self, plan: sch.Plan) -> None:
+        """The admitted sequences hold the cached pages the plan gave them."""
+        reused = dict(plan.reused)
+        for seq_id in plan.admitted:
+            self.prefix.admit(seq_id, reused.get(seq_id, 0), self.requests[seq_id].prompt)
+
+    def _prompt_of(self, seq_id: int) -> list[int]:
+        return self.requests[seq_id].prompt
+
+    def _sync_pool(self) -> None:
+        """The scheduler's free pages and shared counts, the pool's (only the pool knows
+        which pages a release frees when prompts share pages)."""
+        self.state = sch.synced(self.state, self.pool.free, self.pool.shared)
 
     def _submit(self, item: sch.Item, feed: Feed | None = None) -> _Flight:
         """Issue `item`; `feed`: its token input is written on the device from the call
@@ -626,6 +658,8 @@ class Engine:
         self._rows.pop(request.id, None)
         self.state = sch.remove(self.state, request.id)
         self.pool.release(request.id)
+        self.prefix.released(request.id)
+        self._sync_pool()
         request.finish, request.error = reason, error
         if request.listener is not None:
             self._told.append((request, None))
@@ -668,15 +702,15 @@ def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
 
 def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max_new: int,
                   chunk: int | None = None, max_running: int | None = None,
-                  logits: bool = False, stop_ids: Collection[int] = (), ahead: bool = True
-                  ) -> tuple[list[Request], Engine]:
+                  logits: bool = False, stop_ids: Collection[int] = (), ahead: bool = True,
+                  prefix_cache: bool = True) -> tuple[list[Request], Engine]:
     """Serve every prompt together through an Engine; the finished requests, in prompt order
     (each one's `generated`, ending at one of `stop_ids` or after `max_new`, and its `logits`
-    rows with `logits`), and the engine (its `calls` and `rows`); `ahead`: Config.ahead. Every
-    prompt is checked before any is served."""
+    rows with `logits`), and the engine (its `calls` and `rows`); `ahead` and `prefix_cache`:
+    Config's. Every prompt is checked before any is served."""
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
                                    max_queue=max(1, len(prompts)), logits=logits,
-                                   ahead=ahead))
+                                   ahead=ahead, prefix_cache=prefix_cache))
     stops = frozenset(int(t) for t in stop_ids)
     requests = [Request([int(t) for t in p], max_new, stop_ids=stops) for p in prompts]
     for number, request in enumerate(requests, 1):
