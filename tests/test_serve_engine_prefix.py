@@ -156,3 +156,27 @@ def test_a_small_pool_evicts_cached_pages_least_recently_released_first(chains, 
     same_bits(on, off)
     assert engine.pool.evictions > 0
     assert engine.pool.cached <= engine.pool.pages
+
+
+def test_metrics_count_the_tokens_found_and_the_pages_kept(chains, prompts):
+    pytest.importorskip("prometheus_client")
+    from kerncc.serve.metrics import Metrics
+
+    _, engine = serve(chains["whole"], prompts, cache=True, together=False)
+    text = Metrics(engine).render().decode()
+    found = dict(line.split(" ") for line in text.splitlines()
+                 if line.startswith("kerncc_prefix"))
+    queried = sum(map(len, prompts))
+    assert float(found["kerncc_prefix_cache_queried_tokens_total"]) == queried
+    assert float(found["kerncc_prefix_cache_hit_tokens_total"]) == 128
+    assert float(found["kerncc_prefix_cache_hit_rate"]) == pytest.approx(128 / queried)
+    assert float(found["kerncc_prefix_cache_pages"]) == engine.pool.cached > 0
+    assert float(found["kerncc_prefix_cache_evictions_total"]) == 0
+
+
+def test_serve_takes_no_prefix_cache(tmp_path):
+    from kerncc.cli.main import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "x"]).prefix_cache is True
+    assert parser.parse_args(["serve", "x", "--no-prefix-cache"]).prefix_cache is False

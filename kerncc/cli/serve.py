@@ -55,7 +55,7 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
 
     with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
         engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
-                                      chunk=args.chunk))
+                                      chunk=args.chunk, prefix_cache=args.prefix_cache))
         model = bundle.stages[0].manifest.model
         server = Server(engine, model, codec)
         host, port = sock.getsockname()[:2]
@@ -140,6 +140,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sequences served at once (default 8)")
     p.add_argument("--chunk", type=positive, metavar="N",
                    help="prefill rows per step (default: the rows bound)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="compute every prompt from its first token (default: full prompt "
+                   "pages are kept and shared by later prompts that begin alike)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (default: the "
                    "bundle's)")
     p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "

@@ -34,6 +34,15 @@ KV and logits are those it had). A sequence that can get no page waits for one: 
 always gets its pages (every sequence fits the pool alone, which the engine checks on
 admission), so nothing deadlocks. Waiting sequences are admitted oldest first while fewer than `max_running` run and
 the free pages cover the prompt plus one page of headroom per running sequence.
+
+With the prefix cache (kerncc.serve.prefix) the driver tells each waiting sequence the next
+step may admit what it would take from the cache before it asks for a step (`Seq.reuse`,
+`fresh`, `held`): an admitted sequence starts with its `reuse` tokens fed and their pages held
+(`Plan.reused`), and needs free pages only for the rest and for cached pages no one holds; one
+`held` (its next page is about to be computed ahead of it) waits, and the queue behind it. A
+sequence is not preempted in the step that admits it. Pages shared by several sequences are
+freed only when the last lets go: `State.shared` says how many of each sequence's pages are,
+and the driver sets `free` and `shared` from the pool after each change (`synced`).
 """
 
 from __future__ import annotations
