@@ -174,7 +174,7 @@ def test_metrics_count_the_tokens_found_and_the_pages_kept(chains, prompts):
     assert float(found["kerncc_prefix_cache_evictions_total"]) == 0
 
 
-def test_serve_takes_no_prefix_cache(tmp_path):
+def test_serve_takes_no_prefix_cache():
     from kerncc.cli.main import build_parser
 
     parser = build_parser()
