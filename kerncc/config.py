@@ -6,14 +6,9 @@ KERNCC_NO_PROGRESS=1   never draw progress bars (kerncc.progress), even on a ter
 The cuda backend's (docs/runtime.md), read when its modules load:
 KERNCC_PDL=0     no programmatic dependent launch in CUDA graphs (1, the default: on)
 KERNCC_GEMV_MAX_M=N   the largest m kerncc's GEMV kernels take, 0 to 32 (default 8; 0: cuBLAS)
-KERNCC_PERSIST   runs of decode launches as one persistent kernel: 0 (the default), 1, or
-                 `ring` (the weights through shared memory)
-KERNCC_FUSE_GEMV   a decode GEMV and the small kernel before it as one launch: 0 (the
-                 default: measured slower on an H200), `norm`, `silu` or 1 (both)
-KERNCC_JOIN_ATTENTION=1   the decode attention's split and combine as one launch (0, the
-                 default: two; measured slower on an H200)
 KERNCC_PIPE_ATTENTION=0   the batched decode's split attention one split a block as before (1,
                  the default: pipelined across each block's splits, faster on an H200)
+KERNCC_API_KEY   the key `kerncc serve` asks clients for (as --api-key; the flag wins)
 A value outside these is an error naming the variable, never ignored.
 """
 
@@ -60,24 +55,12 @@ def gemv_max_m() -> int:
     return int(value)
 
 
-def persist() -> str:
-    """`0`, `1`, `ring` or `ws` (runtime/backends/persist.py)."""
-    return _choice("KERNCC_PERSIST", "0", ("0", "1", "ring", "ws"))
-
-
-def fuse_gemv() -> str:
-    """Which small kernels the cuda backend computes inside the decode GEMV after them
-    (runtime/backends/fuse.py): `0` none, `norm`, `silu`, `1` both."""
-    return _choice("KERNCC_FUSE_GEMV", "0", ("0", "norm", "silu", "1"))
-
-
-def join_attention() -> bool:
-    """Whether the cuda backend joins the decode attention's two launches
-    (runtime/backends/attention.py)."""
-    return _choice("KERNCC_JOIN_ATTENTION", "0", ("0", "1")) == "1"
-
-
 def pipe_attention() -> bool:
     """Whether the cuda backend launches the batched decode's split attention pipelined
     (runtime/backends/attention_pipe.py)."""
     return _choice("KERNCC_PIPE_ATTENTION", "1", ("0", "1")) == "1"
+
+
+def api_key() -> str | None:
+    """KERNCC_API_KEY, or None when unset or empty."""
+    return os.environ.get("KERNCC_API_KEY") or None

@@ -1,6 +1,5 @@
 // The decode attention's split on tensor cores (attn_decode_split_tc) and what it shares with
-// the other split kernels, for kernels/attention.cu and kernels/persist.cu (whose rope/split
-// tasks run it with a group of warps of their own: `Group`).
+// the other split kernels of kernels/attention.cu.
 #pragma once
 #include "tc.cuh"
 
@@ -46,25 +45,11 @@ __device__ __forceinline__ void merge_partial(float& m, float& l, float (&o)[N],
 // The split's entry from the warps' partials in shared memory (s_stats: m and l per (warp,
 // head), s_acc: o per (warp, head, dim)), merged in warp order: thread (g, d) writes dim d of
 // head g's entry (d == 0 also m and l). Callers have passed a barrier since the last write.
-// Who runs a split: the launch's block (SplitBlock: blockIdx, threadIdx, __syncthreads, K rows
-// through the non-coherent path, q as it is), or DC_WARPS warps of a persistent kernel's block
-// standing in for it (kernels/persist.cu: their own barrier; K rows and q read at L2, where this
-// launch's rope wrote them).
-struct SplitBlock {
-  __device__ __forceinline__ int b() const { return blockIdx.x; }
-  __device__ __forceinline__ int kvh() const { return blockIdx.y; }
-  __device__ __forceinline__ int tid() const { return threadIdx.x; }
-  __device__ __forceinline__ void sync() const { __syncthreads(); }
-  __device__ __forceinline__ uint4 load(const uint4* p) const { return __ldg(p); }
-  __device__ __forceinline__ uint4 load_q(const uint4* p) const { return *p; }
-};
-
-template <int HD, int G, class Group = SplitBlock>
+template <int HD, int G>
 __device__ __forceinline__ void write_split_partial(float* __restrict__ part, int nq,
                                                     int max_splits, int split,
-                                                    const float* s_stats, const float* s_acc,
-                                                    Group grp = Group()) {
-  const int b = grp.b(), kvh = grp.kvh(), tid = grp.tid();
+                                                    const float* s_stats, const float* s_acc) {
+  const int b = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x;
   const long long entry = (long long)max_splits * (HD + 2);
   float* base = part + ((long long)b * nq + kvh * G) * entry + (long long)split * (HD + 2);
   for (int i = tid; i < G * HD; i += DC_WARPS * 32) {
@@ -103,38 +88,38 @@ __device__ __forceinline__ void write_split_partial(float* __restrict__ part, in
 //   products (its bf16 rounding, then the rest), so the partials stay f32-accurate.
 // Keys past the sequence load as zeros and score -inf. The V tiles share s_acc's memory: the
 // warps write their partials there only after a barrier. Then the warps merge in order.
-template <int HD, int G, class Group = SplitBlock>
+template <int HD, int G>
 __device__ __forceinline__ void attn_decode_split_tc(const bf16* __restrict__ qkv,
                                                      const uint8_t* __restrict__ kv,
                                                      const int* __restrict__ table_row, int len,
                                                      int split, float* __restrict__ part, int nq,
                                                      int nk, int max_splits, float scale,
                                                      int* s_pages, uint4* s_q, float* s_stats,
-                                                     float* s_acc, Group grp = Group()) {
+                                                     float* s_acc) {
   constexpr int C = HD / 8;   // 16-byte chunks of one head's row
   constexpr int KC = HD / 32; // 32-dim chunks: two k16 products each
   constexpr int SWZ = (C & -C) >= 8 ? 7 : (C & -C) - 1;  // XOR within aligned runs of chunks
   static_assert(HD % 32 == 0 && DC_SPLIT == 16 * DC_WARPS, "a warp per 16 keys of the split");
-  const int b = grp.b(), kvh = grp.kvh();
+  const int b = blockIdx.x, kvh = blockIdx.y;
   const int k0 = split * DC_SPLIT, kend = min(len, k0 + DC_SPLIT);
-  const int tid = grp.tid(), warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const long long slot_bytes = 4LL * nk * HD, v_offset = 2LL * nk * HD;
 
   if (tid < DC_SPLIT / PAGE && k0 + tid * PAGE < kend) s_pages[tid] = table_row[k0 / PAGE + tid];
   const uint4* qrow = reinterpret_cast<const uint4*>(qkv + (long long)b * (nq + 2 * nk) * HD +
                                                      (long long)kvh * G * HD);
-  for (int i = tid; i < G * C; i += DC_WARPS * 32) s_q[i] = grp.load_q(qrow + i);
-  grp.sync();
+  for (int i = tid; i < G * C; i += DC_WARPS * 32) s_q[i] = qrow[i];
+  __syncthreads();
   if (k0 + warp * 16 >= kend) {  // no key of this warp: an empty partial
     if (lane < G) {
       s_stats[(warp * G + lane) * 2] = -INFINITY;
       s_stats[(warp * G + lane) * 2 + 1] = 0.f;
     }
-    grp.sync();  // the others' V tiles are read before s_acc is written
+    __syncthreads();  // the others' V tiles are read before s_acc is written
     for (int i = lane; i < G * HD; i += 32) s_acc[warp * G * HD + i] = 0.f;
-    grp.sync();
-    write_split_partial<HD, G>(part, nq, max_splits, split, s_stats, s_acc, grp);
+    __syncthreads();
+    write_split_partial<HD, G>(part, nq, max_splits, split, s_stats, s_acc);
     return;
   }
   auto row_of = [&](int j) {  // key j of the split: its K row (V is v_offset bytes on)
@@ -160,8 +145,8 @@ __device__ __forceinline__ void attn_decode_split_tc(const bf16* __restrict__ qk
   uint4 klo[KC], khi[KC];
 #pragma unroll
   for (int c = 0; c < KC; ++c) {
-    klo[c] = on_lo ? grp.load(reinterpret_cast<const uint4*>(k_lo + (32 * c + 8 * t) * 2)) : zero;
-    khi[c] = on_hi ? grp.load(reinterpret_cast<const uint4*>(k_hi + (32 * c + 8 * t) * 2)) : zero;
+    klo[c] = on_lo ? __ldg(reinterpret_cast<const uint4*>(k_lo + (32 * c + 8 * t) * 2)) : zero;
+    khi[c] = on_hi ? __ldg(reinterpret_cast<const uint4*>(k_hi + (32 * c + 8 * t) * 2)) : zero;
   }
   float sacc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -240,7 +225,7 @@ __device__ __forceinline__ void attn_decode_split_tc(const bf16* __restrict__ qk
     mma_bf16(oacc[db], a, plo[0], plo[1]);
   }
 
-  grp.sync();  // every warp has read its V tile: s_acc may be written
+  __syncthreads();  // every warp has read its V tile: s_acc may be written
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     const int h = 2 * t + h2;
@@ -256,6 +241,6 @@ __device__ __forceinline__ void attn_decode_split_tc(const bf16* __restrict__ qk
       dst[db * 16 + g + 8] = oacc[db][2 + h2];
     }
   }
-  grp.sync();
-  write_split_partial<HD, G>(part, nq, max_splits, split, s_stats, s_acc, grp);
+  __syncthreads();
+  write_split_partial<HD, G>(part, nq, max_splits, split, s_stats, s_acc);
 }

@@ -37,18 +37,6 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_launch_dependents();
 }
 
-// A counter other blocks of the same launch raise (kernels/persist.cu): read with acquire (what
-// the raiser wrote before is visible after), raised with release (what this thread wrote is).
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void raise_release(unsigned* p) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory");
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
   // Butterfly: every lane ends with the same value, computed in the same order.
 #pragma unroll

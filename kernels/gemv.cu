@@ -23,9 +23,7 @@
 //
 // Needs k % 8 == 0 and A, W, C 16-byte aligned (the backend checks and falls back to cuBLAS).
 // Grid: ceil(n / 16) blocks of 32 * WARPS threads.
-#include "activation.cuh"
 #include "gemv.cuh"
-#include "norm.cuh"
 
 // WARPS and UNROLL are template parameters: 16 warps (`_w16`) put twice the bytes in flight
 // per multiprocessor, which the few-tile shapes (n = 2048: 128 blocks) need. Measured on an
@@ -42,21 +40,9 @@ __device__ __forceinline__ uint4 load_shared_ro(const bf16* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-// Where a tile's activations come from (the `Act` of gemv_tile): `load` gives 8 bf16 of row
-// `row` at k offset `at` (a multiple of 8; `p` is that element's address in a plain A),
-// `prepare` runs once the block's first W loads are in flight, `write` after its products.
-// PlainA reads A; NormA and SiluA compute it (the fused entries below).
-struct PlainA {
-  const bf16* a;
-  __device__ __forceinline__ void prepare(int) const {}
-  __device__ __forceinline__ uint4 load(const bf16* p, int, int) const { return load_shared_ro(p); }
-  __device__ __forceinline__ void write(int, int) const {}
-};
-
-template <int MB, int GEMV_WARPS, int GEMV_UNROLL, class Act>
-__device__ __forceinline__ void gemv_tile(const Act& src, const bf16* __restrict__ w,
+template <int MB, int GEMV_WARPS, int GEMV_UNROLL>
+__device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16* __restrict__ w,
                                           void* __restrict__ c, int m, int n, int k, int mode) {
-  const bf16* __restrict__ a = src.a;
   constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
   __shared__ float partial[GEMV_WARPS][MB * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -92,21 +78,18 @@ __device__ __forceinline__ void gemv_tile(const Act& src, const bf16* __restrict
     const bf16* pa[MB];
 #pragma unroll
     for (int j = 0; j < MB; ++j) pa[j] = a_row[j] + 32 * warp;
-    int at = 32 * warp + 8 * t;  // the k offset of pa's element
 #pragma unroll
     for (int u = 0; u < GEMV_UNROLL; ++u) {
       lo[u] = load_stream(pl + STEP * u);
       hi[u] = load_stream(ph + STEP * u);
     }
-    src.prepare(m);
     for (int left = k / (STEP * GEMV_UNROLL); left > 0; --left) {
       uint4 act[GEMV_UNROLL][MB];
 #pragma unroll
       for (int u = 0; u < GEMV_UNROLL; ++u)
 #pragma unroll
         for (int j = 0; j < MB; ++j)
-          act[u][j] = a_ok[j] ? src.load(pa[j] + STEP * u, 8 * j + g, at + STEP * u) : zero;
-      at += STEP * GEMV_UNROLL;
+          act[u][j] = a_ok[j] ? load_shared_ro(pa[j] + STEP * u) : zero;
       uint4 lo_now[GEMV_UNROLL], hi_now[GEMV_UNROLL];
 #pragma unroll
       for (int u = 0; u < GEMV_UNROLL; ++u) {
@@ -138,7 +121,6 @@ __device__ __forceinline__ void gemv_tile(const Act& src, const bf16* __restrict
     }
   };
   load_w(warp);
-  src.prepare(m);
   for (int base = warp; base < chunks; base += GEMV_UNROLL * GEMV_WARPS) {
     uint4 act[GEMV_UNROLL][MB];
 #pragma unroll
@@ -147,8 +129,7 @@ __device__ __forceinline__ void gemv_tile(const Act& src, const bf16* __restrict
       const bool in_k = ch < chunks && 32 * ch + 8 * t < k;
 #pragma unroll
       for (int j = 0; j < MB; ++j)
-        act[u][j] = in_k && a_ok[j] ? src.load(a_row[j] + 32 * ch, 8 * j + g, 32 * ch + 8 * t)
-                                    : zero;
+        act[u][j] = in_k && a_ok[j] ? load_shared_ro(a_row[j] + 32 * ch) : zero;
     }
     uint4 lo_now[GEMV_UNROLL], hi_now[GEMV_UNROLL];
 #pragma unroll
@@ -162,7 +143,6 @@ __device__ __forceinline__ void gemv_tile(const Act& src, const bf16* __restrict
     for (int u = 0; u < GEMV_UNROLL; ++u) chunk_mma<MB>(acc, lo_now[u], hi_now[u], act[u]);
   }
   }
-  src.write(m, k);
 
 #pragma unroll
   for (int j = 0; j < MB; ++j)
@@ -195,176 +175,29 @@ extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb1(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<1, 8, 4>(PlainA{a}, w, c, m, n, k, mode);
+  gemv_tile<1, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<2, 8, 4>(PlainA{a}, w, c, m, n, k, mode);
+  gemv_tile<2, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb3(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<3, 8, 4>(PlainA{a}, w, c, m, n, k, mode);
+  gemv_tile<3, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<4, 8, 4>(PlainA{a}, w, c, m, n, k, mode);
+  gemv_tile<4, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(512)
     gemv_bf16_tn_mb1_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<1, 16, 4>(PlainA{a}, w, c, m, n, k, mode);
-}
-
-// ---- the small kernel before a GEMV, computed in its prologue ---------------------------
-// The cuda backend joins a launch of norm.cu's `rmsnorm_bf16` or activation.cu's
-// `silu_mul_bf16` with the GEMV launch right after it that reads its output
-// (runtime/backends/fuse.py): once its first W loads are in flight, every block computes the
-// whole m x k activations into shared memory from the small kernel's inputs, with the small
-// kernel's operations in its order, so they carry its bits and the products are the GEMV's; its
-// tiles then read A from there. The blocks also write the small kernel's output between them (a
-// few 16-byte pieces each, after their products), so whatever reads it later reads the same
-// bytes; no block reads it. One launch instead of two: a grid less to ramp and drain a layer.
-// m <= 8 (MB = 1); k % 8 == 0, 16-byte aligned rows, the output apart from every input, and
-// dynamic shared memory of m rows of k + FUSED_PAD bf16 (the backend checks and sizes it; the
-// pad keeps the rows' 16-byte pieces of one load on different banks).
-#define FUSED_PAD 8
-
-// The loader's 8-element pieces of its m x k output, a share of each block: piece
-// blockIdx.x + gridDim.x * i for thread i, so every block writes.
-template <class Act>
-__device__ __forceinline__ void write_share(const Act& src, bf16* out, int m, int k) {
-  const long long pieces = (long long)m * (k / 8);
-  for (long long v = blockIdx.x + (long long)gridDim.x * threadIdx.x; v < pieces;
-       v += (long long)gridDim.x * blockDim.x) {
-    const int row = (int)(v / (k / 8)), at = (int)(v % (k / 8)) * 8;
-    *reinterpret_cast<uint4*>(out + (long long)row * k + at) = src.load(nullptr, row, at);
-  }
-}
-
-// y = rmsnorm(x) * gn as `rmsnorm_bf16` launched with `norm_threads` threads a block computes
-// it (block_norm<8>): each row's sum of squares from the same threads' shares (squares<8>),
-// each warp's by warp_sum, the warps' added in warp order, then y = bf16(bf16(x * r) * gn).
-// This block's warps take the launch's warps in turn (norm_threads % 32 == 0, <= 1024).
-struct NormA {
-  bf16* a;  // y
-  const bf16* x;
-  const bf16* gn;
-  float eps;
-  int norm_threads, k;
-  float* sums;  // [8 * 32 + 8]: each launch warp's sum of squares, then each row's 1 / rms
-  bf16* rows;   // [m][k + FUSED_PAD]: the activations
-
-  __device__ __forceinline__ void prepare(int m) const {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int launch_warps = norm_threads >> 5;
-#pragma unroll 1
-    for (int row = 0; row < m; ++row)
-#pragma unroll 1
-      for (int lw = warp; lw < launch_warps; lw += warps) {
-        const float ss = warp_sum(squares<8>(x + (long long)row * k, k, 8 * (32 * lw + lane),
-                                             8 * norm_threads));
-        if (lane == 0) sums[row * 32 + lw] = ss;
-      }
-    __syncthreads();
-    float* r = sums + 8 * 32;
-    if (threadIdx.x < (unsigned)m) {
-      float total = 0.f;
-      for (int i = 0; i < launch_warps; ++i) total += sums[threadIdx.x * 32 + i];
-      r[threadIdx.x] = rsqrtf(total / (float)k + eps);
-    }
-    __syncthreads();
-#pragma unroll 1
-    for (int v = threadIdx.x; v < m * (k / 8); v += blockDim.x) {
-      const int row = v / (k / 8), at = (v % (k / 8)) * 8;
-      float e[8], g[8];
-      load_bf16<8>(x + (long long)row * k + at, e);
-      load_bf16<8>(gn + at, g);
-      const float rr = r[row];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) e[i] = round_bf16(e[i] * rr) * g[i];
-      store_bf16<8>(rows + row * (k + FUSED_PAD) + at, e);
-    }
-    __syncthreads();
-  }
-
-  __device__ __forceinline__ uint4 load(const bf16*, int row, int at) const {
-    return *reinterpret_cast<const uint4*>(rows + row * (k + FUSED_PAD) + at);
-  }
-
-  __device__ __forceinline__ void write(int m, int) const { write_share(*this, a, m, k); }
-};
-
-// act = bf16(bf16(silu(g)) * u) from gate_up's rows of 2k, gate and up interleaved in pieces of
-// `block` columns (block % 8 == 0), as `silu_mul_bf16` computes it (silu_mul, activation.cuh).
-struct SiluA {
-  bf16* a;  // act
-  const bf16* gate_up;
-  int block, k;
-  bf16* rows;  // [m][k + FUSED_PAD]: the activations
-
-  __device__ __forceinline__ void prepare(int m) const {
-#pragma unroll 1
-    for (int v = threadIdx.x; v < m * (k / 8); v += blockDim.x) {
-      const int row = v / (k / 8), at = (v % (k / 8)) * 8;
-      const bf16* p = gate_up + (long long)row * 2 * k + (long long)(at / block) * 2 * block +
-                      at % block;
-      *reinterpret_cast<uint4*>(rows + row * (k + FUSED_PAD) + at) =
-          silu_mul8(__ldg(reinterpret_cast<const uint4*>(p)),
-                    __ldg(reinterpret_cast<const uint4*>(p + block)));
-    }
-    __syncthreads();
-  }
-
-  __device__ __forceinline__ uint4 load(const bf16*, int row, int at) const {
-    return *reinterpret_cast<const uint4*>(rows + row * (k + FUSED_PAD) + at);
-  }
-
-  __device__ __forceinline__ void write(int m, int) const { write_share(*this, a, m, k); }
-};
-
-// gemv_rmsnorm_bf16_tn_mb1[_w16]: C (mode) A . W^T, A = rmsnorm(x) * gn, also written to y.
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_rmsnorm_bf16_tn_mb1(const bf16* __restrict__ x, const bf16* __restrict__ gn,
-           bf16* __restrict__ y, float eps, int norm_threads, const bf16* __restrict__ w,
-           void* __restrict__ c, int m, int n, int k, int mode) {
-  pdl_begin();
-  __shared__ float sums[8 * 32 + 8];
-  extern __shared__ __align__(16) unsigned char fused_rows[];
-  gemv_tile<1, 8, 4>(NormA{y, x, gn, eps, norm_threads, k, sums,
-                           reinterpret_cast<bf16*>(fused_rows)}, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(512)
-    gemv_rmsnorm_bf16_tn_mb1_w16(const bf16* __restrict__ x, const bf16* __restrict__ gn,
-           bf16* __restrict__ y, float eps, int norm_threads, const bf16* __restrict__ w,
-           void* __restrict__ c, int m, int n, int k, int mode) {
-  pdl_begin();
-  __shared__ float sums[8 * 32 + 8];
-  extern __shared__ __align__(16) unsigned char fused_rows[];
-  gemv_tile<1, 16, 4>(NormA{y, x, gn, eps, norm_threads, k, sums,
-                            reinterpret_cast<bf16*>(fused_rows)}, w, c, m, n, k, mode);
-}
-
-// gemv_silu_bf16_tn_mb1[_w16]: C (mode) A . W^T, A = silu_mul(gate_up), also written to act.
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_silu_bf16_tn_mb1(const bf16* __restrict__ gate_up, bf16* __restrict__ act, int block,
-           const bf16* __restrict__ w, void* __restrict__ c, int m, int n, int k, int mode) {
-  pdl_begin();
-  extern __shared__ __align__(16) unsigned char fused_rows[];
-  gemv_tile<1, 8, 4>(SiluA{act, gate_up, block, k, reinterpret_cast<bf16*>(fused_rows)},
-                           w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(512)
-    gemv_silu_bf16_tn_mb1_w16(const bf16* __restrict__ gate_up, bf16* __restrict__ act, int block,
-           const bf16* __restrict__ w, void* __restrict__ c, int m, int n, int k, int mode) {
-  pdl_begin();
-  extern __shared__ __align__(16) unsigned char fused_rows[];
-  gemv_tile<1, 16, 4>(SiluA{act, gate_up, block, k, reinterpret_cast<bf16*>(fused_rows)},
-                           w, c, m, n, k, mode);
+  gemv_tile<1, 16, 4>(a, w, c, m, n, k, mode);
 }

@@ -1,6 +1,6 @@
-// The decode GEMVs' primitives, shared by kernels/gemv.cu and kernels/persist.cu (and the
-// probes in tests/bench): a 16-byte weight load streamed past L1, the bf16 tensor-core
-// product m16n8k16 accumulating in f32, and one k chunk of a tile as two such products.
+// The decode GEMVs' primitives, for kernels/gemv.cu (and the probes in tests/bench): a 16-byte
+// weight load streamed past L1, the bf16 tensor-core product m16n8k16 accumulating in f32, and
+// one k chunk of a tile as two such products.
 #pragma once
 #include "common.cuh"
 

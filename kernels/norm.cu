@@ -64,13 +64,13 @@ extern "C" __global__ void add_rmsnorm_bf16(bf16* __restrict__ residual,
     const long long off = (long long)row * cols;
     bf16* res = residual + off;
     if (v == 8) {
-      row_add<8>(res, x + off, cols, BlockThreads());
+      row_add<8>(res, x + off, cols);
       block_norm<8>(res, w, y + off, cols, eps, scratch);
     } else if (v == 4) {
-      row_add<4>(res, x + off, cols, BlockThreads());
+      row_add<4>(res, x + off, cols);
       block_norm<4>(res, w, y + off, cols, eps, scratch);
     } else {
-      row_add<2>(res, x + off, cols, BlockThreads());
+      row_add<2>(res, x + off, cols);
       block_norm<2>(res, w, y + off, cols, eps, scratch);
     }
   }

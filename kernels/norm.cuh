@@ -69,18 +69,11 @@ __device__ __forceinline__ void scale(const bf16* x, const bf16* w, bf16* y, int
   }
 }
 
-// The threads of a block that share a row: all of them (BlockThreads), or the first `count`
-// (persist.cu's tasks, one launch's block inside a larger one).
-struct BlockThreads {
-  __device__ __forceinline__ unsigned thread() const { return threadIdx.x; }
-  __device__ __forceinline__ unsigned count() const { return blockDim.x; }
-};
-
-// residual += x over one row, V elements at a time a thread (each thread's own, read back by
-// squares and scale at the same width, so no barrier is needed between them).
-template <int V, class Threads>
-__device__ __forceinline__ void row_add(bf16* res, const bf16* x, int cols, Threads t) {
-  for (int c = V * t.thread(); c < cols; c += V * t.count()) {
+// residual += x over one row, V elements at a time a thread of the block (each thread's own,
+// read back by squares and scale at the same width, so no barrier is needed between them).
+template <int V>
+__device__ __forceinline__ void row_add(bf16* res, const bf16* x, int cols) {
+  for (int c = V * threadIdx.x; c < cols; c += V * blockDim.x) {
     float a[V], b[V];
     load_bf16<V>(res + c, a);
     load_bf16<V>(x + c, b);
@@ -108,7 +101,7 @@ __device__ __forceinline__ int width(int cols, uintptr_t addresses) {
 }
 
 // The widest loads a row allows, for a block stepping V * (its threads) elements at a time
-// (norm.cu's block kernels, persist.cu's norm tasks).
+// (norm.cu's block kernels).
 __device__ __forceinline__ int block_width(int cols, uintptr_t addresses) {
   if (cols % 8 == 0 && addresses % 16 == 0) return 8;
   if (cols % 4 == 0 && addresses % 8 == 0) return 4;

@@ -1,6 +1,33 @@
 // Module `qk_rope_kv`: what happens to a layer's packed qkv rows between the projection and
 // attention, in one launch: head_rmsnorm_bf16, rope_neox_bf16 and kv_write_bf16 in sequence.
-#include "qk_rope_kv.cuh"
+#include "norm.cuh"
+#include "rope.cuh"
+
+// One head's 4 elements a lane: x rewritten when it is a q or k head (`norm_rope`, warp-
+// uniform), copied to dst when that is not null (a k or v head with a slot).
+__device__ __forceinline__ void head128_apply(float (&f)[4], bool norm_rope, const float (&g)[4],
+                                              const float4& c, const float4& sn, bf16* x,
+                                              bf16* dst, float eps, int lane) {
+  if (norm_rope) {
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) ss += f[k] * f[k];
+    const float r = rsqrtf(warp_sum(ss) / 128.f + eps);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) f[k] = round_bf16(round_bf16(f[k] * r) * g[k]);  // as stored
+    const float cs[4] = {c.x, c.y, c.z, c.w}, s[4] = {sn.x, sn.y, sn.z, sn.w};
+    // the rope's pairs (i, 64 + i) sit in lanes l and l + 16: a shuffle brings the partner
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float other = __shfl_xor_sync(FULL_MASK, f[k], 16);
+      float x1 = lane < 16 ? f[k] : other, x2 = lane < 16 ? other : f[k];
+      rotate(x1, x2, cs[k], s[k]);
+      f[k] = lane < 16 ? x1 : x2;
+    }
+    store_bf16<4>(x, f);
+  }
+  if (dst) store_bf16<4>(dst, f);
+}
 
 // Head dim 128, aligned: a block takes rows (blockIdx.x, + gridDim.x, ...), and the W warps of
 // the gridDim.y blocks of a row (warp w of block y: w' = y * warps + w) take its heads w', w' +

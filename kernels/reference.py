@@ -408,28 +408,6 @@ GEMV_ENTRIES = ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb2", "gemv_bf16_tn_mb3", "gem
 KERNELS.update({name: _int_scalars(gemv_bf16_tn) for name in GEMV_ENTRIES})
 
 
-def gemv_rmsnorm_bf16_tn(launch: Any, x, gn, y, eps, norm_threads, w, c, m, n, k,
-                         mode) -> None:
-    """kernels/gemv.cu's gemv_rmsnorm_bf16_tn_mb1[_w16]: rmsnorm_bf16 of x into y (as launched
-    with `norm_threads` threads a block: the numpy norm is that launch's function), then the
-    GEMV of y."""
-    rmsnorm_bf16(launch, x, gn, y, m, k, eps)
-    gemv_bf16_tn(launch, y, w, c, m, n, k, mode)
-
-
-def gemv_silu_bf16_tn(launch: Any, gate_up, act, block, w, c, m, n, k, mode) -> None:
-    """kernels/gemv.cu's gemv_silu_bf16_tn_mb1[_w16]: silu_mul_bf16 of gate_up into act, then
-    the GEMV of act."""
-    silu_mul_bf16(launch, gate_up, act, m, k, block)
-    gemv_bf16_tn(launch, act, w, c, m, n, k, mode)
-
-
-KERNELS.update({name: _int_scalars(fn) for name, fn in (
-    ("gemv_rmsnorm_bf16_tn_mb1", gemv_rmsnorm_bf16_tn),
-    ("gemv_rmsnorm_bf16_tn_mb1_w16", gemv_rmsnorm_bf16_tn),
-    ("gemv_silu_bf16_tn_mb1", gemv_silu_bf16_tn),
-    ("gemv_silu_bf16_tn_mb1_w16", gemv_silu_bf16_tn))})
-
 EXTERNS: dict[str, Callable[..., None]] = {
     fn.__name__: _int_scalars(fn)
     for fn in (cublaslt_bf16_tn, cublaslt_bf16_tn_acc, cublas_bf16_tn_f32)
@@ -459,3 +437,87 @@ def sample_f32(launch: Any, logits, params, tokens, n, stride, vocab) -> None:
 
 
 KERNELS["sample_f32"] = _int_scalars(sample_f32)
+
+
+# ---- FP8 weights (kernels/fp8.cu) ----------------------------------------------------------
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8_BLOCK = 128
+FP8_MAX = np.float32(448.0)
+
+
+def fp8_blocks(n: int, k: int) -> tuple[int, int]:
+    """The scale grid of a [n, k] weight: one f32 per 128 x 128 block."""
+    return -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+
+
+def fp8_expand(scales: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The [n, k] f32 scale of every element (its block's)."""
+    return np.repeat(np.repeat(scales, FP8_BLOCK, axis=0), FP8_BLOCK, axis=1)[:n, :k]
+
+
+def fp8_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(e4m3 [n, k], f32 scales) of a [n, k] weight, as fp8_quantize_bf16 computes them:
+    S = block amax / 448 (NaNs ignored; 1 for an all-zero block), Q = e4m3(f32(w) / S)
+    rounded to nearest even and saturated to +-448. `kerncc import --quantize fp8` and the
+    tests' FP8 checkpoints use this function, so both give the same bytes."""
+    x = f32(w)
+    n, k = x.shape
+    bn, bk = fp8_blocks(n, k)
+    padded = np.zeros((bn * FP8_BLOCK, bk * FP8_BLOCK), F32)
+    padded[:n, :k] = np.abs(x)
+    tiles = padded.reshape(bn, FP8_BLOCK, bk, FP8_BLOCK)
+    amax = np.fmax.reduce(np.fmax.reduce(tiles, axis=3), axis=1).astype(F32)
+    scales = np.where(amax > 0, amax / FP8_MAX, np.float32(1)).astype(F32)
+    with np.errstate(all="ignore"):
+        q = np.clip(x / fp8_expand(scales, n, k), -FP8_MAX, FP8_MAX).astype(FP8)
+    return q, scales
+
+
+def fp8_dequantize(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The f32 value of every weight: f32(Q) * S of its block (exact in f32)."""
+    n, k = q.shape
+    return f32(q) * fp8_expand(scales, n, k)
+
+
+def fp8_quantize_bf16(launch: Any, w, q, s, n, k) -> None:
+    bn, bk = fp8_blocks(n, k)
+    values, scales = fp8_quantize(view(w, BF16, n * k).reshape(n, k))
+    view(q, FP8, n * k).reshape(n, k)[...] = values
+    view(s, F32, bn * bk).reshape(bn, bk)[...] = scales
+
+
+def fp8_dequantize_bf16(launch: Any, q, s, w, n, k) -> None:
+    bn, bk = fp8_blocks(n, k)
+    values = view(q, FP8, n * k).reshape(n, k)
+    scales = view(s, F32, bn * bk).reshape(bn, bk)
+    view(w, BF16, n * k).reshape(n, k)[...] = bf16(fp8_dequantize(values, scales))
+
+
+def gemv_fp8_bf16(launch: Any, a, w, s, c, m, n, k, mode) -> None:
+    """C (=, += or f32 =) f32(A) @ (f32(Q) * S)^T, row by row (as _matmul_tn, so a row's
+    bits do not depend on the batch); the CUDA kernel sums the same products in another
+    fixed order (f32 rounding apart)."""
+    if not 0 <= mode < len(GEMV_MODES):
+        raise ValueError(f"gemv mode {mode} is not 0, 1 or 2")
+    bn, bk = fp8_blocks(n, k)
+    WT = fp8_dequantize(view(w, FP8, n * k).reshape(n, k),
+                        view(s, F32, bn * bk).reshape(bn, bk)).T
+    A = f32(view(a, BF16, m * k).reshape(m, k))
+    out = np.empty((m, n), F32)
+    for i in range(m):
+        out[i:i + 1] = A[i:i + 1] @ WT
+    if mode == 2:
+        view(c, F32, m * n).reshape(m, n)[...] = out
+        return
+    C = view(c, BF16, m * n).reshape(m, n)
+    C[...] = bf16(out + f32(C)) if mode == 1 else bf16(out)
+
+
+def cast_bf16_f32(launch: Any, x, y, n) -> None:
+    view(y, F32, n)[...] = f32(view(x, BF16, n))
+
+
+KERNELS.update({fn.__name__: _int_scalars(fn)
+                for fn in (fp8_quantize_bf16, fp8_dequantize_bf16, gemv_fp8_bf16,
+                           cast_bf16_f32)})

@@ -22,6 +22,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.runtime.backends import make_backend
 from kerncc.runtime.backends.base import Backend
 from kerncc.runtime.bundle import Bundle
+from kerncc.runtime.footprint import check_fits, stage_footprint
 from kerncc.runtime.memory import default_token_capacity
 from kerncc.runtime.session import (Pending, Session, as_mapping, check_token_capacity,
                                     open_backend, open_bundle)
@@ -40,6 +41,8 @@ class Chain:
     item and every transfer.
     """
 
+    in_process = True  # every stage in this process: inputs staged ahead, fed on the device
+
     def __init__(self, bundle: Bundle | str | os.PathLike, backend: str | Backend = "cpu",
                  checkpoint: CheckpointLike = None, token_capacity: int | None = None,
                  interpret: bool = False, devices: Sequence[int] | None = None,
@@ -57,6 +60,7 @@ class Chain:
         # One pool of page ids serves every stage, so every stage gets the same capacity.
         self.token_capacity = token_capacity or max(
             default_token_capacity(s.manifest) for s in self.bundle.stages)
+        _check_devices(self.bundle, self.backends, self.token_capacity)
         self.sessions = [Session(self.bundle, k, self.backends[k], checkpoint,
                                  self.token_capacity, interpret, graphs, allow_nonfinite)
                          for k in range(stages)]
@@ -205,3 +209,15 @@ def _stage_backends(backend: str | Backend, devices: Sequence[int] | None,
             by_device[device] = make_backend("cuda", device=device)
         out.append(by_device[device])
     return out
+
+
+def _check_devices(bundle: Bundle, backends: Sequence[Backend], token_capacity: int) -> None:
+    """Every device's stages together fit its free memory, checked before any stage loads."""
+    groups: dict[int, list[int]] = {}
+    for k, backend in enumerate(backends):
+        groups.setdefault(id(backend), []).append(k)
+    for ks in groups.values():
+        backend = backends[ks[0]]
+        footprints = [stage_footprint(k, bundle.stages[k].manifest, bundle.stages[k].plan,
+                                      token_capacity) for k in ks]
+        check_fits(footprints, backend.free_bytes(), repr(backend), backend.device_bytes)

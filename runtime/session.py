@@ -32,6 +32,7 @@ from kerncc.runtime import domains
 from kerncc.runtime.backends import make_backend
 from kerncc.runtime.backends.base import Backend, BackendError, Launcher
 from kerncc.runtime.bundle import Bundle, Stage, bundle_error
+from kerncc.runtime.footprint import check_fits, stage_footprint
 from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
 from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype
 from kerncc.runtime.weights import CheckpointLike, assemble_buffer, open_checkpoint
@@ -104,6 +105,8 @@ def _var_value(value: Any) -> bool:
 class Session:
     """One stage of a bundle, loaded on a backend and ready to run programs."""
 
+    in_process = True  # inputs may be staged ahead and fed on the device (model_runner)
+
     def __init__(self, bundle: Bundle | str | os.PathLike, stage: int = 0,
                  backend: str | Backend = "cpu", checkpoint: CheckpointLike = None,
                  token_capacity: int | None = None, interpret: bool = False,
@@ -125,6 +128,7 @@ class Session:
         self._graphs: dict[tuple, Any] = {}
         self._seen: dict[tuple, int] = {}
         self.token_capacity = token_capacity or default_token_capacity(self.manifest)
+        self._check_fits()
         self.memory = Memory(self.backend, self.manifest, self.stage.plan, self.token_capacity)
         self.last_vars = self._vars({})
         self._env = self.last_vars
@@ -154,6 +158,14 @@ class Session:
 
     # ------------------------------------------------------------------------ loading
 
+    def _check_fits(self) -> None:
+        """Refuse a stage whose planned memory does not fit the device, before any allocation
+        (a Chain has checked its stages together already; this covers a Session alone)."""
+        footprint = stage_footprint(self.stage.index, self.manifest, self.stage.plan,
+                                    self.token_capacity)
+        check_fits([footprint], self.backend.free_bytes(), repr(self.backend),
+                   self.backend.device_bytes)
+
     def _load(self, interpret: bool) -> None:
         derive = sorted((n for n, p in self.manifest.programs.items() if p.derive),
                         key=str.encode)
@@ -162,7 +174,7 @@ class Session:
         self.sites = self._parse_sites()
         self._by_number = {s.number: s for sites in self.sites.values() for s in sites}
         self.backend.add_modules(dict(self.stage.modules))
-        self._launchers = self.backend.join_runs(self.sites, self._prepare_sites())
+        self._launchers = self.backend.rewrite_launchers(self.sites, self._prepare_sites())
         self._graph_vars = {name: sorted(set().union(*(s.vars_read() for s in sites)))
                             for name, sites in self.sites.items()}
         self._fast = {} if interpret else self._load_stage_py()

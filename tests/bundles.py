@@ -23,8 +23,8 @@ def whole_and_two(root: Path, size: str = "tiny", **overrides) -> dict[str, Path
 
 def cuda_chain(bundle: Path, graphs: bool = True, **backend: object):
     """A Chain over `bundle` on a CudaBackend of its own, with the backend's attributes in
-    `backend` set first (they are read when a Session loads: `persist`, `join_attention`,
-    `fuse_gemv`, `pipe_attention`). Close it with `close_chains`."""
+    `backend` set first (they are read when a Session loads: `pipe_attention`,
+    `pipe_columns`). Close it with `close_chains`."""
     from kerncc.runtime import Chain
     from kerncc.runtime.backends.cuda import CudaBackend
 
@@ -57,10 +57,10 @@ def same_generations(on, off, prompts, max_new: int = 9, chunk: int = 64) -> Non
     (and logits that are not all zero)."""
     import numpy as np
 
-    from kerncc.runtime.generate import Generator
+    from reference_loop import alone
 
     for prompt in prompts:
-        got, want = (Generator(c).generate(prompt, max_new, chunk) for c in (on, off))
+        got, want = (alone(c, prompt, max_new, chunk) for c in (on, off))
         assert np.abs(got.logits).max() > 0
         assert got.tokens == want.tokens, len(prompt)
         same_logits(got.logits, want.logits)

@@ -1,5 +1,5 @@
 """The CUDA driver API, just enough for the kernel-level GPU tests to launch entries of the
-library's cubins (tests/test_elementwise_cuda.py, tests/test_fuse_cuda.py)."""
+library's cubins (tests/test_elementwise_cuda.py, tests/test_attention_pipe_cuda.py)."""
 
 from __future__ import annotations
 

@@ -20,10 +20,10 @@ from kerncc.serve.text import Text
 def serving(chain: Any, model: str, codec: Any = None, runner: Any = None,
             **config: Any) -> Iterator[tuple[str, Server]]:
     """Serve `chain` as `model` (text through `codec` when given); yields the base URL and the
-    Server. `runner` replaces the engine's runner (a test's stand-in for a faulty stage)."""
+    Server. `runner` replaces the model runner's Session or Chain (a test's stand-in for a faulty stage)."""
     engine = Engine(chain, Config(**{"max_running": 4, **config}))
     if runner is not None:
-        engine.runner = runner
+        engine.model.runner = runner
     server = Server(engine, model, Text(codec) if codec is not None else None)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -142,9 +142,9 @@ def test_running_a_bundle_loads_no_compiler_module(bundle: Path, tiny_model) -> 
         "import json, sys\n"
         "from kerncc.runtime import Chain\n"
         "from kerncc.runtime.bundle import Bundle\n"
-        "from kerncc.runtime.generate import Generator\n"
+        "from kerncc.serve.engine import serve_prompts\n"
         f"b = Bundle({str(bundle)!r}); b.checkpoint = {str(tiny_model[1])!r}\n"
-        "tokens = Generator(Chain(b)).generate([1, 2, 3], max_new=2).tokens\n"
+        "tokens = serve_prompts(Chain(b), [[1, 2, 3]], 2)[0][0].generated\n"
         "print(json.dumps([tokens, sorted(sys.modules)]))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           check=True)

@@ -28,8 +28,6 @@ pytestmark = pytest.mark.gpu
 ENTRY = "attn_prefill_bf16"
 SPLIT, COMBINE = "attn_decode_split_bf16", "attn_decode_combine_bf16"
 SPLIT_TC = "attn_decode_split_tc_bf16"  # hd % 32 == 0, on tensor cores
-# each split kernel with the combine in one launch (runtime/backends/attention.py)
-JOINED = {SPLIT: "attn_decode_joined_bf16", SPLIT_TC: "attn_decode_joined_tc_bf16"}
 PAGE = 16
 
 # (hd, nq, nk, start, rows): chunk rows [start, start + rows) of one sequence.
@@ -64,7 +62,7 @@ class Gpu:
         image = np.frombuffer(library.cubin_path("attention").read_bytes(), dtype=np.uint8)
         self.module = self.check(cu.cuModuleLoadData(image.ctypes.data))
         self.fns = {name: self.check(cu.cuModuleGetFunction(self.module, name.encode()))
-                    for name in (ENTRY, SPLIT, SPLIT_TC, COMBINE, *JOINED.values())}
+                    for name in (ENTRY, SPLIT, SPLIT_TC, COMBINE)}
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.check(cu.cuFuncSetAttribute(self.fns[ENTRY], attr, attn_prefill_smem(128)))
         self.stream = self.check(cu.cuStreamCreate(0))
@@ -312,50 +310,6 @@ def test_fewer_split_blocks_loop_over_the_splits_with_the_same_bits(gpu, entry, 
         (part_z, rows_z), = run_decode(gpu, c, blocks=blocks, split_entry=entry)
         np.testing.assert_array_equal(part_z.view(np.uint32), part.view(np.uint32))
         np.testing.assert_array_equal(rows_z, rows)
-
-
-def run_joined(gpu: Gpu, c, entry: str, blocks: int, repeats: int = 3):
-    """(partials, rows, counters) after each of `repeats` launches of the joined kernel of
-    split kernel `entry`, with `blocks` blocks per (sequence, kv head), over one counter array
-    (zeroed once, as the backend's)."""
-    part0 = np.full((c.seqs, c.nq, c.max_splits, c.hd + 2), SENTINEL, np.float32)
-    out0 = np.full((c.seqs, c.nq * c.hd), 0xFFFF, np.uint16)
-    counts0 = np.zeros(c.seqs * c.nk, np.uint32)
-    ptrs = [gpu.upload(a) for a in (c.qkv, c.kv, c.table, c.lens)]
-    part, out, counts = gpu.upload(part0), gpu.upload(out0), gpu.upload(counts0)
-    split, _ = decode_scalars(c)
-    results = []
-    for _ in range(repeats):
-        gpu.launch((c.seqs, c.nk, blocks), 0, ptrs + [part] + split + [out, counts],
-                   JOINED[entry], 256)
-        results.append((gpu.download(part, part0), gpu.download(out, out0),
-                        gpu.download(counts, counts0)))
-    gpu.free(*ptrs, part, out, counts)
-    return results
-
-
-JOINED_CASES = [(SPLIT, case) for case in DECODE_CASES[:6]] + [
-    (SPLIT_TC, case) for case in DECODE_CASES if case[0] % 32 == 0]
-
-
-@pytest.mark.parametrize("entry,case", JOINED_CASES, ids=lambda x: x.removeprefix(
-    "attn_decode_split_").removesuffix("_bf16") or "cuda-cores" if isinstance(x, str) else
-    "hd{}-q{}-k{}-lens{}".format(*x[:3], "-".join(map(str, x[3]))))
-def test_the_joined_launch_gives_the_split_and_combines_bits(gpu, entry, case):
-    """The joined kernel (the split's blocks, then the last of each kv head's merging its q
-    heads) writes the partials and rows of the split and combine launches bit for bit, at a
-    block per split and with blocks that loop over splits (Z = 1, 3, 8), launch after launch
-    over the same counters, which it leaves at zero; an empty sequence gets zero rows."""
-    c = make_decode_case(*case)
-    (part, rows), = run_decode(gpu, c, split_entry=entry)
-    assert np.abs(bits_f32(rows)).max() > 0
-    for blocks in sorted({c.max_splits, 1, 3, 8}):
-        for part_j, rows_j, counts in run_joined(gpu, c, entry, blocks):
-            np.testing.assert_array_equal(part_j.view(np.uint32), part.view(np.uint32))
-            np.testing.assert_array_equal(rows_j, rows)
-            assert not counts.any(), "the joined kernel leaves its counters at zero"
-    if (c.lens == 0).any():
-        assert (rows[c.lens == 0] == 0).all()
 
 
 def decode_timing(gpu: Gpu, keys: int, hd=128, nq=16, nk=8, seqs=1, repeats=50) -> float:

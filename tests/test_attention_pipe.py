@@ -6,26 +6,27 @@ candidates, and at their values only those whose blocks loop over splits (grid z
 max_splits: `decode_batch`, never `decode`) go out as the pipelined kernel, with the split's
 arguments, grid x and y, the Z rule's grid z and the shared memory the kernel's layout needs for
 that head dim and group; the rest go out as prepared. The layout arithmetic is the kernel's
-(the constants are read from attention.cu); with the join on, pairs that go out joined stay
-joined and every other split launch is pipelined; the switch reads 0 or 1; and the entry is an
+(the constants are read from attention.cu); the switch reads 0 or 1; and the entry is an
 ordinary library kernel with the split kernels' numpy reference.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import attrs
 import numpy as np
 import pytest
 
+from kerncc.cli.main import main
+from kerncc.example import generate
 from kerncc.kernels import library
 from kerncc.kernels.reference import KERNELS
-from kerncc.runtime.backends import attention, attention_pipe as pipe
-from kerncc.runtime.launch import VarScalar
-
-from test_persist import decode_sites, issue, originals  # noqa: E402  (tests/ is on the path)
+from kerncc.runtime.backends import attention_pipe as pipe
+from kerncc.runtime.launch import VarScalar, parse_sites
 
 SHA = library.index()[pipe.MODULE]["sha256"]
 SOURCE = library.KERNELS_DIR / "attention.cu"
@@ -33,6 +34,39 @@ SPLIT = library.KERNELS_DIR / "attention_split.cuh"  # DC_WARPS and the split it
 SMS = 132  # an H200's multiprocessors
 # 2048 keys of context: 16 splits, so decode_batch's 8 blocks a kv head loop (decode: 16)
 LONG = {"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "max_context": 2048}
+ALIGNED = 1 << 32
+
+
+class Addresses:
+    """A resolver giving every buffer, state and arena slot its own 16-byte aligned address."""
+
+    def __init__(self) -> None:
+        self.bases: dict[tuple[str, str], int] = {}
+
+    def pointer(self, record: dict, program: str) -> int:
+        (kind, name), = ((k, v) for k, v in record.items() if k != "offset")
+        base = self.bases.setdefault((kind, name), ALIGNED * (len(self.bases) + 1))
+        return base + int(record.get("offset", 0))
+
+
+def decode_sites(tmp_path: Path, **overrides) -> dict[str, list]:
+    """Each program's launch sites of the example model's stage, as a Session parses them."""
+    model, _ = generate(tmp_path / "model", "tiny", **overrides)
+    assert main(["lower", str(model), "-p", "emit", "-o", str(tmp_path / "out")]) == 0
+    plan = json.loads((tmp_path / "out" / "stage0" / "plan.json").read_text())
+    return parse_sites(plan, Addresses())
+
+
+def issue(sites: list, launchers: dict, env: dict) -> None:
+    """What Session._issue_program does with a program's sites."""
+    for site in sites:
+        launchers[site.number](site.grid_at(env), 0, site.var_values(env))
+
+
+def originals(sites: list, calls: list) -> dict:
+    def launcher(site):
+        return lambda grid, shared, scalars: calls.append((site.label, grid, tuple(scalars)))
+    return {site.number: launcher(site) for site in sites}
 
 
 @pytest.fixture(scope="module")
@@ -275,65 +309,26 @@ def test_values_read_from_vars_are_read_at_each_launch(wide):
             assert calls[0][2:4] == ((2, 2, 2), pipe.shared_bytes(64, 2))
 
 
-# ---- with the joined attention ------------------------------------------------------------
+# ---- the backend -----------------------------------------------------------------------------
 
 
-class JoinBackend(Backend):
-    def __init__(self) -> None:
-        super().__init__()
-        self.launched: list = []
-
-    def launch_joined(self, function, grid, block, shared, params) -> None:
-        self.launched.append((function, grid))
-
-
-def both(sites: list, calls: list, backend: JoinBackend) -> dict:
-    """The pipe and then the join over its launchers, as CudaBackend.join_runs forms them."""
-    launchers = piped(sites, calls, backend, sms=FEW)
-    return attention.join(backend, lambda entry, module: (entry, module), lambda: 0xC0,
-                          {"p": sites}, launchers)
-
-
-def test_with_the_join_the_pairs_go_out_joined(wide):
-    sites, calls, backend = wide["decode_batch"], [], JoinBackend()
-    issue(sites, both(sites, calls, backend), {"tokens": 3, "seqs": 3})
-    assert [f for f, _ in backend.launched] == [("attn_decode_joined_tc_bf16", SHA)] * 2
-    assert backend.piped == 0 and not any(c[0] == "piped" for c in calls)
-
-
-def test_with_the_join_a_pair_that_does_not_fit_goes_out_pipelined(wide, monkeypatch):
-    monkeypatch.setattr(attention, "COUNTS", 2)  # fewer counters than seqs * nk: no join
-    sites, calls, backend = wide["decode_batch"], [], JoinBackend()
-    issue(sites, both(sites, calls, backend), {"tokens": 3, "seqs": 3})
-    assert backend.launched == [] and backend.piped == 2
-    got = [c[1] if c[0] == "piped" else c[0] for c in calls]
-    plain: list = []
-    issue(sites, originals(sites, plain), {"tokens": 3, "seqs": 3})
-    assert got == [c[0] for c in plain]  # each split pipelined, then its combine, in order
-
-
-def test_the_cuda_backend_pipes_first_and_joins_after(wide, monkeypatch):
-    """CudaBackend.join_runs itself (on a stand-in for the backend: no GPU here)."""
+def test_the_cuda_backend_pipes_its_launches_when_the_switch_is_on(wide):
+    """CudaBackend.rewrite_launchers itself (on a stand-in for the backend: no GPU here)."""
     pytest.importorskip("cuda.bindings")
     from kerncc.runtime.backends.cuda import CudaBackend
 
-    monkeypatch.setattr(attention, "COUNTS", 2)  # no pair fits: the splits go out pipelined
-    for join in (True, False):
-        sites, calls = wide["decode_batch"], []
-        stand_in = JoinBackend()
-        fake = SimpleNamespace(
-            pipe_attention=True, join_attention=join, fuse_gemv=False, persist=None,
-            pipe_columns=None,
-            device=SimpleNamespace(properties=SimpleNamespace(multiprocessor_count=FEW)),
-            _pipe_launch=stand_in.prepare(calls), _function=lambda entry, module: entry,
-            _attention_counts=lambda: 0xC0, _gemv_site=lambda name: None,
-            piped=0, launch_joined=stand_in.launch_joined)
-        launchers = CudaBackend.join_runs(fake, {"p": sites}, originals(sites, calls))
-        issue(sites, launchers, {"tokens": 3, "seqs": 3})
-        assert fake.piped == 2 and [c[0] for c in calls].count("piped") == 2
+    sites, calls = wide["decode_batch"], []
+    stand_in = Backend()
+    fake = SimpleNamespace(
+        pipe_attention=True, pipe_columns=None,
+        device=SimpleNamespace(properties=SimpleNamespace(multiprocessor_count=FEW)),
+        _pipe_launch=stand_in.prepare(calls), piped=0)
+    launchers = CudaBackend.rewrite_launchers(fake, {"p": sites}, originals(sites, calls))
+    issue(sites, launchers, {"tokens": 3, "seqs": 3})
+    assert fake.piped == 2 and [c[0] for c in calls].count("piped") == 2
     fake.pipe_attention = False
     calls.clear()
-    issue(sites, CudaBackend.join_runs(fake, {"p": sites}, originals(sites, calls)),
+    issue(sites, CudaBackend.rewrite_launchers(fake, {"p": sites}, originals(sites, calls)),
           {"tokens": 3, "seqs": 3})
     assert not any(c[0] == "piped" for c in calls)
 
@@ -357,12 +352,11 @@ def test_the_switch(monkeypatch):
 
 
 def test_the_entry_is_a_library_kernel_with_the_split_kernels_reference():
-    """Not INTERNAL: its arguments are the split kernel's (no memory of the backend's), so a
-    manifest naming it is as safe as one naming the split kernel (it traps with too little
-    shared memory); the cpu backend runs the split kernels' reference for it."""
+    """Its arguments are the split kernel's (no memory of the backend's), so a manifest naming
+    it is as safe as one naming the split kernel (it traps with too little shared memory); the
+    cpu backend runs the split kernels' reference for it."""
     from kerncc.runtime.backends.cpu import CpuBackend
 
-    assert pipe.ENTRY not in library.INTERNAL and not library.is_internal(pipe.ENTRY, SHA)
     assert library.module_of(pipe.ENTRY) == pipe.MODULE
     assert KERNELS[pipe.ENTRY] is KERNELS[pipe.SPLIT] is KERNELS["attn_decode_split_bf16"]
     CpuBackend().check_kernel(pipe.ENTRY, SHA)

@@ -192,18 +192,6 @@ def test_the_decode_program_keeps_the_split_kernel(bundles):
         close_chains(on, off)
 
 
-def test_with_the_join_the_bits_stay(bundles):
-    """Both switches on: the pairs that fit go out joined, the rest pipelined; the bits are the
-    two launches'."""
-    on = cuda_chain(bundles["whole"], pipe_attention=True, join_attention=True, pipe_columns=1)
-    off = cuda_chain(bundles["whole"], pipe_attention=False)
-    try:
-        same_served(on, off, prompts_for(8))
-        assert on.backend.joined > 0
-    finally:
-        close_chains(on, off)
-
-
 def test_32_sequences_walk_all_their_splits_in_one_block(tmp_path_factory):
     """The benchmark's case: 32 prompts of about 520 tokens served together in the small
     model's shape. As they join and leave the batch the batched steps run every Z from 8 down

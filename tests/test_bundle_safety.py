@@ -26,7 +26,7 @@ from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError, render_error
 from kerncc.example import generate
 from kerncc.runtime import Bundle, Chain
-from kerncc.runtime.generate import Generator
+from reference_loop import alone
 from kerncc.checkpoint.safetensors import load_file, save_file
 
 PIPELINE = "cut,slice-derive,emit"
@@ -305,7 +305,7 @@ def test_an_infinite_weight_runs_with_allow_nonfinite_and_no_warning(bundle):
         warnings.simplefilter("error")
         chain = Chain(bundle, checkpoint=bundle.parent / "model.safetensors",
                       allow_nonfinite=True)
-        Generator(chain).generate([1, 2, 3], 2)
+        alone(chain, [1, 2, 3], 2)
     with pytest.raises(KernccError, match="holds inf"):
         Chain(bundle, checkpoint=bundle.parent / "model.safetensors")
 

@@ -216,7 +216,7 @@ def test_limits_are_checked_before_the_weights_load(tiny, tmp_path, capsys) -> N
 def test_check_request_names_what_the_caller_calls_things(tiny) -> None:
     from kerncc.diagnostics import KernccError
     from kerncc.lower import lower_to_bundle
-    from kerncc.runtime.generate import check_request, request_limits
+    from kerncc.runtime.model_runner import check_request, request_limits
 
     limits = request_limits([s.manifest for s in lower_to_bundle(tiny).stages])
     assert limits.context == 256 and limits.token_high == 255
@@ -241,18 +241,28 @@ def test_run_summarises_and_streams(tiny, capsys) -> None:
     assert quiet_out == out and quiet_err == ""
 
 
-def test_generate_hands_each_token_over_as_it_comes(tiny) -> None:
+def test_the_engine_hands_each_token_over_as_it_comes(tiny) -> None:
     from kerncc.lower import lower_to_bundle
     from kerncc.runtime import Chain
-    from kerncc.runtime.generate import Generator
+    from kerncc.serve.engine import Config, Engine, Request
 
-    generator = Generator(Chain(lower_to_bundle(tiny)))
+    engine = Engine(Chain(lower_to_bundle(tiny)), Config(max_running=1))
     seen: list[tuple[int, int]] = []
-    # Each token arrives while the decode is running: the runs so far are fewer than at the end.
-    result = generator.generate([5, 6, 7], 4, on_token=lambda t: seen.append(
-        (t, generator.pool.pages - len(generator.pool.free))))
-    assert [t for t, _ in seen] == result.tokens
-    assert all(held > 0 for _, held in seen)  # the sequence still holds its pages: mid-run
+
+    class Listener:  # each token arrives mid-run: the sequence still holds its pages
+        def token(self, request, token):
+            seen.append((token, engine.pool.pages - engine.pool.free))
+
+        def done(self, request):
+            seen.append((None, engine.pool.pages - engine.pool.free))
+
+    request = engine.submit(Request([5, 6, 7], 4, listener=Listener()))
+    engine.run_until_idle()
+    assert [t for t, _ in seen] == request.generated + [None]
+    # every token but the last is heard while the sequence runs on (the last one and the end
+    # are told together, once it has ended and given its pages back)
+    assert len(seen) == 5 and all(held > 0 for _, held in seen[:-2])
+    assert seen[-2:] == [(request.generated[-1], 0), (None, 0)]
 
 
 def test_summarise_steps() -> None:
@@ -562,14 +572,16 @@ def test_single_prompt_flags_are_refused_with_several_before_the_weights_load(
 def test_ctrl_c_ends_the_streamed_line_first(tiny, capsys, monkeypatch) -> None:
     """Ctrl-C mid-stream printed `interrupted` on the same line as the tokens (`66interrupted`
     on a terminal, where stdout and stderr meet)."""
-    from kerncc.runtime.generate import Generator
+    from kerncc.serve.engine import Engine
 
-    def interrupted(self, prompt, max_new, *args, on_token=None, **kwargs):
+    def interrupted(self):
+        self._apply_commands()  # the submitted request, admitted
+        (request,) = self.requests.values()
         for token in (66, 67):
-            on_token(token)
+            request.listener.token(request, token)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Generator, "generate", interrupted)
+    monkeypatch.setattr(Engine, "run_until_idle", interrupted)
     assert main(["run", str(tiny), "--prompt", "1,2,3", "--max-new", "4"]) == 130
     out, err = capsys.readouterr()
     assert out == "66 67\n" and err.endswith("interrupted\n")

@@ -12,8 +12,6 @@ from kerncc.diagnostics import KernccError
 @pytest.mark.parametrize("name, read, values", [
     ("KERNCC_PDL", config.pdl, {"0": False, "1": True}),
     ("KERNCC_GEMV_MAX_M", config.gemv_max_m, {"0": 0, "8": 8, "32": 32}),
-    ("KERNCC_PERSIST", config.persist, {"0": "0", "1": "1", "ring": "ring"}),
-    ("KERNCC_JOIN_ATTENTION", config.join_attention, {"0": False, "1": True}),
     ("KERNCC_PIPE_ATTENTION", config.pipe_attention, {"0": False, "1": True}),
 ])
 def test_the_cuda_backends_variables_read_what_they_say(monkeypatch, name, read, values):
@@ -21,8 +19,8 @@ def test_the_cuda_backends_variables_read_what_they_say(monkeypatch, name, read,
         monkeypatch.setenv(name, text)
         assert read() == value
     monkeypatch.delenv(name)
-    assert read() == {"KERNCC_PDL": True, "KERNCC_GEMV_MAX_M": 8, "KERNCC_PERSIST": "0",
-                      "KERNCC_JOIN_ATTENTION": False, "KERNCC_PIPE_ATTENTION": True}[name]
+    assert read() == {"KERNCC_PDL": True, "KERNCC_GEMV_MAX_M": 8,
+                      "KERNCC_PIPE_ATTENTION": True}[name]
 
 
 @pytest.mark.parametrize("name, read, bad", [
@@ -30,8 +28,6 @@ def test_the_cuda_backends_variables_read_what_they_say(monkeypatch, name, read,
     ("KERNCC_GEMV_MAX_M", config.gemv_max_m, "abc"),  # was a ValueError traceback at import
     ("KERNCC_GEMV_MAX_M", config.gemv_max_m, "33"),
     ("KERNCC_GEMV_MAX_M", config.gemv_max_m, "-1"),
-    ("KERNCC_PERSIST", config.persist, "yes"),  # was quietly off
-    ("KERNCC_JOIN_ATTENTION", config.join_attention, "on"),
     ("KERNCC_PIPE_ATTENTION", config.pipe_attention, "on"),
 ])
 def test_a_value_outside_them_is_an_error_naming_the_variable(monkeypatch, name, read, bad):

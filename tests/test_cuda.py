@@ -19,7 +19,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.runtime import Bundle, Chain
 from kerncc.runtime.backends.probe import cuda_devices
-from kerncc.runtime.generate import Generator
+from reference_loop import alone
 from kerncc.runtime.trace import Timeline
 
 pytestmark = pytest.mark.gpu
@@ -51,7 +51,7 @@ def bundles(model) -> dict[str, Path]:
 
 
 def serve(chain: Chain, prompt: list[int], chunk: int, max_new: int = 9):
-    result = Generator(chain).generate(prompt, max_new, chunk)
+    result = alone(chain, prompt, max_new, chunk)
     return result.tokens, result.logits
 
 

@@ -119,7 +119,7 @@ def test_the_kir_error_example_is_what_kerncc_prints(tmp_path: Path, monkeypatch
 
 SELF_CONTAINED = ("runtime.md", "passes.md", "bundle.md", "kir.md", "getting-started.md",
                   "index.md", "concepts.md", "adding-a-kernel.md", "benchmarks.md",
-                  "architecture.md", "serving.md", "hf-import.md")
+                  "architecture.md", "serving.md", "hf-import.md", "design-notes.md")
 
 
 @pytest.mark.parametrize("page", SELF_CONTAINED)

@@ -1,5 +1,5 @@
-"""Greedy decoding one step ahead of the host (runtime/generate.py `LOOKAHEAD`), on the cpu
-backend: step k + 1 is issued before the host has step k's token, its token input written on
+"""Greedy decoding one step ahead of the host (the engine's `Config.ahead`, one prompt served
+alone as `kerncc run` serves it), on the cpu backend: step k + 1 is issued before the host has step k's token, its token input written on
 the device from step k's token output (`Session.feed`).
 
 What must hold: the same tokens, logits, runs and streamed tokens as one step at a time, whole
@@ -7,7 +7,7 @@ and in 2 stages, at every chunk size and wherever a stop token ends generation (
 past it leaves no trace, and every page comes back); the feeds really happen; and a stage that
 cannot prove the fed values fit the token input's domain (the library's argmax over at most
 the vocabulary writes the output) decodes one step at a time. On the GPU the same calls go in
-the same order on one stream (tests/test_generate_cuda.py compares whole and stages there).
+the same order on one stream (tests/test_generate_lookahead_cuda.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 
 from bundles import whole_and_two
 from kerncc.runtime import Chain
-from kerncc.runtime import generate as gen
+from kerncc.runtime.model_runner import ModelRunner
 from kerncc.runtime.sampling import SamplingParams
 from kerncc.runtime.session import Session
+from kerncc.serve.engine import Config, Engine
 from kerncc.testing import examples
+from reference_loop import Generation, alone
 
 PROMPTS = [[5], [5, 6, 7], list(range(1, 40)), [(i * 37) % 250 + 1 for i in range(70)]]
 
@@ -33,17 +35,21 @@ def bundles(tmp_path_factory) -> dict:
     return whole_and_two(tmp_path_factory.mktemp("lookahead"))
 
 
-def run(g: gen.Generator, lookahead: bool, *args, **kwargs) -> tuple[gen.Generation, list]:
+def run(chain: Chain, lookahead: bool, *args, **kwargs) -> tuple[Generation, list]:
+    """One prompt served alone (every page back: `alone`), the tokens its listener heard."""
     streamed: list[int] = []
-    before, gen.LOOKAHEAD = gen.LOOKAHEAD, lookahead
-    try:
-        result = g.generate(*args, on_token=streamed.append, **kwargs)
-    finally:
-        gen.LOOKAHEAD = before
-    return result, streamed
+
+    class Heard:
+        def token(self, request, token):
+            streamed.append(token)
+
+        def done(self, request):
+            pass
+
+    return alone(chain, *args, ahead=lookahead, listener=Heard(), **kwargs), streamed
 
 
-def same(a: gen.Generation, b: gen.Generation) -> None:
+def same(a: Generation, b: Generation) -> None:
     assert a.tokens == b.tokens
     assert a.steps == b.steps
     np.testing.assert_array_equal(a.logits.view(np.uint32), b.logits.view(np.uint32))
@@ -67,38 +73,36 @@ def feeds(monkeypatch) -> list:
 @pytest.mark.parametrize("chunk", [1, 16, 64])
 def test_a_step_ahead_gives_one_step_at_a_times_tokens_logits_and_runs(bundles, bundle, chunk,
                                                                         feeds):
-    g = gen.Generator(Chain(bundles[bundle]))
+    g = Chain(bundles[bundle])
     for prompt in PROMPTS:
         for max_new in (1, 2, 3, 11):
             feeds.clear()
             ahead, streamed = run(g, True, prompt, max_new, chunk)
             assert len(feeds) == max(0, max_new - 2), "every step but the first two was fed"
-            alone, streamed_alone = run(g, False, prompt, max_new, chunk)
-            same(ahead, alone)
+            one, streamed_alone = run(g, False, prompt, max_new, chunk)
+            same(ahead, one)
             assert streamed == streamed_alone == ahead.tokens
-            assert len(g.pool.free) == g.pool.pages
 
 
 @pytest.mark.parametrize("bundle", ["whole", "two"])
 def test_a_stop_token_drops_the_step_issued_past_it(bundles, bundle, feeds):
-    g = gen.Generator(Chain(bundles[bundle]))
+    g = Chain(bundles[bundle])
     prompt = PROMPTS[2]
     full = run(g, False, prompt, 12, 16)[0].tokens
     assert len(set(full)) > 3, "a stop token must be told apart from the others"
     for at in (0, 1, 2, 5, 11):
         stop = full[at]
         first = full.index(stop)  # generation ends at the first time the stop token comes
-        ahead, _ = run(g, True, prompt, 12, 16, stop=lambda t, s=stop: t == s)
-        alone, _ = run(g, False, prompt, 12, 16, stop=lambda t, s=stop: t == s)
-        same(ahead, alone)
+        ahead, _ = run(g, True, prompt, 12, 16, stop={stop})
+        one, _ = run(g, False, prompt, 12, 16, stop={stop})
+        same(ahead, one)
         assert ahead.tokens == full[:first + 1]
-        assert len(g.pool.free) == g.pool.pages
     assert feeds, "the steps went ahead"
 
 
 @pytest.fixture(scope="module")
 def generators(bundles) -> dict:
-    return {name: gen.Generator(Chain(path)) for name, path in bundles.items()}
+    return {name: Chain(path) for name, path in bundles.items()}
 
 
 @settings(max_examples=examples(25, 400), deadline=None,
@@ -112,22 +116,21 @@ def test_any_request_gives_one_step_at_a_times_tokens_ahead(generators, prompt, 
     request generates, when it gets that far): a step ahead gives one step at a time's
     tokens, runs and logits, and every page comes back."""
     g = generators[bundle]
-    alone, _ = run(g, False, prompt, max_new, chunk)
-    stop = alone.tokens[stop_pick] if stop_pick < len(alone.tokens) else None
-    until = None if stop is None else (lambda t: t == stop)
+    one, _ = run(g, False, prompt, max_new, chunk)
+    stop = one.tokens[stop_pick] if stop_pick < len(one.tokens) else None
+    until = () if stop is None else {stop}
     ahead, streamed = run(g, True, prompt, max_new, chunk, stop=until)
     want, _ = run(g, False, prompt, max_new, chunk, stop=until)
     same(ahead, want)
     assert streamed == ahead.tokens
-    assert len(g.pool.free) == g.pool.pages
 
 
 def test_sampled_decoding_goes_one_step_at_a_time(bundles, feeds):
-    g = gen.Generator(Chain(bundles["whole"]))
+    g = Chain(bundles["whole"])
     params = SamplingParams(temperature=0.8, seed=3)
     ahead, _ = run(g, True, PROMPTS[1], 8, 16, sampling=params)
-    alone, _ = run(g, False, PROMPTS[1], 8, 16, sampling=params)
-    same(ahead, alone)
+    one, _ = run(g, False, PROMPTS[1], 8, 16, sampling=params)
+    same(ahead, one)
     assert feeds == []
 
 
@@ -137,12 +140,16 @@ def test_the_feed_needs_the_librarys_argmax_within_the_token_domain(bundles, mon
     vocabulary is within the token input's domain."""
     chain = Chain(bundles["whole"])
     session = chain.sessions[0]
-    g = gen.Generator(chain)
-    assert g._feeder() is not None
+    step = ModelRunner(chain).step_program
+
+    def feeder():  # worked out afresh (a runner works it out once)
+        return ModelRunner(chain).feeder(step, 1)
+
+    assert feeder() is not None
     sites = session.sites["decode"]
     at = next(i for i, s in enumerate(sites) if s.entry == "argmax_f32")
     vocab = int(sites[at].args[3])
-    assert session.token_range("decode", g.step_program.emits) == (0, vocab - 1)
+    assert session.token_range("decode", step.emits) == (0, vocab - 1)
     larger = attrs.evolve(sites[at], args=(*sites[at].args[:3], np.int32(vocab + 1)))
     foreign = attrs.evolve(sites[at], module="0" * 64)
     after = attrs.evolve(sites[at], entry="embedding_gather_bf16")  # touches it after argmax
@@ -150,11 +157,10 @@ def test_the_feed_needs_the_librarys_argmax_within_the_token_domain(bundles, mon
                     [*sites[:at], foreign, *sites[at + 1:]],
                     [*sites, after]):
         monkeypatch.setitem(session.sites, "decode", changed)
-        assert g._feeder() is None
+        assert feeder() is None
     monkeypatch.setitem(session.sites, "decode", sites)
-    assert g._feeder() is not None
-    monkeypatch.setattr(gen, "LOOKAHEAD", False)
-    assert g._feeder() is None
+    assert feeder() is not None
+    assert Engine(chain).ahead and not Engine(chain, Config(ahead=False)).ahead
 
 
 def test_an_input_is_fed_only_from_a_buffer_of_its_type(bundles):

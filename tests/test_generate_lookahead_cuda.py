@@ -1,5 +1,5 @@
 """Greedy decoding one step ahead of the host on the GPU (marked `gpu`: skipped without a CUDA
-driver): runtime/generate.py issues step k + 1 before step k's token reaches the host, its token
+driver): the engine (`Config.ahead`, one prompt served alone) issues step k + 1 before step k's token reaches the host, its token
 input copied on the device's stream from step k's output (Session.feed). What must hold there,
 where the copies, the graphs and the downloads really run asynchronously: the same tokens and
 logits, bit for bit, as one step at a time, eagerly and in CUDA graphs, whole and in 2 stages,
@@ -13,8 +13,8 @@ import pytest
 
 from bundles import whole_and_two
 from kerncc.runtime import Chain
-from kerncc.runtime import generate as gen
 from kerncc.runtime.session import Session
+from reference_loop import alone
 
 pytestmark = pytest.mark.gpu
 
@@ -35,20 +35,17 @@ def test_a_step_ahead_gives_one_step_at_a_times_bits_on_the_gpu(bundles, bundle,
     monkeypatch.setattr(Session, "feed", lambda self, *a, **k: (fed.append(a), feed(self, *a,
                                                                                      **k)))
     with Chain(bundles[bundle], backend="cuda", graphs=graphs) as chain:
-        g = gen.Generator(chain)
         for prompt in PROMPTS:
             full = None
             for stop_at in (None, 2):
-                stop = None if full is None else (lambda t, s=full[stop_at]: t == s)
+                stop = () if full is None else {full[stop_at]}
                 results = {}
-                for ahead in (True, False):
-                    monkeypatch.setattr(gen, "LOOKAHEAD", ahead)
-                    results[ahead] = g.generate(prompt, 12, 32, stop=stop)
+                for ahead in (True, False):  # `alone` checks every page came back
+                    results[ahead] = alone(chain, prompt, 12, 32, stop=stop, ahead=ahead)
                 got, want = results[True], results[False]
                 assert got.tokens == want.tokens and got.steps == want.steps
                 np.testing.assert_array_equal(got.logits.view(np.uint32),
                                               want.logits.view(np.uint32))
                 assert np.abs(got.logits).max() > 0
                 full = got.tokens
-            assert len(g.pool.free) == g.pool.pages
     assert fed, "the steps were fed on the device"

@@ -19,7 +19,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.runtime import Chain
 from kerncc.runtime.backends.cpu import CpuBackend
-from kerncc.runtime.generate import Generator
+from reference_loop import alone
 from kerncc.runtime.session import AUTO_GRAPHS
 
 
@@ -72,7 +72,7 @@ LONG = [(i * 31) % 250 + 1 for i in range(64)]
 
 
 def serve(chain: Chain, prompt=PROMPT, chunk: int = 8):
-    result = Generator(chain).generate(prompt, 5, chunk)
+    result = alone(chain, prompt, 5, chunk)
     return result.tokens, result.logits
 
 

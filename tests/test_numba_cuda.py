@@ -142,19 +142,18 @@ def test_session_sample_on_cuda(tmp_path):
     from kerncc.example import generate
     from kerncc.lower import lower_to_bundle
     from kerncc.runtime import Chain
-    from kerncc.runtime.generate import Generator
     from kerncc.runtime.sampling import sample_logits
+    from reference_loop import alone
 
     manifest, _ = generate(tmp_path / "q", "tiny")
     chain = Chain(lower_to_bundle(manifest), backend="cuda")
-    gen = Generator(chain)
     params = SamplingParams(0.9, top_k=30, top_p=0.95, seed=7)
-    first = gen.generate([1, 2, 3], 6, sampling=params).tokens
-    assert first == gen.generate([1, 2, 3], 6, sampling=params).tokens
+    first = alone(chain, [1, 2, 3], 6, sampling=params).tokens
+    assert first == alone(chain, [1, 2, 3], 6, sampling=params).tokens
     session = chain.sessions[-1]
     counters = [(0, s) for s in range(64)]
     got = session.sample("logits", [0] * 64, [params] * 64, counters)
     want = sample_logits(session.read("logits"), [0] * 64, [params] * 64, counters)
     assert np.mean(got == want) >= 0.95 and len(set(got.tolist())) > 1
-    greedy = gen.generate([1, 2, 3], 6).tokens
-    assert greedy == gen.generate([1, 2, 3], 6, sampling=SamplingParams()).tokens
+    greedy = alone(chain, [1, 2, 3], 6).tokens
+    assert greedy == alone(chain, [1, 2, 3], 6, sampling=SamplingParams()).tokens

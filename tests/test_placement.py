@@ -2,7 +2,7 @@
 
 On the cpu backend, 2- and 3-stage cuts of the tiny example (`cut{stages=N},slice-derive,emit`)
 run as ProcessChains: chunked prefill and greedy decode give bitwise equal tokens and logits to
-the in-process Chain, for the Generator unchanged. Faults: a stage killed with SIGKILL in the
+the in-process Chain, for the engine unchanged. Faults: a stage killed with SIGKILL in the
 middle of a generation fails it at once with an error naming the stage; a stage frozen with
 SIGSTOP fails it after the (2 s) timeout; a stage that cannot load fails the start; in every
 case no stage process is left. GPU cases (two stage processes sharing one GPU over the host
@@ -24,10 +24,11 @@ from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.runtime import Bundle, Chain
-from kerncc.runtime.generate import Generator
+from kerncc.runtime.model_runner import ModelRunner, Rows
 from kerncc.runtime.placement import make_runner
 from kerncc.runtime.placement.process import ProcessChain
 from kerncc.runtime.placement.transport import link_kind
+from reference_loop import alone
 
 PROMPTS = ([5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(7, 27)))
 FAULT_TIMEOUT = 2.0
@@ -64,15 +65,15 @@ def _no_stage_left(pids: list[int]) -> None:
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_process_chain_equals_the_in_process_chain_bit_for_bit(bundles, stages):
-    thread = Generator(Chain(Bundle(bundles[stages])))
+    thread = Chain(Bundle(bundles[stages]))
     with ProcessChain(bundles[stages]) as chain:
         assert isinstance(chain, Chain) and len(chain.pids) == stages
-        process = Generator(chain)
-        assert process.protocol == thread.protocol
+        process = chain
+        assert ModelRunner(process).protocol == ModelRunner(thread).protocol
         for prompt in PROMPTS:
             for chunk in (3, 8):
-                want = thread.generate(prompt, 4, chunk)
-                got = process.generate(prompt, 4, chunk)
+                want = alone(thread, prompt, 4, chunk)
+                got = alone(process, prompt, 4, chunk)
                 assert got.tokens == want.tokens and got.steps == want.steps
                 assert got.logits.dtype == want.logits.dtype
                 assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
@@ -86,10 +87,10 @@ def test_submit_pipelines_items_and_checks_like_a_chain(bundles):
     with ProcessChain(bundles[2]) as chain:
         assert chain.programs == thread.programs
         assert chain.sessions[0].token_capacity == thread.sessions[0].token_capacity
-        gen = Generator(thread)
-        inputs = gen._inputs(_seq(gen, [4, 8, 15, 16, 23]), 0, 5)
-        vars = gen.protocol.vars(1, 5, 5, 5)
-        program = gen.chunk_program.name
+        model = ModelRunner(thread)
+        inputs = model.inputs([Rows(0, [4, 8, 15, 16, 23], [], [0], 0, 5)])
+        vars = model.protocol.vars(1, 5, 5, 5)
+        program = model.chunk_program.name
         want = thread.run(program, inputs, vars)
         pendings = [chain.submit(program, inputs, vars) for _ in range(3)]  # none waited for
         for pending in pendings:
@@ -105,14 +106,6 @@ def test_submit_pipelines_items_and_checks_like_a_chain(bundles):
         chain.sync()
 
 
-def _seq(gen: Generator, tokens: list[int]):
-    from kerncc.runtime.generate import Served
-
-    seq = Served(tokens)
-    gen._reserve(seq, len(tokens))
-    return seq
-
-
 def test_an_item_a_stage_refuses_fails_alone(bundles):
     """A token past the vocabulary fails its item with the stage's own error (as the
     in-process chain words it, file and line included); the chain goes on serving."""
@@ -120,29 +113,29 @@ def test_an_item_a_stage_refuses_fails_alone(bundles):
     with ProcessChain(bundles[2]) as chain:
         errors = []
         for runner in (thread, chain):
-            gen = Generator(runner)
-            seq = _seq(gen, [1, 2, 3])
-            inputs = gen._inputs(seq, 0, 3)
-            token = next(f.name for f in gen.protocol.fills if f.fill == "token")
+            model = ModelRunner(runner)
+            inputs = model.inputs([Rows(0, [1, 2, 3], [], [0], 0, 3)])
+            token = next(f.name for f in model.protocol.fills if f.fill == "token")
             bad = {**inputs, token: np.full_like(inputs[token], 10**6)}
             with pytest.raises(KernccError) as err:
-                runner.submit(gen.chunk_program.name, bad, gen.protocol.vars(1, 3, 3, 3)).result()
+                runner.submit(model.chunk_program.name, bad,
+                              model.protocol.vars(1, 3, 3, 3)).result()
             errors.append(str(err.value))
         assert errors[0] == errors[1] and "1000000" in errors[1]
-        assert Generator(chain).generate([1, 2, 3], 2).tokens == \
-            Generator(thread).generate([1, 2, 3], 2).tokens  # still serving
+        assert alone(chain, [1, 2, 3], 2).tokens == \
+            alone(thread, [1, 2, 3], 2).tokens  # still serving
 
 
 def test_a_killed_stage_fails_the_generation_at_once(bundles):
     chain = ProcessChain(bundles[3])
     pids = chain.pids
-    gen = Generator(chain)
+    step = ModelRunner(chain).step_program.name
     errors: list[BaseException] = []
 
     def serve() -> None:
         try:
             for _ in range(1000):  # bounded: the kill ends it long before
-                gen.generate(list(range(1, 40)), 8, 1)
+                alone(chain, list(range(1, 40)), 8, 1)
         except BaseException as err:  # noqa: BLE001 - the test looks at it
             errors.append(err)
 
@@ -160,20 +153,19 @@ def test_a_killed_stage_fails_the_generation_at_once(bundles):
     assert f"stage 1 (pid {pids[1]}) was killed by SIGKILL" in str(errors[0])
     assert took < FAULT_TIMEOUT  # at once, not after a timeout
     with pytest.raises(KernccError, match="the process chain is down: stage 1"):
-        chain.submit(gen.step_program.name, {}, {})
+        chain.submit(step, {}, {})
     _no_stage_left(pids)
 
 
 def test_a_frozen_stage_fails_its_items_after_the_timeout(bundles):
     chain = ProcessChain(bundles[2], timeout=FAULT_TIMEOUT)
     pids = chain.pids
-    gen = Generator(chain)
-    assert gen.generate([1, 2, 3], 2).tokens
+    assert alone(chain, [1, 2, 3], 2).tokens
     os.kill(pids[1], signal.SIGSTOP)
     frozen = time.monotonic()
     try:
         with pytest.raises(KernccError, match=rf"stage 1 \(pid {pids[1]}\) stopped answering"):
-            gen.generate([1, 2, 3, 4], 2)
+            alone(chain, [1, 2, 3, 4], 2)
         took = time.monotonic() - frozen
         assert FAULT_TIMEOUT * 0.9 <= took < BOUND
     finally:
@@ -302,19 +294,19 @@ def test_ray_chain_equals_the_in_process_chain(bundles):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     try:
-        thread = Generator(Chain(Bundle(bundles[3])))
+        thread = Chain(Bundle(bundles[3]))
         chain = make_runner(bundles[3], "cpu", None, "ray", timeout=60)
-        ray_gen = Generator(chain)
+        ray_gen, step = chain, ModelRunner(chain).step_program.name
         for prompt in PROMPTS:
-            want, got = thread.generate(prompt, 3, 3), ray_gen.generate(prompt, 3, 3)
+            want, got = alone(thread, prompt, 3, 3), alone(ray_gen, prompt, 3, 3)
             assert got.tokens == want.tokens
             assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
         pid = chain.sessions[1].pid
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(KernccError, match=rf"the Ray chain is down: stage 1 \(pid {pid}\)"):
-            ray_gen.generate([1, 2, 3], 2)
+            alone(ray_gen, [1, 2, 3], 2)
         with pytest.raises(KernccError, match="the Ray chain is down"):
-            chain.submit(ray_gen.step_program.name, {}, {})
+            chain.submit(step, {}, {})
     finally:
         ray.shutdown()
 
@@ -331,12 +323,12 @@ def _gpus() -> int:
 
 @pytest.mark.gpu
 def test_two_stage_processes_share_one_gpu(bundles):
-    thread = Generator(Chain(Bundle(bundles[2]), backend="cuda"))
+    thread = Chain(Bundle(bundles[2]), backend="cuda")
     with ProcessChain(bundles[2], backend="cuda", devices=[0]) as chain:
         assert set(chain.kinds.values()) == {"host"}
-        process = Generator(chain)
+        process = chain
         for prompt in PROMPTS:
-            want, got = thread.generate(prompt, 4, 8), process.generate(prompt, 4, 8)
+            want, got = alone(thread, prompt, 4, 8), alone(process, prompt, 4, 8)
             assert got.tokens == want.tokens
             assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
 
@@ -346,12 +338,12 @@ def test_two_gpus_over_nccl_equal_the_peer_copy_chain(bundles):
     if _gpus() < 2:
         pytest.skip("needs two GPUs")
     pytest.importorskip("nccl.core")
-    thread = Generator(Chain(Bundle(bundles[2]), backend="cuda", devices=[0, 1]))
+    thread = Chain(Bundle(bundles[2]), backend="cuda", devices=[0, 1])
     with ProcessChain(bundles[2], backend="cuda", devices=[0, 1], transport="nccl") as chain:
         assert set(chain.kinds.values()) == {"nccl"}
-        process = Generator(chain)
+        process = chain
         for prompt in PROMPTS:
-            want, got = thread.generate(prompt, 4, 8), process.generate(prompt, 4, 8)
+            want, got = alone(thread, prompt, 4, 8), alone(process, prompt, 4, 8)
             assert got.tokens == want.tokens
             assert np.array_equal(got.logits.view(np.uint8), want.logits.view(np.uint8))
 

@@ -23,7 +23,7 @@ from kerncc.cli.main import main
 from kerncc.example import generate
 from kerncc.example.oracle import Oracle
 from kerncc.runtime import Bundle, Chain
-from kerncc.runtime.generate import Generator
+from reference_loop import alone
 
 PASSES = "share-states,slice-once,slice-derive,emit"
 CUTS = {"2 stages": "cut{at=12}", "3 stages": "cut{at=7,18}"}
@@ -39,13 +39,13 @@ def model(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def generators(model) -> dict[str, Generator]:
+def generators(model) -> dict[str, Chain]:
     manifest, _ = model
-    out = {"whole": Generator(Chain(lower_to_bundle(manifest)))}
+    out = {"whole": Chain(lower_to_bundle(manifest))}
     for name, cut in CUTS.items():
         target = manifest.parent / name.replace(" ", "-")
         assert main(["lower", str(manifest), "-p", f"{cut},{PASSES}", "-o", str(target)]) == 0
-        out[name] = Generator(Chain(Bundle(target)))
+        out[name] = Chain(Bundle(target))
     return out
 
 
@@ -59,10 +59,10 @@ def test_stages_equal_the_whole_bit_for_bit(generators):
     vocab = whole.sessions[0].manifest.buffers["logits"].shape[1]
     for chunk in CHUNKS:
         for prompt in prompts(vocab):
-            expected = whole.generate(prompt, MAX_NEW, chunk)
+            expected = alone(whole, prompt, MAX_NEW, chunk)
             assert len(expected.tokens) == MAX_NEW
             for name, gen in generators.items():
-                got = gen.generate(prompt, MAX_NEW, chunk)
+                got = alone(gen, prompt, MAX_NEW, chunk)
                 where = f"{name}, chunk {chunk}, prompt of {len(prompt)}"
                 assert got.tokens == expected.tokens, where
                 assert got.steps == expected.steps, where
@@ -76,7 +76,7 @@ def test_the_whole_matches_the_oracle(model, generators):
     whole = generators["whole"]
     worst = 0.0
     for prompt in prompts(oracle.config.vocab):
-        got = whole.generate(prompt, MAX_NEW, CHUNKS[0])
+        got = alone(whole, prompt, MAX_NEW, CHUNKS[0])
         tokens = prompt + got.tokens
         # Each step's logits are those of the last row it fed: positions at step ends.
         ends = np.cumsum([rows for _, rows in got.steps])
@@ -91,11 +91,11 @@ def test_the_whole_matches_the_oracle(model, generators):
 
 
 def test_stage_py_and_interpreted_plans_agree(generators, model):
-    bundle = generators["3 stages"].runner.bundle
-    interpreted = Generator(Chain(bundle, interpret=True))
+    bundle = generators["3 stages"].bundle
+    interpreted = Chain(bundle, interpret=True)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    a = generators["3 stages"].generate(prompt, MAX_NEW, 3)
-    b = interpreted.generate(prompt, MAX_NEW, 3)
+    a = alone(generators["3 stages"], prompt, MAX_NEW, 3)
+    b = alone(interpreted, prompt, MAX_NEW, 3)
     assert a.tokens == b.tokens
     assert a.logits.tobytes() == b.logits.tobytes()
 

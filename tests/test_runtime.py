@@ -22,9 +22,12 @@ from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.runtime import Bundle, Chain, Session
 from kerncc.runtime.backends.cpu import CpuBackend
-from kerncc.runtime.generate import Generator, PagePool
+from kerncc.runtime import model_runner
+from kerncc.runtime.model_runner import ModelRunner, check_request, request_limits
 from kerncc.runtime.memory import default_token_capacity
 from kerncc.checkpoint.safetensors import load_file
+from kerncc.serve.engine import Config, Engine, Request, serve_prompts
+from reference_loop import alone
 
 
 @pytest.fixture(scope="module")
@@ -166,18 +169,19 @@ def test_derive_ran_at_load_and_cannot_run_again(bundle_dir, model):
     assert "convert" not in session.programs
 
 
-def test_the_first_token_comes_from_the_last_chunk_when_the_chunk_hands_one_back(whole):
+def test_the_first_token_comes_from_the_last_chunk_when_the_chunk_hands_one_back(
+        whole, monkeypatch):
     """The example's prefill writes next_tokens: the whole prompt goes through chunks and no
     one-row step feeds a prompt token. kern-serve's order (the prompt's last token through
     the one-row program), kept for chunk programs that hand back nothing, gives the same
     tokens here."""
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    generator = Generator(whole)
-    assert generator.chunk_emits
-    ours = generator.generate(prompt, 4, chunk=3)
+    assert ModelRunner(whole).chunk_emits
+    ours = alone(whole, prompt, 4, chunk=3)
     assert ours.steps == [("prefill", 3), ("prefill", 3), ("prefill", 1)] + [("decode", 1)] * 3
-    generator.chunk_emits = False
-    kern = generator.generate(prompt, 4, chunk=3)
+    monkeypatch.setattr(model_runner, "chunk_tokens", lambda protocol: False)
+    assert not ModelRunner(whole).chunk_emits
+    kern = alone(whole, prompt, 4, chunk=3)
     assert kern.steps == [("prefill", 3), ("prefill", 3)] + [("decode", 1)] * 4
     assert ours.tokens == kern.tokens
 
@@ -185,13 +189,11 @@ def test_the_first_token_comes_from_the_last_chunk_when_the_chunk_hands_one_back
 @pytest.mark.parametrize("ahead", [False, True])
 def test_decode_steps_stage_all_but_the_token_while_the_step_before_runs(whole, bundle_dir,
                                                                          monkeypatch, ahead):
-    """Once a call is issued the Generator writes the next step's positions, slots, lengths
-    and page table (Session/Chain.stage_inputs), so the step itself sends only its token, or,
-    a step ahead (LOOKAHEAD), nothing but the first (the others' tokens are fed on the
-    device); the tokens and logits are those of a run that writes every input with its step."""
-    from kerncc.runtime import generate as gen
-
-    monkeypatch.setattr(gen, "LOOKAHEAD", ahead)
+    """Once a decode call is issued the runner writes the next step's positions, slots,
+    lengths and page table (Session/Chain.stage_inputs), so the step itself sends only its
+    token, or, a step ahead (Config.ahead), nothing but the first (the others' tokens are fed
+    on the device); the tokens and logits are those of a run that writes every input with
+    its step."""
     prompt = [5, 6, 7, 8, 9, 10, 11]
     for runner in (whole, Chain(bundle_dir)):
         calls: list[tuple] = []
@@ -207,28 +209,29 @@ def test_decode_steps_stage_all_but_the_token_while_the_step_before_runs(whole, 
 
         monkeypatch.setattr(runner, "submit", submit)
         monkeypatch.setattr(runner, "stage_inputs", stage)
-        staged = Generator(runner).generate(prompt, 5, chunk=4)
-        rest = ["block_table", "cu_seqlens", "positions", "seq_lens", "slot_mapping"]
+        staged = alone(runner, prompt, 5, chunk=4, ahead=ahead)
+        every = ["block_table", "cu_seqlens", "positions", "seq_lens", "slot_mapping",
+                 "token_ids"]
+        moved = ["positions", "seq_lens", "slot_mapping"]  # the page table stays as it was
         # two chunks (the last hands back token 1), then a step for each of tokens 2 to 5,
-        # each staged after the call before it
+        # each after the first staged after the decode call before it (and a step ahead:
+        # its token fed on the device)
         fed = ["token_ids"] if not ahead else []
-        assert calls == [("submit", "prefill", sorted(rest + ["token_ids"]))] * 2 + [
-            ("stage", rest), ("submit", "decode", ["token_ids"])] + [
-            ("stage", rest), ("submit", "decode", fed)] * 3
-        monkeypatch.setattr(Generator, "_stage_step", lambda self, seq: None)
-        plain = Generator(runner).generate(prompt, 5, chunk=4)
+        assert calls == [("submit", "prefill", every)] * 2 + [("submit", "decode", every)] + [
+            ("stage", moved), ("submit", "decode", fed)] * 3 + [("stage", moved)]
+        monkeypatch.setattr(model_runner, "_plain_inputs", lambda sessions: frozenset())
+        plain = alone(runner, prompt, 5, chunk=4, ahead=ahead)
         monkeypatch.undo()
-        monkeypatch.setattr(gen, "LOOKAHEAD", ahead)
         assert staged.tokens == plain.tokens
         np.testing.assert_array_equal(staged.logits, plain.logits)
 
 
 def test_no_step_past_the_last_is_staged(whole):
-    """A request that fills the page table to its last slot runs: the Generator stages the
+    """A request that fills the page table to its last slot runs: the runner stages the
     next step only when generation may still need it."""
     limit = 16 * 16  # block_table [seqs, 16], 16 tokens a page
     prompt = [int(t) for t in np.random.default_rng(5).integers(1, 256, limit - 3)]
-    result = Generator(whole).generate(prompt, 3, chunk=64)
+    result = alone(whole, prompt, 3, chunk=64)
     assert len(result.tokens) == 3
 
 
@@ -312,26 +315,22 @@ def test_a_chain_hands_crossing_buffers_on(bundle_dir, whole):
         chain.run("prefill", {"logits": 0}, vars)
 
 
-def test_pages_come_from_the_top_and_go_back():
-    pool = PagePool(4)
-    assert pool.take(3) == [3, 2, 1]
-    pool.give_back([3, 2, 1])
-    assert pool.take(1) == [3]
-    with pytest.raises(KernccError, match="KV cache is full"):
-        pool.take(4)
-
-
 def test_generation_limits(bundle_dir):
-    gen = Generator(Chain(bundle_dir))
-    assert gen.stride == 16 and gen.width == 16
+    chain = Chain(bundle_dir)
+    runner = ModelRunner(chain)
+    assert runner.stride == 16 and runner.width == 16
     with pytest.raises(KernccError, match="empty"):
-        gen.generate([], 2)
+        alone(chain, [], 2)
     with pytest.raises(KernccError, match=r"chunk 65 is outside \[1, 64\]"):
-        gen.generate([1, 2], 2, chunk=65)
+        alone(chain, [1, 2], 2, chunk=65)
     # Refused before any run (it used to fail after 57 steps, at the 257th token).
+    limits = request_limits([s.manifest for s in chain.sessions])
     with pytest.raises(KernccError, match="need 259 positions, but a sequence holds at most 256"):
-        gen.generate(list(range(200)), 60, chunk=64)
-    assert len(gen.pool.free) == gen.pool.pages  # pages came back after the failure
+        check_request(limits, list(range(200)), 60)
+    engine = Engine(chain, Config(chunk=64))
+    with pytest.raises(KernccError, match="make 260, past the context: a sequence holds at most"):
+        engine.submit(Request(list(range(200)), 60))
+    assert engine.pool.free == engine.pool.pages and engine.waiting == 0
 
 # ---- the command line ----------------------------------------------------------------------
 
@@ -459,7 +458,7 @@ def test_serving_downloads_only_the_logits_and_the_token(bundle_dir):
         return pending
 
     chain.submit = submit
-    Generator(chain).generate([5, 6, 7, 8, 9], 3, 2)
+    alone(chain, [5, 6, 7, 8, 9], 3, 2)
     assert seen and all(names <= {"logits", "next_tokens"} for names in seen)
     assert all("logits" in names for names in seen)
 
@@ -477,7 +476,7 @@ def test_an_input_serving_cannot_fill_is_placed_in_the_stage_manifest(damaged):
     (damaged / "stage0" / "stage.py").unlink()
     (damaged / "bundle.json").write_text(json.dumps(index))
     with pytest.raises(KernccError, match="reads input `token_ids`, which is neither") as err:
-        Generator(Chain(damaged))
+        ModelRunner(Chain(damaged))
     where = err.value.diagnostics[0].location
     assert where.pointer == "/buffers/token_ids" and where.file == str(path)
     assert path.read_text().splitlines()[where.line - 1].strip().startswith('"token_ids"')
@@ -513,7 +512,7 @@ def test_a_chain_closes_only_the_backends_it_made(bundle_dir):
 
     mine = Recording()
     with Chain(bundle_dir, backend=mine) as chain:
-        assert len(Generator(chain).generate([3, 1, 4], 2, 64).tokens) == 2
+        assert len(alone(chain, [3, 1, 4], 2, 64).tokens) == 2
     assert closed == []  # the caller's backend stays open
     made = Chain(bundle_dir, backend="cpu")
     made.backends[0].close = lambda: closed.append("made")
@@ -533,18 +532,16 @@ def test_a_chain_closes_only_the_backends_it_made(bundle_dir):
 def test_generate_refuses_a_prompt_that_is_not_token_ids(bundle_dir, prompt, match):
     """A float id was truncated (1.5 ran as 1), a string or a 2-D array failed inside numpy or
     Python's comparisons."""
-    gen = Generator(Chain(bundle_dir))
     with pytest.raises(KernccError, match=match):
-        gen.generate(prompt, 2)
-    assert len(gen.pool.free) == gen.pool.pages
+        serve_prompts(Chain(bundle_dir), [prompt], 2)
 
 
 def test_generate_takes_a_numpy_prompt(bundle_dir):
     """`if not prompt` on an array of several ids raised numpy's "truth value is ambiguous"."""
-    gen = Generator(Chain(bundle_dir))
-    listed = gen.generate([3, 1, 4], 3).tokens
-    assert gen.generate(np.array([3, 1, 4], np.int64), 3).tokens == listed
-    assert gen.generate((3, 1, 4), 3).tokens == listed
+    chain = Chain(bundle_dir)
+    listed = alone(chain, [3, 1, 4], 3).tokens
+    assert alone(chain, np.array([3, 1, 4], np.int64), 3).tokens == listed
+    assert alone(chain, (3, 1, 4), 3).tokens == listed
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -556,16 +553,14 @@ def test_generate_takes_a_numpy_prompt(bundle_dir):
     ({"max_new": 2, "chunk": 0}, r"chunk 0 is outside \[1, 64\]"),
     ({"max_new": 2, "chunk": 1.5}, "chunk 1.5: expected a whole number"),
     ({"max_new": 2, "chunk": "2"}, "chunk '2': expected a whole number"),
-    ({"max_new": 2, "sampling": {"temperature": 1.0}}, "sampling: expected SamplingParams"),
-    ({"max_new": 2, "stop": 5}, "stop: expected a function"),
-    ({"max_new": 2, "on_token": "print"}, "on_token: expected a function")])
-def test_generate_refuses_arguments_of_the_wrong_kind(bundle_dir, kwargs, match):
+    ({"max_new": 2, "params": {"temperature": 1.0}}, "params: expected sampling_hook.Params"),
+    ({"max_new": 2, "stop_ids": 5}, "stop_ids: expected token ids"),
+    ({"max_new": 2, "listener": "print"}, "listener: expected a Listener")])
+def test_serving_refuses_arguments_of_the_wrong_kind(bundle_dir, kwargs, match):
     """max_new nan generated nothing, 2.5 generated three tokens, chunk 0 meant the default;
     the rest failed as TypeError or AttributeError from deep inside."""
-    gen = Generator(Chain(bundle_dir))
     with pytest.raises(KernccError, match=match):
-        gen.generate([3, 1, 4], **kwargs)
-    assert len(gen.pool.free) == gen.pool.pages
+        serve_prompts(Chain(bundle_dir), [[3, 1, 4]], **kwargs)
 
 
 @pytest.mark.parametrize("value", ["3", float("nan"), None, 3.5, True])
@@ -630,7 +625,7 @@ def test_session_and_chain_arguments_are_checked(bundle_dir):
         Chain(bundle, trace="trace.json")
     for runner in ("bundle", None):
         with pytest.raises(KernccError, match="expected a Session or a Chain"):
-            Generator(runner)
+            ModelRunner(runner)
 
 
 def test_read_and_write_check_their_vars_and_values(whole):

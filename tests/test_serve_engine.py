@@ -12,7 +12,8 @@ from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Bundle, Chain
-from kerncc.runtime.generate import Generator
+from kerncc.runtime.model_runner import ModelRunner
+from reference_loop import reference
 from kerncc.serve import sampling_hook
 from kerncc.serve.engine import Config, Engine, Request, Stopped, serve_prompts
 
@@ -39,7 +40,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def alone(whole, prompts) -> list[list[int]]:
-    return [Generator(whole).generate(p, MAX_NEW).tokens for p in prompts]
+    return [reference(whole, p, MAX_NEW).tokens for p in prompts]
 
 
 @pytest.mark.parametrize("chunk, running", [(8, 3), (5, 8), (64, 1)])
@@ -62,7 +63,7 @@ def test_decode_calls_send_only_what_the_device_does_not_hold(model, prompts, mo
     steady decode: the tokens; a step issued ahead has its tokens fed on the device, and
     sends nothing). The tokens and logits are those of an engine that sends every input with
     every call, as sequences join, finish and take pages."""
-    from kerncc.serve import engine as engine_module
+    from kerncc.runtime import model_runner
 
     runner = Chain(lower_to_bundle(model))
     sent: list[tuple[str, tuple]] = []
@@ -86,7 +87,7 @@ def test_decode_calls_send_only_what_the_device_does_not_hold(model, prompts, mo
     # call sends what changed
     assert (() if ahead else ("token_ids",)) in decodes, "steady decode calls send the least"
     assert any(program == "stage" for program, _ in sent)
-    monkeypatch.setattr(engine_module, "_plain_inputs", lambda sessions: frozenset())
+    monkeypatch.setattr(model_runner, "_plain_inputs", lambda sessions: frozenset())
     plain, _ = serve_prompts(runner, prompts, MAX_NEW, **config)
     assert [r.generated for r in staged] == [r.generated for r in plain]
     for a, b in zip(staged, plain):
@@ -111,7 +112,7 @@ def test_a_cut_bundle_serves_the_same_batch_as_the_whole(model, whole, prompts, 
 def test_batched_logits_equal_each_prompt_alone_bit_for_bit(whole, prompts):
     requests, _ = serve_prompts(whole, prompts, MAX_NEW, chunk=5, max_running=8, logits=True)
     for request, prompt in zip(requests, prompts):
-        alone = Generator(whole).generate(prompt, MAX_NEW).logits  # the chunk's row, then steps
+        alone = reference(whole, prompt, MAX_NEW).logits  # the chunk's row, then steps
         assert np.array_equal(np.stack(request.logits).view(np.uint32),
                               alone[-MAX_NEW:].view(np.uint32))
 
@@ -146,7 +147,7 @@ def test_a_preempted_request_gives_its_tokens_and_logits_alone_bit_for_bit(model
     requests, engine = serve_prompts(chain, prompts, 20, chunk=8, logits=True)
     assert engine.preemptions > 0
     for request, prompt in zip(requests, prompts):
-        alone = Generator(chain).generate(prompt, 20)
+        alone = reference(chain, prompt, 20)
         assert request.generated == alone.tokens
         assert np.array_equal(np.stack(request.logits).view(np.uint32),
                               alone.logits[-20:].view(np.uint32))
@@ -161,7 +162,7 @@ def test_a_preempted_request_gives_its_tokens_and_logits_alone_bit_for_bit(model
     assert engine.preemptions > 0
     native = SamplingParams(temperature=1.0, seed=286)
     assert [r.generated for r in requests] == [
-        Generator(chain).generate(p, 20, sampling=native).tokens for p in prompts]
+        reference(chain, p, 20, sampling=native).tokens for p in prompts]
 
 
 def test_bad_requests_are_refused_before_any_work(whole):
@@ -327,7 +328,7 @@ class Broken:
 
 def test_a_stage_fault_fails_its_requests_and_stops_admission(whole, prompts, monkeypatch):
     engine = Engine(whole, Config(max_running=4))
-    monkeypatch.setattr(engine, "runner", Broken(whole))
+    monkeypatch.setattr(engine.model, "runner", Broken(whole))
     requests = [engine.submit(Request(p, 4)) for p in prompts[:3]]
     with pytest.raises(KernccError, match="decode_batch"):
         engine.run_until_idle()
@@ -353,7 +354,7 @@ def test_on_a_gpu_stages_equal_the_whole_for_the_same_batch(model, prompts, tmp_
         assert np.array_equal(np.stack(x.logits).view(np.uint32),
                               np.stack(y.logits).view(np.uint32))
     assert engine.packed > 0
-    alone = [Generator(whole).generate(p, MAX_NEW).tokens for p in prompts]
+    alone = [reference(whole, p, MAX_NEW).tokens for p in prompts]
     agree = sum(r.generated == t for r, t in zip(a, alone))
     with capsys.disabled():
         print(f"\ncuda: {agree} of {len(prompts)} prompts served together equal them alone")
@@ -395,19 +396,19 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_it_is_batched_with(whol
 
     alone = serve([prompts[3]])
     assert serve([prompts[3], *prompts[4:7]]) == alone
-    greedy = Generator(whole).generate(prompts[3], 8).tokens
+    greedy = reference(whole, prompts[3], 8).tokens
     assert alone != greedy, "a temperature of 0.8 changes something in 8 tokens"
-    # the Generator draws the first token from the same chunk's logits with the same counter
+    # the reference draws the first token from the same chunk's logits with the same counter
     from kerncc.runtime.sampling import SamplingParams
 
     native = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
-    assert Generator(whole).generate(prompts[3], 8, sampling=native).tokens == alone
+    assert reference(whole, prompts[3], 8, sampling=native).tokens == alone
 
 
 def test_a_chunk_past_the_rows_bound_is_refused_as_one_prompt_refuses_it(whole, capsys, model):
     """The engine cut a --chunk past the rows bound down to it without a word (kerncc serve
     --chunk, run with several prompts), where one prompt's run refuses it."""
-    rows = Generator(whole).max_chunk
+    rows = ModelRunner(whole).protocol.rows.max
     with pytest.raises(KernccError, match=rf"chunk {rows + 1} is outside \[1, {rows}\]"):
         Engine(whole, Config(chunk=rows + 1))
     Engine(whole, Config(chunk=rows))

@@ -15,8 +15,8 @@ from kerncc.cli.main import main
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Bundle, Chain
-from kerncc.runtime.generate import Generator
 from kerncc.serve.engine import Config, Engine, Request
+from reference_loop import reference
 
 SYSTEM = 40  # tokens of the shared prompt: 2 full pages of 16 and 8 tokens
 MAX_NEW = 6
@@ -91,9 +91,9 @@ def test_the_cache_gives_the_bits_it_gives_off_and_computes_the_shared_pages_onc
 def test_a_prefill_past_cached_pages_gives_a_whole_prefills_logits(chains, prompts):
     """The second prompt's first chunk starts at position 32, its earlier positions read
     through pages the first prompt's chunks wrote; its logits are a whole prefill's alone
-    (a Generator on the same chain), bit for bit."""
+    (the reference loop on the same chain, tests/reference_loop.py), bit for bit."""
     chain = chains["cut"]
-    want = Generator(chain).generate(prompts[1], MAX_NEW)
+    want = reference(chain, prompts[1], MAX_NEW)
     served, engine = serve(chain, prompts[:2], cache=True, together=False)
     starts = [start for item_starts in engine_starts(chain, prompts[:2]) for start in item_starts]
     assert 32 in starts, starts

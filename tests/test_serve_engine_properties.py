@@ -5,7 +5,7 @@ a full queue, a cut bundle, pools too small for every sequence at once, and deco
 issued a step ahead or not.
 
 Properties: every request that is not cancelled generates exactly what it generates alone
-(a Generator on the same chain), tokens and logits bit for bit, a cancelled one a prefix of
+(the reference loop on the same chain, tests/reference_loop.py), tokens and logits bit for bit, a cancelled one a prefix of
 it; the loop always drains (no deadlock, no spin); the pool balances after every step and a
 cancelled request's pages are free before the next; a refused request leaves no trace; once
 idle, every page is free and nothing runs or waits.
@@ -23,7 +23,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Bundle, Chain
-from kerncc.runtime.generate import Generation, Generator
+from reference_loop import Generation, reference
 from kerncc.runtime.sampling import SamplingParams
 from kerncc.serve import sampling_hook
 from kerncc.serve.engine import Config, Engine, QueueFull, Request
@@ -61,8 +61,7 @@ def alone(chain: Chain, prompt: list[int], max_new: int, stop_ids: frozenset[int
         native = None if params.greedy else SamplingParams(
             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             seed=params.seed)
-        stop = (lambda t: t in stop_ids) if stop_ids else None
-        cache[key] = Generator(chain).generate(prompt, max_new, stop=stop, sampling=native)
+        cache[key] = reference(chain, prompt, max_new, stop=stop_ids, sampling=native)
     return cache[key]
 
 
@@ -189,7 +188,7 @@ def check_tokens(chain: Chain, admitted: list[Request], cancelled: set[int]) -> 
             assert request.finish in ("stop", "length"), request.error
             assert len(request.generated) == len(want.tokens)
         assert request.generated == want.tokens[:len(request.generated)], request
-        if request.generated:  # the Generator's last rows are its tokens' logits
+        if request.generated:  # the reference's last rows are its tokens' logits
             rows = want.logits[-len(want.tokens):][:len(request.generated)]
             assert np.array_equal(np.stack(request.logits).view(np.uint32),
                                   rows.view(np.uint32)), f"request {request.id}'s logits"

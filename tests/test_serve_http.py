@@ -26,7 +26,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
-from kerncc.runtime.generate import Generator
+from reference_loop import reference
 from kerncc.serve import sampling_hook
 from serving import serving as serve_on_loopback
 
@@ -93,7 +93,7 @@ def metric(base: str, name: str, missing: float | None = None) -> float:
 
 def test_24_requests_at_once_each_get_their_prompt_alone(base, chain):
     asks = prompts(24)
-    alone = [Generator(chain).generate(p, 6).tokens for p in asks]
+    alone = [reference(chain, p, 6).tokens for p in asks]
 
     async def all_at_once():
         async with httpx.AsyncClient(timeout=120) as client:
@@ -115,7 +115,7 @@ def test_a_lone_greedy_request_decodes_a_step_ahead(base, model):
     """The engine's steps ahead (tokens fed on the device) show on /metrics, and the tokens
     are the request's alone (on a chain of their own: the server's stays the engine's)."""
     ask = prompts(1)[0]
-    alone = Generator(Chain(lower_to_bundle(model))).generate(ask, 12).tokens
+    alone = reference(Chain(lower_to_bundle(model)), ask, 12).tokens
     before = metric(base, "kerncc_decode_steps_ahead")
     answer = complete(base, prompt=ask, max_tokens=12)
     assert answer.status_code == 200
@@ -171,14 +171,31 @@ def test_a_stop_string_ends_the_text_before_it(base):
     ({"prompt": [1, 256], "max_tokens": 3}, 400, "prompt"),
     ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
     ({"prompt": [1] * 200, "max_tokens": 100}, 400, "max_tokens"),
-    ({"prompt": [1, 2], "n": 2}, 400, "n"),
+    ({"prompt": [1, 2], "n": 17}, 400, "n"),
+    ({"prompt": [1, 2], "n": 3, "best_of": 2}, 400, "best_of"),
+    ({"prompt": [1, 2], "best_of": 3, "stream": True}, 400, "best_of"),
+    ({"prompt": [1, 2], "frobnicate": 1}, 400, "frobnicate"),  # unknown: never ignored
+    ({"prompt": [1, 2], "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": [1, 2], "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ({"prompt": [1, 2], "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": [1, 2], "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": [1, 2], "logit_bias": {"256": 1}}, 400, "logit_bias"),  # past the vocabulary
+    ({"prompt": [1, 2], "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": [1, 2], "stop_token_ids": [1.5]}, 400, "stop_token_ids"),
+    ({"prompt": [1, 2], "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),
+    ({"prompt": [1, 2], "ignore_eos": 1}, 400, "ignore_eos"),
+    ({"prompt": [1, 2], "suffix": "x"}, 400, "suffix"),
+    ({"prompt": [1, 2], "user": 5}, 400, "user"),
+    ({"prompt": [[1, 2], [1] * 200], "max_tokens": 100}, 400, "max_tokens"),  # the second
+    ({"prompt": [[1, 2], "x"] * 33}, 400, "prompt"),  # past 64 prompts
     ({"prompt": [1, 2], "temperature": -1}, 400, "temperature"),
     ({"prompt": [1, 2], "stop": 5}, 400, "stop"),
     ({"prompt": "abc", "stop": ["a", "b" * 5000]}, 400, "stop"),  # would stall the event loop
     ({"prompt": [1, 2], "model": "gpt-4"}, 404, "model"),
     ({"prompt": "héllo", "max_tokens": 3}, 400, "prompt"),
-    ({"prompt": [1, 2], "echo": True}, 400, "echo"),
-    ({"prompt": [1, 2], "logprobs": 0}, 400, "logprobs"),  # 0: the chosen tokens' logprobs
+    ({"prompt": [1, 2], "echo": True, "logprobs": 1}, 400, "echo"),  # the prompt's logprobs
+    ({"prompt": [1, 2], "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": [1, 2], "logprobs": True}, 400, "logprobs"),
     ({"prompt": [1, 2], "best_of": True}, 400, "best_of"),
     ({"prompt": [1, 2], "top_p": 0}, 400, "top_p"),
     ({"prompt": [1, 2], "top_k": -1}, 400, "top_k"),

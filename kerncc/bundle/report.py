@@ -30,6 +30,8 @@ from kerncc.bundle.reader import Index, read_index, stage_files
 from kerncc.diagnostics import KernccError
 from kerncc.passes.liveness import human_bytes
 from kerncc.passes.share_states import StateUse, manifest_regions, state_uses
+from kerncc.runtime import footprint
+from kerncc.runtime.footprint import StageFootprint, bundle_footprints
 
 INPUT_NOTES = {
     "missing": "the input manifest is missing",
@@ -116,6 +118,7 @@ class BundleReport:
     proof: dict[str, Any] | None  # None: bundle.json records no proof
     stages: tuple[StageReport, ...]
     edges: tuple[Edge, ...]
+    footprints: tuple[StageFootprint, ...] = ()  # device memory per stage, from the plans
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -125,11 +128,13 @@ class BundleReport:
             "cut": self.cut, "proof": self.proof,
             "stages": [s.to_json() for s in self.stages],
             "edges": [e.to_json() for e in self.edges],
+            "device_memory": [f.to_json() for f in self.footprints],
         }
 
     def to_text(self) -> str:
         sections = [_header(self), _calls(self), _crossing(self), _host_inputs_section(self),
-                    _states(self), _memory(self), _modules_section(self)]
+                    _states(self), _memory(self), _device_memory(self),
+                    _modules_section(self)]
         return "\n\n".join(sections) + "\n"
 
 
@@ -257,7 +262,8 @@ def read_report(directory: str | Path, max_file_size: int | None = None) -> Bund
         pipeline=_optional_text(index, "pipeline") or "", input_path=recorded,
         input_status=status, checkpoint=_optional_text(index, "checkpoint"),
         checkpoint_status=_checkpoint_status(checked),
-        cut=_cut(index), proof=_proof(index), stages=stages, edges=_edges(index))
+        cut=_cut(index), proof=_proof(index), stages=stages, edges=_edges(index),
+        footprints=tuple(bundle_footprints([(r.manifest, r.plan) for r in read])))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,6 +376,15 @@ def _memory(r: BundleReport) -> str:
             ["no reuse", *(human_bytes(s.arena.naive) for s in r.stages)],
             ["staging peak", *(human_bytes(s.staging["peak"]) for s in r.stages)]]
     return "\n".join(["memory per stage (arena: the largest program's)"] + _table(rows, right=1))
+
+
+def _device_memory(r: BundleReport) -> str:
+    """Each stage's device memory as the runtime will allocate it at the default token
+    capacity (a load whose peak does not fit the device is refused before any weight moves)."""
+    if not r.footprints:
+        return "device memory: not planned"
+    head = "device memory per stage at load (the staging is freed after it: resident stays)"
+    return "\n".join([head] + _table(footprint.text(r.footprints), right=1))
 
 
 def _modules_section(r: BundleReport) -> str:

@@ -39,7 +39,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from kerncc.hf.importer import import_model
 
     done = import_model(args.directory, args.output, args.max_tokens, args.max_seqs,
-                        args.max_context)
+                        args.max_context, quantize=getattr(args, "quantize", None))
     c = done.config
     _say(f"imported {done.hf.architecture} ({c.layers} layers, hidden {c.hidden}, vocab "
          f"{c.vocab}{', tied head' if done.hf.tied else ''}) over {done.checkpoint.name}: "
@@ -112,7 +112,7 @@ class TextRun:
         if wants_text and codec is None:
             raise KernccError.single(f"--text and --chat need a tokenizer.json in the model "
                                      f"folder ({folder or 'unknown: give --tokenizer DIR'})")
-        prompt = args.prompt[0] if args.prompt else None  # several: kerncc.serve.run
+        prompt = args.prompt[0] if args.prompt else None  # several: no TextRun
         if text is not None:
             prompt = codec.encode(text)
         elif chat is not None:
@@ -210,6 +210,9 @@ def register(sub: argparse._SubParsersAction) -> None:
              ("--max-context", "longest sequence (a multiple of 16)"))
     for flag, what in sizes:
         p.add_argument(flag, type=positive, metavar="N", help=what)
+    p.add_argument("--quantize", choices=("fp8",),
+                   help="fp8: the layers' linear weights as block-scaled e4m3 (128 x 128 "
+                        "blocks, f32 scales), quantized at load; the checkpoint stays as it is")
     p.set_defaults(handler=cmd_import, format="text")
     run = sub.choices.get("run")
     if run is not None:

@@ -1,10 +1,12 @@
 """The runtime's commands: `kerncc run` (serve a prompt) and `kerncc example` (write a model).
 
 `kerncc run BUNDLE_OR_MANIFEST --prompt 1,2,3` loads every stage (a manifest is lowered in
-process with `--pipeline`, default `emit`), prefills the prompt in chunks and decodes greedily
-(kerncc.runtime.generate), or samples with `--temperature/--top-k/--top-p/--seed`
-(kerncc.runtime.sampling; the seed defaults to 0, so a sampled run repeats). Progress goes to stderr; the last line, on stdout, is the generated
-token ids separated by spaces, so scripts can take `tail -1`. `kerncc example qwen` writes the
+process with `--pipeline`, default `emit`) and serves the prompts through the engine
+(kerncc.serve.engine, as `kerncc serve` does; one prompt or several together): chunked prefill,
+then greedy decoding, or sampling with `--temperature/--top-k/--top-p/--seed` (the seed
+defaults to 0, so a sampled run repeats). Progress goes to stderr; the last line, on stdout,
+is the generated token ids separated by spaces (a line per prompt), so scripts can take
+`tail -1`. `kerncc example qwen` writes the
 example model (manifest, checkpoint, config) with kerncc.example.generate.
 """
 
@@ -36,7 +38,7 @@ def _say(message: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kerncc.runtime.generate import check_request, request_limits
+    from kerncc.runtime.model_runner import check_request, request_limits
     from kerncc.runtime.trace import Timeline
 
     from kerncc.cli.hf import TextRun, check_run_args, prompt_eos
@@ -60,42 +62,80 @@ def cmd_run(args: argparse.Namespace) -> int:
     with chain:  # closed however the run ends (called as a function, stages outlived it)
         say(f"loaded {len(bundle.stages)} stage(s) on {chain} in "
             f"{time.perf_counter() - started:.2f} s (weights: {weights or 'none'})")
-        if several:  # several prompts are served together (kerncc.serve)
-            from kerncc.serve.run import run_prompts
-
-            return run_prompts(chain, args.prompt, args.max_new, args.chunk, args.trace,
-                               stop_ids=prompt_eos(args, bundle), say=say)
-        return _run_one(args, chain, text, sampling, timeline, say)
+        stop_ids = prompt_eos(args, bundle) if text is None else text.eos
+        return _serve(args, chain, text, sampling, stop_ids, timeline, say)
 
 
-def _run_one(args: argparse.Namespace, chain, text, sampling, timeline, say) -> int:
-    """One prompt's run on the loaded `chain`: tokens streamed, then the summary and files."""
-    from kerncc.runtime.generate import Generator
+def _serve(args: argparse.Namespace, chain, text, sampling, stop_ids, timeline, say) -> int:
+    """Serve the prompts on the loaded `chain` through the engine: one prompt's tokens stream
+    as they come (`text`: its TextRun), then the summary and files; several print a line each
+    once all are done."""
+    from kerncc.serve.engine import serve_prompts
+    from kerncc.serve.sampling_hook import Params
 
     loaded = time.perf_counter()
     # ids stream as they come; text streams through TextRun; JSON prints once at the end
-    stream = TokenStream(sys.stdout) if text.streams_ids else None
+    stream = TokenStream(sys.stdout) if text is not None and text.streams_ids else None
+    prompts = args.prompt if text is None else [text.prompt]
+    params = Params(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
     try:
-        result = Generator(chain).generate(text.prompt, args.max_new, args.chunk,
-                                           stop=text.stop, sampling=sampling, on_token=stream)
+        requests, engine = serve_prompts(
+            chain, prompts, args.max_new, args.chunk, stop_ids=stop_ids, params=params,
+            listener=None if text is None else _Heard(stream, text), runs=text is not None,
+            logits=bool(args.logits))
     except KeyboardInterrupt:  # the streamed line ends before `interrupted` is said
         if stream is not None:
             stream.interrupt()
-        text.interrupt()
+        if text is not None:
+            text.interrupt()
         raise
-    if stream is not None:
-        stream.end()
-    text.end_stream()
-    say(f"ran {len(result.steps)} programs in {time.perf_counter() - loaded:.2f} s: "
-        + summarise_steps(result.steps, verbose=args.verbosity > 0))
+    elapsed = time.perf_counter() - loaded
+    if text is None:
+        calls, rows = engine.calls, engine.rows
+        say(f"served {len(prompts)} prompts together in {elapsed:.2f} s: "
+            + ", ".join(f"{p} {calls[p]} calls ({rows[p]} rows)" for p in sorted(calls)))
+    else:
+        if stream is not None:
+            stream.end()
+        text.end_stream()
+        steps = [(program, n) for program, n, _ in requests[0].runs]
+        say(f"ran {len(steps)} programs in {elapsed:.2f} s: "
+            + summarise_steps(steps, verbose=args.verbosity > 0))
     if timeline is not None:
         _write(args.trace, "--trace", timeline.write)
         say(f"wrote a trace of {len(timeline.spans)} spans to {args.trace} "
             "(open it in https://ui.perfetto.dev)")
     if args.logits:
-        _save_logits(args.logits, result.logits, say)
-    text.finish(result.tokens, printed=stream is not None)
+        _save_logits(args.logits, _stacked(requests[0].runs), say)
+    if text is not None:
+        text.finish(requests[0].generated, printed=stream is not None)
+    for request in requests if text is None else ():
+        print(" ".join(str(t) for t in request.generated), flush=True)
     return 0
+
+
+class _Heard:
+    """The listener of one prompt's run: each token printed (ids) or its text streamed (and
+    an eos id noted) as the engine hands it over."""
+
+    def __init__(self, stream, text) -> None:
+        self.stream, self.text = stream, text
+
+    def token(self, request, token: int) -> None:
+        if self.stream is not None:
+            self.stream(token)
+        self.text.stop(token)  # streams its text; the engine stops at the same eos ids
+
+    def done(self, request) -> None:
+        """Nothing to do: the run's summary follows once the engine is idle."""
+
+
+def _stacked(runs) -> np.ndarray | None:
+    """The last row's logits of every run, in order (None when no program wrote them)."""
+    import numpy as np
+
+    rows = [row for _, _, row in runs if row is not None]
+    return np.stack(rows) if rows else None
 
 
 def _check_flags(args: argparse.Namespace, say):
@@ -162,8 +202,7 @@ def devices_conflict(args: argparse.Namespace) -> str | None:
 
 
 def _several_conflict(args: argparse.Namespace) -> str | None:
-    """The flags of one prompt's run, refused with several (kerncc.serve.run would ignore
-    them)."""
+    """The flags of one prompt's run, refused with several (their run would ignore them)."""
     if getattr(args, "format", "text") == "json":
         return "--format json prints one prompt's run; give one --prompt"
     if args.logits:
@@ -245,11 +284,11 @@ def _silent(message: str) -> None:
 
 
 def check_chunk(chunk: int | None, bundle) -> None:
-    """--chunk against the stages' rows bound, before any weight loads (the engine and the
-    Generator refuse it too, but only once the stages are up)."""
+    """--chunk against the stages' rows bound, before any weight loads (the engine refuses
+    it too, but only once the stages are up)."""
     if chunk is None:
         return
-    from kerncc.runtime.generate import chain_protocol
+    from kerncc.runtime.model_runner import chain_protocol
 
     rows = chain_protocol([s.manifest for s in bundle.stages]).rows
     if chunk > rows.max:

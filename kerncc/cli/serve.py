@@ -8,6 +8,7 @@ left is cancelled and the process exits.
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 import sys
 from pathlib import Path
@@ -18,6 +19,9 @@ from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 from kerncc.cli.args import devices, open_run_target, port, positive
 from kerncc.cli.run import check_chunk, checkpoint_for, devices_conflict
+from kerncc.serve import access
+
+LOG = logging.getLogger("kerncc.serve")
 
 GRACE = 3.0  # seconds streams may go on after SIGTERM
 
@@ -36,6 +40,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     folders = [Path(args.tokenizer)] if args.tokenizer else \
         [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
     codec = _tokenizer(folders, args.tokenizer)
+    _logging()
+    warn_if_open(args.host, args.api_key or config.api_key())
     # Before the stages start: a port already taken costs no load and leaves nothing to undo.
     sock = _bind(args.host, args.port)
     try:
@@ -53,11 +59,13 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
     from kerncc.serve.engine import Config, Engine
     from kerncc.serve.http import Server, create_app
 
+    _print_memory(bundle)
     with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
         engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
                                       chunk=args.chunk, prefix_cache=args.prefix_cache))
-        model = bundle.stages[0].manifest.model
-        server = Server(engine, model, codec)
+        model = args.served_model_name or bundle.stages[0].manifest.model
+        server = Server(engine, model, codec, lenient=args.lenient,
+                        api_key=args.api_key or config.api_key())
         host, port = sock.getsockname()[:2]
         print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
               f"{engine.stride} tokens; tokenizer: {'yes' if server.text else 'none'}; "
@@ -67,6 +75,47 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
         _Uvicorn(uv, server).run(sockets=[sock])
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _print_memory(bundle: Any) -> None:
+    """The planned device memory of every stage, before any weight moves (a load that does
+    not fit is refused then, naming what to lower)."""
+    from kerncc.runtime.footprint import bundle_footprints, summary
+
+    for f in bundle_footprints([(s.manifest, s.plan) for s in bundle.stages]):
+        print(f"kerncc serve: {summary(f)}", file=sys.stderr, flush=True)
+
+
+def warn_if_open(host: str, key: str | None) -> bool:
+    """Warn (and say so) when the server listens beyond loopback without an API key."""
+    if key or access.loopback(host):
+        return False
+    LOG.warning("listening on %s without an API key: anyone who reaches it may use the "
+                "model (--api-key or KERNCC_API_KEY asks clients for one)", host)
+    return True
+
+
+class _Stderr(logging.StreamHandler):
+    """The server's own lines (warnings, the access log) on whatever sys.stderr is now."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("kerncc serve: %(message)s"))
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _logging() -> None:
+    logger = logging.getLogger("kerncc.serve")
+    if not any(isinstance(h, _Stderr) for h in logger.handlers):
+        logger.addHandler(_Stderr())
+        logger.setLevel(logging.INFO)
 
 
 def _tokenizer(folders: list[Path | None], given: str | None) -> Any:
@@ -147,6 +196,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "bundle's)")
     p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
                    "(default: the bundle's, the checkpoint's, the manifest's)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="answer only clients that send `Authorization: Bearer KEY` (401 "
+                   "otherwise; /health stays open); default: KERNCC_API_KEY, else none")
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name in the API (default: the manifest's `model`)")
+    p.add_argument("--lenient", action="store_true",
+                   help="accept and ignore (logging them) request fields the server does not "
+                   "know, instead of a 400")
     p.add_argument("--pipeline", metavar="SPEC",
                    help="passes lowering a manifest target (default: emit)")
     p.set_defaults(handler=cmd_serve, format="text", check_usage=conflicts)

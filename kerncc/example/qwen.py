@@ -56,9 +56,10 @@ CASTS = {"f32": ("cast_bf16", "cast_f32_bf16"), "f16": ("cast_f16_bf16", "cast_f
 class Binding:
     """What the checkpoint holds, as far as the manifest's binds care."""
 
-    dtypes: Mapping[str, str]  # checkpoint tensor name -> kern dtype (bf16, f16 or f32)
+    dtypes: Mapping[str, str]  # checkpoint tensor name -> kern dtype (bf16, f16, f32, fp8e4m3)
     tied: bool = False  # lm_head is the embedding table (no lm_head.weight)
     kv_repeat: int = 1  # manifest kv heads per checkpoint kv head (bind rows repeat them)
+    quantize: bool = False  # bf16 linears quantized to block-scaled FP8 at load (derive)
 
 
 def layer_call_names(c: QwenConfig) -> tuple[str, ...]:
@@ -270,7 +271,7 @@ def ops(c: QwenConfig) -> dict[str, dict]:
     rows = "tokens"
     return {
         # embed and silu_mul have Numba-CUDA twins (embedding_gather_bf16_nb, silu_mul_bf16_nb:
-        # same bits). tests/bench/numba_bench.py on an H200: the embedding twin takes the CUDA C
+        # same bits). A one-off probe on an H200: the embedding twin takes the CUDA C
         # time, the silu_mul twin 1.03x it; the example keeps the CUDA C entries (not slower).
         "embed": kernel_op([IN_I32, IN_BF16, OUT_BF16, "i32"], "embedding_gather_bf16",
                            ["i32"], [i32(c.hidden)], [rows], 128),
@@ -343,6 +344,152 @@ def bound(b: Binding, base: str, shape: list[int], bind: list[dict]) -> dict[str
             f"{base}.w": {"dtype": "bf16", "shape": shape, "kind": "carry"}}
 
 
+# ---- FP8 linears -----------------------------------------------------------------------------
+# A linear whose checkpoint tensors are e4m3 binds `<base>.w` fp8e4m3 [n, k] to them and
+# `<base>.s` f32 [ceil(n/128), ceil(k/128)] to their `weight_scale_inv` tensors (the layout of
+# block-wise FP8 checkpoints); with `Binding.quantize` a bf16 linear binds a source `<base>.src`
+# that the derive program quantizes into those two carries (kernels/fp8.cu). Decode runs
+# gemv_fp8_bf16 on them; prefill dequantizes into op scratch and runs the bf16 GEMM.
+
+LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+FP8 = "fp8e4m3"
+FP8_BLOCK = 128
+SCALE_SUFFIX = "_scale_inv"
+
+
+def scale_tensor(name: str) -> str:
+    """`...proj.weight` -> `...proj.weight_scale_inv`."""
+    return name + SCALE_SUFFIX
+
+
+def scale_rows(rows: list[int], base: str) -> list[int]:
+    if any(r % FP8_BLOCK for r in rows):
+        raise ValueError(f"the FP8 weight `{base}` binds rows {rows}, not on its "
+                         f"{FP8_BLOCK}-row scale blocks")
+    return [r // FP8_BLOCK for r in rows]
+
+
+def scale_bind(bind: list[dict], base: str) -> list[dict]:
+    """The bind of a linear's block scales: its segments' tensors' scale tensors, row ranges
+    and interleave blocks in scale rows (each a whole number of 128-row blocks)."""
+    out = []
+    for seg in bind:
+        scaled = {"tensor": scale_tensor(seg["tensor"])}
+        if "rows" in seg:
+            scaled["rows"] = scale_rows(seg["rows"], base)
+        if "interleave" in seg:
+            scaled["interleave"] = {"with": scale_tensor(seg["interleave"]["with"]),
+                                    "rows": scale_rows([seg["interleave"]["rows"]], base)[0]}
+        out.append(scaled)
+    return out
+
+
+def scale_shape(shape: list[int]) -> list[int]:
+    return [-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK)]
+
+
+def linear(b: Binding, base: str, shape: list[int], bind: list[dict]) -> dict[str, dict]:
+    """A linear's weight: FP8 with its scales when the checkpoint holds e4m3 (or when bf16
+    is quantized at load), else as `bound` gives it."""
+    dtypes = {b.dtypes.get(name, "bf16") for name in bind_tensors(bind)}
+    if dtypes == {FP8}:
+        return {f"{base}.w": weight(FP8, shape, bind), **scales(b, base, shape, bind)}
+    if dtypes == {"bf16"} and b.quantize:
+        return {f"{base}.src": weight("bf16", shape, bind, kind="source"),
+                f"{base}.w": {"dtype": FP8, "shape": shape, "kind": "carry"},
+                f"{base}.s": {"dtype": "f32", "shape": scale_shape(shape), "kind": "carry"}}
+    return bound(b, base, shape, bind)
+
+
+def scales(b: Binding, base: str, shape: list[int], bind: list[dict]) -> dict[str, dict]:
+    """`<base>.s` f32 bound to the scale tensors; bf16 scales (Qwen3's dense FP8 models ship
+    them) bind a source `<base>.s.src` that the derive program widens to the f32 carry."""
+    sbind = scale_bind(bind, base)
+    dtypes = {b.dtypes.get(name, "f32") for name in bind_tensors(sbind)}
+    if dtypes == {"f32"}:
+        return {f"{base}.s": weight("f32", scale_shape(shape), sbind)}
+    if dtypes != {"bf16"}:
+        raise ValueError(f"the scales of `{base}` are {', '.join(sorted(dtypes))}, not all f32 "
+                         "or all bf16")
+    return {f"{base}.s.src": weight("bf16", scale_shape(shape), sbind, kind="source"),
+            f"{base}.s": {"dtype": "f32", "shape": scale_shape(shape), "kind": "carry"}}
+
+
+def scale_casts_of(buffers: dict[str, dict]) -> list[tuple[str, int]]:
+    """(base, elements) of every bf16 scale source the derive program widens to f32."""
+    return [(name.removesuffix(".s.src"), math.prod(b["shape"]))
+            for name, b in sorted(buffers.items()) if name.endswith(".s.src")]
+
+
+def scale_cast_ops(casts: list[tuple[str, int]]) -> dict[str, dict]:
+    return {f"cast_bf16_f32_{n}": kernel_op([IN_BF16, OUT_F32], "cast_bf16_f32", ["i32"],
+                                            [i32(n)], [ceil(n, 256)], 256) for _, n in casts}
+
+
+def fp8_linears(buffers: dict[str, dict]) -> frozenset[str]:
+    """The bases (`l3.qkv_proj`) of the linears whose weights are FP8."""
+    return frozenset(name.removesuffix(".w") for name, b in buffers.items()
+                     if name.endswith(".w") and b["dtype"] == FP8)
+
+
+def quantizes_of(buffers: dict[str, dict]) -> list[tuple[str, int, int]]:
+    """(base, n, k) of every bf16 source the derive program quantizes to FP8."""
+    return [(name.removesuffix(".src"), *b["shape"]) for name, b in sorted(buffers.items())
+            if b["kind"] == "source" and not name.endswith(".s.src")
+            and buffers[name.removesuffix(".src") + ".w"]["dtype"] == FP8]
+
+
+def linear_shapes(c: QwenConfig) -> dict[str, tuple[int, int, str]]:
+    """Each linear's (n, k) and its output param (down_proj accumulates into the residual)."""
+    return {"qkv_proj": (c.qkv_dim, c.hidden, OUT_BF16),
+            "o_proj": (c.hidden, c.heads * c.head_dim, OUT_BF16),
+            "gate_up_proj": (2 * c.intermediate, c.hidden, OUT_BF16),
+            "down_proj": (c.hidden, c.intermediate, INOUT_BF16)}
+
+
+def fp8_ops(c: QwenConfig, used: frozenset[str]) -> dict[str, dict]:
+    """The FP8 form of every linear that some layer holds in FP8: `<name>_fp8` (prefill:
+    dequantize into op scratch, then the bf16 GEMM) and `<name>_fp8_step` (decode: the FP8
+    GEMV)."""
+    out = {}
+    for name, (n, k, c_param) in linear_shapes(c).items():
+        if not any(base.endswith("." + name) for base in used):
+            continue
+        params = [IN_BF16, "in buffer<fp8e4m3>", IN_F32, c_param, "i32"]
+        mode = 1 if c_param == INOUT_BF16 else 0
+        extern = "cublaslt_bf16_tn_acc" if mode else "cublaslt_bf16_tn"
+        dequantize = kernel_launch("fp8_dequantize_bf16", ["in buffer<fp8e4m3>", IN_F32,
+                                                           OUT_BF16, "i32", "i32"],
+                                   [param(1), param(2), {"scratch": "w"}, i32(n), i32(k)],
+                                   [ceil(n * k, 4096)], 256)
+        gemm = {"entry": f"extern:{extern}", "params": [IN_BF16, IN_BF16, c_param] + ["i32"] * 3,
+                "args": [param(0), {"scratch": "w"}, param(3), param(4), i32(n), i32(k)]}
+        out[f"{name}_fp8"] = {"params": params, "impl": {
+            "scratch": {"w": {"dtype": "bf16", "shape": [n, k]}},
+            "launches": [dequantize, gemm]}}
+        out[f"{name}_fp8_step"] = kernel_op(params, "gemv_fp8_bf16", ["i32", "i32", "i32"],
+                                            [i32(n), i32(k), i32(mode)], [ceil(n, 8)], 256)
+    return out
+
+
+def bf16_ops(c: QwenConfig, fp8: frozenset[str]) -> dict[str, dict]:
+    """`ops(c)` less the bf16 linears that every layer holds in FP8 (an op nobody calls is
+    refused by verify)."""
+    return {name: op for name, op in ops(c).items()
+            if name not in LINEARS or any(f"l{i}.{name}" not in fp8 for i in range(c.layers))}
+
+
+def quantize_op_name(n: int, k: int) -> str:
+    return f"fp8_quantize_{n}x{k}"
+
+
+def quantize_ops(quantizes: list[tuple[str, int, int]]) -> dict[str, dict]:
+    return {quantize_op_name(n, k): kernel_op(
+        [IN_BF16, "out buffer<fp8e4m3>", OUT_F32], "fp8_quantize_bf16", ["i32", "i32"],
+        [i32(n), i32(k)], [ceil(k, FP8_BLOCK), ceil(n, FP8_BLOCK)], 256)
+        for _, n, k in quantizes}
+
+
 def kv_bind(c: QwenConfig, b: Binding, tensor: str) -> list[dict]:
     """k_proj or v_proj whole, or with each checkpoint kv head repeated `kv_repeat` times."""
     if b.kv_repeat == 1:
@@ -356,19 +503,19 @@ def layer_weights(c: QwenConfig, b: Binding, i: int) -> dict[str, dict]:
     h, qkv = c.hidden, c.qkv_dim
     out = {
         **bound(b, f"l{i}.input_norm", [h], [{"tensor": hf(i, "input_layernorm")}]),
-        **bound(b, f"l{i}.qkv_proj", [qkv, h], [
+        **linear(b, f"l{i}.qkv_proj", [qkv, h], [
             {"tensor": hf(i, "self_attn.q_proj")},
             *kv_bind(c, b, hf(i, "self_attn.k_proj")),
             *kv_bind(c, b, hf(i, "self_attn.v_proj")),
         ]),
-        **bound(b, f"l{i}.o_proj", [h, c.heads * c.head_dim],
+        **linear(b, f"l{i}.o_proj", [h, c.heads * c.head_dim],
                 [{"tensor": hf(i, "self_attn.o_proj")}]),
         **bound(b, f"l{i}.post_norm", [h], [{"tensor": hf(i, "post_attention_layernorm")}]),
-        **bound(b, f"l{i}.gate_up_proj", [2 * c.intermediate, h], [{
+        **linear(b, f"l{i}.gate_up_proj", [2 * c.intermediate, h], [{
             "tensor": hf(i, "mlp.gate_proj"),
             "interleave": {"with": hf(i, "mlp.up_proj"), "rows": c.gate_up_block},
         }]),
-        **bound(b, f"l{i}.down_proj", [h, c.intermediate], [{"tensor": hf(i, "mlp.down_proj")}]),
+        **linear(b, f"l{i}.down_proj", [h, c.intermediate], [{"tensor": hf(i, "mlp.down_proj")}]),
     }
     if c.qk_norm:
         out.update(bound(b, f"l{i}.qk_norm", [2, c.head_dim], [
@@ -417,7 +564,7 @@ def casts_of(buffers: dict[str, dict]) -> list[tuple[str, str, int]]:
     out = []
     for name in sorted(buffers, key=str.encode):
         buf_ = buffers[name]
-        if buf_["kind"] == "source":
+        if buf_["kind"] == "source" and buf_["dtype"] != "bf16":  # bf16 sources quantize
             out.append((name.removesuffix(".src"), buf_["dtype"], math.prod(buf_["shape"])))
     return out
 
@@ -445,13 +592,20 @@ def call(label: str, op: str, *args: dict) -> dict:
     return {"label": label, "op": op, "args": list(args)}
 
 
-def layer_calls(c: QwenConfig, i: int, prefill: bool, batched: bool = False) -> list[dict]:
+def layer_calls(c: QwenConfig, i: int, prefill: bool, batched: bool = False,
+                fp8: frozenset[str] = frozenset()) -> list[dict]:
     """Layer i's calls; prefill, decode and the batched decode differ only in the attention
-    op."""
+    op (and an FP8 linear's op: `fp8_ops`)."""
     rows, pre = var("tokens"), f"l{i}."
 
     def w(name: str) -> dict:
         return buf(f"{pre}{name}.w")
+
+    def proj(name: str, x: str, out: str) -> dict:
+        if pre + name not in fp8:
+            return call(pre + name, name, buf(x), w(name), buf(out), rows)
+        op = f"{name}_fp8" if prefill else f"{name}_fp8_step"
+        return call(pre + name, op, buf(x), w(name), buf(f"{pre}{name}.s"), buf(out), rows)
 
     if prefill:
         attention = call(pre + "attention", "attn_prefill", buf("qkv"), {"state": f"kv.{i}"},
@@ -472,26 +626,26 @@ def layer_calls(c: QwenConfig, i: int, prefill: bool, batched: bool = False) -> 
                     buf("slot_mapping"), {"state": f"kv.{i}"}, rows)
     calls = [
         call(pre + "input_norm", "rmsnorm", buf("residual"), w("input_norm"), buf("normed"), rows),
-        call(pre + "qkv_proj", "qkv_proj", buf("normed"), w("qkv_proj"), buf("qkv"), rows),
+        proj("qkv_proj", "normed", "qkv"),
         rope,
         attention,
-        call(pre + "o_proj", "o_proj", buf("attn_out"), w("o_proj"), buf("o_out"), rows),
+        proj("o_proj", "attn_out", "o_out"),
         call(pre + "post_norm", "add_rmsnorm", buf("residual"), buf("o_out"), w("post_norm"),
              buf("normed"), rows),
-        call(pre + "gate_up_proj", "gate_up_proj", buf("normed"), w("gate_up_proj"),
-             buf("gate_up"), rows),
+        proj("gate_up_proj", "normed", "gate_up"),
         call(pre + "act", "silu_mul", buf("gate_up"), buf("act"), rows),
-        call(pre + "down_proj", "down_proj", buf("act"), w("down_proj"), buf("residual"), rows),
+        proj("down_proj", "act", "residual"),
     ]
     assert [x["label"] for x in calls] == [pre + name for name in layer_call_names(c)]
     return calls
 
 
-def forward_calls(c: QwenConfig, prefill: bool, batched: bool = False) -> list[dict]:
+def forward_calls(c: QwenConfig, prefill: bool, batched: bool = False,
+                  fp8: frozenset[str] = frozenset()) -> list[dict]:
     rows, seqs = var("tokens"), var("seqs")
     calls = [call("embed", "embed", buf("token_ids"), buf("embed.w"), buf("residual"), rows)]
     for i in range(c.layers):
-        calls += layer_calls(c, i, prefill, batched)
+        calls += layer_calls(c, i, prefill, batched, fp8)
     # The last row of each sequence feeds the head: row cu_seqlens[s+1]-1 of a packed prefill
     # chunk, every row of a decode call.
     if prefill:
@@ -508,21 +662,28 @@ def forward_calls(c: QwenConfig, prefill: bool, batched: bool = False) -> list[d
     return calls
 
 
-def programs(c: QwenConfig, casts: list[tuple[str, str, int]]) -> dict[str, dict]:
+def programs(c: QwenConfig, casts: list[tuple[str, str, int]],
+             quantizes: list[tuple[str, int, int]] = (),
+             fp8: frozenset[str] = frozenset(),
+             scale_casts: list[tuple[str, int]] = ()) -> dict[str, dict]:
     out = {
         # packed: up to `seqs` sequences per chunk, split by `cu_seqlens` (spec §4.4, §6.2)
         "prefill": {"batch": {"groups": c.max_seqs, "rows": "tokens"},
-                    "calls": forward_calls(c, True)},
+                    "calls": forward_calls(c, True, fp8=fp8)},
         "decode": {"batch": {"groups": 1, "rows": 1}, "graph": True,
-                   "calls": forward_calls(c, False)},
+                   "calls": forward_calls(c, False, fp8=fp8)},
         "decode_batch": {"batch": {"groups": c.max_seqs, "rows": 1}, "graph": True,
-                         "calls": forward_calls(c, False, batched=True)},
+                         "calls": forward_calls(c, False, batched=True, fp8=fp8)},
         "load": {"once": True, "calls": [call("rope_table", "rope_table", buf("rope"))]},
     }
-    if casts:
-        out["convert"] = {"derive": True, "calls": [
-            call(f"{base}.cast", cast_op_name(c, dtype, n), buf(f"{base}.src"), buf(f"{base}.w"))
-            for base, dtype, n in casts]}
+    derive = [call(f"{base}.cast", cast_op_name(c, dtype, n), buf(f"{base}.src"),
+                   buf(f"{base}.w")) for base, dtype, n in casts]
+    derive += [call(f"{base}.quantize", quantize_op_name(n, k), buf(f"{base}.src"),
+                    buf(f"{base}.w"), buf(f"{base}.s")) for base, n, k in quantizes]
+    derive += [call(f"{base}.s.cast", f"cast_bf16_f32_{n}", buf(f"{base}.s.src"),
+                    buf(f"{base}.s")) for base, n in scale_casts]
+    if derive:
+        out["convert"] = {"derive": True, "calls": derive}
     return out
 
 
@@ -539,7 +700,10 @@ def manifest(c: QwenConfig, model: str, binding: Binding | None = None) -> dict[
     b = binding or example_binding(c)
     model_bufs = model_buffers(c, b)
     casts = casts_of(model_bufs)
-    op_map = {**ops(c), **cast_ops(c, casts)}
+    quantizes, fp8 = quantizes_of(model_bufs), fp8_linears(model_bufs)
+    scale_casts = scale_casts_of(model_bufs)
+    op_map = {**bf16_ops(c, fp8), **cast_ops(c, casts), **fp8_ops(c, fp8),
+              **quantize_ops(quantizes), **scale_cast_ops(scale_casts)}
     return {
         "schema_version": 5,
         "model": model,
@@ -552,7 +716,7 @@ def manifest(c: QwenConfig, model: str, binding: Binding | None = None) -> dict[
         "buffers": sorted_map({**io_buffers(c), **model_bufs, **workspaces(c)}),
         "modules": sorted_map(modules(op_map)),
         "ops": sorted_map(op_map),
-        "programs": sorted_map(programs(c, casts)),
+        "programs": sorted_map(programs(c, casts, quantizes, fp8, scale_casts)),
     }
 
 

@@ -4,7 +4,8 @@
 `MistralForCausalLM` (the Llama layer: no attention bias, SiLU-gated MLP, RMSNorm, rotate-half
 rope); anything the manifest builder cannot express (another architecture, attention or MLP
 bias, a sliding window shorter than the served context, rope scaling other than `llama3`,
-quantization, head sizes the kernels cannot take) is refused naming the field. Rope
+quantization other than block-wise FP8, head sizes the kernels cannot take) is refused naming
+the field. Rope
 parameters are read in both layouts: transformers 4's `rope_theta` + `rope_scaling` and
 transformers 5's `rope_parameters`. Every problem of a file is collected into one
 `KernccError`, each diagnostic naming the file and the field's JSON pointer.
@@ -66,6 +67,7 @@ class HFConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     serving: dict[str, int]  # the optional "kerncc" section: max_tokens, max_seqs, interleave
+    fp8: bool = False  # quantization_config: block-wise e4m3 weights with weight_scale_inv
 
     @property
     def qk_norm(self) -> bool:
@@ -252,10 +254,34 @@ def _architecture(f: _Fields) -> tuple[str, str]:
     return known[0], ARCHITECTURES[known[0]]
 
 
+FP8_BLOCK = [128, 128]
+
+
+def _quantization(f: _Fields) -> bool:
+    """Whether `quantization_config` declares block-wise FP8 weights (Qwen3-8B-FP8's layout:
+    quant_method fp8, fmt e4m3, weight_block_size [128, 128], activations left dynamic, which
+    kerncc keeps in bf16); any other quantization is refused naming the field."""
+    q = f.get("quantization_config", "object", None)
+    if q is None:
+        return False
+    where = "quantization_config"
+    method, fmt = q.get("quant_method"), q.get("fmt", "e4m3")
+    if method != "fp8":
+        f.problem(f"quant_method {json.dumps(method)} is not supported (only fp8, block-wise "
+                  "e4m3)", where, "quant_method")
+    if fmt != "e4m3":
+        f.problem(f"fmt {json.dumps(fmt)} is not supported (only e4m3)", where, "fmt")
+    if q.get("weight_block_size") != FP8_BLOCK:
+        f.problem(f"weight_block_size {json.dumps(q.get('weight_block_size'))} is not "
+                  f"supported (only {FP8_BLOCK})", where, "weight_block_size")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        f.problem(f"activation_scheme {json.dumps(q.get('activation_scheme'))} is not "
+                  "supported (only dynamic: activations stay bf16)", where, "activation_scheme")
+    return True
+
+
 def _refusals(f: _Fields, family: str) -> None:
     """Fields whose value the manifest builder cannot express."""
-    if f.raw.get("quantization_config") is not None:
-        f.problem("quantized checkpoints are not supported", "quantization_config")
     act = f.get("hidden_act", "str", "silu")
     if act not in (None, "silu"):
         f.problem(f"hidden_act `{act}` is not supported (only silu)", "hidden_act")
@@ -356,6 +382,7 @@ def parse_config(path: str, raw: Any) -> HFConfig:
     f = _Fields(path, raw)
     architecture, family = _architecture(f)
     _refusals(f, family)
+    fp8 = _quantization(f)
     shapes = _shapes(f, family)
     _kernel_limits(f, shapes)
     theta, scaling = _rope(f)
@@ -371,7 +398,8 @@ def parse_config(path: str, raw: Any) -> HFConfig:
     return HFConfig(path=path, architecture=architecture, family=family, eps=float(eps),
                     rope_theta=float(theta), rope_scaling=scaling, tied=tied,
                     sliding_window=window, eos_token_ids=token_ids(eos),
-                    serving={k: v for k, v in serving.items() if v is not None}, **shapes)
+                    serving={k: v for k, v in serving.items() if v is not None}, fp8=fp8,
+                    **shapes)
 
 
 def read_config(directory: str | Path) -> HFConfig:

@@ -1,18 +1,19 @@
-"""The engine: many sequences served together over a Session or Chain (ARCHITECTURE §9).
+"""The engine: sequences served together over a Session or Chain (ARCHITECTURE §9), one or many:
+`kerncc serve` and `kerncc run` alike.
 
 One loop, one thread: take new requests and cancellations, ask the scheduler for a step
 (kerncc.serve.scheduler: decode for every running sequence at once through the protocol's
 multi-sequence forward, prefill chunks packed across sequences when the chunk program takes
-several), grant pages from the one pool (kerncc.serve.pool), issue the step's items, collect
-the oldest item's outputs, turn them into tokens (kerncc.serve.sampling_hook), finish and free.
+several), grant pages from the one pool (kerncc.serve.pool), issue the step's items through
+the model runner (kerncc.runtime.model_runner: every input of a call, the page geometry, the
+limits, the device feed), collect the oldest item's outputs, turn them into tokens (kerncc.serve.sampling_hook), finish and free.
 It keeps up to `depth` items in flight (by default one per stage: a cut pipeline stays full,
 since `Chain.submit` returns once issued) and waits only for the oldest.
 
 Greedy decoding goes a step ahead (`Config.ahead`, on): when the next step is the decode step
 in flight again (every running sequence in it, greedy, none ending on its token by length,
 nobody to admit), the engine issues it before that step's tokens are here, its token input
-written on the device from that step's token output (`device_feeder`, as the Generator's
-lookahead), so the device goes from step to step without waiting for the host. The scheduler
+written on the device from that step's token output (`ModelRunner.feeder`), so the device goes from step to step without waiting for the host. The scheduler
 hears of it once the step before has landed; a sequence that ends on that step's token (a
 stop token, a cancel) has its row's token dropped. The tokens and logits are a step at a
 time's (tests/test_serve_engine.py, the property tests).
@@ -33,7 +34,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -43,18 +44,13 @@ from kerncc import protocol as proto
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.domains import is_whole
-from kerncc.runtime.generate import (INPUT_FILLS, LOGITS, Generator, chunk_tokens,
-                                     device_feeder, slots)
-from kerncc.runtime.memory import numpy_dtype
+from kerncc.runtime.model_runner import LOGITS, Feed, ModelRunner, Rows, check_whole, token_ids
 from kerncc.runtime.session import Session
 from kerncc.serve import sampling_hook
 from kerncc.serve import scheduler as sch
 from kerncc.serve.pack import Bounds
 from kerncc.serve.pool import KVPool
 from kerncc.serve.prefix import PrefixCache
-
-
-Feed = Callable[[dict[str, int]], None]  # writes a call's token input on the device
 
 
 class Listener(Protocol):
@@ -79,6 +75,9 @@ class Request:
     logits: list[np.ndarray] = attrs.field(factory=list)  # with Config(logits=True)
     arrived: float = attrs.field(factory=time.perf_counter)
     token_times: list[float] = attrs.field(factory=list)
+    # with Config(runs=True): (program, rows, last-row logits or None) of every call that fed
+    # it, in order (the logits with Config(logits=True))
+    runs: list[tuple[str, int, np.ndarray | None]] = attrs.field(factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -102,6 +101,7 @@ class Config:
     logits: bool = False  # keep every token's logits row on its request (tests, debugging)
     ahead: bool = True  # greedy decode steps issued a step ahead, tokens fed on the device
     prefix_cache: bool = True  # full prompt pages kept for later prompts (kerncc.serve.prefix)
+    runs: bool = False  # keep every call that fed a request on it (`Request.runs`)
 
 
 @attrs.define
@@ -116,19 +116,13 @@ class Engine:
     """Continuous batching over the protocol's forwards (see the module docstring)."""
 
     def __init__(self, runner: Session | Chain, config: Config = Config()) -> None:
-        self.runner = runner
-        driver = Generator(runner)  # the protocol of the chain, its checks and page geometry
-        self.protocol, self.sessions = driver.protocol, driver.sessions
-        self._check_tokens = driver._check_tokens
-        self.stride, self.width = driver.stride, driver.width
-        self.chunk_program = driver.chunk_program
-        self.step_program = driver.step_program
-        self.pool = KVPool(max(1, self.sessions[0].token_capacity // self.stride))
-        self.prefix = PrefixCache(self.pool, self.stride, config.prefix_cache)
+        self.model = ModelRunner(runner)
+        self.pool = KVPool(self.model.pages)
+        self.prefix = PrefixCache(self.pool, self.model.stride, config.prefix_cache)
         self.limits = self._limits(config)
-        self.depth = config.depth or len(self.sessions)
+        self.depth = config.depth or len(self.model.sessions)
         self.max_queue = config.max_queue
-        self.keep_logits = config.logits
+        self.keep_logits, self.keep_runs = config.logits, config.runs
         self.state = sch.State((), (), self.pool.pages)
         self.requests: dict[int, Request] = {}
         self.inflight: deque[_Flight] = deque()
@@ -143,66 +137,45 @@ class Engine:
         self._wake = threading.Event()
         self._ids = itertools.count()
         self._stopping = False
-        self.vocab = self._vocab()
-        # The host inputs the device holds ({name: (vars, array)}, in stream order), for those
-        # only the host writes (kind `input` in every stage: no op may write one): a call sends
-        # only the inputs that differ, and a decode call stages the next one's (_stage_next).
-        # Local runners only (a placement's chain sends inputs with each item), and only when
-        # every stage runs every forward (a Chain writes a stage's inputs only when it runs).
-        local = type(runner) in (Session, Chain) and all(
-            f.name in s.sites for f in self.protocol.forwards for s in self.sessions)
-        self._plain = _plain_inputs(self.sessions) if local else frozenset()
-        self._held: dict[str, tuple[tuple, np.ndarray]] = {}
-        self._rows: dict[int, tuple[list[int], np.ndarray]] = {}  # page-table rows by sequence
         # (request, token, or None for its end) that its listener has not heard yet (`tick`)
         self._told: deque[tuple[Request, int | None]] = deque()
-        # a step ahead (`_go_ahead`): the flight the scheduler has not heard of yet, and how
-        # each decode forward's token input is fed on the device (None: it cannot be)
-        self.ahead = config.ahead and bool(self._plain)
+        # a step ahead (`_go_ahead`): the flight the scheduler has not heard of yet
+        self.ahead = config.ahead and self.model.keeps_inputs
         self.ahead_steps = 0  # decode steps issued ahead (counts: a server runs long)
         self._ahead: _Flight | None = None
-        self._feeds: dict[tuple[str, int], Feed | None] = {}
-        tokens = [f.name for f in self.protocol.fills if f.fill == "token"]
-        self._token_input = tokens[0] if tokens else None
 
     # ------------------------------------------------------------------------ limits
 
     def _limits(self, config: Config) -> sch.Limits:
-        rows = self.protocol.rows.max
-        chunk_rows = config.chunk or rows
+        model, protocol = self.model, self.model.protocol
+        rows = protocol.rows.max
+        chunk_rows = rows if config.chunk is None else config.chunk
         if not 1 <= chunk_rows <= rows:  # cut down to the bound, it would be a flag ignored
             raise KernccError.single(f"chunk {config.chunk} is outside [1, {rows}] "
-                                     f"(`{self.protocol.rows.var}` <= {rows})")
-        chunk = self.chunk_program
-        packs = chunk is not None and chunk.groups > 1 and self.protocol.any("cu_seqlens")
+                                     f"(`{protocol.rows.var}` <= {rows})")
+        chunk = model.chunk_program
+        packs = chunk is not None and chunk.groups > 1 and protocol.any("cu_seqlens")
         seqs = chunk.groups if packs else 1
         if chunk is None:  # prefill one row at a time through the one-row program
             chunk_rows = 1
         # Without a context var nothing bounds a call's summed context but the sequences'.
-        context = self.protocol.context.max if self.protocol.context else self.capacity * seqs
-        decode_groups = max(1, self.protocol.max_groups(1)) if self.step_program else 1
-        return sch.Limits(stride=self.stride, pages_per_seq=self.width or self.pool.pages,
+        context = protocol.context.max if protocol.context else self.capacity * seqs
+        decode_groups = max(1, protocol.max_groups(1)) if model.step_program else 1
+        return sch.Limits(stride=model.stride, pages_per_seq=model.width or self.pool.pages,
                           decode_groups=decode_groups,
                           chunk=Bounds(chunk_rows, seqs, context),
                           max_running=max(1, config.max_running),
-                          chunk_emits=chunk is not None and chunk_tokens(self.protocol))
+                          chunk_emits=model.chunk_emits)
 
     @property
     def capacity(self) -> int:
         """Most tokens one sequence may hold (page-table width, and the pool)."""
-        pages = min(self.width, self.pool.pages) if self.width else self.pool.pages
-        return pages * self.stride
+        return self.model.capacity
 
-    def _vocab(self) -> int | None:
-        """Rows of the table the token ids index (the embedding), when the manifest says."""
-        fill = self.protocol.token_rows()
-        for s in self.sessions:
-            buf = s.manifest.buffers.get(fill.name) if fill else None
-            target = buf.domain.index_into if buf is not None and buf.domain else None
-            table = s.manifest.buffers.get(target) if target else None
-            if table is not None:
-                return table.dims_at(s.manifest.vars_max())[0]
-        return None
+    @property
+    def stride(self) -> int:
+        """Tokens per KV page."""
+        return self.model.stride
 
     # ------------------------------------------------------------------------ commands
 
@@ -221,12 +194,13 @@ class Engine:
         if request.max_new < 1:
             raise KernccError.single(f"{request.max_new} new tokens: at least 1 is needed",
                                      "/max_tokens")
+        vocab = self.model.vocab
         bad = next((i for i, t in enumerate(request.prompt)
-                    if self.vocab is not None and not 0 <= t < self.vocab), None)
+                    if vocab is not None and not 0 <= t < vocab), None)
         if bad is not None:
             raise KernccError.single(f"prompt token {bad} is {request.prompt[bad]}, past the "
-                                     f"vocabulary (ids 0..{self.vocab - 1})", f"/prompt/{bad}")
-        self._check_tokens(request.prompt)
+                                     f"vocabulary (ids 0..{vocab - 1})", f"/prompt/{bad}")
+        self.model.check_tokens(request.prompt)
         needed = len(request.prompt) + request.max_new - 1  # the last token is never fed
         if needed > self.capacity:
             total = len(request.prompt) + request.max_new
@@ -279,7 +253,7 @@ class Engine:
 
     def run_forever(self, idle: float = 0.05) -> None:
         """Serve until `stop` (or a fault, after which every request has been failed)."""
-        self._held.clear()  # the runner may have run other work since the engine last served
+        self.model.reset()  # the runner may have run other work since the engine last served
         self.prefix.forget()  # and written the pages it keeps
         while not self._stopping or self.requests:
             self._wake.clear()  # before the tick: a command queued during it wakes the wait
@@ -292,7 +266,7 @@ class Engine:
 
     def run_until_idle(self) -> None:
         """Serve what was submitted until nothing is left (the command line's loop)."""
-        self._held.clear()  # the runner may have run other work since the engine last served
+        self.model.reset()  # the runner may have run other work since the engine last served
         self.prefix.forget()  # and written the pages it keeps
         while self.tick():
             pass
@@ -423,33 +397,22 @@ class Engine:
         """Issue `item`; `feed`: its token input is written on the device from the call
         before it (`_go_ahead`), not sent from the host."""
         requests = [self.requests[seq_id] for seq_id, _, _ in item.parts]
-        groups, rows = len(item.parts), sum(n for _, _, n in item.parts)
-        forward = self._forward(item.kind, groups)
-        inputs = self._inputs(item, requests, tokens=feed is None)
-        longest = max(start + n for _, start, n in item.parts)
-        vars = self.protocol.vars(groups, rows, rows, longest)
+        rows = [Rows(r.id, r.prompt, r.generated, self.pool.held(r.id), start, n)
+                for r, (_, start, n) in zip(requests, item.parts)]
+        forward = self.model.forward(item.kind, len(rows))
         wanted = {forward.emits} if forward.emits and item.emits else set()
-        if item.emits and (self.keep_logits or any(r.sampler is not None for r in requests)):
+        if (self.keep_logits and (item.emits or self.keep_runs)) or (
+                item.emits and any(r.sampler is not None for r in requests)):
             wanted.add(LOGITS)
-        send = self._unheld(inputs, vars)
         try:
-            if feed is not None:
-                feed(vars)
-                self._held.pop(self._token_input, None)  # the device's, not the host's
-            if isinstance(self.runner, Chain):
-                pending = self.runner.submit(forward.name, send, vars, rows=rows,
-                                             outputs=wanted)
-            else:
-                pending = self.runner.submit(forward.name, send, vars, outputs=wanted)
+            pending = self.model.submit(forward, rows, wanted, feed)
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
-            self._held.clear()  # some inputs may be written, others not
             raise _item_error(err, forward, requests) from None
-        self._hold(inputs, vars)
         if item.kind == "decode":
-            self._stage_next(item, requests)
+            self.model.stage_next(rows)
         self.calls[forward.name] += 1
-        self.rows[forward.name] += rows
-        self.packed += item.kind == "chunk" and groups > 1
+        self.rows[forward.name] += sum(r.n for r in rows)
+        self.packed += item.kind == "chunk" and len(rows) > 1
         return _Flight(item, forward, pending, requests)
 
     # ------------------------------------------------------------------------ a step ahead
@@ -479,7 +442,7 @@ class Engine:
                 return False
             if start + 1 >= len(self.pool.held(seq_id)) * self.stride:
                 grants.append((seq_id, 1))
-        feed = self._feed_for(flight.forward, len(item.parts))
+        feed = self.model.feeder(flight.forward, len(item.parts))
         if feed is None or len(grants) > self.pool.free:
             return False
         for seq_id, more in grants:
@@ -492,15 +455,6 @@ class Engine:
         self.ahead_steps += 1
         return True
 
-    def _feed_for(self, forward: proto.Forward, groups: int) -> Feed | None:
-        """`device_feeder` for `forward` at `groups` sequences, worked out once."""
-        key = (forward.name, groups)
-        if key not in self._feeds:
-            vars = self.protocol.vars(groups, groups, groups, 1)
-            self._feeds[key] = device_feeder(self.runner, self.protocol, self.sessions,
-                                             forward, vars)
-        return self._feeds[key]
-
     def _adopt_ahead(self) -> None:
         """The step issued ahead, told to the scheduler now that the step before it has
         landed: as if it had planned it, for the sequences still served."""
@@ -511,106 +465,6 @@ class Engine:
             item = sch.Item("decode", parts, tuple(seq_id for seq_id, _, _ in parts))
             self.state = sch.apply(self.state, sch.Plan(items=(item,)))
 
-    def _unheld(self, inputs: dict[str, np.ndarray], vars: dict[str, int]
-                ) -> dict[str, np.ndarray]:
-        """The inputs the device does not hold yet at these vars (all but `_plain` ones)."""
-        key = tuple(sorted(vars.items()))
-        return {name: array for name, array in inputs.items()
-                if not (name in self._plain and name in self._held
-                        and self._held[name][0] == key
-                        and np.array_equal(self._held[name][1], array))}
-
-    def _hold(self, inputs: dict[str, np.ndarray], vars: dict[str, int]) -> None:
-        key = tuple(sorted(vars.items()))
-        for name, array in inputs.items():
-            if name in self._plain:
-                self._held[name] = (key, array)
-
-    def _stage_next(self, item: sch.Item, requests: list[Request]) -> None:
-        """While a decode call runs, write the inputs (but the tokens) the same sequences'
-        next decode call will take, if none of them needs a page more for it: between two
-        steps the host then sends the tokens only. Whatever the next call turns out to be
-        (a sequence ended or got a page, a chunk came in), `_unheld` sends what differs."""
-        if not self._plain:
-            return
-        held = {seq_id: len(self.pool.held(seq_id)) * self.stride for seq_id, _, _ in item.parts}
-        if any(start + n >= held[seq_id] for seq_id, start, n in item.parts):
-            return
-        nxt = sch.Item("decode", tuple((seq_id, start + n, 1) for seq_id, start, n in item.parts),
-                       item.emits)
-        groups, longest = len(nxt.parts), max(start + 1 for _, start, _ in nxt.parts)
-        vars = self.protocol.vars(groups, groups, groups, longest)
-        staged = {name: array for name, array in self._inputs(nxt, requests, tokens=False).items()
-                  if name in self._plain}
-        try:
-            self.runner.stage_inputs(self._unheld(staged, vars), vars)
-        except KernccError:
-            self._held.clear()  # some may be written; the next call sends everything
-            return
-        self._hold(staged, vars)
-
-    def _forward(self, kind: str, groups: int) -> proto.Forward:
-        if kind == "decode":
-            found = self.protocol.forward(groups, 1) or self.chunk_program
-        else:
-            found = self.protocol.forward(groups, proto.VAR_ROWS) or self.step_program
-        if found is None:
-            raise KernccError.single(f"no program takes {groups} sequences of a {kind} call")
-        return found
-
-    def _inputs(self, item: sch.Item, requests: list[Request], tokens: bool = True
-                ) -> dict[str, np.ndarray]:
-        """The inputs of a call (`tokens`: with the fed tokens, else without them)."""
-        inputs: dict[str, np.ndarray] = {}
-        for f in self.protocol.fills:
-            if f.fill in INPUT_FILLS and (tokens or f.fill != "token"):
-                values = self._fill_values(f, item, requests)
-                inputs[f.name] = np.asarray(values, dtype=numpy_dtype(f.dtype))
-        for t in self.protocol.page_tables:
-            inputs[t.name] = np.stack([self._table_row(seq_id, t.width)
-                                       for seq_id, _, _ in item.parts])
-        return inputs
-
-    def _table_row(self, seq_id: int, width: int) -> np.ndarray:
-        """A sequence's page-table row (its pages, then zeros), rebuilt only when its pages
-        change: a 32-sequence step rebuilt 32 rows of `width` from lists every call."""
-        pages = self.pool.held(seq_id)
-        kept = self._rows.get(seq_id)
-        if kept is None or kept[1].shape[0] != width or kept[0] != pages:
-            row = np.zeros(width, np.int32)
-            row[:len(pages)] = pages
-            kept = self._rows[seq_id] = (list(pages), row)
-        return kept[1]
-
-    def _fill_values(self, f: proto.Filled, item: sch.Item, requests: list[Request]
-                     ) -> list[int] | np.ndarray:
-        parts = item.parts
-        ones = all(n == 1 for _, _, n in parts)  # a decode call: a row a sequence
-        if f.fill == "token":
-            if f.axis == "groups" or ones:
-                return [_token_at(r, start) for r, (_, start, _) in zip(requests, parts)]
-            return [t for r, (_, start, n) in zip(requests, parts)
-                    for t in r.tokens[start:start + n]]
-        if f.fill == "position":
-            if ones:
-                return [start for _, start, _ in parts]
-            return np.concatenate([np.arange(start, start + n) for _, start, n in parts])
-        if f.fill == "valid":
-            return [1] * sum(n for _, _, n in parts)
-        if f.fill == "slot":
-            stride = self.stride
-            if ones:
-                return [self.pool.held(r.id)[start // stride] * stride + start % stride
-                        for r, (_, start, _) in zip(requests, parts)]
-            return np.concatenate([slots(self.pool.held(r.id), stride, start, start + n)
-                                   for r, (_, start, n) in zip(requests, parts)])
-        if f.fill == "seq_len":
-            return [start + n for _, start, n in parts]
-        if f.fill == "cu_seqlens":
-            ends = list(itertools.accumulate(n for _, _, n in parts))
-            return [0] + ends + [ends[-1]] * (f.axis.n - 1 - len(ends))  # type: ignore[union-attr]
-        return [0]  # span_at: no run in a plain call
-
     # ------------------------------------------------------------------------ collecting
 
     def _collect(self, flight: _Flight) -> None:
@@ -619,6 +473,8 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, flight.forward, flight.requests) from None
         item = flight.item
+        if self.keep_runs:
+            self._record(flight, outputs)
         self.state = sch.landed_all(self.state, {  # the chunk parts that hand back no token
             r.id: False for r in flight.requests
             if r.id not in item.emits and self.requests.get(r.id) is r})
@@ -641,6 +497,19 @@ class Engine:
                 request.logits.append(rows[i].copy())
             self._add_token(request, drawn[i], now)
 
+    def _record(self, flight: _Flight, outputs: dict[str, Any]) -> None:
+        """The call on each of its requests still served (`Request.runs`), with its
+        sequence's last row of logits when they came back."""
+        found = outputs.get(LOGITS)
+        rows = None
+        if found is not None:
+            found = np.asarray(found)
+            rows = found.reshape(-1, found.shape[-1])[-len(flight.requests):]
+        for i, (request, (_, _, n)) in enumerate(zip(flight.requests, flight.item.parts)):
+            if self.requests.get(request.id) is request:
+                row = None if rows is None else rows[i].copy()
+                request.runs.append((flight.forward.name, n, row))
+
     def _add_token(self, request: Request, token: int, now: float) -> None:
         """A token the scheduler has already counted (`sch.landed_all`) reaches `request`."""
         request.generated.append(token)
@@ -655,7 +524,7 @@ class Engine:
     def _end(self, request: Request, reason: str, error: str | None = None) -> None:
         """Finish `request`: off the scheduler, pages back, its listener told."""
         self.requests.pop(request.id, None)
-        self._rows.pop(request.id, None)
+        self.model.forget(request.id)
         self.state = sch.remove(self.state, request.id)
         self.pool.release(request.id)
         self.prefix.released(request.id)
@@ -674,21 +543,6 @@ class Engine:
         self._ahead = None
 
 
-def _token_at(request: Request, index: int) -> int:
-    """Token `index` of the request's prompt and generated tokens (without joining them)."""
-    prompt = request.prompt
-    return prompt[index] if index < len(prompt) else request.generated[index - len(prompt)]
-
-
-def _plain_inputs(sessions: Sequence[Session]) -> frozenset[str]:
-    """Host inputs of kind `input` in every stage that takes them (no op writes one)."""
-    kinds: dict[str, set[str]] = {}
-    for s in sessions:
-        for name in s.stage.host_inputs:
-            kinds.setdefault(name, set()).add(s.manifest.buffers[name].kind)
-    return frozenset(name for name, found in kinds.items() if found == {"input"})
-
-
 def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
                 ) -> KernccError:
     """A runtime error, said of the program it ran (the stage is in the runtime's text)."""
@@ -703,16 +557,20 @@ def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
 def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max_new: int,
                   chunk: int | None = None, max_running: int | None = None,
                   logits: bool = False, stop_ids: Collection[int] = (), ahead: bool = True,
+                  params: sampling_hook.Params = sampling_hook.Params(),
+                  listener: Listener | None = None, runs: bool = False,
                   prefix_cache: bool = True) -> tuple[list[Request], Engine]:
     """Serve every prompt together through an Engine; the finished requests, in prompt order
-    (each one's `generated`, ending at one of `stop_ids` or after `max_new`, and its `logits`
-    rows with `logits`), and the engine (its `calls` and `rows`); `ahead` and `prefix_cache`:
+    (each one's `generated`, ending at one of `stop_ids` or after `max_new`, its `logits`
+    rows with `logits` and its `runs` with `runs`), and the engine (its `calls` and `rows`);
+    every request samples by `params` and is heard by `listener`; `ahead` and `prefix_cache`:
     Config's. Every prompt is checked before any is served."""
+    _check_kinds(max_new, chunk, params, stop_ids, listener)
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
                                    max_queue=max(1, len(prompts)), logits=logits,
-                                   ahead=ahead, prefix_cache=prefix_cache))
+                                   ahead=ahead, runs=runs, prefix_cache=prefix_cache))
     stops = frozenset(int(t) for t in stop_ids)
-    requests = [Request([int(t) for t in p], max_new, stop_ids=stops) for p in prompts]
+    requests = [Request(token_ids(p), max_new, params, stops, listener) for p in prompts]
     for number, request in enumerate(requests, 1):
         try:
             engine.check(request)
@@ -723,3 +581,20 @@ def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max
         engine.submit(request)
     engine.run_until_idle()
     return requests, engine
+
+
+def _check_kinds(max_new: Any, chunk: Any, params: Any, stop_ids: Any, listener: Any) -> None:
+    """serve_prompts' arguments are of their kind (else they fail mid-run, deep inside, or
+    mean something else: chunk 2.5)."""
+    check_whole(max_new, "max_new")
+    if chunk is not None:
+        check_whole(chunk, "chunk")
+    if not isinstance(params, sampling_hook.Params):
+        raise KernccError.single(f"params: expected sampling_hook.Params, got "
+                                 f"{type(params).__name__}")
+    if not isinstance(stop_ids, Collection) or not all(is_whole(t) for t in stop_ids):
+        raise KernccError.single(f"stop_ids: expected token ids, got {stop_ids!r}")
+    if listener is not None and not all(callable(getattr(listener, name, None))
+                                        for name in ("token", "done")):
+        raise KernccError.single(f"listener: expected a Listener (token and done), got "
+                                 f"{type(listener).__name__}")

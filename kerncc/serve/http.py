@@ -5,9 +5,10 @@ own thread (kerncc.serve.engine); a request is checked, queued with `Engine.subm
 blocks), and its tokens come back through a per-request asyncio queue fed from the engine's
 thread, so the event loop never waits on the engine.
 
-Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids;
-max_tokens, temperature, top_p, top_k, seed, stop (up to 4 strings of up to 256 characters),
-stream, n = 1), POST /v1/chat/completions (when the tokenizer has a chat template),
+Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids,
+or a list of prompts; max_tokens, temperature, top_p, top_k, seed, stop (up to 4 strings of up
+to 256 characters), stream, n, best_of, echo, logprobs, and the fields of kerncc.serve.fields),
+POST /v1/chat/completions (when the tokenizer has a chat template),
 GET /v1/models (and /v1/models/{id}), GET /health (200, or 503 after a fault or while
 stopping), GET /metrics
 (Prometheus text). Errors are OpenAI's shape,
@@ -15,36 +16,41 @@ stopping), GET /metrics
 model or route, 413 for a body past 4 MiB, 429 at once when the queue is full, 500 when a stage
 failed (the message names the stage and program), 503 when the engine does not admit. A client
 that goes away cancels its sequence, whose pages are free before the engine's next step.
-Defaults where OpenAI's differ: temperature 0 (greedy) and max_tokens 16.
+Defaults where OpenAI's differ: temperature 0 (greedy) and max_tokens 16 (chat: the rest of the
+context, as OpenAI's). Every request field is served or refused by name (kerncc.serve.fields).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kerncc.diagnostics import KernccError
-from kerncc.serve import sampling_hook
+from kerncc.serve import fields, grammar, sampling_hook
+from kerncc.serve.access import Access
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
 from kerncc.serve.metrics import Metrics
 from kerncc.serve.text import Text
 
+LOG = logging.getLogger("kerncc.serve")
 MAX_BODY = 4 << 20
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 MAX_STOPS = 4
@@ -86,13 +92,25 @@ class Ask:
     usage_in_stream: bool
     max_field: str = "max_tokens"  # the field that gave max_new (chat's may be another)
     chat: bool = False
+    # a list of prompts in one completions request: every one, `prompt` first
+    prompts: tuple[tuple[int, ...], ...] = ()
+    texts: tuple[str, ...] = ()  # each prompt's text, for `echo`
+    options: fields.Options = fields.Options()
+
+    @property
+    def every_prompt(self) -> tuple[tuple[int, ...], ...]:
+        return self.prompts or (tuple(self.prompt),)
 
 
 class Server:
     """The engine on its thread, the model's name and tokenizer, the metrics."""
 
-    def __init__(self, engine: Engine, model: str, text: Text | None = None) -> None:
+    def __init__(self, engine: Engine, model: str, text: Text | None = None,
+                 lenient: bool = False, api_key: str | None = None) -> None:
         self.engine, self.model, self.text = engine, model, text
+        self.lenient = lenient  # unknown request fields accepted and ignored (logged)
+        self.api_key = api_key  # None: every client is served (kerncc.serve.access)
+        self._grammars: grammar.Grammars | None = None  # made at the first grammar asked
         self.metrics = Metrics(engine)
         self.draining = False
         self.thread = threading.Thread(target=engine.run_forever, name="kerncc-engine",
@@ -123,27 +141,107 @@ class Server:
         if model != self.model:
             raise ApiError(404, f"the model `{model}` does not exist (this server serves "
                            f"`{self.model}`)", "model", "model_not_found")
-        n = _field(body, "n", int, 1)
-        if n != 1:
-            raise ApiError(400, "only n = 1 is served", "n")
-        _refuse_unserved(body)
+        self._known_fields(body, chat)
         try:
-            prompt = self._chat_prompt(body) if chat else self._prompt(body.get("prompt"))
+            fields.refuse_off_only(body)
+            served = fields.options(body, chat, self.engine.model.vocab)
+        except fields.FieldError as err:
+            raise ApiError(400, err.message, err.param) from None
+        form = self._grammar(body)
+        try:
+            if chat:
+                prompts, texts = [self._chat_prompt(body)], ("",)
+            else:
+                prompts, texts = self._prompts(body.get("prompt"))
         except KernccError as err:  # the tokenizer or chat template refused the text
             raise ApiError(400, err.headline, "messages" if chat else "prompt") from None
+        prompt = prompts[0]
         max_field = "max_completion_tokens" if chat and "max_tokens" not in body \
             else "max_tokens"
-        max_new = _field(body, max_field, int, DEFAULT_MAX_TOKENS)
-        params = _params(body)
+        # chat without a bound runs to the end of the context, as OpenAI's and vLLM's do
+        rest = max(1, self.engine.capacity + 1 - len(prompt))
+        max_new = _field(body, max_field, int, rest if chat else DEFAULT_MAX_TOKENS)
+        if served.min_tokens > max_new:
+            raise ApiError(400, f"`min_tokens` ({served.min_tokens}) is past `{max_field}` "
+                           f"({max_new})", "min_tokens")
+        params = attrs.evolve(self._processing(_params(body), served), grammar=form)
         options = body.get("stream_options") or {}
         return Ask(prompt, max_new, params, self._stops(body.get("stop")),
                    bool(_field(body, "stream", bool, False)),
                    isinstance(options, dict) and bool(options.get("include_usage")), max_field,
-                   chat)
+                   chat, tuple(tuple(p) for p in prompts), texts, served)
+
+    def _known_fields(self, body: dict, chat: bool) -> None:
+        """Refuse a field neither OpenAI's schema nor the server knows (`--lenient`: log it
+        and go on without it)."""
+        odd = fields.unknown(body, chat)
+        if not odd:
+            return
+        if self.lenient:
+            LOG.warning("ignoring unknown request field(s) %s (--lenient)",
+                        ", ".join(f"`{name}`" for name in odd))
+            return
+        raise ApiError(400, f"unknown field `{odd[0]}` (this server refuses the fields it does "
+                       "not serve; `kerncc serve --lenient` ignores unknown ones)", odd[0],
+                       "unknown_field")
+
+    def _processing(self, params: sampling_hook.Params, served: fields.Options
+                    ) -> sampling_hook.Params:
+        """The request's logits processing and logprobs on its sampling params (unchanged
+        when it asks for none: today's path)."""
+        ranked = served.best_of > served.n
+        return attrs.evolve(
+            params, presence_penalty=served.presence_penalty,
+            frequency_penalty=served.frequency_penalty,
+            repetition_penalty=served.repetition_penalty, logit_bias=served.logit_bias,
+            min_tokens=served.min_tokens,
+            suppress=self._stop_ids(served) if served.min_tokens else frozenset(),
+            logprobs=served.logprobs, ranked=ranked)
+
+    def _stop_ids(self, served: fields.Options, form: Any = None) -> frozenset[int]:
+        """The tokens that end a sequence: the tokenizer's eos (unless `ignore_eos`) and
+        `stop_token_ids`; with a grammar, the eos that ends it."""
+        eos = self.text.eos if self.text is not None and not served.ignore_eos else frozenset()
+        done = frozenset((self._grammars.eos,)) if form is not None else frozenset()
+        return eos | served.stop_token_ids | done
+
+    def _grammar(self, body: dict) -> Any:
+        """The grammar the request's output must follow (kerncc.serve.grammar), or None."""
+        asked = next((name for name in grammar.FIELDS if body.get(name) is not None), None)
+        if asked is None or body.get("response_format") == {"type": "text"} and not any(
+                body.get(name) is not None for name in grammar.FIELDS[1:]):
+            return None
+        if not grammar.available():
+            raise ApiError(400, f"`{asked}` needs llguidance: pip install 'kerncc[serve]'",
+                           asked)
+        codec = getattr(self.text, "codec", None)
+        if getattr(codec, "tokenizer", None) is None or not self.text.eos \
+                or self.engine.model.vocab is None:
+            raise ApiError(400, f"`{asked}` needs the model's tokenizer.json and an eos token",
+                           asked, "no_tokenizer")
+        if self._grammars is None:
+            self._grammars = grammar.Grammars(codec, self.engine.model.vocab, min(self.text.eos))
+        try:
+            return self._grammars.of(body)
+        except grammar.GrammarError as err:
+            raise ApiError(400, err.message, err.param) from None
+
+    def _prompts(self, prompt: Any) -> tuple[list[list[int]], tuple[str, ...]]:
+        """A completions request's prompts (a list of texts or of token-id lists is several)
+        and their texts."""
+        many = isinstance(prompt, list) and bool(prompt) and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p))
+            for p in prompt)
+        given = prompt if many else [prompt]
+        if len(given) > fields.MAX_PROMPTS:
+            raise ApiError(400, f"{len(given)} prompts: at most {fields.MAX_PROMPTS} are served "
+                           "in one request", "prompt")
+        prompts = [self._prompt(p) for p in given]
+        texts = tuple(p if isinstance(p, str) else self.text.decode(p) if self.text else ""
+                      for p in given)
+        return prompts, texts
 
     def _prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if self.text is None:
                 raise ApiError(400, "model has no tokenizer: give the prompt as token ids",
@@ -184,12 +282,13 @@ class Server:
     def model_object(self) -> dict[str, Any]:
         return {"id": self.model, "object": "model", "created": 0, "owned_by": "kerncc"}
 
-    def submit(self, ask: Ask, listener: _Bridge) -> Request:
+    def submit(self, ask: Ask, listener: _Bridge, prompt: Sequence[int] | None = None,
+               params: sampling_hook.Params | None = None) -> Request:
         if not self.healthy:
             raise ApiError(503, self.engine.fault and f"the engine stopped: {self.engine.fault}"
                            or "the server is shutting down", code="unavailable")
-        eos = self.text.eos if self.text is not None else frozenset()
-        request = Request(ask.prompt, ask.max_new, ask.params, eos, listener)
+        request = Request(list(prompt or ask.prompt), ask.max_new, params or ask.params,
+                          self._stop_ids(ask.options, ask.params.grammar), listener)
         try:
             return self.engine.submit(request)
         except QueueFull as err:
@@ -198,9 +297,9 @@ class Server:
             raise ApiError(503, f"the engine does not admit: {err}", code="unavailable") \
                 from None
         except KernccError as err:
-            raise self._refusal(err, ask) from None
+            raise self._refusal(err, ask, request.prompt) from None
 
-    def _refusal(self, err: KernccError, ask: Ask) -> ApiError:
+    def _refusal(self, err: KernccError, ask: Ask, prompt: list[int]) -> ApiError:
         """The engine's refusal of a request, naming the field the client sent (and OpenAI's
         `context_length_exceeded` when the sequence would not fit)."""
         pointer = err.diagnostics[0].location.pointer if err.diagnostics else ""
@@ -209,9 +308,9 @@ class Server:
         code = None
         if param == "max_tokens":  # the engine's word for whichever field the client used
             param = ask.max_field
-        if param == ask.max_field and len(ask.prompt) + ask.max_new - 1 > self.engine.capacity:
+        if param == ask.max_field and len(prompt) + ask.max_new - 1 > self.engine.capacity:
             code = "context_length_exceeded"
-            if len(ask.prompt) > self.engine.capacity:  # the prompt alone is too long
+            if len(prompt) > self.engine.capacity:  # the prompt alone is too long
                 param = "messages" if ask.chat else "prompt"
         return ApiError(400, err.headline, param or None, code)
 
@@ -220,16 +319,6 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _refuse_unserved(body: dict) -> None:
-    """Fields asking for what the server does not do. Only their off values pass: `logprobs`
-    0 asks for the chosen tokens' logprobs (and `best_of` true is no count), so they may
-    not be taken for null and answered without."""
-    for name in ("echo", "logprobs", "best_of", "suffix"):
-        value = body.get(name)
-        if value is None or value is False or (name == "best_of" and _is_int(value)
-                                               and value == 1):
-            continue
-        raise ApiError(400, f"`{name}` is not served", name)
 
 
 def _params(body: dict) -> sampling_hook.Params:
@@ -280,6 +369,9 @@ class _Bridge:
     def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
         self.server, self.loop = server, loop
         self.queue: asyncio.Queue[int | None] = asyncio.Queue()
+        # set before the sequence is cancelled for having met a stop string: it finished
+        # on `stop` (the engine only saw a cancel)
+        self.stopped = False
 
     def _put(self, item: int | None) -> None:
         try:
@@ -292,7 +384,8 @@ class _Bridge:
         self._put(token)
 
     def done(self, request: Request) -> None:
-        self.server.metrics.finished(request.finish or "unknown")
+        reason = "stop" if self.stopped and request.finish == "cancelled" else request.finish
+        self.server.metrics.finished(reason or "unknown")
         self._put(None)
 
 
@@ -305,6 +398,8 @@ class _Piece:
     text: str
     token_ids: list[int]
     finish: str | None = None
+    heard: list[Any] = attrs.field(factory=list)  # the tokens' logprobs (logits.Heard)
+    score: float = 0.0  # at the end: the sum of the chosen tokens' logprobs (best_of)
 
 
 class _Detok:
@@ -365,12 +460,15 @@ class _Watch:
         self.on = True
 
 
-async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch
-                  ) -> AsyncIterator[_Piece]:
-    """The pieces of one generation; cancels the sequence when the caller goes away."""
+async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch,
+                  prompt: Sequence[int] | None = None,
+                  params: sampling_hook.Params | None = None) -> AsyncIterator[_Piece]:
+    """The pieces of one generation (of `prompt` with `params`, by default the request's);
+    cancels the sequence when the caller goes away."""
     bridge = _Bridge(server, asyncio.get_running_loop())
-    request = server.submit(ask, bridge)
+    request = server.submit(ask, bridge, prompt, params)
     detok = _Detok(server.text, ask.stops)
+    told = 0
     try:
         while True:
             try:
@@ -381,6 +479,11 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch
                     return
                 continue
             piece, ended = _catch_up(item, bridge.queue, request, detok)
+            piece.heard = _heard(request, told, len(piece.token_ids))
+            told += len(piece.token_ids)
+            if piece.finish == "stop":
+                bridge.stopped = True
+                piece.score = _score(request)
             if piece.token_ids:
                 yield piece
             if piece.finish == "stop":
@@ -392,7 +495,7 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch
         if request.finish == "cancelled":
             raise ApiError(503, "the request was cancelled: the server is shutting down",
                            code="cancelled")
-        yield _Piece(detok.rest(), [], request.finish)
+        yield _Piece(detok.rest(), [], request.finish, score=_score(request))
     finally:
         if request.finish is None:
             server.engine.cancel(request)
@@ -414,6 +517,17 @@ def _catch_up(item: int | None, queue: asyncio.Queue, request: Request, detok: _
             return _Piece("".join(texts), ids), False
         item = queue.get_nowait()
     return _Piece("".join(texts), ids), True
+
+
+def _heard(request: Request, start: int, count: int) -> list[Any]:
+    """What the request's drawer heard of its tokens start..start+count (their logprobs);
+    the engine's thread adds a token's before the token is told."""
+    heard = getattr(request.sampler, "heard", None)
+    return list(heard[start:start + count]) if heard else []
+
+
+def _score(request: Request) -> float:
+    return float(getattr(request.sampler, "cumulative", 0.0))
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -481,7 +595,8 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
               Route("/health", health, methods=["GET"]),
               Route("/metrics", metrics, methods=["GET"])]
     return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: http_error})
+                     exception_handlers={HTTPException: http_error},
+                     middleware=[Middleware(Access, key=lambda: server.api_key)])
 
 
 async def _body(http: HttpRequest) -> bytes:
@@ -551,31 +666,158 @@ async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
         # template take long enough to stall every stream the loop is feeding
         ask = await asyncio.to_thread(lambda body: server.parse(_json(body), chat),
                                       await _body(http))
+        units = _units(ask)
         if ask.stream:
             # a client that leaves while its request waits (queued, or behind a long
             # prefill) is cancelled then, before the engine spends a step on it
             watch = _Watch()
-            first = _pieces(server, ask, http, watch)
+            first = _indexed(_pieces(server, ask, http, watch)) if len(units) == 1 \
+                else _merged(server, ask, http, watch, units)
             opened = await _first(first)  # errors before the first token are plain answers
             watch.on = False
             return StreamingResponse(_sse(server, ask, chat, opened, first),
                                      media_type="text/event-stream")
-        pieces = [p async for p in _pieces(server, ask, http, _Watch())]
+        got: dict[int, list[_Piece]] = {i: [] for i in range(len(units))}
+        async for index, piece in _merged(server, ask, http, _Watch(), units):
+            got[index].append(piece)
     except ApiError as err:
         return err.response()
+    return JSONResponse(_whole(server, ask, chat, [got[i] for i in range(len(units))]))
+
+
+def _units(ask: Ask) -> list[tuple[tuple[int, ...], sampling_hook.Params]]:
+    """The sequences a request asks for: `best_of` of each prompt, in order, each with its
+    own seed (the request's seed plus its place: n seeded answers differ, and repeat)."""
+    out = []
+    for prompt in ask.every_prompt:
+        params = ask.params
+        if params.repetition_penalty != 1:
+            params = attrs.evolve(params, prompt=prompt)
+        for j in range(ask.options.best_of):
+            seed = None if params.seed is None else (params.seed + j) % (1 << 64)
+            out.append((prompt, attrs.evolve(params, seed=seed) if j else params))
+    return out
+
+
+def _indexed(pieces: AsyncIterator[_Piece]) -> AsyncIterator[tuple[int, _Piece]]:
+    async def indexed() -> AsyncIterator[tuple[int, _Piece]]:
+        try:
+            async for piece in pieces:
+                yield 0, piece
+        finally:
+            await pieces.aclose()  # type: ignore[attr-defined]
+    return indexed()
+
+
+async def _merged(server: Server, ask: Ask, http: HttpRequest, watch: _Watch,
+                  units: list[tuple[tuple[int, ...], sampling_hook.Params]]
+                  ) -> AsyncIterator[tuple[int, _Piece]]:
+    """The pieces of every unit as they come, each with its unit's index; the first error
+    ends them all (every sequence still served is cancelled)."""
+    queue: asyncio.Queue[tuple[int, _Piece | BaseException | None]] = asyncio.Queue()
+
+    async def run(index: int, prompt: tuple[int, ...], params: sampling_hook.Params) -> None:
+        try:
+            async for piece in _pieces(server, ask, http, watch, prompt, params):
+                queue.put_nowait((index, piece))
+            queue.put_nowait((index, None))
+        except Exception as err:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, err))
+
+    tasks = [asyncio.create_task(run(i, p, params)) for i, (p, params) in enumerate(units)]
+    left = len(tasks)
+    try:
+        while left:
+            index, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _whole(server: Server, ask: Ask, chat: bool, results: list[list[_Piece]]
+           ) -> dict[str, Any]:
+    """The answer of a request not streamed: each prompt's `n` choices (its best `best_of`
+    by the sum of their logprobs, when it asked for more)."""
+    n, best_of = ask.options.n, ask.options.best_of
+    choices, completion = [], 0
+    for i, text in enumerate(ask.texts or ("",)):
+        group = results[i * best_of:(i + 1) * best_of]
+        completion += sum(len(p.token_ids) for pieces in group for p in pieces)
+        if best_of > n:
+            group = sorted(group, key=lambda pieces: -pieces[-1].score if pieces else 0.0)[:n]
+        choices += [_choice(server, ask, chat, pieces, i * n + rank, text)
+                    for rank, pieces in enumerate(group)]
+    prompt_tokens = sum(len(p) for p in ask.every_prompt)
+    return {**_head(server, chat, stream=False), "choices": choices,
+            "usage": _usage(prompt_tokens, completion)}
+
+
+def _choice(server: Server, ask: Ask, chat: bool, pieces: list[_Piece], index: int,
+            prompt_text: str) -> dict[str, Any]:
     ids = [t for p in pieces for t in p.token_ids]
     text = "".join(p.text for p in pieces)
+    heard = [h for p in pieces for h in p.heard]
     finish = next((p.finish for p in pieces if p.finish), "length")
-    head = _head(server, chat, stream=False)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": ids}
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": ids}
+    wants = ask.options.logprobs is not None
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
+        choice["logprobs"] = _chat_logprobs(server, heard) if wants else None
     else:
-        choice.update(text=text, logprobs=None)
-    return JSONResponse({**head, "choices": [choice], "usage": _usage(len(ask.prompt), len(ids))})
+        echo = prompt_text if ask.options.echo else ""
+        choice.update(text=echo + text,
+                      logprobs=_text_logprobs(server, heard, 0)[0] if wants else None)
+    return choice
 
 
-async def _first(pieces: AsyncIterator[_Piece]) -> _Piece | None:
+# ---------------------------------------------------------------------------------------------
+# Logprobs in OpenAI's shapes
+
+FLOOR = -9999.0  # a logprob of -inf (a masked token), as JSON can carry it (vLLM's choice)
+
+
+def _token_text(server: Server, token: int) -> str:
+    return server.text.decode([token]) if server.text is not None else f"token_id:{token}"
+
+
+def _lp(value: float) -> float:
+    return max(value, FLOOR)
+
+
+def _text_logprobs(server: Server, heard: list[Any], offset: int
+                   ) -> tuple[dict[str, Any], int]:
+    """Completions' `logprobs` of these tokens, the first at text offset `offset`; and the
+    offset after them."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                            "text_offset": []}
+    for h in heard:
+        text = _token_text(server, h.token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(_lp(h.logprob))
+        out["top_logprobs"].append({_token_text(server, t): _lp(lp) for t, lp in h.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def _chat_logprobs(server: Server, heard: list[Any]) -> dict[str, Any]:
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(server, token)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
+
+    return {"content": [{**entry(h.token, h.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in h.top]} for h in heard],
+            "refusal": None}
+
+
+async def _first(pieces: AsyncIterator[tuple[int, _Piece]]) -> tuple[int, _Piece] | None:
     try:
         return await pieces.__anext__()
     except StopAsyncIteration:
@@ -590,39 +832,54 @@ def _head(server: Server, chat: bool, stream: bool) -> dict[str, Any]:
             "model": server.model}
 
 
-async def _sse(server: Server, ask: Ask, chat: bool, first: _Piece | None,
-               rest: AsyncIterator[_Piece]) -> AsyncIterator[bytes]:
+async def _sse(server: Server, ask: Ask, chat: bool, first: tuple[int, _Piece] | None,
+               rest: AsyncIterator[tuple[int, _Piece]]) -> AsyncIterator[bytes]:
     head = _head(server, chat, stream=True)
     count = 0
+    wants = ask.options.logprobs is not None
+    offsets: dict[int, int] = {}  # completions' text offset, by choice (logprobs)
+    texts = ask.texts or ("",)
+    choices = len(texts) * ask.options.n
 
     def event(data: dict[str, Any]) -> bytes:
         return f"data: {json.dumps(data)}\n\n".encode()
 
-    def chunk(piece: _Piece) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": piece.finish,
+    def chunk(index: int, piece: _Piece) -> bytes:
+        choice: dict[str, Any] = {"index": index, "finish_reason": piece.finish,
                                   "token_ids": piece.token_ids}
         if chat:
             choice["delta"] = {"content": piece.text} if piece.text or piece.token_ids else {}
-        else:
-            choice.update(text=piece.text, logprobs=None)
+            choice["logprobs"] = _chat_logprobs(server, piece.heard) if wants else None
+            return event({**head, "choices": [choice]})
+        text = piece.text
+        if ask.options.echo and index not in offsets:  # the prompt leads each choice's text
+            text = texts[index // ask.options.n] + text
+        logprobs = None
+        if wants:
+            logprobs, offsets[index] = _text_logprobs(server, piece.heard,
+                                                      offsets.get(index, 0))
+        offsets.setdefault(index, 0)
+        choice.update(text=text, logprobs=logprobs)
         return event({**head, "choices": [choice]})
 
     try:
         if chat:
-            yield event({**head, "choices": [{"index": 0, "delta": {"role": "assistant"},
-                                              "finish_reason": None}]})
+            for index in range(choices):
+                yield event({**head, "choices": [{"index": index, "delta": {"role": "assistant"},
+                                                  "finish_reason": None}]})
         pieces = [first] if first is not None else []
-        async for piece in _chain(pieces, rest):
+        async for index, piece in _chain(pieces, rest):
             count += len(piece.token_ids)
-            yield chunk(piece)
+            yield chunk(index, piece)
         if ask.usage_in_stream:
-            yield event({**head, "choices": [], "usage": _usage(len(ask.prompt), count)})
+            prompt_tokens = sum(len(p) for p in ask.every_prompt)
+            yield event({**head, "choices": [], "usage": _usage(prompt_tokens, count)})
     except ApiError as err:
         yield event(err.body())
     yield b"data: [DONE]\n\n"
 
 
-async def _chain(first: list[_Piece], rest: AsyncIterator[_Piece]) -> AsyncIterator[_Piece]:
+async def _chain(first: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     for piece in first:
         yield piece
     try:

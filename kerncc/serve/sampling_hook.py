@@ -10,6 +10,11 @@ flight, and the logits buffer on the device already holds a later call's by the 
 is collected. The counter of a request's token t is (0, t), so a seeded request draws the same
 tokens whatever it is batched with and whichever request it is.
 
+A request that asks for logits processing (penalties, `logit_bias`, `min_tokens`, a grammar)
+or for logprobs gets a `kerncc.serve.logits.Drawer` instead, greedy or not: its rows are
+processed, then picked (`logits.draw`). A request that asks for none of it takes exactly the
+path above: its bits are those of a server without processors.
+
 Until kerncc.runtime.sampling exists every request is greedy and temperature > 0 is refused
 with a clear message.
 """
@@ -23,6 +28,7 @@ import attrs
 import numpy as np
 
 from kerncc.diagnostics import KernccError
+from kerncc.serve import logits as _logits
 
 try:  # the sampling branch
     from kerncc.runtime import sampling as _sampling  # type: ignore[attr-defined]
@@ -38,10 +44,28 @@ class Params:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 is off
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    suppress: frozenset[int] = frozenset()  # the stop ids held back until min_tokens
+    prompt: tuple[int, ...] = ()  # the tokens repetition_penalty counts as seen
+    logprobs: int | None = None  # how many top tokens each step reports (0: the chosen only)
+    ranked: bool = False  # the sum of the chosen tokens' logprobs is wanted (best_of)
+    grammar: Any = None  # a kerncc.serve.grammar.Grammar the tokens must follow
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but temperature, top-k, top-p and seed: today's path, untouched."""
+        return (self.presence_penalty == 0 and self.frequency_penalty == 0
+                and self.repetition_penalty == 1 and not self.logit_bias
+                and (self.min_tokens == 0 or not self.suppress) and self.logprobs is None
+                and not self.ranked and self.grammar is None)
 
 
 def available() -> bool:
@@ -52,15 +76,23 @@ def available() -> bool:
 def prepare(params: Params) -> Any:
     """The sampler's own params for one request, checked, its seed fixed for the whole
     sequence (a fresh random one when none is given); None for a greedy request."""
-    if params.greedy:
+    if params.greedy and params.plain:
         return None
+    if params.greedy:
+        return _logits.Drawer(params, None, _matcher(params))
     if not available():
         raise KernccError.single("temperature > 0 needs kerncc.runtime.sampling, which this "
                                  "kerncc does not have yet: only greedy decoding (temperature "
                                  "0) is served", "/temperature")
     native = _sampling.SamplingParams(temperature=params.temperature, top_k=params.top_k,
                                       top_p=params.top_p, seed=params.seed)
-    return native.resolved()
+    if params.plain:
+        return native.resolved()
+    return _logits.Drawer(params, native.resolved(), _matcher(params))
+
+
+def _matcher(params: Params) -> Any:
+    return None if params.grammar is None else params.grammar.matcher()
 
 
 def tokens(outputs: dict[str, Any], emits: str | None, logits: str, natives: Sequence[Any],
@@ -75,11 +107,18 @@ def tokens(outputs: dict[str, Any], emits: str | None, logits: str, natives: Seq
                                      "nothing to decode with")
         return greedy
     rows = np.asarray(outputs[logits], dtype=np.float32).reshape(len(natives), -1)
-    drawn = [i for i, n in enumerate(natives) if n is not None or greedy is None]
+    processed = [i for i, n in enumerate(natives) if isinstance(n, _logits.Drawer)]
+    drawn = [i for i, n in enumerate(natives)
+             if (n is not None or greedy is None) and i not in processed]
     greedy_params = _sampling.SamplingParams()
     picked = _sampling.sample_logits(rows, drawn, [natives[i] or greedy_params for i in drawn],
                                      [(0, int(steps[i])) for i in drawn])
     out = list(greedy) if greedy is not None else [0] * len(natives)
     for i, token in zip(drawn, picked):
         out[i] = int(token)
+    if processed:
+        chosen = _logits.draw(rows[processed], [natives[i] for i in processed],
+                              [int(steps[i]) for i in processed], _sampling.sample_logits)
+        for i, token in zip(processed, chosen):
+            out[i] = token
     return out

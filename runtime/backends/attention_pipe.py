@@ -20,15 +20,9 @@ kernel, which has nothing to overlap there), the head dim is one the kernel take
 arguments and grid x, y, takes `blocks` (the Z rule) for grid z and `shared_bytes(hd, G)` of
 dynamic shared memory, whose limit the backend raises once at load.
 
-With the joined attention (runtime/backends/attention.py, KERNCC_JOIN_ATTENTION): the pipe is
-applied first and the join after, over its launchers, so where a split and combine pair goes out
-joined the joined kernel runs (the split kernel's blocks: join wins there), and every split
-launch that does not (its pair does not fit at those values, or it is no pair's) goes out
-pipelined where it fits.
-
 On by default; off with `KERNCC_PIPE_ATTENTION=0`, or `CudaBackend.pipe_attention = False`
-before a Session loads. Measured on an H200 (docs/benchmarks.md, session 13; decode_bench.py's
-`pipe` section compares it with the split kernel at batch 1, 8 and 32 sequences): at 32
+before a Session loads. Measured on an H200 (docs/benchmarks.md, commit 2e4b997; `python -m
+bench.decode`'s `pipe` section compares it with the split kernel at batch 1, 8 and 32 sequences): at 32
 sequences the step saves 2.8-3.0 us a layer. Below `columns` (sequences x kv heads under the
 multiprocessor count) it keeps the split kernel: at 8 sequences the step measured slower with
 it. `CudaBackend.pipe_columns` lowers that threshold (the GPU tests do, for their small models).
@@ -104,7 +98,7 @@ def blocks(grid: tuple[int, int, int], sms: int, per_sm: int = 2) -> int:
     `grid` on a GPU of `sms` multiprocessors holding `per_sm` blocks each: as many blocks a
     (sequence, kv head) as one wave of the machine has room for, floor(sms * per_sm / (x *
     y)), at least 1 and never more than the launch's own z. Measured on an H200 at 8 kv heads
-    of 128 (docs/benchmarks.md, session 13: kernel alone, us): 32 x 512 keys Z = 1 22.3
+    of 128 (commit 2e4b997: kernel alone, us): 32 x 512 keys Z = 1 22.3
     against the split kernel's 25.8; 8 x 512 Z = 4 15.7, Z = 8 15.4 against 17.3, while Z = 3
     (uneven: a block of two splits, the rest one) took 17.5; 8 x 2048 Z = 4 22.1 against 24.8.
     The partials do not depend on Z, so this decides only speed."""
@@ -141,7 +135,7 @@ def fits(grid: tuple[int, int, int], nq: int, nk: int, hd: int, max_splits: int,
     `columns` (sequence, kv head) columns (the backend's `pipe_columns`, by default the GPU's
     multiprocessor count). Below that the pipelined
     kernel alone is still faster (8 x 512 keys: 10.2 against 12.2 us) but the decode step is
-    slower (8 sequences: 1.359 against 1.333 ms, twice: docs/benchmarks.md, session 13); at 32
+    slower (8 sequences: 1.359 against 1.333 ms, twice: commit 2e4b997); at 32
     sequences (256 columns) the step gains 3.0 us a layer."""
     return (0 < grid[2] < max_splits and grid[0] * grid[1] >= columns
             and head_shape_fits(nq, nk, hd))

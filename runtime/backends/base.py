@@ -102,6 +102,16 @@ class Backend(abc.ABC):
     def sync(self) -> None:
         """Wait until every issued launch and copy has finished."""
 
+    def free_bytes(self) -> int | None:
+        """Device memory free now, in bytes; None where there is no device limit (the cpu's
+        host memory). A load is refused before any allocation when its plan does not fit
+        (kerncc.runtime.footprint)."""
+        return None
+
+    def device_bytes(self, nbytes: int) -> int:
+        """What an allocation of `nbytes` takes of the device (its rounding)."""
+        return nbytes
+
     # ---- what the Session uses beyond the basics (defaults: synchronous, no graphs) ----
 
     graphs: bool = False  # whether `capture` / `replay` work
@@ -129,11 +139,12 @@ class Backend(abc.ABC):
 
         return kernel
 
-    def join_runs(self, programs: Mapping[str, Sequence[Site]],
-                  launchers: dict[int, Launcher]) -> dict[int, Launcher]:
+    def rewrite_launchers(self, programs: Mapping[str, Sequence[Site]],
+                          launchers: dict[int, Launcher]) -> dict[int, Launcher]:
         """The launchers a Session issues with, given each program's sites in order: a backend
-        may let a stretch of consecutive sites go out as one launch that computes the same bits
-        (cuda: runtime/backends/persist.py). The default issues each site as prepared."""
+        may put another launch that computes the same bits in a site's place (cuda: the
+        pipelined decode attention, runtime/backends/attention_pipe.py). The default issues
+        each site as prepared."""
         return launchers
 
     def stream_joined(self) -> None:

@@ -54,12 +54,15 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 
 from kerncc import config
 from kerncc.kernels import library
-from kerncc.runtime.backends import attention, attention_pipe, fuse, gemv, persist
+from kerncc.runtime.backends import attention_pipe, gemv
 from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
 from kerncc.runtime.backends.probe import cuda_devices
 from kerncc.runtime.launch import Pack, Site, VarScalar
 
 SLOT_BYTES = 1 << 20  # pinned upload slot
+LARGE_PAGE = 2 << 20  # the device pages cuMemAlloc takes for all but small allocations
+SMALL_ALLOCATION = 1 << 20
+SMALL_ALIGN = 512
 SLOTS = 32
 PARAM_ALIGN = 16
 SCALAR_FORMATS = {"i32": ("<i", -2**31, 2**31 - 1), "i64": ("<q", -2**63, 2**63 - 1),
@@ -181,6 +184,35 @@ class CudaBackend(Backend):
     graphs = True
 
     def __init__(self, device: int = 0) -> None:
+        self._open_device(device)
+        self._modules: dict[str, Path] = {}
+        self._loaded: dict[str, Any] = {}  # module sha256 -> CUmodule
+        self._functions: dict[tuple[str, str | None], Any] = {}
+        self._allocations: list[Allocation] = []
+        self._pinned_all: list[int] = []  # every pinned host buffer, free or lent
+        # what close() (or the collector) gives back; it must not hold the backend itself
+        self._held: _Held | None = _Held(self.ctx, self._allocations, self._pinned_all,
+                                         self._loaded)
+        self._finalizer = weakref.finalize(self, self._held.release)
+        self._finalizer.atexit = False  # at exit the process gives everything back
+        self._open_blas()
+        self._gemv: gemv.Gemv | bool | None = None  # loaded at the first GEMM site
+        self._open_pinned()
+        self._landings: dict[tuple[int, int], _Landing] = {}  # peer copies' landing buffers
+        self.launches = 0
+        self.pdl = PDL  # may be switched per backend (benchmarks compare both in one run)
+        self.after_kernel = False  # the stream's last operation is a kernel launched here
+        self.capturing = False  # launches go into a CUDA graph (the only place they overlap)
+        self.overlapped = 0  # launches made with programmatic stream serialization
+        # the batched decode's split attention pipelined (runtime/backends/attention_pipe.py);
+        # pipe_columns: the fewest (sequence, kv head) columns a launch goes out pipelined at,
+        # None: the multiprocessor count (the GPU tests lower it for small models)
+        self.pipe_attention = attention_pipe.ENABLED
+        self.pipe_columns: int | None = None
+        self.piped = 0  # pipelined launches made
+
+    def _open_device(self, device: int) -> None:
+        """The device, its primary context (current on this thread) and the backend's stream."""
         problem = available()
         if problem:
             raise BackendError(problem)
@@ -198,58 +230,26 @@ class CudaBackend(Backend):
         self.stream = self.device.create_stream(options=StreamOptions(nonblocking=True))
         self.stream_handle = self.stream.handle
         self._launch_stream = self.stream_handle  # the capture stream while capturing
-        self._modules: dict[str, Path] = {}
-        self._loaded: dict[str, Any] = {}  # module sha256 -> CUmodule
-        self._functions: dict[tuple[str, str | None], Any] = {}
-        self._allocations: list[Allocation] = []
-        self._pinned_all: list[int] = []  # every pinned host buffer, free or lent
-        # what close() (or the collector) gives back; it must not hold the backend itself
-        self._held: _Held | None = _Held(self.ctx, self._allocations, self._pinned_all,
-                                         self._loaded)
-        self._finalizer = weakref.finalize(self, self._held.release)
-        self._finalizer.atexit = False  # at exit the process gives everything back
+
+    def _open_blas(self) -> None:
+        """cuBLAS on the stream with its workspace, or why not (the GEMM externs say it)."""
         self._workspace = self.allocate(32 << 20)
         self.blas: Blas | None = None
-        self._gemv: gemv.Gemv | bool | None = None  # loaded at the first GEMM site
         self._blas_error: str | None = None
         try:
             self.blas = Blas(int(self.stream_handle), self._workspace.ptr)
             self._held.blas = self.blas
         except (CublasError, OSError) as err:
             self._blas_error = str(err)
+
+    def _open_pinned(self) -> None:
+        """The ring of pinned upload slots, and the pools downloads take host buffers from."""
         self._slots = [self._pinned(SLOT_BYTES) for _ in range(SLOTS)]
         self._slot_events = [self.device.create_event() for _ in range(SLOTS)]
         self._slot_used = [False] * SLOTS
         self._next_slot = 0
         self._pinned_free: dict[int, list[int]] = {}
         self._pinned_landing: list[tuple[int, int, Any]] = []  # dropped downloads' buffers
-        self._landings: dict[tuple[int, int], _Landing] = {}
-        self.launches = 0
-        self.pdl = PDL  # may be switched per backend (benchmarks compare both in one run)
-        self.after_kernel = False  # the stream's last operation is a kernel launched here
-        self.capturing = False  # launches go into a CUDA graph (the only place they overlap)
-        self.overlapped = 0  # launches made with programmatic stream serialization
-        # runs of decode launches as one persistent kernel: its entry, or None (off)
-        self.persist: str | bool | None = persist.ENABLED
-        self.persisted = 0  # persistent launches made
-        self._persistent: dict[str, Any] = {}  # by entry: its kernel, or None
-        self.persist_max_m = persist.WS_MAX_M  # the rows persist_ws_bf16 takes (read at load)
-        # the decode attention's split and combine as one launch (runtime/backends/attention.py)
-        self.join_attention = attention.ENABLED
-        self.joined = 0  # joined launches made
-        self._attention_counters: Allocation | None = None
-        # the batched decode's split attention pipelined across each block's splits
-        # (runtime/backends/attention_pipe.py)
-        self.pipe_attention = attention_pipe.ENABLED
-        # the fewest (sequence, kv head) columns a launch goes out pipelined at; None: the
-        # multiprocessor count (attention_pipe.fits; the GPU tests lower it for small models)
-        self.pipe_columns: int | None = None
-        self.piped = 0  # pipelined launches made
-        self._joined_configs = {False: gemv.launch_config(False), True: gemv.launch_config(True)}
-        # a decode GEMV and the rmsnorm or silu_mul before it as one launch
-        # (runtime/backends/fuse.py)
-        self.fuse_gemv = fuse.ENABLED
-        self.fused = 0  # fused launches made
 
     def __repr__(self) -> str:
         return f"CudaBackend(device {self.index}: {self.device.name})"
@@ -296,6 +296,17 @@ class CudaBackend(Backend):
         allocation = Allocation(ptr, int(nbytes), self.index)
         self._allocations.append(allocation)
         return allocation
+
+    def free_bytes(self) -> int | None:
+        self.activate()
+        free, _total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
+    def device_bytes(self, nbytes: int) -> int:
+        """cuMemAlloc's rounding: past a small size an allocation takes whole 2 MiB pages;
+        below it the driver packs allocations at 512-byte alignment."""
+        unit = LARGE_PAGE if nbytes > SMALL_ALLOCATION else SMALL_ALIGN
+        return -(-max(int(nbytes), 1) // unit) * unit
 
     def free(self, allocation: Any) -> None:
         if not isinstance(allocation, Allocation) or allocation.ptr == 0 or self.closed:
@@ -492,9 +503,6 @@ class CudaBackend(Backend):
         return fn
 
     def check_kernel(self, entry: str, module: str | None) -> None:
-        if library.is_internal(entry, module):
-            raise BackendError(f"kernel `{entry}` is the backend's own (a run of launches it "
-                               "forms itself); a manifest cannot launch it")
         self._function(entry, module)
 
     def check_extern(self, name: str) -> None:
@@ -537,31 +545,15 @@ class CudaBackend(Backend):
 
         return launch
 
-    def join_runs(self, programs: Mapping[str, Sequence[Site]],
-                  launchers: dict[int, Callable]) -> dict[int, Callable]:
+    def rewrite_launchers(self, programs: Mapping[str, Sequence[Site]],
+                          launchers: dict[int, Callable]) -> dict[int, Callable]:
         """The batched decode's split attention pipelined (runtime/backends/attention_pipe.py)
-        when `pipe_attention` is on, the decode attention's split and combine as one launch
-        (runtime/backends/attention.py) unless `join_attention` is off (formed over the
-        pipelined launchers: a pair that goes out joined runs the joined kernel, every other
-        split launch pipelined where it fits), and runs of decode launches as one persistent
-        kernel when `persist` is on (runtime/backends/persist.py)."""
-        if self.pipe_attention:
-            launchers = attention_pipe.pipe(self, self._pipe_launch,
-                                            self.device.properties.multiprocessor_count,
-                                            programs, launchers, self.pipe_columns)
-        if self.join_attention:
-            launchers = attention.join(self, self._function, self._attention_counts,
-                                       programs, launchers)
-        # the runs and the fused launches compute the GEMV kernels' bits: without them (off,
-        # or no cubin) cuBLAS takes every GEMM, and so the launches must go as prepared
-        gemvs = self._gemv_site("cublaslt_bf16_tn") is not None
-        small = fuse.kinds(self.fuse_gemv)
-        if small and not self.persist and gemvs:
-            launchers = fuse.join(self, self._gemv.functions, programs, launchers, small)
-        if not self.persist or not gemvs:
+        when `pipe_attention` is on; every other site as prepared."""
+        if not self.pipe_attention:
             return launchers
-        kernel = self._persistent_kernel()
-        return launchers if kernel is None else persist.join(kernel, programs, launchers)
+        return attention_pipe.pipe(self, self._pipe_launch,
+                                   self.device.properties.multiprocessor_count, programs,
+                                   launchers, self.pipe_columns)
 
     def _pipe_launch(self, site: Site, shared: int) -> _KernelLaunch:
         """The pipelined split kernel over `site`'s arguments (the same ABI), allowed `shared`
@@ -569,56 +561,6 @@ class CudaBackend(Backend):
         launch = _KernelLaunch(self, site, self._function(attention_pipe.ENTRY, site.module))
         launch._allow_shared(shared)
         return launch
-
-    def _attention_counts(self) -> int:
-        """The joined attention's counters (zeroed once, kept zero by the kernel)."""
-        if self._attention_counters is None:
-            self._attention_counters = self.allocate(4 * attention.COUNTS)
-        return self._attention_counters.ptr
-
-    def launch_joined(self, function: Any, grid: tuple[int, int, int],
-                      block: tuple[int, int, int], shared: int, params: int) -> None:
-        """A launch of a joined kernel (runtime/backends/attention.py) on the launch stream,
-        overlapping the kernel before it as the library's kernels do."""
-        self._launch_own(function, grid, block, shared, params)
-        self.joined += 1
-
-    def launch_fused(self, function: Any, grid: tuple[int, int, int],
-                     block: tuple[int, int, int], shared: int, params: int) -> None:
-        """A launch of a fused GEMV (runtime/backends/fuse.py), as launch_joined."""
-        self._launch_own(function, grid, block, shared, params)
-        self.fused += 1
-
-    def _launch_own(self, function: Any, grid: tuple[int, int, int],
-                    block: tuple[int, int, int], shared: int, params: int) -> None:
-        overlap = self.pdl and self.capturing and self.after_kernel
-        config = self._joined_configs[overlap]
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = block
-        config.sharedMemBytes = shared
-        config.hStream = self._launch_stream
-        check(cu.cuLaunchKernelEx(config, function, params, 0), "cuLaunchKernelEx(own)")
-        self.overlapped += overlap
-        self.after_kernel = True
-        self.launches += 1
-
-    def _persistent_kernel(self) -> persist.PersistentKernel | None:
-        entry = persist.ENTRY if self.persist is True else self.persist
-        if entry not in self._persistent:
-            try:
-                sha = library.index()[persist.MODULE]["sha256"]
-                self.add_modules({sha: library.cubin_path(persist.MODULE)})
-                function = self._function(entry, sha)
-                if entry == persist.WS_ENTRY:
-                    self._persistent[entry] = persist.WsKernel(self, check, function,
-                                                               self.persist_max_m)
-                else:
-                    shared = persist.RING_SMEM if entry == persist.RING_ENTRY else 0
-                    self._persistent[entry] = persist.PersistentKernel(self, check, function,
-                                                                       shared)
-            except (BackendError, KeyError, OSError):
-                self._persistent[entry] = None  # no persist cubin: every site as prepared
-        return self._persistent[entry]
 
     def _gemv_site(self, name: str) -> gemv.GemvSite | None:
         """The GEMV kernels' launcher for extern `name`, or None when they are off or their

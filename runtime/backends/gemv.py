@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-try:  # the launch policy below needs no driver (runtime/backends/persist.py reads it on CPU)
+try:  # the launch policy below (usable, entry_for) needs no driver
     from cuda.bindings import driver as cu
 except ImportError:  # pragma: no cover - exercised only without the `cuda` extra
     cu = None
@@ -45,21 +45,10 @@ WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
 NARROW_ENTRY = "gemv_bf16_tn_mb1"
 ENTRIES = {"gemv_bf16_tn_mb1": 256, "gemv_bf16_tn_mb2": 256, "gemv_bf16_tn_mb3": 256,
            "gemv_bf16_tn_mb4": 256, "gemv_bf16_tn_mb1_w16": 512}  # entry: threads
-# the same tiles with the small kernel before them computed in their activation loads
-# (runtime/backends/fuse.py): entry: threads
-FUSED_ENTRIES = {"gemv_rmsnorm_bf16_tn_mb1": 256, "gemv_rmsnorm_bf16_tn_mb1_w16": 512,
-                 "gemv_silu_bf16_tn_mb1": 256, "gemv_silu_bf16_tn_mb1_w16": 512}
-FUSED_PAD = 8  # gemv.cu: bf16 after each row of the fused tiles' activations in shared memory
-FUSED_SHARED_MAX = 192 << 10  # the most dynamic shared memory they are given (of 227 KiB)
 MODULE = "gemv"
 ROWS_PER_BLOCK = 16
 MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
 _SLOTS = (0, 8, 16, 24, 32, 40, 48)  # a, w, c, m, n, k, mode: a 8-byte slot each
-
-
-def fused_shared(m: int, k: int) -> int:
-    """The dynamic shared memory of a fused tile's launch (its m x k activations, padded)."""
-    return 2 * m * (k + FUSED_PAD)
 
 
 def usable(m: int, n: int, k: int, a: int, w: int, c: int) -> bool:
@@ -85,11 +74,7 @@ class Gemv:
         self.module = check(cu.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData(gemv)")
         self.functions = {name: check(cu.cuModuleGetFunction(self.module, name.encode()),
                                       f"cuModuleGetFunction({name})")
-                          for name in (*ENTRIES, *FUSED_ENTRIES)}
-        attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        for name in FUSED_ENTRIES:
-            check(cu.cuFuncSetAttribute(self.functions[name], attribute, FUSED_SHARED_MAX),
-                  f"cuFuncSetAttribute({name})")
+                          for name in ENTRIES}
 
     def site(self, extern: str) -> GemvSite:
         return GemvSite(self, MODES[extern])

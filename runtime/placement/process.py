@@ -124,6 +124,8 @@ class _Flight:
 class ProcessChain(Chain):
     """Every stage of a bundle in its own process (see the module docstring)."""
 
+    in_process = False  # inputs go with each item: none staged ahead or fed on the device
+
     def __init__(self, bundle: Bundle | str | os.PathLike, backend: str = "cpu",
                  checkpoint: CheckpointLike = None, token_capacity: int | None = None,
                  interpret: bool = False, devices: Sequence[int] | None = None,

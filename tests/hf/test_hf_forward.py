@@ -18,7 +18,7 @@ import pytest
 from kerncc.hf.importer import import_model
 from kerncc.lower import open_target
 from kerncc.runtime import Chain
-from kerncc.runtime.generate import Generator
+from reference_loop import alone
 
 from .models import config_json, forward, v5_layout, write_model
 
@@ -44,7 +44,7 @@ NEAR_TIE = 2e-2  # a top-two gap below this fraction of max |logit| may flip the
 
 def run(path, prompt: list[int], new: int) -> tuple[list[int], np.ndarray]:
     chain = Chain(open_target(path), backend="cpu")
-    result = Generator(chain).generate(prompt, new)
+    result = alone(chain, prompt, new)
     return result.tokens, result.logits
 
 

@@ -1,0 +1,135 @@
+"""The host work per decode step, on the CPU: a backend whose launches, graph captures and
+replays do nothing, so what is timed is the Python between two steps (the inputs written and
+checked, the call issued, the outputs taken in).
+
+* One prompt through the engine (`kerncc run`): for greedy decoding one step at a time it
+  also times the stretch the device waits for, from a step's token in hand to the next replay;
+  a step ahead (the engine's `Config.ahead`) that stretch runs while the next step is on the
+  device.
+* The serving engine (`--engine`): a decode step of 1, 8 and 32 sequences (the scheduler's
+  plan, the call's inputs, the tokens taken in), prefill left out. The engine waits for each
+  step's tokens before it plans the next, so on a GPU this time adds to every step's.
+
+--doc docs/benchmarks.md writes the rows between the file's `host_step` markers.
+
+    python -m bench.host_step [--tokens 400] [--engine] [--profile]   # ~10-30 s, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench.report import Report
+from bench.simulated import Idle
+from kerncc.cli.main import main as kerncc
+from kerncc.example import generate
+from kerncc.runtime import Chain
+from kerncc.runtime import session as sess
+
+REPORT = Report("host_step")
+# the `small` model's decode interface (24 layers, vocab 32000, 4096 keys) on tiny widths
+SHAPE = {"layers": 24, "hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128,
+         "intermediate": 512, "vocab": 32000, "max_context": 4096, "max_tokens": 512}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.host_step",
+                                     description=__doc__.splitlines()[0])
+    REPORT.add_options(parser)
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--profile", action="store_true", help="also cProfile one run")
+    parser.add_argument("--engine", action="store_true", help="the serving engine's steps")
+    args = parser.parse_args(argv)
+    if args.engine:
+        engine_steps(args)
+    else:
+        one_prompt_steps(args)
+    return REPORT.finish(args, "the CPU (launches that do nothing)", argv)
+
+
+def one_prompt_steps(args: argparse.Namespace) -> None:
+    """Each greedy token's host time for one prompt through the engine, a step ahead and not."""
+    from kerncc.serve.engine import serve_prompts
+
+    root = Path(tempfile.mkdtemp())
+    model, _ = generate(root / "model", "tiny", **SHAPE)
+    assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
+    backend = Idle()
+    chain = Chain(root / "whole", backend=backend, graphs=True)
+    prompt = list(range(1, 40))
+    tokens_in_hand: list[float] = []
+    result = sess.Pending.result
+
+    def timed_result(self):
+        out = result(self)
+        tokens_in_hand.append(time.perf_counter())
+        return out
+
+    sess.Pending.result = timed_result
+    for ahead in (False, True):
+        serve_prompts(chain, [prompt], 8, 64, ahead=ahead)  # warm-up
+        tokens_in_hand.clear()
+        backend.replays.clear()
+        start = time.perf_counter()
+        serve_prompts(chain, [prompt], args.tokens, 64, ahead=ahead)
+        per_token = (time.perf_counter() - start) / args.tokens * 1e6
+        line = f"{'a step ahead' if ahead else 'one step at a time'}: {per_token:.1f} us of " \
+               "host work a token"
+        if not ahead:
+            gaps = [next(r for r in backend.replays if r > t) - t for t in tokens_in_hand[:-1]
+                    if any(r > t for r in backend.replays)]
+            line += (f"; a token in hand to the next replay (the device waits): median "
+                     f"{statistics.median(gaps) * 1e6:.1f} us over {len(gaps)} steps")
+        print(line)
+        REPORT.row("runner", f"{'a step ahead' if ahead else 'one step at a time'}: host work "
+                   "a token, us", f"{per_token:.1f}")
+    sess.Pending.result = result
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        serve_prompts(chain, [prompt], args.tokens, 64)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+def engine_steps(args) -> None:
+    """Each decode step's host time in the serving engine at 1, 8 and 32 sequences."""
+    from kerncc.serve.engine import Config, Engine, Request
+
+    root = Path(tempfile.mkdtemp())
+    model, _ = generate(root / "model", "tiny", **{**SHAPE, "max_seqs": 32})
+    assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
+    chain = Chain(root / "whole", backend=Idle(), graphs=True, token_capacity=48 * 1024)
+    for seqs in (1, 8, 32):
+        engine = Engine(chain, Config(max_running=32, chunk=512))
+        for s in range(seqs):
+            engine.submit(Request([(i * 7 + s) % 31999 + 1 for i in range(128)], 300))
+        while engine.calls.get("decode_batch" if seqs > 1 else "decode", 0) < 3:
+            engine.tick()  # the prefill and the first steps
+        steps: list[float] = []
+        profile = cProfile.Profile() if args.profile and seqs == 32 else None
+        if profile:
+            profile.enable()
+        while engine.requests and len(steps) < 200:
+            start = time.perf_counter()
+            engine.tick()  # issue a step
+            engine.tick()  # take its tokens in
+            steps.append(time.perf_counter() - start)
+        if profile:
+            profile.disable()
+        print(f"engine, {seqs} sequences: {statistics.median(steps) * 1e6:.0f} us of host work "
+              f"a decode step (median of {len(steps)})")
+        REPORT.row("engine", f"{seqs} sequences: host work a decode step, us (median of "
+                   f"{len(steps)})", f"{statistics.median(steps) * 1e6:.0f}")
+        if profile:
+            pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

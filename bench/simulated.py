@@ -1,0 +1,105 @@
+"""Backends for timing the host on the CPU: launches that compute nothing, and a simulated
+device whose work takes time on its own timeline while the host goes on, as a GPU's stream.
+
+* `Idle`: the cpu backend with launches that do nothing and graphs that replay nothing, so
+  what is timed is the Python between two steps (bench/host_step.py).
+* `Device(step_ms)`: `Idle` whose graph replays each keep the device busy `step_ms` after
+  the work before them, queued as on a stream. The host does not wait at the replay; it waits
+  when it takes an output (`download_async(...).result()`) for the device to finish what was
+  issued before that download. The device's idle time between replays (`idle`) is what the
+  host's work between a step's outputs and the next replay costs every step, as a GPU
+  would pay it: serving on the CPU with `Device` measures it (bench/serve.py --backend sim).
+  It includes how late a sleep wakes on this machine (`wake_us`, measured at the start), which
+  a GPU's wait does not pay. Its timeline is kept in integer nanoseconds, so that two steps
+  queued back to back end exactly two steps after the first began (in float seconds the sums
+  round, and a test of that read 0.00999 for 0.01).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from kerncc.runtime.backends.cpu import CpuBackend
+
+
+class Idle(CpuBackend):
+    """The cpu backend with launches that do nothing and graphs that replay nothing."""
+
+    graphs = True
+
+    def __init__(self) -> None:
+        self.replays: list[float] = []
+
+    def launch_kernel(self, geometry, args) -> None:
+        pass
+
+    def launch_extern(self, name, args) -> None:
+        pass
+
+    def capture(self, issue):
+        return object()
+
+    def replay(self, graph) -> None:
+        self.replays.append(time.perf_counter())
+
+
+class _Later:
+    """A download that is on the host once the device is done with what came before it."""
+
+    def __init__(self, value: np.ndarray, ready_ns: int) -> None:
+        self.value, self.ready_ns = value, ready_ns
+
+    def result(self) -> np.ndarray:
+        # as a wait on a stream: the interpreter lock free all the while; the sleep wakes
+        # late by `Device.wake_us`, which the idle time then counts too
+        left = self.ready_ns - time.perf_counter_ns()
+        if left > 0:
+            time.sleep(left / 1e9)
+        return self.value
+
+
+class Device(Idle):
+    """`Idle` whose replays take `step_ms` of a device timeline (see the module doc). Times are
+    `time.perf_counter_ns()` integers: `replays`, `busy_until` and `step`."""
+
+    def __init__(self, step_ms: float) -> None:
+        super().__init__()
+        self.step = round(step_ms * 1e6)
+        self.busy_until = 0  # when the device finishes what was issued so far
+        self.gaps: list[int] = []  # nanoseconds the device waited for the host before a replay
+        self._lock = threading.Lock()
+        self.wake_us = self._wake_late() / 1e3
+
+    def _wake_late(self) -> float:
+        """How late a sleep of a step wakes here, in ns (median of 9): part of every idle gap."""
+        late = []
+        for _ in range(9):
+            start = time.perf_counter_ns()
+            time.sleep(self.step / 1e9)
+            late.append(time.perf_counter_ns() - start - self.step)
+        return float(np.median(late))
+
+    def replay(self, graph) -> None:
+        now = time.perf_counter_ns()
+        with self._lock:
+            if self.busy_until:
+                self.gaps.append(max(0, now - self.busy_until))
+            self.busy_until = max(now, self.busy_until) + self.step
+        self.replays.append(now)
+
+    def download_async(self, allocation: Any, offset: int, nbytes: int) -> Any:
+        return _Later(self.download(allocation, offset, nbytes), self.busy_until)
+
+    def idle_us(self) -> float:
+        """The device's median wait for the host before a replay, in microseconds (the
+        median: a pause in the load, no work to do, is no cost of the host's)."""
+        with self._lock:
+            return float(np.median(self.gaps)) / 1e3 if self.gaps else float("nan")
+
+    def reset(self) -> None:
+        with self._lock:
+            self.gaps, self.busy_until = [], 0

@@ -1,0 +1,156 @@
+"""Structured output: the grammar a request's tokens must follow, through llguidance.
+
+`response_format` (`json_object`, `json_schema`) and the extensions `guided_json`,
+`guided_regex` and `guided_grammar` (Lark) become a `Grammar`; each sequence gets a `Matcher`
+(kerncc.serve.logits.Drawer holds it) that fills the step's token mask (the `allow` rows of
+kernels/logits_ref.py, the bit layout llguidance writes) before the token is picked, and
+follows the token picked. Once the grammar is complete only the tokenizer's eos may come next,
+which ends the sequence. `Grammars` is one server's: its tokenizer as llguidance reads it,
+built once.
+
+llguidance (the `serve` extra) is the engine: no dependency of its own (xgrammar needs torch
+and transformers), a JSON schema, regex and context-free (Lark) front end, and the mask in the
+32-bit word layout a device kernel reads.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+try:
+    import llguidance
+    import llguidance.numpy as llnumpy
+except ImportError:  # the serve extra without it: structured output is refused
+    llguidance = llnumpy = None
+
+FIELDS = ("response_format", "guided_json", "guided_regex", "guided_grammar")
+COMPACT = {"whitespace_flexible": False}  # JSON without free whitespace between tokens
+
+
+class GrammarError(Exception):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param, self.message = param, message
+
+
+def available() -> bool:
+    return llguidance is not None
+
+
+class Grammar:
+    """A checked grammar, for a tokenizer: `matcher()` gives one sequence's."""
+
+    def __init__(self, tokenizer: Any, text: str) -> None:
+        self.tokenizer, self.text = tokenizer, text
+
+    def matcher(self) -> Matcher:
+        return Matcher(llguidance.LLMatcher(self.tokenizer, self.text))
+
+
+class Matcher:
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def fill(self, allow: np.ndarray) -> None:
+        """Set the bits of the tokens that may come next in `allow` (uint32 [words])."""
+        llnumpy.fill_next_token_bitmask(self.matcher, allow.view(np.int32).reshape(1, -1), 0)
+
+    def consume(self, token: int) -> None:
+        self.matcher.consume_token(token)
+
+
+class Grammars:
+    """One server's grammars: its tokenizer as llguidance reads it (the logits' vocabulary
+    wide, its eos ending a complete grammar)."""
+
+    def __init__(self, codec: Any, vocab: int, eos: int) -> None:
+        self.eos = eos
+        try:  # the tokenizer.json as llguidance reads it (byte-level BPE, SentencePiece)
+            self.tokenizer = llguidance.LLTokenizer(codec.tokenizer.to_str(), n_vocab=vocab,
+                                                    eos_token=eos)
+        except ValueError:  # a decoder it does not know (the example's Fuse): token by token
+            self.tokenizer = llguidance.LLTokenizer(
+                llguidance.TokenizerWrapper(_Tokens(codec, vocab, eos)), n_vocab=vocab,
+                eos_token=eos)
+
+
+    def of(self, body: dict) -> Grammar | None:
+        """The grammar a request's fields ask for (None: none), checked; a GrammarError
+        names the field."""
+        asked = [name for name in FIELDS if body.get(name) is not None
+                 and not (name == "response_format" and body[name] == {"type": "text"})]
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise GrammarError(asked[1], f"`{asked[0]}` and `{asked[1]}` both constrain the "
+                               "output: give one")
+        name = asked[0]
+        try:
+            text = _grammar_text(name, body[name])
+            message = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        except (ValueError, TypeError, RuntimeError) as err:  # a schema it cannot compile
+            message = str(err) or type(err).__name__
+        if message:
+            raise GrammarError(name, f"`{name}`: {message}")
+        return Grammar(self.tokenizer, text)
+
+
+def _grammar_text(name: str, value: Any) -> str:
+    if name == "guided_regex":
+        if not isinstance(value, str):
+            raise GrammarError(name, "`guided_regex` must be a string")
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if name == "guided_grammar":
+        if not isinstance(value, str):
+            raise GrammarError(name, "`guided_grammar` must be a Lark grammar as a string")
+        return llguidance.LLMatcher.grammar_from_lark(value)
+    if name == "guided_json":
+        try:
+            return _json_schema(name, json.loads(value) if isinstance(value, str) else value)
+        except ValueError as err:
+            raise GrammarError(name, f"`guided_json` is not JSON: {err}") from None
+    return _response_format(value)
+
+
+def _response_format(value: Any) -> str:
+    name = "response_format"
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return _json_schema(name, {"type": "object"})
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise GrammarError(name, "`response_format.json_schema` must be an object with a "
+                               "`schema` object")
+        return _json_schema(name, spec.get("schema", {}))
+    raise GrammarError(name, "`response_format` must be {\"type\": \"text\"}, "
+                       "\"json_object\" or \"json_schema\"")
+
+
+def _json_schema(name: str, schema: Any) -> str:
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(name, f"`{name}`: a JSON schema must be an object")
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}}
+    return llguidance.LLMatcher.grammar_from_json_schema(schema)
+
+
+class _Tokens:
+    """A tokenizer as llguidance's TokenizerWrapper asks for it: each id's bytes (its text
+    alone; the tokenizer.json's added tokens are special) and encoding."""
+
+    def __init__(self, codec: Any, vocab: int, eos: int) -> None:
+        tokenizer = codec.tokenizer
+        self.eos_token_id, self.bos_token_id = eos, None
+        size = min(vocab, tokenizer.get_vocab_size(with_added_tokens=True))
+        self.tokens = [tokenizer.decode([i], skip_special_tokens=False).encode()
+                       for i in range(size)] + [b""] * (vocab - size)
+        self.special_token_ids = sorted(i for i in tokenizer.get_added_tokens_decoder()
+                                        if i < vocab)
+        self.codec = codec
+
+    def __call__(self, text: str) -> list[int]:
+        return self.codec.encode(text, add_special_tokens=False)

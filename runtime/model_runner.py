@@ -1,0 +1,554 @@
+"""The model runner (vLLM v1's model-runner role): every call's inputs, built from the protocol.
+
+It knows no buffer, program or var by name: the serving protocol (kerncc.protocol, spec §4)
+says which program takes prefill chunks and which one row of each of several sequences, which
+buffer carries each fill, which inputs are page tables, and which output hands the token back.
+A chain of stages is served like one manifest: the protocol is read off every stage that fits
+it (`check_unsampled`) and merged (the head stages the union of every stage's inputs, spec
+§3.10); the runner refuses to start if some stage reads an input it cannot fill.
+
+`ModelRunner` owns, for whoever drives it (kerncc.serve.engine):
+* the page geometry (tokens per page = the page table's `stride`, pages per sequence) and the
+  limits of a request (`request_limits`, `check_request`, `check_tokens`), read off the
+  manifests alone, so a command line can check before any weight loads;
+* every call's inputs from the rows it feeds (`Rows`: a sequence's known tokens, its pages and
+  the rows [start, start + n) of this call): tokens, positions, slots, lengths, page tables;
+* what the device already holds: a call sends only the host inputs that differ, and a decode
+  call stages the next one's (all but its tokens) while it runs (`stage_next`), where the
+  runner says its stages live in this process (`in_process`: Session, Chain; a placement's
+  chain sends inputs with each item);
+* the device feed for steps ahead (`feeder`): a decode call's token input written on the
+  device from the call before it (`Session.feed`), only where the stages prove the fed values
+  fit that input's domain (the library's argmax writes the output: `Session.token_range`),
+  since those bytes pass no host check.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+import numpy as np
+
+from kerncc import manifest as m
+from kerncc import protocol as proto
+from kerncc.analysis.access import call_access
+from kerncc.diagnostics import KernccError
+from kerncc.runtime.chain import Chain
+from kerncc.runtime.domains import is_whole
+from kerncc.runtime.memory import default_token_capacity, numpy_dtype
+from kerncc.runtime.session import Session
+from kerncc.verify import verify
+
+INPUT_FILLS = ("token", "position", "valid", "slot", "seq_len", "cu_seqlens", "span_at")
+LOGITS = "logits"
+
+Feed = Callable[[dict[str, int]], None]  # writes a call's token input on the device
+
+
+def chunk_tokens(protocol: proto.Protocol) -> bool:
+    """Whether every chunk program (rows set per call) hands back a token: the next token
+    after each sequence's last row of the call."""
+    chunks = [f for f in protocol.forwards if f.rows == proto.VAR_ROWS and not f.span]
+    return bool(chunks) and all(f.emits is not None for f in chunks)
+
+
+def sessions_of(runner: Session | Chain) -> list[Session]:
+    return runner.sessions if isinstance(runner, Chain) else [runner]
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The protocol of a chain
+
+
+def chain_protocol(manifests: Sequence[m.Manifest]) -> proto.Protocol:
+    """One stage's protocol, or the union of the protocols of the stages that fit one."""
+    found: list[proto.Protocol] = []
+    errors: list[KernccError] = []
+    for man in manifests:
+        try:
+            found.append(proto.check_unsampled(verify(man)))
+        except KernccError as err:
+            errors.append(err)
+    if not found:
+        raise errors[0]
+    return _merged(found)
+
+
+def _merged(protocols: list[proto.Protocol]) -> proto.Protocol:
+    def union(items: list) -> tuple:
+        return tuple({item.name: item for item in items}.values())
+
+    forwards: dict[str, proto.Forward] = {}
+    for p in protocols:
+        for f in p.forwards:
+            old = forwards.get(f.name)
+            # The stage that writes the token output knows what the program hands back.
+            forwards[f.name] = f if old is None or f.emits is not None else old
+    return attrs.evolve(
+        protocols[-1],
+        fills=union([f for p in protocols for f in p.fills]),
+        page_tables=union([t for p in protocols for t in p.page_tables]),
+        line_tables=union([t for p in protocols for t in p.line_tables]),
+        forwards=tuple(forwards[name] for name in sorted(forwards, key=str.encode)))
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits of a request, checked before any weight loads
+
+
+@attrs.frozen
+class Limits:
+    """What one request may ask for, read off the manifests alone (no weights, no device)."""
+
+    context: int | None = None  # positions one sequence may hold
+    context_why: str = ""
+    kv_tokens: int | None = None  # token slots of the paged KV cache, all sequences together
+    token_low: int = 0
+    token_high: int | None = None  # the highest token id the token inputs accept
+    token_why: str = ""
+
+
+def page_geometry(protocol: proto.Protocol, manifests: Sequence[m.Manifest]) -> tuple[int, int]:
+    """(tokens per page, pages per sequence) of the page tables; (16, 0) without one."""
+    if protocol.line_tables:
+        names = ", ".join(f"`{t.name}`" for t in protocol.line_tables)
+        raise KernccError.single(f"per-sequence state tables ({names}) are not served by "
+                                 "`kerncc run` yet")
+    geometry = {(_table_stride(manifests, t.name), t.width) for t in protocol.page_tables}
+    if len(geometry) > 1:
+        raise KernccError.single(f"page tables disagree on stride and width: {geometry}")
+    return geometry.pop() if geometry else (16, 0)
+
+
+def _table_stride(manifests: Sequence[m.Manifest], table: str) -> int:
+    for man in manifests:
+        buf = man.buffers.get(table)
+        if buf is not None and buf.domain is not None:
+            return buf.domain.stride
+    return 1
+
+
+def request_limits(manifests: Sequence[m.Manifest], protocol: proto.Protocol | None = None,
+                   kv_tokens: int | None = None) -> Limits:
+    """The limits of serving these stages: context, KV cache and token ids."""
+    protocol = protocol or chain_protocol(manifests)
+    stride, width = page_geometry(protocol, manifests)
+    bounds = []
+    if width:
+        bounds.append((width * stride, f"a page table holds {width} pages of {stride} tokens"))
+    if protocol.context is not None:
+        why = f"`{protocol.context.var}` <= {protocol.context.max}"
+        bounds.append((protocol.context.max, why))
+    context, context_why = min(bounds, default=(None, ""))
+    if kv_tokens is None:
+        kv_tokens = max(default_token_capacity(man) for man in manifests)
+    low, high, why = _token_range(protocol, manifests)
+    return Limits(context, context_why, kv_tokens, low, high, why)
+
+
+def _token_range(protocol: proto.Protocol, manifests: Sequence[m.Manifest]
+                 ) -> tuple[int, int | None, str]:
+    """The ids every token input accepts: its dtype, its domain, the table it indexes."""
+    low, high, why = 0, None, ""
+    for f in protocol.fills:
+        if f.fill != "token":
+            continue
+        info = np.iinfo(numpy_dtype(f.dtype))
+        found = [(int(info.max), f"`{f.name}` is {f.dtype}")]
+        for man in manifests:
+            if f.name in man.buffers:
+                found += _domain_highs(man, f.name)
+        top, top_why = min(found)
+        low = max(low, int(info.min))
+        if high is None or top < high:
+            high, why = top, top_why
+    return low, high, why
+
+
+def _domain_highs(man: m.Manifest, name: str) -> list[tuple[int, str]]:
+    domain, env = man.buffers[name].domain, man.vars_max()
+    if domain is None:
+        return []
+    found = []
+    if isinstance(domain.max, int) and not isinstance(domain.max, bool):
+        found.append((domain.max, f"`{name}`'s domain max"))
+    target = man.buffers.get(domain.index_into) if domain.index_into else None
+    if target is not None and target.shape:
+        rows = target.shape[0]
+        rows = env.get(rows) if isinstance(rows, str) else rows
+        if isinstance(rows, int):
+            why = f"`{name}` indexes `{domain.index_into}`, {rows} rows: the vocabulary"
+            found.append((rows // domain.stride - 1, why))
+    return found
+
+
+def token_ids(prompt: Any, name: str = "prompt") -> list[int]:
+    """`prompt` as a list of ints: a sequence or a 1-D array of whole numbers. Anything else
+    is refused here, by position, rather than truncated (1.5 ran as 1) or failing in numpy."""
+    if prompt is None:
+        return []
+    if isinstance(prompt, (str, bytes)):
+        raise KernccError.single(f"{name}: expected token ids, got the text {prompt!r} "
+                                 "(encode it first)")
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            raise KernccError.single(f"{name}: expected one list of token ids, got an array "
+                                     f"of shape {list(prompt.shape)}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, Sequence):
+        raise KernccError.single(f"{name}: expected a list of token ids, got "
+                                 f"{type(prompt).__name__}")
+    for position, token in enumerate(prompt):
+        if not is_whole(token):
+            raise KernccError.single(f"{name} position {position}: {token!r} is not a whole "
+                                     "number (a token id)")
+    return [int(t) for t in prompt]
+
+
+def check_whole(value: Any, name: str) -> None:
+    """Refuse a count that is not a whole number (nan, 2.5, "2", None, True)."""
+    if not is_whole(value):
+        raise KernccError.single(f"{name} {value!r}: expected a whole number")
+
+
+def check_request(limits: Limits, prompt: Sequence[int], max_new: int, *,
+                  max_new_name: str = "max_new", prompt_name: str = "prompt") -> None:
+    """Refuse a request that cannot finish, before any work: the ids past the vocabulary (at
+    their prompt position) and a prompt plus `max_new` longer than a sequence may grow.
+    `max_new_name` and `prompt_name` are what the caller calls them (`--max-new`)."""
+    if not prompt:
+        raise KernccError.single(f"{prompt_name}: the prompt is empty")
+    check_whole(max_new, max_new_name)
+    if max_new < 1:
+        raise KernccError.single(f"{max_new_name} {max_new}: generate at least 1 token")
+    for position, token in enumerate(prompt):
+        if not limits.token_low <= token <= (limits.token_high if limits.token_high is not None
+                                             else token):
+            raise KernccError.single(
+                f"{prompt_name} position {position}: token id {token} is outside "
+                f"{limits.token_low}..{limits.token_high} ({limits.token_why})")
+    needed = len(prompt) + max_new - 1  # the last generated token is never fed back
+    for bound, why in ((limits.context, limits.context_why),
+                       (limits.kv_tokens, "the KV cache's token slots")):
+        if bound is not None and needed > bound:
+            most = bound - len(prompt) + 1
+            fix = (f"at most {max_new_name} {most} with this prompt" if most >= 1
+                   else "the prompt alone is too long")
+            raise KernccError.single(
+                f"{max_new_name} {max_new}: the prompt's {len(prompt)} tokens and {max_new} new "
+                f"ones need {needed} positions, but a sequence holds at most {bound} ({why}); "
+                f"{fix}")
+
+
+
+# ---------------------------------------------------------------------------------------------
+# The runner
+
+
+class Rows(NamedTuple):
+    """Rows [start, start + n) of one sequence in a call: its known tokens are `prompt` then
+    `generated` (kept apart: a decode row reads one token, joining them would copy both), its
+    KV cache lies in `pages` (its page-table row); `seq` names it."""
+
+    seq: int
+    prompt: Sequence[int]
+    generated: Sequence[int]
+    pages: Sequence[int]
+    start: int
+    n: int
+
+    def token(self, index: int) -> int:
+        prompt = self.prompt
+        return prompt[index] if index < len(prompt) else self.generated[index - len(prompt)]
+
+    def tokens(self) -> list[int]:
+        return [*self.prompt, *self.generated][self.start:self.start + self.n]
+
+
+class ModelRunner:
+    """The protocol of a Session or Chain, and every call's inputs (see the module doc)."""
+
+    def __init__(self, runner: Session | Chain) -> None:
+        if not isinstance(runner, (Session, Chain)):
+            raise KernccError.single(f"expected a Session or a Chain to serve, got "
+                                     f"{type(runner).__name__}")
+        self.runner = runner
+        self.sessions = sessions_of(runner)
+        manifests = [s.manifest for s in self.sessions]
+        self.protocol = chain_protocol(manifests)
+        self.chunk_program = self.protocol.chunk()
+        self.step_program = self.protocol.forward(1, 1)
+        self.chunk_emits = self.chunk_program is not None and chunk_tokens(self.protocol)
+        if self.chunk_program is None and self.step_program is None:
+            raise KernccError.single("no program takes one sequence (neither a chunk program "
+                                     "nor a one-row program): nothing to serve one prompt with")
+        self.stride, self.width = page_geometry(self.protocol, manifests)
+        self.pages = max(1, self.sessions[0].token_capacity // self.stride)  # the KV pool's
+        self.vocab = self._vocab()
+        self._check_inputs()
+        tokens = [f.name for f in self.protocol.fills if f.fill == "token"]
+        self._token_input = tokens[0] if tokens else None
+        # The host inputs the device holds ({name: (vars, array)}, in stream order), for those
+        # only the host writes (kind `input` in every stage: no op may write one): a call sends
+        # only the inputs that differ, and a decode call stages the next one's (stage_next).
+        # Runners in this process only (a placement's chain sends inputs with each item), and
+        # only when every stage runs every forward (a Chain writes a stage's inputs only when
+        # it runs).
+        local = getattr(runner, "in_process", False) and all(
+            f.name in s.sites for f in self.protocol.forwards for s in self.sessions)
+        self.plain = _plain_inputs(self.sessions) if local else frozenset()
+        self._held: dict[str, tuple[tuple, np.ndarray]] = {}
+        self._rows: dict[int, tuple[list[int], np.ndarray]] = {}  # page-table rows by sequence
+        self._feeds: dict[tuple[str, int], Feed | None] = {}
+
+    @property
+    def keeps_inputs(self) -> bool:
+        """Whether the device keeps host inputs between calls: staged ahead, fed on it."""
+        return bool(self.plain)
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens one sequence may hold (page-table width, and the pool)."""
+        pages = min(self.width, self.pages) if self.width else self.pages
+        return pages * self.stride
+
+    def forward(self, kind: str, groups: int) -> proto.Forward:
+        """The program of a `decode` or `chunk` call of `groups` sequences."""
+        if kind == "decode":
+            found = self.protocol.forward(groups, 1) or self.chunk_program
+        else:
+            found = self.protocol.forward(groups, proto.VAR_ROWS) or self.step_program
+        if found is None:
+            raise KernccError.single(f"no program takes {groups} sequences of a {kind} call")
+        return found
+
+    # ------------------------------------------------------------------------ checks
+
+    def _vocab(self) -> int | None:
+        """Rows of the table the token ids index (the embedding), when the manifest says."""
+        fill = self.protocol.token_rows()
+        for s in self.sessions:
+            buf = s.manifest.buffers.get(fill.name) if fill else None
+            target = buf.domain.index_into if buf is not None and buf.domain else None
+            table = s.manifest.buffers.get(target) if target else None
+            if table is not None:
+                return table.dims_at(s.manifest.vars_max())[0]
+        return None
+
+    def _check_inputs(self) -> None:
+        """Every input the served programs read is a fill or a page table the runner writes."""
+        fillable = {f.name for f in self.protocol.fills if f.fill in INPUT_FILLS}
+        fillable |= {t.name for t in self.protocol.page_tables}
+        programs = [f.name for f in (self.chunk_program, self.step_program) if f is not None]
+        for s in self.sessions:
+            for name in sorted(_reads(s.manifest, programs) & set(s.stage.host_inputs)):
+                if name not in fillable:
+                    raise s.stage.located(KernccError.single(
+                        f"stage {s.stage.index} reads input `{name}`, which is neither a fill "
+                        "`kerncc run` writes nor a page table", f"/buffers/{name}"))
+        for f in self.protocol.fills:
+            if (f.fill not in INPUT_FILLS and f.fill not in m.OUTPUT_FILLS) or f.width != 1:
+                owner = next(s for s in self.sessions if f.name in s.manifest.buffers)
+                raise owner.stage.located(KernccError.single(
+                    f"fill `{f.fill}` on `{f.name}` (width {f.width}) is not served by "
+                    "`kerncc run` yet", f"/buffers/{f.name}/fill"))
+
+    def check_tokens(self, prompt: Sequence[int]) -> None:
+        """Every prompt id fits the buffers that carry tokens (the domain checks then name
+        ids past the vocabulary)."""
+        for f in self.protocol.fills:
+            if f.fill != "token":
+                continue
+            info = np.iinfo(numpy_dtype(f.dtype))
+            low, high = int(info.min), int(info.max)
+            if low <= min(prompt) and max(prompt) <= high:  # builtins: fast on long prompts
+                continue
+            bad = next(int(t) for t in prompt if not low <= int(t) <= high)
+            raise KernccError.single(f"token id {bad} does not fit `{f.name}` "
+                                     f"({f.dtype}: {low}..{high})")
+
+    # ------------------------------------------------------------------------ calls
+
+    def submit(self, forward: proto.Forward, rows: Sequence[Rows], outputs: Collection[str],
+               feed: Feed | None = None) -> Any:
+        """Issue `rows` through `forward` without waiting; the call's pending `outputs`.
+        `feed`: the token input is written on the device by `feed(vars)` (the call before
+        hands it over, `feeder`), not sent from the host."""
+        count = sum(r.n for r in rows)
+        inputs = self.inputs(rows, tokens=feed is None)
+        vars = self.protocol.vars(len(rows), count, count, max(r.start + r.n for r in rows))
+        send = self._unheld(inputs, vars)
+        try:
+            if feed is not None:
+                feed(vars)
+                self._held.pop(self._token_input, None)  # the device's, not the host's
+            if isinstance(self.runner, Chain):
+                pending = self.runner.submit(forward.name, send, vars, rows=count,
+                                             outputs=outputs)
+            else:
+                pending = self.runner.submit(forward.name, send, vars, outputs=outputs)
+        except Exception:
+            self._held.clear()  # some inputs may be written, others not
+            raise
+        self._hold(inputs, vars)
+        return pending
+
+    def stage_next(self, rows: Sequence[Rows]) -> None:
+        """While a decode call of `rows` runs, write the inputs (but the tokens) the same
+        sequences' next decode call will take, if none of them needs a page more for it:
+        between two steps the host then sends the tokens only. Whatever the next call turns
+        out to be (a sequence ended or got a page, a chunk came in), `submit` sends what
+        differs."""
+        if not self.plain or any(r.start + r.n >= len(r.pages) * self.stride for r in rows):
+            return
+        nxt = [r._replace(start=r.start + r.n, n=1) for r in rows]
+        vars = self.protocol.vars(len(nxt), len(nxt), len(nxt), max(r.start + 1 for r in nxt))
+        staged = {name: array for name, array in self.inputs(nxt, tokens=False).items()
+                  if name in self.plain}
+        try:
+            self.runner.stage_inputs(self._unheld(staged, vars), vars)
+        except KernccError:
+            self._held.clear()  # some may be written; the next call sends everything
+            return
+        self._hold(staged, vars)
+
+    def reset(self) -> None:
+        """Forget what the device holds (the runner may have run other work since)."""
+        self._held.clear()
+
+    def forget(self, seq: int) -> None:
+        """Sequence `seq` ended: its page-table row goes."""
+        self._rows.pop(seq, None)
+
+    def _unheld(self, inputs: dict[str, np.ndarray], vars: dict[str, int]
+                ) -> dict[str, np.ndarray]:
+        """The inputs the device does not hold yet at these vars (all but `plain` ones)."""
+        key = tuple(sorted(vars.items()))
+        return {name: array for name, array in inputs.items()
+                if not (name in self.plain and name in self._held
+                        and self._held[name][0] == key
+                        and np.array_equal(self._held[name][1], array))}
+
+    def _hold(self, inputs: dict[str, np.ndarray], vars: dict[str, int]) -> None:
+        key = tuple(sorted(vars.items()))
+        for name, array in inputs.items():
+            if name in self.plain:
+                self._held[name] = (key, array)
+
+    # ------------------------------------------------------------------------ inputs
+
+    def inputs(self, rows: Sequence[Rows], tokens: bool = True) -> dict[str, np.ndarray]:
+        """The inputs of a call of `rows` (`tokens`: with the fed tokens, else without)."""
+        inputs: dict[str, np.ndarray] = {}
+        for f in self.protocol.fills:
+            if f.fill in INPUT_FILLS and (tokens or f.fill != "token"):
+                values = self._fill_values(f, rows)
+                inputs[f.name] = np.asarray(values, dtype=numpy_dtype(f.dtype))
+        for t in self.protocol.page_tables:
+            inputs[t.name] = np.stack([self._table_row(r, t.width) for r in rows])
+        return inputs
+
+    def _table_row(self, rows: Rows, width: int) -> np.ndarray:
+        """A sequence's page-table row (its pages, then zeros), rebuilt only when its pages
+        change: a 32-sequence step rebuilt 32 rows of `width` from lists every call."""
+        kept = self._rows.get(rows.seq)
+        if kept is None or kept[1].shape[0] != width or kept[0] != rows.pages:
+            row = np.zeros(width, np.int32)
+            row[:len(rows.pages)] = rows.pages
+            kept = self._rows[rows.seq] = (list(rows.pages), row)
+        return kept[1]
+
+    def _fill_values(self, f: proto.Filled, rows: Sequence[Rows]) -> list[int] | np.ndarray:
+        ones = all(r.n == 1 for r in rows)  # a decode call: a row a sequence
+        if f.fill == "token":
+            if f.axis == "groups" or ones:
+                return [r.token(r.start) for r in rows]
+            return [t for r in rows for t in r.tokens()]
+        if f.fill == "position":
+            if ones:
+                return [r.start for r in rows]
+            return np.concatenate([np.arange(r.start, r.start + r.n) for r in rows])
+        if f.fill == "valid":
+            return [1] * sum(r.n for r in rows)
+        if f.fill == "slot":  # numpy: a 2048-row chunk's slots in Python took about 0.5 ms
+            stride = self.stride
+            if ones:
+                return [r.pages[r.start // stride] * stride + r.start % stride for r in rows]
+            return np.concatenate([slots(r.pages, stride, r.start, r.start + r.n)
+                                   for r in rows])
+        if f.fill == "seq_len":
+            return [r.start + r.n for r in rows]
+        if f.fill == "cu_seqlens":
+            ends = list(itertools.accumulate(r.n for r in rows))
+            return [0] + ends + [ends[-1]] * (f.axis.n - 1 - len(ends))  # type: ignore[union-attr]
+        return [0]  # span_at: no run in a plain call
+
+    # ------------------------------------------------------------------------ steps ahead
+
+    def feeder(self, forward: proto.Forward, groups: int) -> Feed | None:
+        """How a decode call of `forward` at `groups` sequences has its token input written
+        on the device from the token output of the call of `forward` before it
+        (`Session.feed`, row for row), worked out once; None where the stages cannot prove
+        the fed values fit that input's domain (`token_range`, `fits_domain`: those bytes
+        pass no host check), `forward` hands back no token, or the runner's stages are not
+        in this process."""
+        key = (forward.name, groups)
+        if key not in self._feeds:
+            self._feeds[key] = self._feeder(forward, self.protocol.vars(groups, groups,
+                                                                        groups, 1))
+        return self._feeds[key]
+
+    def _feeder(self, forward: proto.Forward, vars: dict[str, int]) -> Feed | None:
+        if forward.emits is None or not getattr(self.runner, "in_process", False):
+            return None
+        names = {f.name for f in self.protocol.fills if f.fill == "token"}
+        runs = [s for s in self.sessions if forward.name in s.sites]
+        if len(names) != 1 or not runs:
+            return None
+        name, source = next(iter(names)), runs[-1]
+        span = source.token_range(forward.name, forward.emits)
+        targets = [s for s in self.sessions if name in s.stage.host_inputs]
+        if span is None or not targets or not all(
+                t.fits_domain(name, *span, _vars_of(t, vars)) for t in targets):
+            return None
+
+        def feed(vars: dict[str, int]) -> None:
+            for target in targets:
+                target.feed(name, source, forward.emits, _vars_of(target, vars))
+
+        return feed
+
+
+def _vars_of(session: Session, vars: dict[str, int]) -> dict[str, int]:
+    """The vars of `vars` that `session`'s stage has."""
+    return {n: v for n, v in vars.items() if n in session.manifest.vars}
+
+
+
+def slots(pages: Sequence[int], stride: int, start: int, end: int) -> np.ndarray:
+    """The KV slots of positions [start, end) of a sequence holding `pages` of `stride`."""
+    positions = np.arange(start, end, dtype=np.int64)
+    return np.asarray(pages, dtype=np.int64)[positions // stride] * stride + positions % stride
+
+
+def _reads(man: m.Manifest, programs: list[str]) -> set[str]:
+    found: set[str] = set()
+    for name in programs:
+        program = man.programs.get(name)
+        for call in program.calls if program else ():
+            found |= call_access(call, man.ops.get(call.op)).buffer_reads
+    return found
+
+
+def _plain_inputs(sessions: Sequence[Session]) -> frozenset[str]:
+    """Host inputs of kind `input` in every stage that takes them (no op writes one)."""
+    kinds: dict[str, set[str]] = {}
+    for s in sessions:
+        for name in s.stage.host_inputs:
+            kinds.setdefault(name, set()).add(s.manifest.buffers[name].kind)
+    return frozenset(name for name, found in kinds.items() if found == {"input"})
