@@ -138,6 +138,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # Listening now: a client that reads "listening on" and connects before uvicorn has
+        # started waits in the backlog instead of being refused.
+        sock.listen(2048)
     except OSError as err:
         sock.close()
         raise KernccError.single(f"cannot listen on {host}:{port}: "
