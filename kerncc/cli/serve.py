@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
     _print_memory(bundle)
     with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
         engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
-                                      chunk=args.chunk))
+                                      chunk=args.chunk, prefix_cache=args.prefix_cache))
         model = args.served_model_name or bundle.stages[0].manifest.model
         server = Server(engine, model, codec, lenient=args.lenient,
                         api_key=args.api_key or config.api_key())
@@ -141,6 +141,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # Listening now: a client that reads "listening on" and connects before uvicorn has
+        # started waits in the backlog instead of being refused.
+        sock.listen(2048)
     except OSError as err:
         sock.close()
         raise KernccError.single(f"cannot listen on {host}:{port}: "
@@ -192,6 +195,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sequences served at once (default 8)")
     p.add_argument("--chunk", type=positive, metavar="N",
                    help="prefill rows per step (default: the rows bound)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="compute every prompt from its first token (default: full prompt "
+                   "pages are kept and shared by later prompts that begin alike)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (default: the "
                    "bundle's)")
     p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "

@@ -50,6 +50,7 @@ from kerncc.serve import sampling_hook
 from kerncc.serve import scheduler as sch
 from kerncc.serve.pack import Bounds
 from kerncc.serve.pool import KVPool
+from kerncc.serve.prefix import PrefixCache
 
 
 class Listener(Protocol):
@@ -99,6 +100,7 @@ class Config:
     depth: int | None = None  # items in flight; default: one per stage
     logits: bool = False  # keep every token's logits row on its request (tests, debugging)
     ahead: bool = True  # greedy decode steps issued a step ahead, tokens fed on the device
+    prefix_cache: bool = True  # full prompt pages kept for later prompts (kerncc.serve.prefix)
     runs: bool = False  # keep every call that fed a request on it (`Request.runs`)
 
 
@@ -116,6 +118,7 @@ class Engine:
     def __init__(self, runner: Session | Chain, config: Config = Config()) -> None:
         self.model = ModelRunner(runner)
         self.pool = KVPool(self.model.pages)
+        self.prefix = PrefixCache(self.pool, self.model.stride, config.prefix_cache)
         self.limits = self._limits(config)
         self.depth = config.depth or len(self.model.sessions)
         self.max_queue = config.max_queue
@@ -251,6 +254,7 @@ class Engine:
     def run_forever(self, idle: float = 0.05) -> None:
         """Serve until `stop` (or a fault, after which every request has been failed)."""
         self.model.reset()  # the runner may have run other work since the engine last served
+        self.prefix.forget()  # and written the pages it keeps
         while not self._stopping or self.requests:
             self._wake.clear()  # before the tick: a command queued during it wakes the wait
             if not self.tick():
@@ -263,6 +267,7 @@ class Engine:
     def run_until_idle(self) -> None:
         """Serve what was submitted until nothing is left (the command line's loop)."""
         self.model.reset()  # the runner may have run other work since the engine last served
+        self.prefix.forget()  # and written the pages it keeps
         while self.tick():
             pass
         self._notify()
@@ -279,6 +284,7 @@ class Engine:
             self._notify()
             return False
         try:
+            self._refresh_prefixes()
             if self._room():
                 plan = sch.schedule(self.state, self.limits)
                 if not plan.empty:
@@ -351,15 +357,41 @@ class Engine:
     # ------------------------------------------------------------------------ issuing
 
     def _issue(self, plan: sch.Plan) -> None:
+        self._share_prefixes(plan)  # before any take: a take may evict a cached page
         for victim in plan.preempted:  # recomputed later from its known tokens
             self.pool.release(victim)
+            self.prefix.released(victim)
             self.preemptions += 1
         for seq_id, more in plan.grants:
             if self.pool.take(seq_id, more) is None:
                 raise AssertionError("the scheduler granted pages the pool does not have")
         self.state = sch.apply(self.state, plan)
+        self._sync_pool()
         for item in plan.items:
             self.inflight.append(self._submit(item))
+            self.prefix.issued(item, self._prompt_of)
+
+    # ------------------------------------------------------------------------ prefix cache
+
+    def _refresh_prefixes(self) -> None:
+        """Tell the waiting sequences the next step may admit what the cache holds for them
+        (kerncc.serve.prefix.PrefixCache.refresh)."""
+        if self.state.waiting:
+            self.state = self.prefix.refresh(self.state, self.limits, self._prompt_of)
+
+    def _share_prefixes(self, plan: sch.Plan) -> None:
+        """The admitted sequences hold the cached pages the plan gave them."""
+        reused = dict(plan.reused)
+        for seq_id in plan.admitted:
+            self.prefix.admit(seq_id, reused.get(seq_id, 0), self.requests[seq_id].prompt)
+
+    def _prompt_of(self, seq_id: int) -> list[int]:
+        return self.requests[seq_id].prompt
+
+    def _sync_pool(self) -> None:
+        """The scheduler's free pages and shared counts, the pool's (only the pool knows
+        which pages a release frees when prompts share pages)."""
+        self.state = sch.synced(self.state, self.pool.free, self.pool.shared)
 
     def _submit(self, item: sch.Item, feed: Feed | None = None) -> _Flight:
         """Issue `item`; `feed`: its token input is written on the device from the call
@@ -495,6 +527,8 @@ class Engine:
         self.model.forget(request.id)
         self.state = sch.remove(self.state, request.id)
         self.pool.release(request.id)
+        self.prefix.released(request.id)
+        self._sync_pool()
         request.finish, request.error = reason, error
         if request.listener is not None:
             self._told.append((request, None))
@@ -524,17 +558,17 @@ def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max
                   chunk: int | None = None, max_running: int | None = None,
                   logits: bool = False, stop_ids: Collection[int] = (), ahead: bool = True,
                   params: sampling_hook.Params = sampling_hook.Params(),
-                  listener: Listener | None = None, runs: bool = False
-                  ) -> tuple[list[Request], Engine]:
+                  listener: Listener | None = None, runs: bool = False,
+                  prefix_cache: bool = True) -> tuple[list[Request], Engine]:
     """Serve every prompt together through an Engine; the finished requests, in prompt order
     (each one's `generated`, ending at one of `stop_ids` or after `max_new`, its `logits`
     rows with `logits` and its `runs` with `runs`), and the engine (its `calls` and `rows`);
-    every request samples by `params` and is heard by `listener`; `ahead`: Config.ahead.
-    Every prompt is checked before any is served."""
+    every request samples by `params` and is heard by `listener`; `ahead` and `prefix_cache`:
+    Config's. Every prompt is checked before any is served."""
     _check_kinds(max_new, chunk, params, stop_ids, listener)
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
                                    max_queue=max(1, len(prompts)), logits=logits,
-                                   ahead=ahead, runs=runs))
+                                   ahead=ahead, runs=runs, prefix_cache=prefix_cache))
     stops = frozenset(int(t) for t in stop_ids)
     requests = [Request(token_ids(p), max_new, params, stops, listener) for p in prompts]
     for number, request in enumerate(requests, 1):
