@@ -76,19 +76,40 @@ def input_path(index: Index, whole: str | Path | None) -> Path:
 
 def _input(index: Index, whole: str | Path | None
            ) -> tuple[m.Manifest, Callable[[str], Location]]:
-    """The input manifest and the locator of its text."""
+    """The input manifest and the locator of its text.
+
+    A path bundle.json records may lead anywhere beside the bundle (`..`), so nothing of the
+    file it names is shown until its bytes hash to the recorded sha256: it must name a
+    manifest (`.json`, `.kir`) and the bundle must record its sha256 before it is opened, and a
+    file that differs is said to differ, without its hash. WHOLE, named by the user, is theirs.
+    """
     path = input_path(index, whole)
+    expected = (index.data.get("input") or {}).get("sha256")
+    if whole is None:
+        _check_recorded_input(index, path, expected)
     try:
         data = read_regular(path, "the input manifest", index.limit)
     except FileRefused as err:  # at the command line's path, or where bundle.json names it
         raise (reader.at_file(path, err.message) if whole is not None
                else index.error(err.message, "/input/path")) from None
-    expected = (index.data.get("input") or {}).get("sha256")
     if expected is not None and reader.sha256(data) != expected:
-        raise index.error(f"the input manifest `{path}` was changed after emit: sha256 "
-                          f"{reader.sha256(data)}, the bundle recorded {expected}",
+        found = f": sha256 {reader.sha256(data)}, the bundle recorded {expected}" \
+            if whole is not None else ""
+        raise index.error(f"the input manifest `{path}` was changed after emit{found}",
                           "/input/sha256")
     return source.loads_with_locator(reader.text_of(data, path), path)
+
+
+def _check_recorded_input(index: Index, path: Path, expected: str | None) -> None:
+    """Refuse, before it is opened, an input path bundle.json records that names no manifest
+    or whose sha256 it does not record (nothing of another file may be shown)."""
+    if path.suffix not in (".json", ".kir"):
+        raise index.error(f"input `{index.data['input']['path']}` does not name a manifest "
+                          "(`.json` or `.kir`): it is not opened", "/input/path")
+    if expected is None:
+        raise index.error("the bundle records no sha256 of its input, so the file it names is "
+                          "not opened; name the whole manifest: kerncc check WHOLE BUNDLE",
+                          "/input/sha256")
 
 
 def check_bundle(directory: str | Path, whole: str | Path | None = None,
