@@ -111,3 +111,68 @@ def test_a_checkpoint_without_its_identity_is_not_opened(bundle, tmp_path):
                                           checkpoint_identity=None))
     code, text = cli("run", str(bundle), "--backend", "cpu", "--prompt", "1,2", "--max-new", "1")
     assert code == 1 and not leaks(text, secret) and "not opened" in text, text
+
+
+# ---------------------------------------------------------------------------------------------
+# 38.6: -o replaces only a folder kerncc marked; a crash midway leaves old or new
+
+
+def test_a_user_folder_that_looks_like_a_bundle_is_not_replaced(emitted, tmp_path):
+    mine = tmp_path / "mine"
+    shutil.copytree(emitted, mine)
+    (mine / ".kerncc-output").unlink()  # the user's folder: a bundle's files, no marker
+    before = sorted(p.name for p in mine.rglob("*"))
+    code, text = cli("lower", str(emitted.parent / "model.json"), "-p", "emit", "-o", str(mine))
+    assert code != 0 and "refusing to overwrite" in text
+    assert sorted(p.name for p in mine.rglob("*")) == before
+
+
+CRASH = """
+import os, sys
+from pathlib import Path
+from kerncc import atomic
+real = atomic.exchange
+step = sys.argv[1]
+def crash_before(a, b):
+    os._exit(9)
+def crash_after(a, b):
+    real(a, b)
+    os._exit(9)
+renames = []
+real_rename = Path.rename
+def crash_between(self, target):
+    renames.append(target)
+    if len(renames) == 2:
+        os._exit(9)
+    return real_rename(self, target)
+if step == "before":
+    atomic.exchange = crash_before
+elif step == "after":
+    atomic.exchange = crash_after
+else:
+    atomic.exchange = lambda a, b: False
+    Path.rename = crash_between
+with atomic.atomic_directory(sys.argv[2]) as tmp:
+    (tmp / "stage0.json").write_text("new")
+"""
+
+
+@pytest.mark.parametrize("step", ["before", "after", "between"])
+def test_a_crash_while_replacing_leaves_the_old_output_or_the_new(tmp_path, step):
+    import subprocess
+    import sys
+
+    from kerncc.atomic import atomic_directory, remove_leftovers
+
+    target = tmp_path / "out"
+    with atomic_directory(target) as tmp:
+        (tmp / "stage0.json").write_text("old")
+    done = subprocess.run([sys.executable, "-c", CRASH, step, str(target)], timeout=60)
+    assert done.returncode == 9
+    if step == "between":  # two renames: the next write puts the old output back first
+        remove_leftovers(target)
+    assert (target / "stage0.json").read_text() == ("new" if step == "after" else "old")
+    with atomic_directory(target) as tmp:  # and it is still kerncc's, replaced as usual
+        (tmp / "stage0.json").write_text("newer")
+    assert (target / "stage0.json").read_text() == "newer"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -189,7 +189,9 @@ def compare_derived(index: Index, files: list[StageFiles], derived: dict[str, An
     want = derived["bundle.json"]
     got = dict(index.data)
     for k, (entry, stage) in enumerate(zip(got.get("stages", []), files)):
-        missing = [key for key in _STAGE_SHAS if key not in entry]
+        # null stage_py_sha256 says there is no stage.py (the reader refuses one found)
+        missing = [key for key in _STAGE_SHAS if key not in entry or
+                   (entry[key] is None and key != "stage_py_sha256")]
         if missing:
             raise index.error(f"stage {k} records no `{missing[0]}`: the runtime would load "
                               "that file unchecked", f"/stages/{k}")
