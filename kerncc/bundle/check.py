@@ -227,6 +227,7 @@ def _compare_stage(stage: StageFiles, derived: dict[str, Any]) -> None:
         ours = derived.get(f"{stage.dir.name}/{name}")
         got = json.loads(theirs)  # the reader parsed it strictly already
         if name == "plan.json" and isinstance(ours, dict):
+            _check_listed_modules(got, stage)
             ours = _with_module_files(ours, stage)
         where = first_difference(got, ours, "")
         if where is not None:
@@ -235,6 +236,17 @@ def _compare_stage(stage: StageFiles, derived: dict[str, Any]) -> None:
                 f"stage {stage.index} {name} `{path}` differs at `{where or '/'}` from the stage "
                 "the recorded pipeline derives from the input manifest: it is not what the "
                 "bundle's input compiles to", locate(where))
+
+
+def _check_listed_modules(plan: Any, stage: StageFiles) -> None:
+    """Each module file plan.json lists is one the stage carries (checked by its sha256)."""
+    modules = plan.get("modules") if isinstance(plan, dict) else None
+    for digest, info in (modules.items() if isinstance(modules, dict) else ()):
+        listed = info.get("file") if isinstance(info, dict) else None
+        if listed is not None and digest not in stage.modules:
+            path = stage.dir / str(listed)
+            raise reader.at_file(path, f"stage {stage.index} plan.json lists the module file "
+                                 f"`{path}`, which is missing")
 
 
 def _with_module_files(plan: dict, stage: StageFiles) -> dict:
