@@ -110,6 +110,12 @@ class Bundle:
         """
         if path is None:
             return None
+        if not given and not isinstance(self.index.get("checkpoint_identity"), dict):
+            # the path bundle.json names may lead to any file: without the identity to check
+            # it against first, nothing of it (its size, its header) may reach a message
+            raise self._index.error(f"bundle.json names the checkpoint `{path}` but records no "
+                                    "`checkpoint_identity` to check it against, so it is not "
+                                    "opened (give it with --weights FILE)", "/checkpoint")
         if not Path(path).is_dir():  # a directory of shards is checked as it is opened
             try:
                 check_regular(Path(path), "checkpoint")

@@ -116,12 +116,28 @@ def read_index(bundle: str | Path, limit: int | None = None) -> Index:
 
 
 def _outside_paths(index: dict[str, Any]) -> list[tuple[str, str]]:
-    """The input's and the checkpoint's paths, when recorded, are relative to the bundle."""
+    """The input's and the checkpoint's paths, when recorded, are relative to the bundle, and
+    the checkpoint's names a checkpoint (a path that leads elsewhere is never opened)."""
     named = [("/checkpoint", "checkpoint", index.get("checkpoint")),
              ("/input/path", "input", (index.get("input") or {}).get("path"))]
-    return [(ptr, f"{what} `{path}` is not a relative path: a bundle names the files beside "
-                  "it relative to its folder") for ptr, what, path in named
-            if path and not is_recorded_path(path)]
+    problems = [(ptr, f"{what} `{path}` is not a relative path: a bundle names the files "
+                      "beside it relative to its folder") for ptr, what, path in named
+                if path and not is_recorded_path(path)]
+    checkpoint = index.get("checkpoint")
+    if not problems and isinstance(checkpoint, str) and checkpoint \
+            and not checkpoint.endswith(CHECKPOINT_SUFFIXES):
+        problems.append(("/checkpoint", f"checkpoint `{_shown_path(checkpoint)}` does not name "
+                         "a checkpoint (`.safetensors` or `.safetensors.index.json`): it is not "
+                         "opened"))
+    return problems
+
+
+# What a checkpoint bundle.json records is named (emit records model.safetensors or an index).
+CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def _shown_path(name: str) -> str:
+    return name.encode("unicode_escape").decode("ascii")[:200]
 
 
 def _short(value: Any) -> str:
@@ -383,10 +399,11 @@ def checkpoint_mismatch(index: Index, path: str | Path | None, given: bool) -> s
         return None
     what = "size" if found["bytes"] != recorded["bytes"] else "safetensors header"
     message = (f"checkpoint `{path}` is not the one the bundle was emitted with: its {what} "
-               f"differs from bundle.json's `checkpoint_identity` ({found['bytes']} bytes, header "
-               f"sha256 {found['header_sha256'][:12]}; recorded {recorded['bytes']} bytes, "
-               f"{recorded['header_sha256'][:12]})")
-    if given:
-        return message
+               "differs from bundle.json's `checkpoint_identity`")
+    if given:  # the user's own file: its size and hash may be shown
+        return message + (f" ({found['bytes']} bytes, header sha256 "
+                          f"{found['header_sha256'][:12]}; recorded {recorded['bytes']} bytes, "
+                          f"{recorded['header_sha256'][:12]})")
+    # a path bundle.json names may lead to any file: nothing of it is shown
     raise index.error(message + "; lower the manifest again, or give the checkpoint with "
                       "--weights to run it anyway", "/checkpoint_identity")
