@@ -251,6 +251,13 @@ def test_a_round_trip_renders_the_call_and_its_result(bundle):
     assert plain.usage.prompt_tokens < answer.usage.prompt_tokens  # no tools rendered
 
 
+def test_no_tools_with_auto_is_a_plain_answer(plain):
+    answer = httpx.post(f"{plain}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "max_tokens": 2, "messages": USER, "tools": [], "tool_choice": "auto"})
+    assert answer.status_code == 200, answer.text
+    assert "tool_calls" not in answer.json()["choices"][0]["message"]
+
+
 def test_chat_template_kwargs_reach_the_template(model, chain, tmp_path_factory):
     codec = _codec(model, tmp_path_factory, QWEN3_TEMPLATE)
     with serving(chain, MODEL, codec) as (url, _):
@@ -268,6 +275,8 @@ def test_chat_template_kwargs_reach_the_template(model, chain, tmp_path_factory)
 @pytest.mark.parametrize("body, param, words", [
     ({"tools": [WEATHER]}, "tools", "does not render `tools`"),
     ({"tool_choice": "required"}, "tool_choice", "needs `tools`"),
+    ({"tools": [], "tool_choice": {"type": "function", "function": {"name": "weather"}}},
+     "tool_choice", "not one of"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
      "tool_choice", "not one of"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "name"),

@@ -168,9 +168,9 @@ def _choice(value: Any, tools: list[dict]) -> tuple[str, str | None]:
     if value is None:
         return ("auto" if tools else "none"), None
     if value in ("none", "auto", "required"):
-        if value != "none" and not tools:
-            raise ToolError("tool_choice", f"`tool_choice` `{value}` needs `tools`")
-        return value, None
+        if value == "required" and not tools:
+            raise ToolError("tool_choice", "`tool_choice` `required` needs `tools`")
+        return (value if tools else "none"), None  # `auto` of no tools (tools: []) is none
     name = value.get("function", {}).get("name") if isinstance(value, dict) \
         and value.get("type") == "function" and isinstance(value.get("function"), dict) \
         else None
