@@ -8,7 +8,8 @@ thread, so the event loop never waits on the engine.
 Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids,
 or a list of prompts; max_tokens, temperature, top_p, top_k, seed, stop (up to 4 strings of up
 to 256 characters), stream, n, best_of, echo, logprobs, and the fields of kerncc.serve.fields),
-POST /v1/chat/completions (when the tokenizer has a chat template),
+POST /v1/chat/completions (when the tokenizer has a chat template; tools through
+kerncc.serve.tools),
 GET /v1/models (and /v1/models/{id}), GET /health (200, or 503 after a fault or while
 stopping), GET /metrics
 (Prometheus text). Errors are OpenAI's shape,
@@ -44,7 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kerncc.diagnostics import KernccError
-from kerncc.serve import fields, grammar, sampling_hook
+from kerncc.serve import fields, grammar, sampling_hook, tools
 from kerncc.serve.access import Access
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
 from kerncc.serve.metrics import Metrics
@@ -96,6 +97,7 @@ class Ask:
     prompts: tuple[tuple[int, ...], ...] = ()
     texts: tuple[str, ...] = ()  # each prompt's text, for `echo`
     options: fields.Options = fields.Options()
+    tools: tools.Plan | None = None  # a chat request's tools, rendered and parsed back
 
     @property
     def every_prompt(self) -> tuple[tuple[int, ...], ...]:
@@ -148,9 +150,10 @@ class Server:
         except fields.FieldError as err:
             raise ApiError(400, err.message, err.param) from None
         form = self._grammar(body)
+        plan, form = self._tool_plan(body, form) if chat else (None, form)
         try:
             if chat:
-                prompts, texts = [self._chat_prompt(body)], ("",)
+                prompts, texts = [self._chat_prompt(body, plan)], ("",)
             else:
                 prompts, texts = self._prompts(body.get("prompt"))
         except KernccError as err:  # the tokenizer or chat template refused the text
@@ -169,7 +172,7 @@ class Server:
         return Ask(prompt, max_new, params, self._stops(body.get("stop")),
                    bool(_field(body, "stream", bool, False)),
                    isinstance(options, dict) and bool(options.get("include_usage")), max_field,
-                   chat, tuple(tuple(p) for p in prompts), texts, served)
+                   chat, tuple(tuple(p) for p in prompts), texts, served, plan)
 
     def _known_fields(self, body: dict, chat: bool) -> None:
         """Refuse a field neither OpenAI's schema nor the server knows (`--lenient`: log it
@@ -211,6 +214,13 @@ class Server:
         if asked is None or body.get("response_format") == {"type": "text"} and not any(
                 body.get(name) is not None for name in grammar.FIELDS[1:]):
             return None
+        try:
+            return self._grammar_engine(asked).of(body)
+        except grammar.GrammarError as err:
+            raise ApiError(400, err.message, err.param) from None
+
+    def _grammar_engine(self, asked: str) -> grammar.Grammars:
+        """The server's grammars (made at the first asked), for the field `asked`."""
         if not grammar.available():
             raise ApiError(400, f"`{asked}` needs llguidance: pip install 'kerncc[serve]'",
                            asked)
@@ -221,10 +231,27 @@ class Server:
                            asked, "no_tokenizer")
         if self._grammars is None:
             self._grammars = grammar.Grammars(codec, self.engine.model.vocab, min(self.text.eos))
+        return self._grammars
+
+    def _tool_plan(self, body: dict, form: Any) -> tuple[tools.Plan | None, Any]:
+        """A chat request's tools (kerncc.serve.tools) and the grammar its output follows:
+        `form`, or the forced call's for `tool_choice` required or a named function."""
+        template = getattr(getattr(self.text, "codec", None), "template", None)
         try:
-            return self._grammars.of(body)
-        except grammar.GrammarError as err:
+            plan = tools.plan(body, template if isinstance(template, str) else None)
+        except tools.ToolError as err:
             raise ApiError(400, err.message, err.param) from None
+        lark = plan.grammar() if plan is not None else None
+        if lark is None:
+            return plan, form
+        if form is not None:
+            raise ApiError(400, "`tool_choice` forces a tool call, and a `response_format` or "
+                           "guided field constrains the output too: give one", "tool_choice")
+        try:
+            return plan, self._grammar_engine("tool_choice").lark("tool_choice", lark)
+        except grammar.GrammarError as err:
+            raise ApiError(400, f"{err.message} (the grammar of the tools' `parameters`)",
+                           "tools") from None
 
     def _prompts(self, prompt: Any) -> tuple[list[list[int]], tuple[str, ...]]:
         """A completions request's prompts (a list of texts or of token-id lists is several)
@@ -251,18 +278,16 @@ class Server:
             return [int(t) for t in prompt]
         raise ApiError(400, "`prompt` must be a string or a list of token ids", "prompt")
 
-    def _chat_prompt(self, body: dict) -> list[int]:
+    def _chat_prompt(self, body: dict, plan: tools.Plan | None = None) -> list[int]:
         if self.text is None or not self.text.chat:
             raise ApiError(400, "model has no chat template: use /v1/completions", "messages",
                            "no_chat_template")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
-            raise ApiError(400, "`messages` must be a non-empty list of {role, content} "
-                           "strings", "messages")
-        return self.text.chat_prompt([{"role": m["role"], "content": m["content"]}
-                                      for m in messages])
+        try:  # the history's tool calls and results; chat_template_kwargs and the tools
+            messages = tools.messages(body.get("messages"))
+            variables = tools.template_variables(body, plan)
+        except tools.ToolError as err:
+            raise ApiError(400, err.message, err.param) from None
+        return self.text.chat_prompt(messages, variables)
 
     def _stops(self, stop: Any) -> tuple[str, ...]:
         stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
@@ -768,13 +793,47 @@ def _choice(server: Server, ask: Ask, chat: bool, pieces: list[_Piece], index: i
     choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": ids}
     wants = ask.options.logprobs is not None
     if chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"], choice["finish_reason"] = _tool_message(ask, text, finish)
         choice["logprobs"] = _chat_logprobs(server, heard) if wants else None
     else:
         echo = prompt_text if ask.options.echo else ""
         choice.update(text=echo + text,
                       logprobs=_text_logprobs(server, heard, 0)[0] if wants else None)
     return choice
+
+
+def _tool_message(ask: Ask, text: str, finish: str) -> tuple[dict[str, Any], str]:
+    """A chat choice's message (its tool calls parsed out of the text, when it has tools)
+    and finish reason (`tool_calls` when it ended on them)."""
+    if ask.tools is None:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = tools.parse(ask.tools.format, text)
+    calls = tools.limited(ask.tools, calls)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    return ({"role": "assistant", "content": content, "tool_calls": calls},
+            "tool_calls" if finish == "stop" else finish)
+
+
+def _chat_delta(ask: Ask, streams: dict[int, tools.Stream], index: int, piece: _Piece
+                ) -> tuple[dict[str, Any], str | None]:
+    """A streamed chat piece's delta and finish reason: its text, or with tools what of it
+    is content now and the calls completed (`delta.tool_calls`)."""
+    if ask.tools is None:
+        return ({"content": piece.text} if piece.text or piece.token_ids else {}), piece.finish
+    stream = streams.setdefault(index, tools.Stream(ask.tools))
+    before = stream.calls
+    content, calls = stream.push(piece.text)
+    if piece.finish:
+        more, last = stream.finish()
+        content, calls = content + more, calls + last
+    delta: dict[str, Any] = {}
+    if content or (piece.token_ids and not calls):
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = [{"index": before + k, **c} for k, c in enumerate(calls)]
+    finish = "tool_calls" if piece.finish == "stop" and stream.calls else piece.finish
+    return delta, finish
 
 
 # ---------------------------------------------------------------------------------------------
@@ -838,6 +897,7 @@ async def _sse(server: Server, ask: Ask, chat: bool, first: tuple[int, _Piece] |
     count = 0
     wants = ask.options.logprobs is not None
     offsets: dict[int, int] = {}  # completions' text offset, by choice (logprobs)
+    streams: dict[int, tools.Stream] = {}  # chat choices' tool-call parsers, by choice
     texts = ask.texts or ("",)
     choices = len(texts) * ask.options.n
 
@@ -848,7 +908,7 @@ async def _sse(server: Server, ask: Ask, chat: bool, first: tuple[int, _Piece] |
         choice: dict[str, Any] = {"index": index, "finish_reason": piece.finish,
                                   "token_ids": piece.token_ids}
         if chat:
-            choice["delta"] = {"content": piece.text} if piece.text or piece.token_ids else {}
+            choice["delta"], choice["finish_reason"] = _chat_delta(ask, streams, index, piece)
             choice["logprobs"] = _chat_logprobs(server, piece.heard) if wants else None
             return event({**head, "choices": [choice]})
         text = piece.text

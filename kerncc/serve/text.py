@@ -44,8 +44,13 @@ class Text:
         this codec, which decodes a short window of recent ids per id."""
         return TextStream(self)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        made = self.codec.apply_chat_template(messages, add_generation_prompt=True)
+    def chat_prompt(self, messages: list[dict[str, Any]],
+                    variables: dict[str, Any] | None = None) -> list[int]:
+        """The prompt of `messages` by the chat template; `variables` reach the template as
+        Hugging Face's apply_chat_template passes its extra arguments (`tools`,
+        chat_template_kwargs such as `enable_thinking`)."""
+        made = self.codec.apply_chat_template(messages, add_generation_prompt=True,
+                                              **(variables or {}))
         if not isinstance(made, str):
             return [int(t) for t in made]
         try:  # the template writes its own special tokens (as transformers encodes it)
