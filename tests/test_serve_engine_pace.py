@@ -1,0 +1,124 @@
+"""Serving at the device's pace (issue 40): sampled requests drawn on the device and fed to
+the next step like greedy ones, prefill chunks interleaved with the running decodes within a
+step's token budget, and the step after planned while the device runs the step before.
+
+Every property is checked on the cpu backend against the steps one at a time (ahead off, the
+tokens drawn on the host), tokens and logits bit for bit, and structurally on the simulated
+device (bench/simulated.py): never by a timing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kerncc.example import generate
+from kerncc.lower import lower_to_bundle
+from kerncc.runtime import Chain
+from kerncc.runtime.sampling import SamplingParams, sample_logits
+from kerncc.serve import sampling_hook
+from kerncc.serve.engine import Config, Engine, Request
+from reference_loop import reference
+
+SAMPLED = (sampling_hook.Params(temperature=0.8, top_p=0.95, seed=11),
+           sampling_hook.Params(temperature=1.3, top_k=5, seed=12),
+           sampling_hook.Params(temperature=0.6, top_k=40, top_p=0.9, seed=2**63 + 5))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    manifest, _ = generate(tmp_path_factory.mktemp("tiny"), "tiny")
+    return manifest
+
+
+@pytest.fixture(scope="module")
+def whole(model) -> Chain:
+    return Chain(lower_to_bundle(model))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(40)
+    return [rng.integers(0, 256, n).tolist() for n in (3, 17, 9, 30, 1, 12)]
+
+
+def served(runner, prompts, params, max_new=24, stops=(), **config):
+    """Every prompt with its params, all admitted at once; the requests and the engine."""
+    engine = Engine(runner, Config(max_running=len(prompts), logits=True, **config))
+    requests = [engine.submit(Request(p, max_new, q, frozenset(stops)))
+                for p, q in zip(prompts, params)]
+    engine.run_until_idle()
+    assert all(r.finish in ("length", "stop") for r in requests)
+    assert engine.pool.free == engine.pool.pages
+    return requests, engine
+
+
+def mixed(n: int) -> list[sampling_hook.Params]:
+    """Every other request samples (three kinds of params), the rest are greedy."""
+    return [SAMPLED[i // 2 % 3] if i % 2 else sampling_hook.Params() for i in range(n)]
+
+
+def test_sampled_requests_go_ahead_with_the_tokens_of_steps_one_at_a_time(whole, prompts):
+    """Greedy and sampled sequences in one batch: drawn on the device and fed to the next
+    step, the tokens and logits of the steps one at a time with host draws, bit for bit;
+    the steady decode goes ahead (without the device draw and feed it cannot)."""
+    params = mixed(len(prompts))
+    one, _ = served(whole, prompts, params, ahead=False, draw_on_device=False)
+    stops = [one[1].generated[7], one[4].generated[12]]  # a sampled and a greedy one stop
+    one, _ = served(whole, prompts, params, stops=stops, ahead=False, draw_on_device=False)
+    ahead, engine = served(whole, prompts, params, stops=stops)
+    assert engine.ahead_steps >= 10, "the sampled batch went ahead"
+    assert [r.finish for r in one] == [r.finish for r in ahead]
+    for a, b in zip(one, ahead):
+        assert a.generated == b.generated
+        assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                              np.stack(b.logits).view(np.uint32))
+    greedy = reference(whole, prompts[1], 24).tokens
+    assert ahead[1].generated[:len(greedy)] != greedy[:len(ahead[1].generated)], \
+        "sampling at temperature 0.8 changes something"
+
+
+def test_a_token_drawn_on_the_cpu_device_is_the_host_draw_for_its_counter(whole, prompts):
+    """The cpu backend draws on the device with the numpy reference of the kernel's ABI:
+    every sampled token equals `sample_logits` over the step's logits row with the counter
+    (0, its index), the host draw; greedy tokens are the argmax."""
+    params = mixed(4)
+    requests, engine = served(whole, prompts[:4], params, max_new=16)
+    assert engine.ahead_steps > 0
+    for request, p in zip(requests, params):
+        native = sampling_hook.prepare(p) or SamplingParams()
+        rows = np.stack(request.logits)
+        for step, token in enumerate(request.generated):
+            host = sample_logits(rows, [step], [native], [(0, step)])
+            assert token == int(host[0]), (request.id, step)
+
+
+def test_the_device_draw_is_the_one_run_a_step_at_a_time_with_the_draw_on_it(whole, prompts):
+    """Ahead off, the draw on the device: the same tokens as ahead on (the feed changes no
+    token) and as the host draw."""
+    params = mixed(len(prompts))
+    host, _ = served(whole, prompts, params, ahead=False, draw_on_device=False)
+    device, engine = served(whole, prompts, params, ahead=False)
+    assert engine.ahead_steps == 0
+    assert [r.generated for r in host] == [r.generated for r in device]
+
+
+@pytest.mark.parametrize("extra", [dict(presence_penalty=0.5), dict(logit_bias=((3, 2.0),)),
+                                   dict(logprobs=2)])
+def test_a_request_processed_on_the_host_keeps_its_batch_a_step_at_a_time(whole, prompts,
+                                                                          extra):
+    """Penalties, a logit bias and logprobs are host-side: a batch holding such a request
+    draws on the host and does not go ahead; its tokens are those of the host draw."""
+    params = [sampling_hook.Params(temperature=0.8, seed=5, **extra), SAMPLED[0]]
+    ahead, engine = served(whole, prompts[:2], params, max_new=10)
+    one, _ = served(whole, prompts[:2], params, max_new=10, ahead=False,
+                    draw_on_device=False)
+    assert engine.ahead_steps == 0
+    assert [r.generated for r in one] == [r.generated for r in ahead]
+
+
+def test_draws_on_the_host_keep_sampled_steps_one_at_a_time(whole, prompts):
+    """Config(draw_on_device=False): the tokens come back before the next step is issued."""
+    _, engine = served(whole, prompts[:2], [SAMPLED[0], sampling_hook.Params()], max_new=12,
+                       draw_on_device=False)
+    assert engine.ahead_steps == 0
