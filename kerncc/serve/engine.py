@@ -97,6 +97,9 @@ class Config:
     max_running: int = 8  # sequences decoded together (bounded by the decode forward too)
     max_queue: int = 256  # requests waiting for admission before new ones are refused
     chunk: int | None = None  # prefill rows per step; default: the rows bound
+    # most rows a step feeds, decodes and prefill chunks together (scheduler.Limits): None,
+    # `chunk` rows of prefill beside every decode
+    step_tokens: int | None = None
     depth: int | None = None  # items in flight; default: one per stage
     logits: bool = False  # keep every token's logits row on its request (tests, debugging)
     ahead: bool = True  # decode steps issued a step ahead, tokens fed on the device
@@ -163,6 +166,10 @@ class Engine:
         seqs = chunk.groups if packs else 1
         if chunk is None:  # prefill one row at a time through the one-row program
             chunk_rows = 1
+        if config.step_tokens is not None and not (is_whole(config.step_tokens)
+                                                   and config.step_tokens >= 1):
+            raise KernccError.single(f"step_tokens {config.step_tokens!r}: expected a whole "
+                                     "number >= 1 (rows a step feeds)")
         # Without a context var nothing bounds a call's summed context but the sequences'.
         context = protocol.context.max if protocol.context else self.capacity * seqs
         decode_groups = max(1, protocol.max_groups(1)) if model.step_program else 1
@@ -170,7 +177,7 @@ class Engine:
                           decode_groups=decode_groups,
                           chunk=Bounds(chunk_rows, seqs, context),
                           max_running=max(1, config.max_running),
-                          chunk_emits=model.chunk_emits)
+                          chunk_emits=model.chunk_emits, step_tokens=config.step_tokens)
 
     @property
     def capacity(self) -> int:
