@@ -122,3 +122,72 @@ def test_draws_on_the_host_keep_sampled_steps_one_at_a_time(whole, prompts):
     _, engine = served(whole, prompts[:2], [SAMPLED[0], sampling_hook.Params()], max_new=12,
                        draw_on_device=False)
     assert engine.ahead_steps == 0
+
+
+def test_a_step_token_budget_changes_no_token(whole, prompts):
+    """Config(step_tokens): prefill chunks interleaved with the running decodes within the
+    budget give every request the tokens and logits of the steps without one."""
+    params = mixed(len(prompts))
+    free, _ = served(whole, prompts, params, chunk=8, ahead=False, draw_on_device=False)
+    tight, engine = served(whole, prompts, params, chunk=8, step_tokens=3)
+    for a, b in zip(free, tight):
+        assert a.generated == b.generated
+        assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                              np.stack(b.logits).view(np.uint32))
+    with pytest.raises(Exception, match="step_tokens 0"):
+        Engine(whole, Config(step_tokens=0))
+
+
+class Watched:
+    """bench/simulated.py's device that logs, in order, every replay (a step issued) and
+    every output read (`result()` of a download: which step's, and how many steps had been
+    issued when it was read)."""
+
+    def __new__(cls, step_ms: float):
+        from bench.simulated import Device
+
+        class _Watched(Device):
+            def __init__(self) -> None:
+                super().__init__(step_ms)
+                self.reads: list[tuple[int, int]] = []  # (step read, steps issued by then)
+
+            def download_async(self, allocation, offset, nbytes):
+                later, step, device = super().download_async(allocation, offset, nbytes), \
+                    len(self.replays), self
+
+                class _Read:
+                    def result(self):
+                        device.reads.append((step, len(device.replays)))
+                        return later.result()
+
+                return _Read()
+
+        return _Watched()
+
+
+@pytest.mark.parametrize("params", ["greedy", "sampled", "mixed"])
+@pytest.mark.parametrize("ahead", [True, False])
+def test_on_the_simulated_device_each_decode_step_is_issued_before_the_last_is_read(
+        model, prompts, params, ahead):
+    """The structure behind `bench.serve --backend sim`'s device wait: in the steady decode
+    of greedy, sampled and mixed batches, step k + 1 is issued before step k's outputs are
+    read, so the device never waits for the host to read them (ahead off, the control:
+    every step is read before the next is issued). No timing is asserted."""
+    device = Watched(0.2)
+    chain = Chain(lower_to_bundle(model), backend=device, graphs=True)
+    kinds = {"greedy": [sampling_hook.Params()] * 4, "sampled": list(SAMPLED) + [SAMPLED[0]],
+             "mixed": mixed(4)}[params]
+    engine = Engine(chain, Config(max_running=4, ahead=ahead))
+    requests = [engine.submit(Request(p, 20, q)) for p, q in zip(prompts[:4], kinds)]
+    engine.run_until_idle()
+    assert all(r.finish == "length" and len(r.generated) == 20 for r in requests)
+    steps = len(device.replays)
+    # the steady decode: past the prefill and the first decode step, short of the last two
+    steady = [(step, issued) for step, issued in device.reads
+              if steps - 2 > step > steps - 17]
+    assert len(steady) >= 14
+    if ahead:
+        assert all(issued > step for step, issued in steady), steady
+        assert engine.ahead_steps >= 15
+    else:
+        assert all(issued == step for step, issued in steady), steady
