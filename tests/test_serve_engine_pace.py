@@ -191,3 +191,27 @@ def test_on_the_simulated_device_each_decode_step_is_issued_before_the_last_is_r
         assert engine.ahead_steps >= 15
     else:
         assert all(issued == step for step, issued in steady), steady
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_sampled_steps_ahead_give_the_bits_of_the_device_draw_a_step_at_a_time(
+        model, prompts):
+    """On cuda the draw is the sampling kernel's: ahead on (drawn into the token output and
+    fed on the device) and ahead off (the same kernel, each step waited for) give the same
+    tokens and logits, bit for bit, and the sampled batch goes ahead."""
+    from bundles import close_chains, cuda_chain
+
+    chain = cuda_chain(lower_to_bundle(model))
+    try:
+        params = mixed(len(prompts))
+        one, _ = served(chain, prompts, params, ahead=False)
+        ahead, engine = served(chain, prompts, params)
+        assert engine.ahead_steps >= 10, "the sampled batch went ahead"
+        for a, b in zip(one, ahead):
+            assert a.generated == b.generated
+            assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                                  np.stack(b.logits).view(np.uint32))
+        greedy = reference(chain, prompts[1], 24).tokens
+        assert ahead[1].generated != greedy, "sampling changed something"
+    finally:
+        close_chains(chain)
