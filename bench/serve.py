@@ -18,6 +18,7 @@ Bounded: a level stops after --budget seconds.
   python -m bench.serve --size tiny --backend cpu --levels 1,4 --max-tokens 16
   python -m bench.serve --size small --backend sim --step-ms 2.0        # no GPU
   python -m bench.serve --size small --backend sim --ahead ab           # A/B
+  python -m bench.serve --size small --backend sim --sampled 0.5        # half of them sample
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def one(url: str, model: str, prompt: list[int], max_tokens: int
-              ) -> tuple[float, list[float], int]:
+async def one(url: str, model: str, prompt: list[int], max_tokens: int,
+              sampled: dict[str, Any] | None = None) -> tuple[float, list[float], int]:
     """(TTFT, ITLs, tokens) of one streaming request, each token timed when its bytes arrive.
 
     HTTP/1.1 by hand over asyncio's streams: httpx's stream reader handed the tokens of a
@@ -64,7 +65,7 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int
     started = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, int(port))
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                       "stream": True}).encode()
+                       "stream": True, **(sampled or {})}).encode()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
                  b"application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
                  % (host.encode(), len(body)) + body)
@@ -93,18 +94,19 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int
 
 
 async def level(url: str, model: str, concurrency: int, prompts: list[list[int]],
-                max_tokens: int, budget: float) -> dict[str, float]:
+                max_tokens: int, budget: float, sampled: float = 0.0) -> dict[str, float]:
     gate = asyncio.Semaphore(concurrency)
     deadline = time.perf_counter() + budget
     results: list[tuple[float, list[float], int]] = []
 
-    async def run(prompt: list[int]) -> None:
+    async def run(number: int, prompt: list[int]) -> None:
         async with gate:
             if time.perf_counter() < deadline:
-                results.append(await one(url, model, prompt, max_tokens))
+                results.append(await one(url, model, prompt, max_tokens,
+                                         _sampling(number, sampled)))
 
     started = time.perf_counter()
-    await asyncio.gather(*(run(p) for p in prompts))
+    await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - started
     ttft = [r[0] for r in results]
     itl = [x for r in results for x in r[1]]
@@ -112,6 +114,15 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
     return {"requests": len(results), "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99)}
+
+
+def _sampling(number: int, fraction: float) -> dict[str, Any] | None:
+    """Request `number`'s sampling fields: `fraction` of the requests, spread evenly (so that
+    every batch mixes them), sample at temperature 0.8, top-p 0.95, a seed each; the rest
+    are greedy (None)."""
+    if int((number + 1) * fraction) == int(number * fraction):
+        return None
+    return {"temperature": 0.8, "top_p": 0.95, "seed": number}
 
 
 def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True
@@ -164,6 +175,16 @@ def _milliseconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction, got `{text}`") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.splitlines()[0])
     REPORT.add_options(p)
@@ -187,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--budget", type=float, default=120.0, help="seconds per level at most")
+    p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
+                   "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
+                   "greedy)")
     args = p.parse_args(argv)
 
     folder = Path(args.dir) / f"{args.size}-{args.max_seqs}"
@@ -248,7 +272,8 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
     for conc in levels:
         prompts = [rng.integers(0, vocab, args.prompt_len).tolist()
                    for _ in range(conc * args.requests_per_level)]
-        row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget))
+        row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget,
+                                args.sampled))
         conn.send("idle")
         row["idle_us"] = conn.recv()
         rows.append((conc, row))
@@ -260,8 +285,8 @@ def report(args: argparse.Namespace, stages: int, rows: list[tuple[int, dict]],
     sim = args.backend == "sim"
     print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
-          f"{args.prompt_len}, max_tokens {args.max_tokens}, a step ahead "
-          f"{'on' if ahead else 'off'}")
+          f"{args.prompt_len}, max_tokens {args.max_tokens}, sampled {args.sampled:g}, a step "
+          f"ahead {'on' if ahead else 'off'}")
     if sim:
         print(f"simulated device: {args.step_ms} ms a step; its idle time counts a sleep's "
               f"late wake-up here, {wake_us:.0f} us, which a GPU does not pay")

@@ -1,8 +1,9 @@
 """Backends for timing the host on the CPU: launches that compute nothing, and a simulated
 device whose work takes time on its own timeline while the host goes on, as a GPU's stream.
 
-* `Idle`: the cpu backend with launches that do nothing and graphs that replay nothing, so
-  what is timed is the Python between two steps (bench/host_step.py).
+* `Idle`: the cpu backend with launches that do nothing and graphs that replay nothing (and
+  tokens drawn on the device that are not drawn), so what is timed is the Python between
+  two steps (bench/host_step.py).
 * `Device(step_ms)`: `Idle` whose graph replays each keep the device busy `step_ms` after
   the work before them, queued as on a stream. The host does not wait at the replay; it waits
   when it takes an output (`download_async(...).result()`) for the device to finish what was
@@ -45,6 +46,10 @@ class Idle(CpuBackend):
 
     def replay(self, graph) -> None:
         self.replays.append(time.perf_counter())
+
+    def sample_into(self, session, buffer, output, params, counters) -> None:
+        """Tokens drawn on the device (kerncc.runtime.sampling.sample_into): a launch that
+        computes nothing, as every other one here (on a GPU a kernel after the step)."""
 
 
 class _Later:

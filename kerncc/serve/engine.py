@@ -97,9 +97,15 @@ class Config:
     max_running: int = 8  # sequences decoded together (bounded by the decode forward too)
     max_queue: int = 256  # requests waiting for admission before new ones are refused
     chunk: int | None = None  # prefill rows per step; default: the rows bound
+    # most rows a step feeds, decodes and prefill chunks together (scheduler.Limits): None,
+    # `chunk` rows of prefill beside every decode
+    step_tokens: int | None = None
     depth: int | None = None  # items in flight; default: one per stage
     logits: bool = False  # keep every token's logits row on its request (tests, debugging)
-    ahead: bool = True  # greedy decode steps issued a step ahead, tokens fed on the device
+    ahead: bool = True  # decode steps issued a step ahead, tokens fed on the device
+    # plain sampled requests of a decode call drawn on the device (else on the host, a step
+    # at a time): the same tokens either way
+    draw_on_device: bool = True
     prefix_cache: bool = True  # full prompt pages kept for later prompts (kerncc.serve.prefix)
     runs: bool = False  # keep every call that fed a request on it (`Request.runs`)
 
@@ -110,6 +116,7 @@ class _Flight:
     forward: proto.Forward
     pending: Any
     requests: list[Request]
+    drawn: bool = False  # its sampled tokens were drawn on the device into its token output
 
 
 class Engine:
@@ -123,6 +130,7 @@ class Engine:
         self.depth = config.depth or len(self.model.sessions)
         self.max_queue = config.max_queue
         self.keep_logits, self.keep_runs = config.logits, config.runs
+        self.draw_on_device = config.draw_on_device
         self.state = sch.State((), (), self.pool.pages)
         self.requests: dict[int, Request] = {}
         self.inflight: deque[_Flight] = deque()
@@ -158,6 +166,10 @@ class Engine:
         seqs = chunk.groups if packs else 1
         if chunk is None:  # prefill one row at a time through the one-row program
             chunk_rows = 1
+        if config.step_tokens is not None and not (is_whole(config.step_tokens)
+                                                   and config.step_tokens >= 1):
+            raise KernccError.single(f"step_tokens {config.step_tokens!r}: expected a whole "
+                                     "number >= 1 (rows a step feeds)")
         # Without a context var nothing bounds a call's summed context but the sequences'.
         context = protocol.context.max if protocol.context else self.capacity * seqs
         decode_groups = max(1, protocol.max_groups(1)) if model.step_program else 1
@@ -165,7 +177,7 @@ class Engine:
                           decode_groups=decode_groups,
                           chunk=Bounds(chunk_rows, seqs, context),
                           max_running=max(1, config.max_running),
-                          chunk_emits=model.chunk_emits)
+                          chunk_emits=model.chunk_emits, step_tokens=config.step_tokens)
 
     @property
     def capacity(self) -> int:
@@ -400,12 +412,13 @@ class Engine:
         rows = [Rows(r.id, r.prompt, r.generated, self.pool.held(r.id), start, n)
                 for r, (_, start, n) in zip(requests, item.parts)]
         forward = self.model.forward(item.kind, len(rows))
+        draws = self._draws(item, forward, requests)
         wanted = {forward.emits} if forward.emits and item.emits else set()
         if (self.keep_logits and (item.emits or self.keep_runs)) or (
-                item.emits and any(r.sampler is not None for r in requests)):
+                item.emits and draws is None and any(r.sampler is not None for r in requests)):
             wanted.add(LOGITS)
         try:
-            pending = self.model.submit(forward, rows, wanted, feed)
+            pending = self.model.submit(forward, rows, wanted, feed, draws)
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, forward, requests) from None
         if item.kind == "decode":
@@ -413,7 +426,21 @@ class Engine:
         self.calls[forward.name] += 1
         self.rows[forward.name] += sum(r.n for r in rows)
         self.packed += item.kind == "chunk" and len(rows) > 1
-        return _Flight(item, forward, pending, requests)
+        return _Flight(item, forward, pending, requests, draws is not None)
+
+    def _draws(self, item: sch.Item, forward: proto.Forward, requests: list[Request]
+               ) -> Any:
+        """How a decode item's sampled tokens are drawn on the device (sampling_hook.
+        device_draws), or None: on the host, or all greedy. The counter of the token a row
+        at position `start` draws is its index among the generated ones, start + 1 - prompt,
+        which the host knows before the tokens before it are here."""
+        if (item.kind != "decode" or not item.emits or not self.draw_on_device
+                or all(r.sampler is None for r in requests)
+                or not self.model.draws_on_device(forward)):
+            return None
+        return sampling_hook.device_draws(
+            [r.sampler if r.id in item.emits else None for r in requests],
+            [start + 1 - len(r.prompt) for r, (_, start, _) in zip(requests, item.parts)])
 
     # ------------------------------------------------------------------------ a step ahead
 
@@ -435,8 +462,10 @@ class Engine:
         if len(self.state.running) != len(item.parts) or sch.admits(self.state, self.limits):
             return False  # the scheduler would plan more than this step
         grants = []
+        if not flight.drawn and any(r.sampler is not None for r in requests):
+            return False  # some token is drawn on the host: nothing to feed on the device
         for request, (seq_id, start, _) in zip(requests, item.parts):
-            if (self.requests.get(seq_id) is not request or request.sampler is not None
+            if (self.requests.get(seq_id) is not request
                     or len(request.generated) + 2 > request.max_new
                     or (start + 1) // self.stride >= self.limits.pages_per_seq):
                 return False
@@ -482,8 +511,8 @@ class Engine:
             return
         # a row of the outputs per sequence of the call (a chunk's: its last row's token)
         drawn = sampling_hook.tokens(outputs, flight.forward.emits, LOGITS,
-                                     [r.sampler if r.id in item.emits else None
-                                      for r in flight.requests],
+                                     [r.sampler if r.id in item.emits and not flight.drawn
+                                      else None for r in flight.requests],
                                      [len(r.generated) for r in flight.requests])
         now = time.perf_counter()
         rows = np.asarray(outputs[LOGITS]).reshape(len(drawn), -1) \

@@ -16,13 +16,21 @@ The order of the feeding depends on the chunk program (`Limits.chunk_emits`):
 So a step holds
 * chunk items: the running sequences with prefill rows to go, packed by `pack()` (spec §6.2)
   when the chunk program takes several sequences (a `cu_seqlens` fill), else one sequence per
-  call; either way at most `chunk.rows` rows per step, so decodes are never starved; an item
-  lists in `emits` the sequences whose token it hands back;
+  call; either way at most `chunk.rows` rows per step, and with a step budget
+  (`Limits.step_tokens`) at most what the step's decode rows leave of it, but never fewer
+  than `prefill_floor` rows (`prefill_rows`), so that neither starves: the running streams
+  decode every step while a newcomer's prompt is fed, and the prompt advances however many
+  streams run; an item lists in `emits` the sequences whose token it hands back;
 * decode items, after them: every running sequence with only its last token to feed and no
   call in flight that will hand it a token (a chunk in flight that does not is fine: calls run
   in issue order), oldest first, `decode_groups` per call (the protocol's multi-sequence
   forward), and every recomputed sequence replaying a generated token (below). Without chunk
   tokens, a sequence whose prefill ends in this step's chunk decodes in this step.
+Decode rows stay in the decode program and prefill rows in the chunk program, two calls of
+one step: a decode row's bits must not depend on whether a prefill rides beside it, and the
+chunk program's row is not the decode program's bit for bit (issue 40's determinism
+contract), so the step interleaves the two programs within its budget rather than mixing
+rows in one call.
 
 Pages (`stride` tokens each) are granted oldest first as items need them. When the pool runs
 dry the newest running sequence with nothing in flight is preempted (its pages freed, its
@@ -137,6 +145,23 @@ class Limits:
     chunk: Bounds  # one chunk call: rows, sequences (1: one-sequence chunks), context
     max_running: int
     chunk_emits: bool = False  # the chunk program hands back each sequence's next token
+    # Most rows one step feeds, decode and prefill together (None: `chunk.rows` of prefill
+    # beside every decode row); decode rows all go first, prefill gets the rest, at least
+    # `prefill_floor` (see `prefill_rows`)
+    step_tokens: int | None = None
+
+    @property
+    def prefill_floor(self) -> int:
+        """Prefill rows a step feeds whatever its decodes take (a page's worth, at most a
+        chunk): a newcomer's prompt advances every step."""
+        return min(self.chunk.rows, self.stride)
+
+    def prefill_rows(self, decodes: int) -> int:
+        """Prefill rows a step may feed beside `decodes` decode rows: what the step budget
+        leaves, between `prefill_floor` and `chunk.rows`."""
+        if self.step_tokens is None:
+            return self.chunk.rows
+        return min(self.chunk.rows, max(self.prefill_floor, self.step_tokens - decodes))
 
 
 @attrs.frozen
@@ -227,8 +252,10 @@ def schedule(state: State, limits: Limits) -> Plan:
     draft = _Draft(state, limits.stride)
     _admit(draft, limits)
     # Chunks first: without chunk tokens, a sequence whose prefill ends in this step's chunk
-    # decodes in this step.
-    items = _chunk_items(draft, limits)
+    # decodes in this step. Their rows are what the decode rows leave of the budget.
+    emits = limits.chunk_emits
+    decodes = sum(1 for s in draft.seqs.values() if s.decodable(emits) or s.replayable(emits))
+    items = _chunk_items(draft, limits, limits.prefill_rows(decodes))
     items += _decode_items(draft, limits)
     return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
                 tuple(items), tuple(draft.reused))
@@ -290,8 +317,7 @@ def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
             for parts in calls]
 
 
-def _chunk_items(draft: _Draft, limits: Limits) -> list[Item]:
-    budget = limits.chunk.rows
+def _chunk_items(draft: _Draft, limits: Limits, budget: int) -> list[Item]:
     items: list[Item] = []
     while budget > 0:
         emits = limits.chunk_emits
