@@ -786,3 +786,75 @@ def test_chat_renders_abandoned_by_their_clients_stop_and_leave_room(chain, tmp_
         answer = httpx.post(f"{url}/v1/completions", timeout=10, json={
             "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
         assert answer.status_code == 200, answer.text
+
+
+def half_sent(url: str, data: bytes) -> socket.socket:
+    """A connection to the server that sent `data` and then nothing more."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=10)
+    raw.sendall(data)
+    return raw
+
+
+def read_all(raw: socket.socket, seconds: float) -> bytes:
+    """What the server writes before it closes the connection, within `seconds`."""
+    raw.settimeout(seconds)
+    got = b""
+    with contextlib.suppress(TimeoutError, ConnectionResetError):
+        while chunk := raw.recv(4096):
+            got += chunk
+    return got
+
+
+@pytest.mark.parametrize("data, flag, what", [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n", "--header-timeout", "headers"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\ncontent-type: application/json\r\n"
+     b"content-length: 100\r\n\r\n{\"prompt\"", "--body-timeout", "body"),
+])
+def test_a_half_sent_request_is_answered_408_and_closed(model, data, flag, what):
+    """Neither the headers nor the body had a read timeout: a client that stopped mid-request
+    held its connection for ever."""
+    proc, url = start_server(model, flag, "1")
+    try:
+        with half_sent(url, data) as raw:
+            began = time.monotonic()
+            answer = read_all(raw, 10)
+            took = time.monotonic() - began
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
+        assert 0.9 < took < 5, took
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # still serving
+    finally:
+        end_server(proc)
+
+
+def test_half_sent_requests_do_not_starve_the_others(model):
+    """300 half-sent requests against a process of 256 file descriptors: those waiting past
+    --max-waiting-connections are closed, and a normal request is answered (it waited in the
+    backlog for ever: no header timeout, no cap)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 400:
+        if hard != resource.RLIM_INFINITY and hard < 400:
+            pytest.skip("this test process needs 400 file descriptors for its clients")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (400, hard))
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    proc, url = start_server(model, "--max-waiting-connections", "32", preexec=few_descriptors)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True)
+    reader.start()  # the log never fills its pipe and stalls the server
+    held: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            held.append(half_sent(url, b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"))
+        began = time.monotonic()
+        answer = httpx.get(f"{url}/health", timeout=15)
+        assert answer.status_code == 200 and time.monotonic() - began < 15
+    finally:
+        for raw in held:
+            raw.close()
+        end_server(proc)

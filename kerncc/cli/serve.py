@@ -22,11 +22,12 @@ from kerncc.diagnostics import KernccError
 from kerncc.cli.args import devices, no_stdin, open_run_target, port, positive, \
     seconds
 from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
-from kerncc.serve import access
+from kerncc.serve import access, guard
 
 LOG = logging.getLogger("kerncc.serve")
 
 DRAIN_TIMEOUT = 30.0  # seconds requests may go on after SIGTERM (--drain-timeout)
+BODY_TIMEOUT = 60.0  # seconds to send a request's body (--body-timeout)
 GRACE = 5.0  # seconds uvicorn waits for connections after the drain (only writes are left)
 
 
@@ -69,10 +70,12 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
                                       chunk=args.chunk, prefix_cache=args.prefix_cache))
         model = args.served_model_name or bundle.stages[0].manifest.model
         server = Server(engine, model, codec, lenient=args.lenient,
-                        api_key=args.api_key or config.api_key())
+                        api_key=args.api_key or config.api_key(),
+                        body_timeout=args.body_timeout)
         host, port = sock.getsockname()[:2]
         uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=GRACE)
+                            timeout_graceful_shutdown=GRACE,
+                            http=guard.protocol(args.header_timeout, args.max_waiting))
         # Listen before saying so: a client that connects the moment the line appears is
         # queued until uvicorn accepts, never refused (a bound socket refuses until listen()).
         sock.listen(uv.backlog)
@@ -220,6 +223,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=seconds, default=DRAIN_TIMEOUT, metavar="SECONDS",
                    help="on SIGTERM, how long the requests being answered may go on before "
                    f"they are cancelled (default {DRAIN_TIMEOUT:g})")
+    p.add_argument("--header-timeout", type=seconds, default=guard.HEADER_TIMEOUT,
+                   metavar="SECONDS", help="time a client has to send a request's headers; "
+                   f"then 408 and the connection is closed (default {guard.HEADER_TIMEOUT:g})")
+    p.add_argument("--body-timeout", type=seconds, default=BODY_TIMEOUT, metavar="SECONDS",
+                   help="time a client has to send a request's body; then 408 (default "
+                   f"{BODY_TIMEOUT:g})")
+    p.add_argument("--max-waiting-connections", dest="max_waiting", type=positive,
+                   default=guard.MAX_WAITING, metavar="N",
+                   help="connections waiting for a request's headers; past N, those waiting "
+                   f"longest (over {guard.TRIM_AGE:g} s) are closed (default {guard.MAX_WAITING})")
     p.add_argument("--lenient", action="store_true",
                    help="accept and ignore (logging them) request fields the server does not "
                    "know, instead of a 400")

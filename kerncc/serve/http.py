@@ -79,7 +79,9 @@ class ApiError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # a 408 leaves the body unread: the connection cannot carry another request
+        headers = {"connection": "close"} if self.status == 408 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 @attrs.frozen
@@ -109,8 +111,10 @@ class Server:
     """The engine on its thread, the model's name and tokenizer, the metrics."""
 
     def __init__(self, engine: Engine, model: str, text: Text | None = None,
-                 lenient: bool = False, api_key: str | None = None) -> None:
+                 lenient: bool = False, api_key: str | None = None,
+                 body_timeout: float = 60.0) -> None:
         self.engine, self.model, self.text = engine, model, text
+        self.body_timeout = body_timeout  # seconds to send a request's body (408 after)
         self.lenient = lenient  # unknown request fields accepted and ignored (logged)
         self.api_key = api_key  # None: every client is served (kerncc.serve.access)
         self._grammars: grammar.Grammars | None = None  # made at the first grammar asked
@@ -648,16 +652,21 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
                      middleware=[Middleware(Access, key=lambda: server.api_key)])
 
 
-async def _body(http: HttpRequest) -> bytes:
-    """The request's bytes, bounded (JSON decoding is the caller's)."""
+async def _body(http: HttpRequest, timeout: float) -> bytes:
+    """The request's bytes, bounded in size and in time (a client sending a byte now and then
+    would hold its connection for ever); JSON decoding is the caller's."""
     raw = b""
     try:
-        async for chunk in http.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY:
-                raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+        async with asyncio.timeout(timeout):
+            async for chunk in http.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY:
+                    raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
     except ClientDisconnect:  # nobody hears this answer; it only keeps a traceback out of logs
         raise ApiError(400, "the client went away before the end of its request body") from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} seconds",
+                       code="timeout") from None
     return raw
 
 
@@ -743,7 +752,7 @@ class _Counted(StreamingResponse):
 
 async def _answer(server: Server, http: HttpRequest, chat: bool) -> Response:
     try:
-        ask = await _parsed(server, http, chat, await _body(http))
+        ask = await _parsed(server, http, chat, await _body(http, server.body_timeout))
         units = _units(ask)
         if ask.stream:
             # a client that leaves while its request waits (queued, or behind a long
