@@ -19,8 +19,8 @@ from typing import Any
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, no_stdin, open_run_target, port, positive, \
-    seconds
+from kerncc.cli.args import devices, limit_flags, no_stdin, open_run_target, port, \
+    positive, seconds
 from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
 from kerncc.serve import access, guard
 
@@ -238,4 +238,5 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "know, instead of a 400")
     p.add_argument("--pipeline", metavar="SPEC",
                    help="passes lowering a manifest target (default: emit)")
+    limit_flags(p)  # --max-file-size bounds the bundle's files and the tokenizer's
     p.set_defaults(handler=cmd_serve, format="text", check_usage=conflicts)

@@ -18,9 +18,12 @@ no tokenizer.json. The API, used by `kerncc run` and the serving engine:
 Chat templates render as transformers renders them: jinja2's immutable sandbox with
 trim_blocks and lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that keeps
 non-ASCII, and `bos_token` / `eos_token` (and the other special tokens) as variables. Nothing
-in a model folder is executed beyond the sandboxed template, and a render is bounded (steps,
-output, the sizes of what it builds: MAX_STEPS, MAX_TEXT), so a hostile template is an error
-within seconds, not a hang or a process out of memory. Every problem (a tokenizer.json
+in a model folder is executed beyond the sandboxed template, and a render is bounded (steps:
+every loop iteration, call, filter and operation; the sizes of what it builds, one value and
+all of them; wall-clock time; a caller's stop: MAX_STEPS, MAX_TEXT, MAX_ITEMS, MAX_WORK,
+RENDER_SECONDS), so a hostile template is an error within seconds, not a hang or a process
+out of memory. tokenizer.json and chat_template.jinja are read bounded (TOKENIZER_LIMIT,
+TEMPLATE_LIMIT, or `--max-file-size` when given). Every problem (a tokenizer.json
 or template that does not parse, ids past the model's vocabulary) is a KernccError naming the
 file.
 """
@@ -194,10 +197,32 @@ class TextCodec:
 # Reading the folder
 
 
+# The largest tokenizer.json and chat template read (a published tokenizer.json is 2-12 MB, a
+# template a few KB); `--max-file-size` given on the command line sets both instead.
+TOKENIZER_LIMIT = 64 << 20
+TEMPLATE_LIMIT = 1 << 20
+
+
+def _read_bounded(path: Path, what: str, default: int) -> str:
+    """The text of a regular file of at most `default` bytes (or --max-file-size, given);
+    a refusal names the file."""
+    from kerncc.bundle.format import MAX_FILE_SIZE
+    from kerncc.files import FileRefused, max_file_size, read_regular
+
+    limit = default if max_file_size() == MAX_FILE_SIZE else max_file_size()
+    try:
+        return read_regular(path, what, limit).decode("utf-8")
+    except FileRefused as err:
+        raise _file_error(path, err.message) from None
+    except UnicodeDecodeError as err:
+        raise _file_error(path, f"cannot read: {err}") from None
+
+
 def _load_tokenizer(path: Path) -> Any:
     tokenizers = _tokenizers()
+    text = _read_bounded(path, "tokenizer.json", TOKENIZER_LIMIT)
     try:
-        return tokenizers.Tokenizer.from_file(str(path))
+        return tokenizers.Tokenizer.from_str(text)
     except Exception as err:  # noqa: BLE001 - the library raises plain Exceptions
         raise _file_error(path, f"not a tokenizer the `tokenizers` library reads: {err}"
                           ) from None
@@ -217,10 +242,7 @@ def _template(directory: Path, config: dict) -> tuple[str | None, Path | None]:
     list of {name, template} whose `default` entry counts)."""
     file = directory / TEMPLATE_FILE
     if file.is_file():
-        try:
-            return file.read_text(encoding="utf-8"), file
-        except (OSError, UnicodeDecodeError) as err:
-            raise _file_error(file, f"cannot read: {err}") from None
+        return _read_bounded(file, "chat template", TEMPLATE_LIMIT), file
     value = config.get("chat_template")
     where = directory / TOKENIZER_CONFIG
     if value is None:

@@ -264,3 +264,31 @@ def test_a_render_asked_to_stop_ends_at_its_next_step(tmp_path, monkeypatch):
     threading.Timer(0.3, stop.set).start()
     outcome = within(20, lambda: codec.render_chat([], {}, stop=stop.is_set, seconds=600))
     assert isinstance(outcome, KernccError) and "stopped" in str(outcome), outcome
+
+
+def test_a_chat_template_past_its_bound_is_refused_before_it_is_read(tmp_path):
+    """A 3 GiB chat_template.jinja ended in `internal error: MemoryError`."""
+    from kerncc.example import generate
+    from kerncc.hf.tokenizer import TEMPLATE_LIMIT, TextCodec
+
+    generate(tmp_path, "tiny")
+    (tmp_path / "chat_template.jinja").write_text("x" * (TEMPLATE_LIMIT + 1))
+    with pytest.raises(KernccError, match="larger than") as err:
+        TextCodec.from_dir(tmp_path)
+    assert "chat_template.jinja" in str(err.value)
+
+
+def test_a_tokenizer_json_past_its_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A 3 GiB tokenizer.json was read whole (3.2 GB resident)."""
+    from kerncc.example import generate
+    from kerncc.hf import tokenizer
+    from kerncc.hf.tokenizer import TextCodec
+
+    generate(tmp_path, "tiny")
+    size = (tmp_path / "tokenizer.json").stat().st_size
+    monkeypatch.setattr(tokenizer, "TOKENIZER_LIMIT", size - 1)
+    with pytest.raises(KernccError, match="larger than") as err:
+        TextCodec.from_dir(tmp_path)
+    assert "tokenizer.json" in str(err.value)
+    monkeypatch.setattr(tokenizer, "TOKENIZER_LIMIT", size)
+    assert TextCodec.from_dir(tmp_path) is not None
