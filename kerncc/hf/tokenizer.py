@@ -206,12 +206,10 @@ TEMPLATE_LIMIT = 1 << 20
 def _read_bounded(path: Path, what: str, default: int) -> str:
     """The text of a regular file of at most `default` bytes (or --max-file-size, given);
     a refusal names the file."""
-    from kerncc.bundle.format import MAX_FILE_SIZE
-    from kerncc.files import FileRefused, max_file_size, read_regular
+    from kerncc.files import FileRefused, limit_or, read_regular
 
-    limit = default if max_file_size() == MAX_FILE_SIZE else max_file_size()
     try:
-        return read_regular(path, what, limit).decode("utf-8")
+        return read_regular(path, what, limit_or(default)).decode("utf-8")
     except FileRefused as err:
         raise _file_error(path, err.message) from None
     except UnicodeDecodeError as err:
