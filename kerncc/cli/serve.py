@@ -1,8 +1,10 @@
 """`kerncc serve BUNDLE_OR_MANIFEST`: load the stages, start the engine, serve HTTP on uvicorn.
 
-Registered beside `run` (kerncc.cli.main registers it). SIGTERM or Ctrl-C: admission stops
-(/health says 503), requests still streaming get `GRACE` seconds to finish, then every sequence
-left is cancelled and the process exits.
+Registered beside `run` (kerncc.cli.main registers it). SIGTERM or Ctrl-C drains: admission
+stops (new requests and /health get 503), the requests being answered get `--drain-timeout`
+seconds to finish, then each one left is cancelled (a stream ends with an error event and
+`[DONE]`, a plain request gets a 503 in OpenAI's shape) and the process exits 0. A second
+Ctrl-C ends the drain at once.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from typing import Any
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, no_stdin, open_run_target, port, positive
+from kerncc.cli.args import devices, limit_flags, no_stdin, open_run_target, port, \
+    positive, seconds
 from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
-from kerncc.serve import access
+from kerncc.serve import access, guard
 
 LOG = logging.getLogger("kerncc.serve")
 
-GRACE = 3.0  # seconds streams may go on after SIGTERM
+DRAIN_TIMEOUT = 30.0  # seconds requests may go on after SIGTERM (--drain-timeout)
+BODY_TIMEOUT = 60.0  # seconds to send a request's body (--body-timeout)
+GRACE = 5.0  # seconds uvicorn waits for connections after the drain (only writes are left)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -65,17 +70,19 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
                                       chunk=args.chunk, prefix_cache=args.prefix_cache))
         model = args.served_model_name or bundle.stages[0].manifest.model
         server = Server(engine, model, codec, lenient=args.lenient,
-                        api_key=args.api_key or config.api_key())
+                        api_key=args.api_key or config.api_key(),
+                        body_timeout=args.body_timeout)
         host, port = sock.getsockname()[:2]
         uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=GRACE)
+                            timeout_graceful_shutdown=GRACE,
+                            http=guard.protocol(args.header_timeout, args.max_waiting))
         # Listen before saying so: a client that connects the moment the line appears is
         # queued until uvicorn accepts, never refused (a bound socket refuses until listen()).
         sock.listen(uv.backlog)
         print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
               f"{engine.stride} tokens; tokenizer: {'yes' if server.text else 'none'}; "
               f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
-        _Uvicorn(uv, server).run(sockets=[sock])
+        _Uvicorn(uv, server, args.drain_timeout).run(sockets=[sock])
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
 
@@ -152,9 +159,11 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class _Uvicorn:
-    """uvicorn's server, told to stop admitting the moment a signal arrives."""
+    """uvicorn's server, told to stop admitting the moment a signal arrives, which drains
+    (Server.drain) before uvicorn's own shutdown closes the listening socket: during the
+    drain a new request is answered 503, not refused a connection."""
 
-    def __new__(cls, uv, server):  # a subclass made lazily: uvicorn is an optional import
+    def __new__(cls, uv, server, drain_timeout: float):  # made lazily: uvicorn is optional
         import uvicorn
 
         class Draining(uvicorn.Server):
@@ -163,6 +172,10 @@ class _Uvicorn:
                 super().handle_exit(sig, frame)
                 # A shutdown asked for is a clean exit (uvicorn would re-raise the signal).
                 self._captured_signals.clear()
+
+            async def shutdown(self, sockets=None) -> None:
+                await server.drain(drain_timeout, lambda: self.force_exit)
+                await super().shutdown(sockets)
 
         return Draining(uv)
 
@@ -207,9 +220,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "otherwise; /health stays open); default: KERNCC_API_KEY, else none")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: the manifest's `model`)")
+    p.add_argument("--drain-timeout", type=seconds, default=DRAIN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM, how long the requests being answered may go on before "
+                   f"they are cancelled (default {DRAIN_TIMEOUT:g})")
+    p.add_argument("--header-timeout", type=seconds, default=guard.HEADER_TIMEOUT,
+                   metavar="SECONDS", help="time a client has to send a request's headers; "
+                   f"then 408 and the connection is closed (default {guard.HEADER_TIMEOUT:g})")
+    p.add_argument("--body-timeout", type=seconds, default=BODY_TIMEOUT, metavar="SECONDS",
+                   help="time a client has to send a request's body; then 408 (default "
+                   f"{BODY_TIMEOUT:g})")
+    p.add_argument("--max-waiting-connections", dest="max_waiting", type=positive,
+                   default=guard.MAX_WAITING, metavar="N",
+                   help="connections waiting for a request's headers; past N, those waiting "
+                   f"longest (over {guard.TRIM_AGE:g} s) are closed (default {guard.MAX_WAITING})")
     p.add_argument("--lenient", action="store_true",
                    help="accept and ignore (logging them) request fields the server does not "
                    "know, instead of a 400")
     p.add_argument("--pipeline", metavar="SPEC",
                    help="passes lowering a manifest target (default: emit)")
+    limit_flags(p)  # --max-file-size bounds the bundle's files and the tokenizer's
     p.set_defaults(handler=cmd_serve, format="text", check_usage=conflicts)

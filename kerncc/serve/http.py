@@ -60,6 +60,7 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_TOKENS = 16
 POLL = 0.25  # seconds between checks that a client still waiting for a piece is there
+FINISH = 5.0  # seconds requests cancelled at the end of a drain have to write their ending
 
 
 class ApiError(Exception):
@@ -78,7 +79,9 @@ class ApiError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # a 408 leaves the body unread: the connection cannot carry another request
+        headers = {"connection": "close"} if self.status == 408 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 @attrs.frozen
@@ -108,13 +111,17 @@ class Server:
     """The engine on its thread, the model's name and tokenizer, the metrics."""
 
     def __init__(self, engine: Engine, model: str, text: Text | None = None,
-                 lenient: bool = False, api_key: str | None = None) -> None:
+                 lenient: bool = False, api_key: str | None = None,
+                 body_timeout: float = 60.0) -> None:
         self.engine, self.model, self.text = engine, model, text
+        self.body_timeout = body_timeout  # seconds to send a request's body (408 after)
         self.lenient = lenient  # unknown request fields accepted and ignored (logged)
         self.api_key = api_key  # None: every client is served (kerncc.serve.access)
         self._grammars: grammar.Grammars | None = None  # made at the first grammar asked
         self.metrics = Metrics(engine)
         self.draining = False
+        self.active = 0  # generation requests being answered (a stream until its last event)
+        self.renders = threading.Event()  # set: every chat template render stops (shutdown)
         self.thread = threading.Thread(target=engine.run_forever, name="kerncc-engine",
                                        daemon=True)
 
@@ -132,9 +139,29 @@ class Server:
         if self.thread.is_alive():
             self.thread.join(timeout)
 
+    async def drain(self, timeout: float, forced: Any = lambda: False) -> None:
+        """Stop admitting (new requests get 503), wait up to `timeout` seconds for the requests
+        being answered to end, then cancel the rest: each ends with a 503 (a stream: an error
+        event and `[DONE]`), told within FINISH seconds."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.active and loop.time() < deadline and not forced():
+            await asyncio.sleep(0.05)
+        if not self.active:
+            return
+        LOG.warning("%d request(s) still running after the drain timeout (%g s): cancelled",
+                    self.active, timeout)
+        self.renders.set()
+        self.engine.stop()
+        deadline = loop.time() + FINISH
+        while self.active and loop.time() < deadline and not forced():
+            await asyncio.sleep(0.05)
+
     # ------------------------------------------------------------------------ requests
 
-    def parse(self, body: Any, chat: bool) -> Ask:
+    def parse(self, body: Any, chat: bool, stop: Any = None) -> Ask:
+        """The request `body`; `stop()` true ends a chat template's render (a KernccError)."""
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = body.get("model", self.model)
@@ -153,7 +180,7 @@ class Server:
         plan, form = self._tool_plan(body, form) if chat else (None, form)
         try:
             if chat:
-                prompts, texts = [self._chat_prompt(body, plan)], ("",)
+                prompts, texts = [self._chat_prompt(body, plan, stop)], ("",)
             else:
                 prompts, texts = self._prompts(body.get("prompt"))
         except KernccError as err:  # the tokenizer or chat template refused the text
@@ -278,7 +305,8 @@ class Server:
             return [int(t) for t in prompt]
         raise ApiError(400, "`prompt` must be a string or a list of token ids", "prompt")
 
-    def _chat_prompt(self, body: dict, plan: tools.Plan | None = None) -> list[int]:
+    def _chat_prompt(self, body: dict, plan: tools.Plan | None = None, stop: Any = None
+                     ) -> list[int]:
         if self.text is None or not self.text.chat:
             raise ApiError(400, "model has no chat template: use /v1/completions", "messages",
                            "no_chat_template")
@@ -287,7 +315,7 @@ class Server:
             variables = tools.template_variables(body, plan)
         except tools.ToolError as err:
             raise ApiError(400, err.message, err.param) from None
-        return self.text.chat_prompt(messages, variables)
+        return self.text.chat_prompt(messages, variables, stop)
 
     def _stops(self, stop: Any) -> tuple[str, ...]:
         stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
@@ -624,16 +652,21 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
                      middleware=[Middleware(Access, key=lambda: server.api_key)])
 
 
-async def _body(http: HttpRequest) -> bytes:
-    """The request's bytes, bounded (JSON decoding is the caller's)."""
+async def _body(http: HttpRequest, timeout: float) -> bytes:
+    """The request's bytes, bounded in size and in time (a client sending a byte now and then
+    would hold its connection for ever); JSON decoding is the caller's."""
     raw = b""
     try:
-        async for chunk in http.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY:
-                raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+        async with asyncio.timeout(timeout):
+            async for chunk in http.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY:
+                    raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
     except ClientDisconnect:  # nobody hears this answer; it only keeps a traceback out of logs
         raise ApiError(400, "the client went away before the end of its request body") from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} seconds",
+                       code="timeout") from None
     return raw
 
 
@@ -686,11 +719,40 @@ def _is_text(value: str) -> bool:
 
 
 async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
+    """A completion or chat request, counted in `server.active` until its last byte (a
+    stream's until its last event): a drain waits for those."""
+    if server.draining:
+        return ApiError(503, "the server is shutting down", code="unavailable").response()
+    server.active += 1
     try:
-        # off the event loop: decoding 4 MiB of JSON, tokenizing it and rendering a chat
-        # template take long enough to stall every stream the loop is feeding
-        ask = await asyncio.to_thread(lambda body: server.parse(_json(body), chat),
-                                      await _body(http))
+        response = await _answer(server, http, chat)
+    except BaseException:
+        server.active -= 1
+        raise
+    if isinstance(response, _Counted):
+        response.server = server  # the stream's end lowers the count
+    else:
+        server.active -= 1
+    return response
+
+
+class _Counted(StreamingResponse):
+    """A stream that lowers its server's count of requests being answered when it ends,
+    however it ends (written out, its client gone, cancelled)."""
+
+    server: Server | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.server is not None:
+                self.server.active -= 1
+
+
+async def _answer(server: Server, http: HttpRequest, chat: bool) -> Response:
+    try:
+        ask = await _parsed(server, http, chat, await _body(http, server.body_timeout))
         units = _units(ask)
         if ask.stream:
             # a client that leaves while its request waits (queued, or behind a long
@@ -700,14 +762,33 @@ async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
                 else _merged(server, ask, http, watch, units)
             opened = await _first(first)  # errors before the first token are plain answers
             watch.on = False
-            return StreamingResponse(_sse(server, ask, chat, opened, first),
-                                     media_type="text/event-stream")
+            return _Counted(_sse(server, ask, chat, opened, first),
+                            media_type="text/event-stream")
         got: dict[int, list[_Piece]] = {i: [] for i in range(len(units))}
         async for index, piece in _merged(server, ask, http, _Watch(), units):
             got[index].append(piece)
     except ApiError as err:
         return err.response()
     return JSONResponse(_whole(server, ask, chat, [got[i] for i in range(len(units))]))
+
+
+async def _parsed(server: Server, http: HttpRequest, chat: bool, raw: bytes) -> Ask:
+    """The request parsed off the event loop (decoding 4 MiB of JSON, tokenizing it and
+    rendering a chat template take long enough to stall every stream the loop is feeding);
+    a chat template's render stops when its client leaves or the server shuts down."""
+    gone = threading.Event()
+
+    def stop() -> bool:
+        return gone.is_set() or server.renders.is_set()
+
+    work = asyncio.ensure_future(asyncio.to_thread(
+        lambda: server.parse(_json(raw), chat, stop)))
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=POLL)
+        if done:
+            return work.result()
+        if not gone.is_set() and await http.is_disconnected():
+            gone.set()  # the render ends at its next step; nobody hears the answer
 
 
 def _units(ask: Ask) -> list[tuple[tuple[int, ...], sampling_hook.Params]]:

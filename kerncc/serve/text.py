@@ -45,12 +45,19 @@ class Text:
         return TextStream(self)
 
     def chat_prompt(self, messages: list[dict[str, Any]],
-                    variables: dict[str, Any] | None = None) -> list[int]:
+                    variables: dict[str, Any] | None = None, stop: Any = None) -> list[int]:
         """The prompt of `messages` by the chat template; `variables` reach the template as
         Hugging Face's apply_chat_template passes its extra arguments (`tools`,
-        chat_template_kwargs such as `enable_thinking`)."""
-        made = self.codec.apply_chat_template(messages, add_generation_prompt=True,
-                                              **(variables or {}))
+        chat_template_kwargs such as `enable_thinking`). The render is bounded in steps, sizes
+        and time (kerncc.hf.tokenizer), and ends (a KernccError) once `stop()` is true: the
+        server's caller runs it on a worker thread and asks it to stop when its client
+        leaves."""
+        render = getattr(self.codec, "render_chat", None)
+        if render is not None:
+            made = render(messages, variables or {}, add_generation_prompt=True, stop=stop)
+        else:  # a codec of its own (tests), unbounded by kerncc
+            made = self.codec.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **(variables or {}))
         if not isinstance(made, str):
             return [int(t) for t in made]
         try:  # the template writes its own special tokens (as transformers encodes it)
