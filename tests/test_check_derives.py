@@ -209,7 +209,7 @@ def test_every_leaf_changed_is_refused(made, monkeypatch):
         if any(key in _NOT_COMPARED for key in path):
             continue
         data = set_at(index.data, path, changed(_get(index.data, path)))
-        tampered_index = type(index)(index.dir, data, index.text, index.limit)
+        tampered_index = type(index)(index.dir, data, index.text)
         with pytest.raises(KernccError, match="bundle.json differs"):
             compare_derived(tampered_index, files, derived, given=False)
         swept += 1

@@ -88,7 +88,7 @@ def _input(index: Index, whole: str | Path | None
     if whole is None:
         _check_recorded_input(index, path, expected)
     try:
-        data = read_regular(path, "the input manifest", index.limit)
+        data = read_regular(path, "the input manifest")
     except FileRefused as err:  # at the command line's path, or where bundle.json names it
         raise (reader.at_file(path, err.message) if whole is not None
                else index.error(err.message, "/input/path")) from None
@@ -112,13 +112,12 @@ def _check_recorded_input(index: Index, path: Path, expected: str | None) -> Non
                           "/input/sha256")
 
 
-def check_bundle(directory: str | Path, whole: str | Path | None = None,
-                 max_file_size: int | None = None) -> Proof:
+def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proof:
     """Prove again that the bundle's stages compute its input manifest; KernccError if not.
 
     `whole` overrides the input path recorded in bundle.json (a path the user gives).
     """
-    index = read_index(directory, max_file_size)
+    index = read_index(directory)
     files = stage_files(index)
     stages = [stage_manifest(f) for f in files]
     whole_manifest, locate = _input(index, whole)

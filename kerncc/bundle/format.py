@@ -1,16 +1,13 @@
 """The bundle format's constants, defined once (docs/bundle.md).
 
 The runtime, `emit`, `kerncc check` and `kerncc report` all take these names from here, so
-the format string, the checkpoint's file name and the headline of every refusal cannot drift
-apart between the writer and the readers.
+the format string and the headline of every refusal cannot drift apart between the writer and
+the readers.
 """
 
 from __future__ import annotations
 
 FORMAT = "kerncc-bundle/1"
-# The checkpoint emit records when it lies beside the input manifest (and `kerncc run` of a
-# manifest picks up).
-CHECKPOINT = "model.safetensors"
 # The headline of every refusal to read a bundle, whoever reads it.
 HEADLINE = "not a valid kerncc bundle:"
 # A stage's files, and the key of bundle.json's stage entry that records each one's sha256.

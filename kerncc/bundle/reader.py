@@ -76,7 +76,6 @@ class Index:
     dir: Path
     data: dict[str, Any]
     text: str = attrs.field(repr=False)
-    limit: int | None = None
 
     @property
     def path(self) -> Path:
@@ -90,7 +89,7 @@ class Index:
         return refusal(message, self.locate(ptr))
 
 
-def read_index(bundle: str | Path, limit: int | None = None) -> Index:
+def read_index(bundle: str | Path) -> Index:
     """bundle.json of the folder `bundle`, its format and every field checked."""
     bundle = Path(bundle)
     if not bundle.is_dir():
@@ -99,11 +98,11 @@ def read_index(bundle: str | Path, limit: int | None = None) -> Index:
     path = bundle / "bundle.json"
     try:
         data = read_regular(inside(bundle, "bundle.json", "the bundle index"),
-                            "the bundle index", limit)
+                            "the bundle index")
     except FileRefused as err:
         raise at_file(path, err.message) from None
     value, text = json_of(data, path)
-    index = Index(bundle, value, text, limit) if isinstance(value, dict) else None
+    index = Index(bundle, value, text) if isinstance(value, dict) else None
     if index is None or value.get("format") != FORMAT:
         found = value.get("format") if isinstance(value, dict) else None
         where = index.locate("/format") if index else Location(file=str(path))
@@ -183,18 +182,18 @@ def read_stage_files(index: Index, k: int) -> StageFiles:
         if key == "stage_py_sha256" and key in entry and expected is None:
             _check_absent(index, path, k, f"{ptr}/{key}")  # null: the stage has no stage.py
             continue
-        data = _read(folder, name, f"stage {k} {name}", index.limit)
+        data = _read(folder, name, f"stage {k} {name}")
         # a sha256 not recorded is not checked (docs/bundle.md)
         if expected is not None and sha256(data) != expected:
             raise index.error(f"stage {k} {name} `{path}` was changed after emit: sha256 "
                               f"{sha256(data)}, the bundle recorded {expected}", f"{ptr}/{key}")
         texts[name] = data
-    return StageFiles(k, folder, texts, _modules(folder, k, index.limit))
+    return StageFiles(k, folder, texts, _modules(folder, k))
 
 
-def _read(folder: Path, name: str, what: str, limit: int | None) -> bytes:
+def _read(folder: Path, name: str, what: str) -> bytes:
     try:
-        return read_regular(inside(folder, name, what), what, limit)
+        return read_regular(inside(folder, name, what), what)
     except FileRefused as err:
         raise at_file(folder / name, err.message) from None
 
@@ -205,7 +204,7 @@ def _check_absent(index: Index, path: Path, k: int, ptr: str) -> None:
                           "none (null): a file the bundle does not pin would be trusted", ptr)
 
 
-def _modules(folder: Path, k: int, limit: int | None) -> dict[str, Path]:
+def _modules(folder: Path, k: int) -> dict[str, Path]:
     """The module files of `folder/modules`: each a `<sha256>.cubin` whose bytes hash to it."""
     modules = folder / "modules"
     if not (modules.exists() or modules.is_symlink()):
@@ -221,7 +220,7 @@ def _modules(folder: Path, k: int, limit: int | None) -> dict[str, Path]:
         if not _MODULE_NAME.fullmatch(path.name):
             raise at_file(path, f"stage {k} modules/ holds `{path.name}`, which is not a "
                           "module file (`<sha256>.cubin`)")
-        data = _read(modules, path.name, f"stage {k} module", limit)
+        data = _read(modules, path.name, f"stage {k} module")
         digest = path.name.removesuffix(".cubin")
         if sha256(data) != digest:
             raise at_file(path, f"stage {k} module `{path}` was changed after emit: its "

@@ -246,16 +246,16 @@ def _proof(checked: Index, input_status: str) -> dict[str, Any]:
     from kerncc.bundle.check import check_bundle
 
     try:
-        proof = check_bundle(checked.dir, None, checked.limit)
+        proof = check_bundle(checked.dir)
     except KernccError as err:
         why = err.diagnostics[0].message if err.diagnostics else err.headline
         return {"checked": False, "status": f"not proved: {why}"}
     return {**proof.to_json(), "status": "proved"}
 
 
-def read_report(directory: str | Path, max_file_size: int | None = None) -> BundleReport:
+def read_report(directory: str | Path) -> BundleReport:
     """The report of the bundle at `directory`; KernccError naming the file if it is damaged."""
-    checked = read_index(directory, max_file_size)
+    checked = read_index(directory)
     read = [reader.read_stage(checked, files) for files in stage_files(checked)]
     manifests = [r.manifest for r in read]
     reader.check_links(checked, manifests)
