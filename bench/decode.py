@@ -201,6 +201,42 @@ def gemm_shape(backend, busy, site, out: dict, shape: tuple, data: tuple) -> Non
         out[f"{op} m={m}"] = results
 
 
+def launch_times(session, issue, rounds: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Every launch `issue()` makes on `session`, timed between events and summed per op over
+    `rounds` runs: ({op entry: [ms a round]}, {op entry: launches a round})."""
+    backend = session.backend
+    originals = dict(session._launchers)
+    marks: list[tuple] = []
+
+    def timed(number, launcher):
+        site = session._by_number[number]
+        name = f"{site.op} {site.entry.removeprefix('extern:')}"
+
+        def launch(grid, shared, scalars):
+            start = backend.mark()
+            launcher(grid, shared, scalars)
+            marks.append((name, start, backend.mark()))
+        return launch
+
+    totals: dict[str, list[float]] = {}
+    busy = Busy(backend)
+    try:
+        session._launchers = {n: timed(n, fn) for n, fn in originals.items()}
+        for _ in range(rounds):
+            marks.clear()
+            with busy:
+                issue()
+            backend.sync()
+            run: dict[str, float] = {}
+            for name, a, b in marks:
+                run[name] = run.get(name, 0.0) + backend.elapsed_ms(a, b)
+            for name, ms in run.items():
+                totals.setdefault(name, []).append(ms)
+    finally:
+        session._launchers = originals
+    return totals, {name: sum(1 for n, _, _ in marks if n == name) for name in totals}
+
+
 def decode_profile(chain, label: str, seqs: int = 1) -> None:
     """Each launch of one decode step between events, summed per op: batch 1 (`decode`, after
     a 512-token prompt) or `seqs` sequences of CONTEXT tokens (`decode_batch`)."""
@@ -215,36 +251,7 @@ def decode_profile(chain, label: str, seqs: int = 1) -> None:
         env, program = session._vars(vars), "decode_batch"
     backend.sync()
     busy = Busy(backend)
-    originals = dict(session._launchers)
-    totals: dict[str, list[float]] = {}
-    counts: dict[str, int] = {}
-    try:
-        marks: list[tuple] = []
-
-        def timed(number, launcher):
-            site = session._by_number[number]
-            name = f"{site.op} {site.entry.removeprefix('extern:')}"
-
-            def launch(grid, shared, scalars):
-                start = backend.mark()
-                launcher(grid, shared, scalars)
-                marks.append((name, start, backend.mark()))
-            return launch
-
-        session._launchers = {n: timed(n, fn) for n, fn in originals.items()}
-        for _ in range(5):
-            marks.clear()
-            with busy:
-                session._issue_program(program, env)
-            backend.sync()
-            run: dict[str, float] = {}
-            for name, a, b in marks:
-                run[name] = run.get(name, 0.0) + backend.elapsed_ms(a, b)
-            for name, ms in run.items():
-                totals.setdefault(name, []).append(ms)
-        counts = {name: sum(1 for n, _, _ in marks if n == name) for name in totals}
-    finally:
-        session._launchers = originals
+    totals, counts = launch_times(session, lambda: session._issue_program(program, env), 5)
     graph = backend.capture(lambda: session._issue_program(program, env))
     backend.replay(graph)
     backend.sync()
@@ -642,36 +649,8 @@ def prefill_profile(chain, context: int, chunk: int) -> None:
     inputs = model.inputs([Rows(0, prompt, [], pages, context, chunk)])
     vars = model.protocol.vars(1, chunk, chunk, context + chunk)
     backend.sync()
-    originals = dict(session._launchers)
-    marks: list[tuple] = []
-
-    def timed(number, launcher):
-        site = session._by_number[number]
-        name = f"{site.op} {site.entry.removeprefix('extern:')}"
-
-        def launch(grid, shared, scalars):
-            start = backend.mark()
-            launcher(grid, shared, scalars)
-            marks.append((name, start, backend.mark()))
-        return launch
-
-    totals: dict[str, list[float]] = {}
-    busy = Busy(backend)
-    try:
-        session._launchers = {n: timed(n, fn) for n, fn in originals.items()}
-        for _ in range(3):
-            marks.clear()
-            with busy:
-                session.submit(program.name, inputs, vars, outputs=False)
-            backend.sync()
-            run: dict[str, float] = {}
-            for name, a, b in marks:
-                run[name] = run.get(name, 0.0) + backend.elapsed_ms(a, b)
-            for name, ms in run.items():
-                totals.setdefault(name, []).append(ms)
-        counts = {name: sum(1 for n, _, _ in marks if n == name) for name in totals}
-    finally:
-        session._launchers = originals
+    totals, counts = launch_times(
+        session, lambda: session.submit(program.name, inputs, vars, outputs=False), 3)
     best = {name: min(v) for name, v in totals.items()}
     whole = sum(best.values())
     row("prefill", f"one {chunk}-row chunk at context {context}: event sum ms", f"{whole:.3f}")
