@@ -263,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                    "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
                    "greedy)")
     args = p.parse_args(argv)
+    REPORT.rows.clear()  # one run's rows (main may run again in one process: the tests)
+    REPORT.results.clear()
     if args.ahead == "ab" and args.prefix_cache == "ab":
         p.error("--ahead ab and --prefix-cache ab: one A/B at a time")
     if args.row_us is not None and args.backend != "sim":
@@ -340,19 +342,18 @@ def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool
             raise SystemExit("bench.serve: the server did not start in 600 s")
         url, model, vocab, stages, wake_us, limit = mine.recv()
         if limit is not None and args.prompt_len + args.max_tokens > limit:
+            mine.send("stop")
             raise SystemExit(f"bench.serve: {manifest}: a sequence holds at most {limit} "
                              f"tokens, fewer than a prompt of {args.prompt_len} and "
                              f"--max-tokens {args.max_tokens}; generate the example with a "
                              "longer max_context (or remove that folder: the bench does)")
-        before = scrape(url)
-        rows = measure(args, mine, url, model, vocab)
-        after = scrape(url)
+        rows, hits = measure(args, mine, url, model, vocab)
         mine.send("stop")
     finally:
         child.join(10)
         if child.is_alive():
             child.terminate()
-    return stages, rows, wake_us, {k: after[k] - before[k] for k in after}
+    return stages, rows, wake_us, hits
 
 
 METRICS = ("queried_tokens", "hit_tokens", "evictions")  # kerncc_prefix_cache_*_total
@@ -376,8 +377,9 @@ def scrape(url: str) -> dict[str, float]:
     return counts
 
 
-def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
-            vocab: int) -> list[tuple[int, dict[str, float]]]:
+def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vocab: int
+            ) -> tuple[list[tuple[int, dict[str, float]]], dict[str, float]]:
+    """The levels' rows, and the prefix cache's counters over them (the warm-up's not)."""
     rng = np.random.default_rng(0)
     shared, own = args.prefix or (0, args.prompt_len)
     # the same in every round (one seed); none drawn without --prefix (the prompts as before)
@@ -392,6 +394,7 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
                       args.budget))
     conn.send("idle")
     conn.recv()
+    before = scrape(url)
     rows = []
     for conc in levels:
         prompts = [prompt() for _ in range(conc * args.requests_per_level)]
@@ -400,7 +403,8 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
         conn.send("idle")
         row["idle_us"] = conn.recv()
         rows.append((conc, row))
-    return rows
+    after = scrape(url)
+    return rows, {name: after[name] - before[name] for name in after}
 
 
 def report(args: argparse.Namespace, run: Round) -> None:
