@@ -318,7 +318,8 @@ class Round:
 def device(args: argparse.Namespace) -> str:
     """What served, for the --doc header."""
     if args.backend == "sim":
-        return f"a simulated device ({args.step_ms} ms a step) on the CPU"
+        rows = f", {args.row_us} us a prefill row" if args.row_us is not None else ""
+        return f"a simulated device ({args.step_ms} ms a step{rows}) on the CPU"
     if args.backend == "cuda":
         from bench.gpu import device_name
 
