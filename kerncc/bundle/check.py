@@ -10,9 +10,11 @@ manifest.json and plan.json as JSON values (types, key order and all: calls, ops
 launches, modules and their sha256, weight bindings, vars, states, derive and once programs,
 the plan), and bundle.json's fields. The first difference is refused, naming the stage, the
 file and the JSON pointer of the first differing value. A bundle may differ only where the place
-it was written shows (`input`, `checkpoint`, `checkpoint_identity`, when WHOLE is given), in its
+it was written shows (`input`, `checkpoint`, `checkpoint_identity`, `tokenizer`, when WHOLE is
+given), in its
 `marker` (kerncc.atomic's id of the folder) and in which module files it carries (each is
-checked against its sha256 by the reader). Each stage.py is checked against kerncc's rendering
+checked against its sha256 by the reader). The tokenizer files beside the recorded input are
+checked against bundle.json's `tokenizer` first, with a refusal naming the file. Each stage.py is checked against kerncc's rendering
 of the plan (the code that runs), and the symbolic proof (kerncc.symbolic.check_stages) is run
 again. What passes here is exactly what the runtime loads: it reads the same files through the
 same reader, each against the sha256 bundle.json records, and check refuses a bundle.json that
@@ -122,6 +124,8 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None,
     files = stage_files(index)
     stages = [stage_manifest(f) for f in files]
     whole_manifest, locate = _input(index, whole)
+    if whole is None:  # the tokenizer files beside the recorded input, as run and serve read them
+        reader.check_tokenizer(index, input_path(index, None).parent)
     try:
         proof = check_stages(whole_manifest, stages)
     except KernccError as err:  # its pointers are the whole manifest's calls
@@ -142,7 +146,7 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None,
 # bundle.json's fields that say where the bundle, its input and its checkpoint were (they
 # differ when the user names the input), and the folder's marker; and a stage entry's sha256s
 # (the files they pin are compared themselves; that each is recorded is checked apart).
-_PLACE_FIELDS = ("input", "checkpoint", "checkpoint_identity")
+_PLACE_FIELDS = ("input", "checkpoint", "checkpoint_identity", "tokenizer")
 _STAGE_SHAS = ("manifest_sha256", "plan_sha256", "stage_py_sha256")
 
 

@@ -21,6 +21,7 @@ from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 from kerncc.cli.args import devices, limit_flags, no_stdin, open_run_target, port, \
     positive, seconds
+from kerncc.cli.hf import tokenizer_pins
 from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
 from kerncc.serve import access, guard
 
@@ -44,7 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     weights = checkpoint_for(args, bundle)
     folders = [Path(args.tokenizer)] if args.tokenizer else \
         [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
-    codec = _tokenizer(folders, args.tokenizer)
+    codec = _tokenizer(folders, args.tokenizer, tokenizer_pins(args, bundle))
     _logging()
     warn_if_open(args.host, args.api_key or config.api_key())
     # Before the stages start: a port already taken costs no load and leaves nothing to undo.
@@ -128,12 +129,13 @@ def _logging() -> None:
         logger.setLevel(logging.INFO)
 
 
-def _tokenizer(folders: list[Path | None], given: str | None) -> Any:
+def _tokenizer(folders: list[Path | None], given: str | None, pins: Any = None) -> Any:
     """The first folder's tokenizer; one named by --tokenizer must be there (a flag the
-    server ignored would leave text prompts refused with no word of why)."""
+    server ignored would leave text prompts refused with no word of why). `pins`: the
+    tokenizer files the bundle records, which the files found must be."""
     from kerncc.serve import text
 
-    found = text.load(folders)
+    found = text.load(folders, pins)
     if found is not None or not given:
         return found
     if text.TextCodec is None:
