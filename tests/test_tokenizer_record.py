@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 from pathlib import Path
 
@@ -16,7 +17,10 @@ import pytest
 from kerncc.cli.main import main
 from kerncc.diagnostics import KernccError
 
-pytest.importorskip("tokenizers")
+# the codec of run and serve needs the `tokenizers` library (the hf extra); check and import
+# do not
+needs_codec = pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None,
+                                 reason="needs the tokenizers library: pip install 'kerncc[hf]'")
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -70,6 +74,7 @@ def test_the_record_is_deterministic(lowered, tmp_path):
     assert (again / "bundle.json").read_bytes() == (out / "bundle.json").read_bytes()
 
 
+@needs_codec
 def test_the_recorded_files_load(lowered):
     _, out = lowered
     codec = _codec(out)
@@ -77,6 +82,7 @@ def test_the_recorded_files_load(lowered):
     assert main(["check", str(out)]) == 0
 
 
+@needs_codec
 def test_a_template_edited_after_lowering_is_refused_by_serve(lowered):
     folder, out = lowered
     (folder / "chat_template.jinja").write_text(TEMPLATE.replace("<|assistant|>", "<|bot|>"))
@@ -98,6 +104,7 @@ def test_a_template_edited_after_lowering_is_refused_by_check(lowered, capsys):
     assert _sha(folder / "chat_template.jinja") not in err
 
 
+@needs_codec
 @pytest.mark.parametrize("change", ["added", "removed", "config"])
 def test_a_tokenizer_file_added_or_removed_or_changed_is_refused(lowered, change):
     """A template in tokenizer_config.json, or one dropped beside the bundle, changes the
@@ -123,6 +130,7 @@ def test_a_tokenizer_file_added_or_removed_or_changed_is_refused(lowered, change
     assert name in str(err.value) + "".join(d.message for d in err.value.diagnostics)
 
 
+@needs_codec
 def test_run_chat_refuses_an_edited_template(lowered, capsys):
     folder, out = lowered
     args = ["run", str(out), "--chat", "hi", "--max-new", "2"]
@@ -142,3 +150,44 @@ def test_import_bounds_the_tokenizer_files_with_max_file_size(tmp_path, capsys):
     assert "tokenizer.json" in err and "larger than 2000 bytes" in err
     assert not (folder / "model.json").exists()
     assert main(["import", str(folder)]) == 0
+
+
+def test_check_refuses_a_bundle_that_leaves_the_tokenizer_unrecorded(lowered, capsys):
+    _, out = lowered
+    index = json.loads((out / "bundle.json").read_text())
+    del index["tokenizer"]
+    (out / "bundle.json").write_text(json.dumps(index, indent=2))
+    assert main(["check", str(out)]) != 0
+    assert "records no `tokenizer`" in capsys.readouterr().err
+
+
+def test_check_passes_a_copy_without_the_tokenizer(lowered, tmp_path):
+    """Without tokenizer.json beside the input no codec reads that folder: run and serve take
+    ids only, which is what the stages compute."""
+    folder, out = lowered
+    (folder / "tokenizer.json").unlink()
+    assert main(["check", str(out)]) == 0
+
+
+@pytest.mark.parametrize("field", ["bytes", "sha256"])
+def test_check_refuses_a_record_changed_in_bundle_json(lowered, capsys, field):
+    _, out = lowered
+    index = json.loads((out / "bundle.json").read_text())
+    entry = next(f for f in index["tokenizer"] if f["name"] == "tokenizer.json")
+    entry[field] = entry[field] + 1 if field == "bytes" else "0" * 64
+    (out / "bundle.json").write_text(json.dumps(index, indent=2))
+    assert main(["check", str(out)]) != 0
+    assert "tokenizer.json" in capsys.readouterr().err
+    if importlib.util.find_spec("tokenizers") is not None:
+        with pytest.raises(KernccError):
+            _codec(out)
+
+
+def test_bundle_json_names_only_tokenizer_files(lowered, capsys):
+    """The record names files by a fixed list, never a path: `../x` is refused as it is read."""
+    _, out = lowered
+    index = json.loads((out / "bundle.json").read_text())
+    index["tokenizer"][0]["name"] = "../../etc/passwd"
+    (out / "bundle.json").write_text(json.dumps(index, indent=2))
+    assert main(["check", str(out)]) != 0
+    assert "is not a tokenizer file kerncc reads" in capsys.readouterr().err

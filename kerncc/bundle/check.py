@@ -10,11 +10,12 @@ manifest.json and plan.json as JSON values (types, key order and all: calls, ops
 launches, modules and their sha256, weight bindings, vars, states, derive and once programs,
 the plan), and bundle.json's fields. The first difference is refused, naming the stage, the
 file and the JSON pointer of the first differing value. A bundle may differ only where the place
-it was written shows (`input`, `checkpoint`, `checkpoint_identity`, `tokenizer`, when WHOLE is
-given), in its
+it was written shows (`input`, `checkpoint`, `checkpoint_identity`, when WHOLE is given), in its
 `marker` (kerncc.atomic's id of the folder) and in which module files it carries (each is
-checked against its sha256 by the reader). The tokenizer files beside the recorded input are
-checked against bundle.json's `tokenizer` first, with a refusal naming the file. Each stage.py is checked against kerncc's rendering
+checked against its sha256 by the reader). The tokenizer files beside the recorded input, when
+its tokenizer.json is there (without it no codec reads that folder), are held against
+bundle.json's `tokenizer` as the codec of run and serve holds them (a refusal names the file;
+with WHOLE named they are not looked at). Each stage.py is checked against kerncc's rendering
 of the plan (the code that runs), and the symbolic proof (kerncc.symbolic.check_stages) is run
 again. What passes here is exactly what the runtime loads: it reads the same files through the
 same reader, each against the sha256 bundle.json records, and check refuses a bundle.json that
@@ -124,8 +125,6 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None,
     files = stage_files(index)
     stages = [stage_manifest(f) for f in files]
     whole_manifest, locate = _input(index, whole)
-    if whole is None:  # the tokenizer files beside the recorded input, as run and serve read them
-        reader.check_tokenizer(index, input_path(index, None).parent)
     try:
         proof = check_stages(whole_manifest, stages)
     except KernccError as err:  # its pointers are the whole manifest's calls
@@ -134,6 +133,8 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None,
     # and each stage.py is kerncc's rendering of that plan.
     read = [reader.read_stage(index, f) for f in files]
     reader.check_links(index, [r.manifest for r in read])
+    if whole is None:  # the tokenizer files beside the recorded input, as run and serve read them
+        reader.check_tokenizer(index, input_path(index, None).parent)
     compare_derived(index, files, derive(index, whole_manifest, input_path(index, whole), locate),
                     given=whole is not None)
     return proof
@@ -146,7 +147,7 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None,
 # bundle.json's fields that say where the bundle, its input and its checkpoint were (they
 # differ when the user names the input), and the folder's marker; and a stage entry's sha256s
 # (the files they pin are compared themselves; that each is recorded is checked apart).
-_PLACE_FIELDS = ("input", "checkpoint", "checkpoint_identity", "tokenizer")
+_PLACE_FIELDS = ("input", "checkpoint", "checkpoint_identity")
 _STAGE_SHAS = ("manifest_sha256", "plan_sha256", "stage_py_sha256")
 
 
@@ -199,7 +200,9 @@ def compare_derived(index: Index, files: list[StageFiles], derived: dict[str, An
         if missing:
             raise index.error(f"stage {k} records no `{missing[0]}`: the runtime would load "
                               "that file unchecked", f"/stages/{k}")
-    left_out = ("marker", *(_PLACE_FIELDS if given else ()))
+    # `tokenizer` is held against the files by reader.check_tokenizer, not re-derived: a copy
+    # of a bundle and its input without the tokenizer runs without one, which check may pass.
+    left_out = ("marker", "tokenizer", *(_PLACE_FIELDS if given else ()))
     _refuse_difference(index, _without(got, left_out), _without(want, left_out), "")
     for stage in files:
         _compare_stage(stage, derived)

@@ -431,7 +431,8 @@ class TokenizerPins:
     """The tokenizer files a bundle was lowered with, which the text codec checks as it reads
     (kerncc.hf.tokenizer.TextCodec.from_dir's `pins`): `folder(dir)` before it reads (the same
     files are there, no more, no fewer), `file(path, data)` for the bytes it read. A refusal
-    names the file and the bundle, never a hash or a byte: the folder may be anywhere."""
+    names the file and the bundle, never a hash or a byte: the folder may be anywhere. Only a
+    folder holding tokenizer.json is read, so only such a folder is held to the record."""
 
     files: dict[str, tuple[int, str]]  # name -> (bytes, sha256)
     bundle: Path
@@ -474,8 +475,12 @@ def check_tokenizer(index: Index, folder: Path) -> None:
     """The tokenizer files in `folder` (the recorded input's) are the ones bundle.json records,
     as the codec would find them: what `kerncc check` passes, the codec accepts."""
     pins = tokenizer_pins(index.data, index.dir)
+    if not (folder / "tokenizer.json").is_file():
+        return  # without tokenizer.json no codec reads the folder (TextCodec.from_dir)
     if pins is None:
-        return
+        raise index.error("the bundle records no `tokenizer`: run and serve would read the "
+                          "tokenizer beside its input unchecked; lower the manifest again",
+                          "/tokenizer" if "tokenizer" in index.data else "")
     pins.folder(folder)
     for name in pins.files:
         path = folder / name

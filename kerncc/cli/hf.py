@@ -9,7 +9,9 @@ and streams decoded text to stdout as it comes, `end_stream()` that ends the str
 
 The tokenizer of a bundle is the model folder of the manifest it was lowered from (bundle.json
 `input.path`, kept relative to the bundle): emit copies nothing, so a bundle never carries
-files that run code; `--tokenizer DIR` names another folder.
+files that run code; bundle.json records the tokenizer files there (`tokenizer`) and the codec
+refuses one that differs (`tokenizer_pins`); `--tokenizer DIR` names another folder, used as it
+is. `kerncc import --max-file-size` bounds the tokenizer files it checks as serve's flag does.
 """
 
 from __future__ import annotations
@@ -196,7 +198,8 @@ def _run_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--format", choices=("text", "json"), default="text",
                      help="json: one object with prompt ids, ids and text")
     run.add_argument("--tokenizer", metavar="DIR",
-                     help="the folder of tokenizer.json (default: the model's folder)")
+                     help="the folder of tokenizer.json, used as it is (default: the model's "
+                     "folder, held to the tokenizer files bundle.json records)")
 
 
 def check_run_args(args: argparse.Namespace) -> None:

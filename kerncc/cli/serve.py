@@ -215,8 +215,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "pages are kept and shared by later prompts that begin alike)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (default: the "
                    "bundle's)")
-    p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
-                   "(default: the bundle's, the checkpoint's, the manifest's)")
+    p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files, used "
+                   "as it is (default: the bundle's, the checkpoint's, the manifest's, each held "
+                   "to the tokenizer files bundle.json records)")
     p.add_argument("--api-key", metavar="KEY",
                    help="answer only clients that send `Authorization: Bearer KEY` (401 "
                    "otherwise; /health stays open); default: KERNCC_API_KEY, else none")
