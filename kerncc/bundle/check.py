@@ -12,7 +12,10 @@ the plan), and bundle.json's fields. The first difference is refused, naming the
 file and the JSON pointer of the first differing value. A bundle may differ only where the place
 it was written shows (`input`, `checkpoint`, `checkpoint_identity`, when WHOLE is given), in its
 `marker` (kerncc.atomic's id of the folder) and in which module files it carries (each is
-checked against its sha256 by the reader). Each stage.py is checked against kerncc's rendering
+checked against its sha256 by the reader). The tokenizer files beside the recorded input, when
+its tokenizer.json is there (without it no codec reads that folder), are held against
+bundle.json's `tokenizer` as the codec of run and serve holds them (a refusal names the file;
+with WHOLE named they are not looked at). Each stage.py is checked against kerncc's rendering
 of the plan (the code that runs), and the symbolic proof (kerncc.symbolic.check_stages) is run
 again. What passes here is exactly what the runtime loads: it reads the same files through the
 same reader, each against the sha256 bundle.json records, and check refuses a bundle.json that
@@ -129,6 +132,8 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proo
     # and each stage.py is kerncc's rendering of that plan.
     read = [reader.read_stage(index, f) for f in files]
     reader.check_links(index, [r.manifest for r in read])
+    if whole is None:  # the tokenizer files beside the recorded input, as run and serve read them
+        reader.check_tokenizer(index, input_path(index, None).parent)
     compare_derived(index, files, derive(index, whole_manifest, input_path(index, whole), locate),
                     given=whole is not None)
     return proof
@@ -194,7 +199,9 @@ def compare_derived(index: Index, files: list[StageFiles], derived: dict[str, An
         if missing:
             raise index.error(f"stage {k} records no `{missing[0]}`: the runtime would load "
                               "that file unchecked", f"/stages/{k}")
-    left_out = ("marker", *(_PLACE_FIELDS if given else ()))
+    # `tokenizer` is held against the files by reader.check_tokenizer, not re-derived: a copy
+    # of a bundle and its input without the tokenizer runs without one, which check may pass.
+    left_out = ("marker", "tokenizer", *(_PLACE_FIELDS if given else ()))
     _refuse_difference(index, _without(got, left_out), _without(want, left_out), "")
     for stage in files:
         _compare_stage(stage, derived)

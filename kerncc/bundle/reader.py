@@ -26,7 +26,7 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.files import FileRefused, inside, read_regular
-from kerncc.bundle.format import FORMAT, HEADLINE, STAGE_FILES
+from kerncc.bundle.format import FORMAT, HEADLINE, STAGE_FILES, TOKENIZER_FILES
 from kerncc.bundle.index import index_problems
 from kerncc.bundle.plan_check import MalformedPlan, check_plan
 from kerncc.diagnostics import Diagnostic, KernccError, Location
@@ -406,3 +406,85 @@ def checkpoint_mismatch(index: Index, path: str | Path | None, given: bool) -> s
     # a path bundle.json names may lead to any file: nothing of it is shown
     raise index.error(message + "; lower the manifest again, or give the checkpoint with "
                       "--weights to run it anyway", "/checkpoint_identity")
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer files beside the input (bundle.json `tokenizer`)
+
+
+def tokenizer_record(folder: Path) -> list[dict[str, Any]]:
+    """The tokenizer files in `folder` as bundle.json records them: name, bytes, sha256, in
+    TOKENIZER_FILES' order; each read as any file a bundle names (regular, bounded)."""
+    record = []
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if not path.exists() and not path.is_symlink():
+            continue
+        data = read_regular(path, "tokenizer file")
+        record.append({"name": name, "bytes": len(data), "sha256": sha256(data)})
+    return record
+
+
+@attrs.frozen
+class TokenizerPins:
+    """The tokenizer files a bundle was lowered with, which the text codec checks as it reads
+    (kerncc.hf.tokenizer.TextCodec.from_dir's `pins`): `folder(dir)` before it reads (the same
+    files are there, no more, no fewer), `file(path, data)` for the bytes it read. A refusal
+    names the file and the bundle, never a hash or a byte: the folder may be anywhere. Only a
+    folder holding tokenizer.json is read, so only such a folder is held to the record."""
+
+    files: dict[str, tuple[int, str]]  # name -> (bytes, sha256)
+    bundle: Path
+
+    def folder(self, directory: Path) -> None:
+        for name in TOKENIZER_FILES:
+            path = directory / name
+            there = path.exists() or path.is_symlink()
+            if there and name not in self.files:
+                raise self._refusal(path, "is not one of the tokenizer files the bundle "
+                                    f"`{self.bundle}` was lowered with (bundle.json `tokenizer` "
+                                    "records none of that name)")
+            if not there and name in self.files:
+                raise self._refusal(path, f"is missing: the bundle `{self.bundle}` was lowered "
+                                    "with one (bundle.json `tokenizer`)")
+
+    def file(self, path: Path, data: bytes) -> None:
+        recorded = self.files.get(path.name)
+        if recorded is not None and recorded == (len(data), sha256(data)):
+            return
+        raise self._refusal(path, f"is not the file the bundle `{self.bundle}` was lowered with "
+                            "(it differs from bundle.json's `tokenizer` record)")
+
+    @staticmethod
+    def _refusal(path: Path, message: str) -> KernccError:
+        return at_file(path, f"tokenizer file `{path}` {message}; lower the manifest again, or "
+                       "name the folder with --tokenizer to use it as it is")
+
+
+def tokenizer_pins(index: dict[str, Any], bundle: Path) -> TokenizerPins | None:
+    """The pins of bundle.json's `tokenizer` record (read_index checked it), or None when the
+    bundle records none (a bundle emitted from memory, or written by hand: not checked)."""
+    files = index.get("tokenizer")
+    if not isinstance(files, list):
+        return None
+    return TokenizerPins({f["name"]: (f["bytes"], f["sha256"]) for f in files}, bundle)
+
+
+def check_tokenizer(index: Index, folder: Path) -> None:
+    """The tokenizer files in `folder` (the recorded input's) are the ones bundle.json records,
+    as the codec would find them: what `kerncc check` passes, the codec accepts."""
+    pins = tokenizer_pins(index.data, index.dir)
+    if not (folder / "tokenizer.json").is_file():
+        return  # without tokenizer.json no codec reads the folder (TextCodec.from_dir)
+    if pins is None:
+        raise index.error("the bundle records no `tokenizer`: run and serve would read the "
+                          "tokenizer beside its input unchecked; lower the manifest again",
+                          "/tokenizer" if "tokenizer" in index.data else "")
+    pins.folder(folder)
+    for name in pins.files:
+        path = folder / name
+        try:
+            data = read_regular(path, "tokenizer file", index.limit)
+        except FileRefused as err:
+            raise at_file(path, err.message) from None
+        pins.file(path, data)

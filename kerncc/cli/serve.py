@@ -21,6 +21,7 @@ from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 from kerncc.cli.args import devices, limit_flags, no_stdin, open_run_target, port, \
     positive, seconds
+from kerncc.cli.hf import tokenizer_pins
 from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
 from kerncc.serve import access, guard
 
@@ -44,7 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     weights = checkpoint_for(args, bundle)
     folders = [Path(args.tokenizer)] if args.tokenizer else \
         [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
-    codec = _tokenizer(folders, args.tokenizer)
+    codec = _tokenizer(folders, args.tokenizer, tokenizer_pins(args, bundle))
     _logging()
     warn_if_open(args.host, args.api_key or config.api_key())
     # Before the stages start: a port already taken costs no load and leaves nothing to undo.
@@ -128,12 +129,13 @@ def _logging() -> None:
         logger.setLevel(logging.INFO)
 
 
-def _tokenizer(folders: list[Path | None], given: str | None) -> Any:
+def _tokenizer(folders: list[Path | None], given: str | None, pins: Any = None) -> Any:
     """The first folder's tokenizer; one named by --tokenizer must be there (a flag the
-    server ignored would leave text prompts refused with no word of why)."""
+    server ignored would leave text prompts refused with no word of why). `pins`: the
+    tokenizer files the bundle records, which the files found must be."""
     from kerncc.serve import text
 
-    found = text.load(folders)
+    found = text.load(folders, pins)
     if found is not None or not given:
         return found
     if text.TextCodec is None:
@@ -213,8 +215,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "pages are kept and shared by later prompts that begin alike)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (default: the "
                    "bundle's)")
-    p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
-                   "(default: the bundle's, the checkpoint's, the manifest's)")
+    p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files, used "
+                   "as it is (default: the bundle's, the checkpoint's, the manifest's, each held "
+                   "to the tokenizer files bundle.json records)")
     p.add_argument("--api-key", metavar="KEY",
                    help="answer only clients that send `Authorization: Bearer KEY` (401 "
                    "otherwise; /health stays open); default: KERNCC_API_KEY, else none")

@@ -30,6 +30,7 @@ file.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import json
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kerncc.diagnostics import Diagnostic, KernccError, Location
-from kerncc.hf.config import read_json, token_ids
+from kerncc.hf.config import parse_json, read_json, token_ids
 
 INSTALL = "pip install 'kerncc[hf]'"
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
@@ -122,19 +123,26 @@ class TextCodec:
     # ---------------------------------------------------------------------- loading
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> TextCodec | None:
-        """The codec of a model folder, or None when it has no tokenizer.json."""
+    def from_dir(cls, path: str | Path, pins: Any = None) -> TextCodec | None:
+        """The codec of a model folder, or None when it has no tokenizer.json.
+
+        `pins` (kerncc.bundle.reader.TokenizerPins: the files a bundle was lowered with) is
+        asked `folder(dir)` before anything is read and `file(path, bytes)` for each file's
+        bytes as read, and refuses a file that differs."""
         directory = Path(path)
         tokenizer_path = directory / TOKENIZER
         if not tokenizer_path.is_file():
             return None
-        tokenizer = _load_tokenizer(tokenizer_path)
-        config = _optional_json(directory / TOKENIZER_CONFIG, "tokenizer config")
-        template, template_file = _template(directory, config)
-        specials = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k)))}
-        model = _optional_json(directory / "config.json", "model config")
-        vocab = model.get("vocab_size")
-        eos = _eos_ids(directory, model, specials, tokenizer)
+        if pins is not None:
+            pins.folder(directory)
+        with _pinned(pins):
+            tokenizer = _load_tokenizer(tokenizer_path)
+            config = _optional_json(directory / TOKENIZER_CONFIG, "tokenizer config")
+            template, template_file = _template(directory, config)
+            specials = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k)))}
+            model = _optional_json(directory / "config.json", "model config")
+            vocab = model.get("vocab_size")
+            eos = _eos_ids(directory, model, specials, tokenizer)
         return cls(directory, tokenizer, template, template_file, specials, eos,
                    vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None)
 
@@ -203,17 +211,52 @@ TOKENIZER_LIMIT = 64 << 20
 TEMPLATE_LIMIT = 1 << 20
 
 
-def _read_bounded(path: Path, what: str, default: int) -> str:
-    """The text of a regular file of at most `default` bytes (or --max-file-size, given);
-    a refusal names the file."""
+# The pins of the files being read (TextCodec.from_dir's `pins`), or None: every file the codec
+# reads passes its bytes, as read, to them (so what is checked is what is used).
+_PINS: contextvars.ContextVar[Any] = contextvars.ContextVar("kerncc_tokenizer_pins",
+                                                            default=None)
+
+
+@contextlib.contextmanager
+def _pinned(pins: Any) -> Iterator[None]:
+    token = _PINS.set(pins)
+    try:
+        yield
+    finally:
+        _PINS.reset(token)
+
+
+def _read_bounded(path: Path, what: str, default: int | None) -> str:
+    """The text of a regular file of at most `default` bytes (or --max-file-size, given;
+    None: --max-file-size's value), checked against the pins being read with; a refusal names
+    the file."""
     from kerncc.files import FileRefused, limit_or, read_regular
 
     try:
-        return read_regular(path, what, limit_or(default)).decode("utf-8")
+        data = read_regular(path, what, None if default is None else limit_or(default))
     except FileRefused as err:
         raise _file_error(path, err.message) from None
+    pins = _PINS.get()
+    if pins is not None:
+        pins.file(path, data)
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise _file_error(path, f"cannot read: {err}") from None
+
+
+def check_files(directory: str | Path) -> None:
+    """Read the tokenizer files of a model folder under their bounds (`kerncc import`: a file
+    run and serve would refuse as too large, or as no regular file, is refused there first)."""
+    directory = Path(directory)
+    bounds = ((TOKENIZER, "tokenizer.json", TOKENIZER_LIMIT),
+              (TEMPLATE_FILE, "chat template", TEMPLATE_LIMIT),
+              (TOKENIZER_CONFIG, "tokenizer config", None),
+              ("generation_config.json", "generation config", None))
+    for name, what, limit in bounds:
+        path = directory / name
+        if path.exists() or path.is_symlink():
+            _read_bounded(path, what, limit)
 
 
 def _load_tokenizer(path: Path) -> Any:
@@ -229,7 +272,8 @@ def _load_tokenizer(path: Path) -> Any:
 def _optional_json(path: Path, what: str) -> dict:
     if not path.is_file():
         return {}
-    raw = read_json(path, what)
+    raw = read_json(path, what) if _PINS.get() is None else \
+        parse_json(path, _read_bounded(path, what, None), what)
     if not isinstance(raw, dict):
         raise _file_error(path, f"the {what} is not a JSON object")
     return raw

@@ -66,14 +66,15 @@ class Text:
             return self.encode(made)
 
 
-def load(folders: Iterable[Path | None]) -> Text | None:
-    """The first folder's tokenizer that TextCodec can read, or None."""
+def load(folders: Iterable[Path | None], pins: Any = None) -> Text | None:
+    """The first folder's tokenizer that TextCodec can read, or None; `pins`: the tokenizer
+    files the bundle was lowered with, which the files read must be (TextCodec.from_dir)."""
     if TextCodec is None:
         return None
     for folder in folders:
         if folder is None or not Path(folder).is_dir():
             continue
-        codec = TextCodec.from_dir(folder)
+        codec = TextCodec.from_dir(folder, pins)
         if codec is not None:
             return Text(codec)
     return None
