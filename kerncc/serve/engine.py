@@ -150,6 +150,7 @@ class Engine:
         # a step ahead (`_go_ahead`): the flight the scheduler has not heard of yet
         self.ahead = config.ahead and self.model.keeps_inputs
         self.ahead_steps = 0  # decode steps issued ahead (counts: a server runs long)
+        self.drawn_steps = 0  # decode steps whose sampled tokens were drawn on the device
         self._ahead: _Flight | None = None
 
     # ------------------------------------------------------------------------ limits
@@ -426,6 +427,7 @@ class Engine:
         self.calls[forward.name] += 1
         self.rows[forward.name] += sum(r.n for r in rows)
         self.packed += item.kind == "chunk" and len(rows) > 1
+        self.drawn_steps += draws is not None
         return _Flight(item, forward, pending, requests, draws is not None)
 
     def _draws(self, item: sch.Item, forward: proto.Forward, requests: list[Request]
