@@ -484,7 +484,7 @@ def check_tokenizer(index: Index, folder: Path) -> None:
     for name in pins.files:
         path = folder / name
         try:
-            data = read_regular(path, "tokenizer file", index.limit)
+            data = read_regular(path, "tokenizer file")
         except FileRefused as err:
             raise at_file(path, err.message) from None
         pins.file(path, data)
