@@ -201,7 +201,19 @@ def gemm_shape(backend, busy, site, out: dict, shape: tuple, data: tuple) -> Non
         out[f"{op} m={m}"] = results
 
 
-def launch_times(session, issue, rounds: int) -> tuple[dict[str, list[float]], dict[str, int]]:
+def replay_ms(busy, graph, replays: int) -> float:
+    """A captured graph's time a replay, `replays` back to back behind `busy`'s stream."""
+    backend = busy.backend
+    with busy:
+        start = backend.mark()
+        for _ in range(replays):
+            backend.replay(graph)
+        end = backend.mark()
+    return backend.elapsed_ms(start, end) / replays
+
+
+def launch_times(session, busy, issue, rounds: int
+                 ) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Every launch `issue()` makes on `session`, timed between events and summed per op over
     `rounds` runs: ({op entry: [ms a round]}, {op entry: launches a round})."""
     backend = session.backend
@@ -219,7 +231,6 @@ def launch_times(session, issue, rounds: int) -> tuple[dict[str, list[float]], d
         return launch
 
     totals: dict[str, list[float]] = {}
-    busy = Busy(backend)
     try:
         session._launchers = {n: timed(n, fn) for n, fn in originals.items()}
         for _ in range(rounds):
@@ -251,17 +262,11 @@ def decode_profile(chain, label: str, seqs: int = 1) -> None:
         env, program = session._vars(vars), "decode_batch"
     backend.sync()
     busy = Busy(backend)
-    totals, counts = launch_times(session, lambda: session._issue_program(program, env), 5)
+    totals, counts = launch_times(session, busy, lambda: session._issue_program(program, env), 5)
     graph = backend.capture(lambda: session._issue_program(program, env))
     backend.replay(graph)
     backend.sync()
-    replays = 200
-    with busy:
-        start = backend.mark()
-        for _ in range(replays):
-            backend.replay(graph)
-        end = backend.mark()
-    graph_ms = backend.elapsed_ms(start, end) / replays
+    graph_ms = replay_ms(busy, graph, 200)
     best = {name: statistics.median(v) for name, v in totals.items()}
     whole = sum(best.values())
     row(f"profile/{label}", "decode step: launches, event sum ms, graph replay ms",
@@ -302,17 +307,10 @@ def batch_step_ms(chain, seqs: int, context: int) -> float:
     chain.run("decode_batch", inputs, vars)  # captures the graph
     chain.run("decode_batch", inputs, vars)
     backend.sync()
-    busy = Busy(backend)
     env = session._vars(vars)
     graph = session._graphs[("decode_batch",
                              *(env[v] for v in session._graph_vars["decode_batch"]))]
-    replays = 50
-    with busy:
-        start = backend.mark()
-        for _ in range(replays):
-            backend.replay(graph)
-        end = backend.mark()
-    return backend.elapsed_ms(start, end) / replays
+    return replay_ms(Busy(backend), graph, 50)
 
 
 def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False) -> None:
@@ -649,8 +647,8 @@ def prefill_profile(chain, context: int, chunk: int) -> None:
     inputs = model.inputs([Rows(0, prompt, [], pages, context, chunk)])
     vars = model.protocol.vars(1, chunk, chunk, context + chunk)
     backend.sync()
-    totals, counts = launch_times(
-        session, lambda: session.submit(program.name, inputs, vars, outputs=False), 3)
+    chunk_call = lambda: session.submit(program.name, inputs, vars, outputs=False)  # noqa: E731
+    totals, counts = launch_times(session, Busy(backend), chunk_call, 3)
     best = {name: min(v) for name, v in totals.items()}
     whole = sum(best.values())
     row("prefill", f"one {chunk}-row chunk at context {context}: event sum ms", f"{whole:.3f}")
@@ -776,13 +774,7 @@ def launch_overhead(model: dict) -> None:
     graph = backend.capture(lambda: session._issue_program(program, env))
     backend.replay(graph)
     backend.sync()
-    replays = 200
-    with busy:
-        start = backend.mark()
-        for _ in range(replays):
-            backend.replay(graph)
-        end = backend.mark()
-    graph_ms = backend.elapsed_ms(start, end) / replays
+    graph_ms = replay_ms(busy, graph, 200)
     kernel_ms = statistics.median(kernels)
     row("launch", "decode step launches", str(per_step))
     row("launch", "sum of kernel times (events), ms", f"{kernel_ms:.3f}")
