@@ -238,6 +238,9 @@ class CudaSampler:
         if n <= self.capacity:
             return
         self.capacity = max(n, 2 * self.capacity, 8)
+        for old in (self.words, self.tokens):  # free waits for the stream: no launch reads it
+            if old is not None:
+                self.backend.free(old)
         self.words = self.backend.allocate(self.capacity * PARAM_WORDS * 4)
         self.tokens = self.backend.allocate(self.capacity * 4)
 
