@@ -437,9 +437,15 @@ class _Bridge:
         self._put(token)
 
     def done(self, request: Request) -> None:
-        reason = "stop" if self.stopped and request.finish == "cancelled" else request.finish
-        self.server.metrics.finished(reason or "unknown")
         self._put(None)
+
+    def count(self, request: Request) -> None:
+        """Count the finish the client is told, once the answer is over: a stop string met
+        in the text is `stop` even when the engine ended the sequence first (by length, or by
+        the cancel the stop string sent); an answer left before the engine ended it is
+        `cancelled`."""
+        reason = "stop" if self.stopped else request.finish or "cancelled"
+        self.server.metrics.finished(reason)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,6 +558,7 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch,
     finally:
         if request.finish is None:
             server.engine.cancel(request)
+        bridge.count(request)
 
 
 def _catch_up(item: int | None, queue: asyncio.Queue, request: Request, detok: _Detok
