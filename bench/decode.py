@@ -210,6 +210,53 @@ def gemm_shape(backend, busy, site, out: dict, shape: tuple, data: tuple) -> Non
         out[f"{op} m={m}"] = results
 
 
+def replay_ms(busy, graph, replays: int) -> float:
+    """A captured graph's time a replay, `replays` back to back behind `busy`'s stream."""
+    backend = busy.backend
+    with busy:
+        start = backend.mark()
+        for _ in range(replays):
+            backend.replay(graph)
+        end = backend.mark()
+    return backend.elapsed_ms(start, end) / replays
+
+
+def launch_times(session, busy, issue, rounds: int
+                 ) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Every launch `issue()` makes on `session`, timed between events and summed per op over
+    `rounds` runs: ({op entry: [ms a round]}, {op entry: launches a round})."""
+    backend = session.backend
+    originals = dict(session._launchers)
+    marks: list[tuple] = []
+
+    def timed(number, launcher):
+        site = session._by_number[number]
+        name = f"{site.op} {site.entry.removeprefix('extern:')}"
+
+        def launch(grid, shared, scalars):
+            start = backend.mark()
+            launcher(grid, shared, scalars)
+            marks.append((name, start, backend.mark()))
+        return launch
+
+    totals: dict[str, list[float]] = {}
+    try:
+        session._launchers = {n: timed(n, fn) for n, fn in originals.items()}
+        for _ in range(rounds):
+            marks.clear()
+            with busy:
+                issue()
+            backend.sync()
+            run: dict[str, float] = {}
+            for name, a, b in marks:
+                run[name] = run.get(name, 0.0) + backend.elapsed_ms(a, b)
+            for name, ms in run.items():
+                totals.setdefault(name, []).append(ms)
+    finally:
+        session._launchers = originals
+    return totals, {name: sum(1 for n, _, _ in marks if n == name) for name in totals}
+
+
 def decode_profile(chain, label: str, seqs: int = 1) -> None:
     """Each launch of one decode step between events, summed per op: batch 1 (`decode`, after
     a 512-token prompt) or `seqs` sequences of CONTEXT tokens (`decode_batch`)."""
@@ -224,46 +271,11 @@ def decode_profile(chain, label: str, seqs: int = 1) -> None:
         env, program = session._vars(vars), "decode_batch"
     backend.sync()
     busy = Busy(backend)
-    originals = dict(session._launchers)
-    totals: dict[str, list[float]] = {}
-    counts: dict[str, int] = {}
-    try:
-        marks: list[tuple] = []
-
-        def timed(number, launcher):
-            site = session._by_number[number]
-            name = f"{site.op} {site.entry.removeprefix('extern:')}"
-
-            def launch(grid, shared, scalars):
-                start = backend.mark()
-                launcher(grid, shared, scalars)
-                marks.append((name, start, backend.mark()))
-            return launch
-
-        session._launchers = {n: timed(n, fn) for n, fn in originals.items()}
-        for _ in range(5):
-            marks.clear()
-            with busy:
-                session._issue_program(program, env)
-            backend.sync()
-            run: dict[str, float] = {}
-            for name, a, b in marks:
-                run[name] = run.get(name, 0.0) + backend.elapsed_ms(a, b)
-            for name, ms in run.items():
-                totals.setdefault(name, []).append(ms)
-        counts = {name: sum(1 for n, _, _ in marks if n == name) for name in totals}
-    finally:
-        session._launchers = originals
+    totals, counts = launch_times(session, busy, lambda: session._issue_program(program, env), 5)
     graph = backend.capture(lambda: session._issue_program(program, env))
     backend.replay(graph)
     backend.sync()
-    replays = 200
-    with busy:
-        start = backend.mark()
-        for _ in range(replays):
-            backend.replay(graph)
-        end = backend.mark()
-    graph_ms = backend.elapsed_ms(start, end) / replays
+    graph_ms = replay_ms(busy, graph, 200)
     best = {name: statistics.median(v) for name, v in totals.items()}
     whole = sum(best.values())
     row(f"profile/{label}", "decode step: launches, event sum ms, graph replay ms",
@@ -304,17 +316,10 @@ def batch_step_ms(chain, seqs: int, context: int) -> float:
     chain.run("decode_batch", inputs, vars)  # captures the graph
     chain.run("decode_batch", inputs, vars)
     backend.sync()
-    busy = Busy(backend)
     env = session._vars(vars)
     graph = session._graphs[("decode_batch",
                              *(env[v] for v in session._graph_vars["decode_batch"]))]
-    replays = 50
-    with busy:
-        start = backend.mark()
-        for _ in range(replays):
-            backend.replay(graph)
-        end = backend.mark()
-    return backend.elapsed_ms(start, end) / replays
+    return replay_ms(Busy(backend), graph, 50)
 
 
 def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False) -> None:
@@ -693,36 +698,8 @@ def prefill_profile(chain, context: int, chunk: int) -> None:
     inputs = model.inputs([Rows(0, prompt, [], pages, context, chunk)])
     vars = model.protocol.vars(1, chunk, chunk, context + chunk)
     backend.sync()
-    originals = dict(session._launchers)
-    marks: list[tuple] = []
-
-    def timed(number, launcher):
-        site = session._by_number[number]
-        name = f"{site.op} {site.entry.removeprefix('extern:')}"
-
-        def launch(grid, shared, scalars):
-            start = backend.mark()
-            launcher(grid, shared, scalars)
-            marks.append((name, start, backend.mark()))
-        return launch
-
-    totals: dict[str, list[float]] = {}
-    busy = Busy(backend)
-    try:
-        session._launchers = {n: timed(n, fn) for n, fn in originals.items()}
-        for _ in range(3):
-            marks.clear()
-            with busy:
-                session.submit(program.name, inputs, vars, outputs=False)
-            backend.sync()
-            run: dict[str, float] = {}
-            for name, a, b in marks:
-                run[name] = run.get(name, 0.0) + backend.elapsed_ms(a, b)
-            for name, ms in run.items():
-                totals.setdefault(name, []).append(ms)
-        counts = {name: sum(1 for n, _, _ in marks if n == name) for name in totals}
-    finally:
-        session._launchers = originals
+    chunk_call = lambda: session.submit(program.name, inputs, vars, outputs=False)  # noqa: E731
+    totals, counts = launch_times(session, Busy(backend), chunk_call, 3)
     best = {name: min(v) for name, v in totals.items()}
     whole = sum(best.values())
     row("prefill", f"one {chunk}-row chunk at context {context}: event sum ms", f"{whole:.3f}")
@@ -848,13 +825,7 @@ def launch_overhead(model: dict) -> None:
     graph = backend.capture(lambda: session._issue_program(program, env))
     backend.replay(graph)
     backend.sync()
-    replays = 200
-    with busy:
-        start = backend.mark()
-        for _ in range(replays):
-            backend.replay(graph)
-        end = backend.mark()
-    graph_ms = backend.elapsed_ms(start, end) / replays
+    graph_ms = replay_ms(busy, graph, 200)
     kernel_ms = statistics.median(kernels)
     row("launch", "decode step launches", str(per_step))
     row("launch", "sum of kernel times (events), ms", f"{kernel_ms:.3f}")

@@ -9,10 +9,15 @@ checked, the call issued, the outputs taken in).
 * The serving engine (`--engine`): a decode step of 1, 8 and 32 sequences (the scheduler's
   plan, the call's inputs, the tokens taken in), prefill left out. The engine waits for each
   step's tokens before it plans the next, so on a GPU this time adds to every step's.
+* The cost of logits processing (`--processing`): decode steps of 32 sampled sequences
+  (temperature 1, seeded), plain, with `logprobs` (5 top tokens) and with two `json_schema`
+  grammars (llguidance's mask filled and followed each step), side by side with the ratio to
+  plain sampling. The logits rows come back and are processed on the host (kerncc.serve.logits).
 
 --doc docs/benchmarks.md writes the rows between the file's `host_step` markers.
 
-    python -m bench.host_step [--tokens 400] [--engine] [--profile]   # ~10-30 s, no GPU
+    python -m bench.host_step [--tokens 400] [--engine] [--processing] [--profile]
+                                                                        # ~10-60 s, no GPU
 """
 
 from __future__ import annotations
@@ -45,8 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=400)
     parser.add_argument("--profile", action="store_true", help="also cProfile one run")
     parser.add_argument("--engine", action="store_true", help="the serving engine's steps")
+    parser.add_argument("--processing", action="store_true",
+                        help="32 sampled sequences: plain, logprobs, a json_schema grammar")
     args = parser.parse_args(argv)
-    if args.engine:
+    if args.processing:
+        processing_steps(args)
+    elif args.engine:
         engine_steps(args)
     else:
         one_prompt_steps(args)
@@ -129,6 +138,71 @@ def engine_steps(args) -> None:
                    f"{len(steps)})", f"{statistics.median(steps) * 1e6:.0f}")
         if profile:
             pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+
+# Two answers' shapes that run past the steps timed: an object whose string runs on (a `"`
+# among 32000 tokens ends it rarely), the grammar engine's cheapest state; and a long array of
+# small objects, which moves through every kind of JSON token.
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}},
+          "required": ["answer"], "additionalProperties": False}
+ROUNDS = 3
+ITEMS = {"type": "array", "minItems": 1000, "items": {
+    "type": "object", "required": ["n", "ok"], "additionalProperties": False,
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "ok": {"type": "boolean"}}}}
+
+
+def processing_steps(args) -> None:
+    """Host time a decode step of 32 sampled sequences: plain, logprobs, two grammars."""
+    from kerncc.hf.tokenizer import TextCodec
+    from kerncc.serve import grammar
+
+    root = Path(tempfile.mkdtemp())
+    model, _ = generate(root / "model", "tiny", **{**SHAPE, "max_seqs": 32})
+    assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
+    chain = Chain(root / "whole", backend=Idle(), graphs=True, token_capacity=48 * 1024)
+    codec = TextCodec.from_dir(model.parent)
+    grammars = grammar.Grammars(codec, SHAPE["vocab"], min(codec.eos_token_ids))
+
+    def form(schema: dict) -> grammar.Grammar:
+        return grammars.of({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": schema}}})
+
+    workloads = {"sampling": {}, "logprobs (5 top)": {"logprobs": 5},
+                 "json_schema (a string)": {"grammar": form(SCHEMA)},
+                 "json_schema (objects)": {"grammar": form(ITEMS)}}
+    steps: dict[str, list[float]] = {name: [] for name in workloads}
+    for _ in range(ROUNDS):  # the workloads take turns: a machine's load moves over a run
+        for name, extra in workloads.items():
+            steps[name] += _processing_steps(chain, extra, min(100, args.tokens))
+    medians = {name: statistics.median(times) for name, times in steps.items()}
+    base = medians["sampling"]
+    for name, median in medians.items():
+        print(f"32 sequences, {name}: {median * 1e6:.0f} us of host work a decode step "
+              f"({median / base:.2f}x sampling)")
+        REPORT.row("processing", f"32 sampled sequences, {name}: host work a decode step, us "
+                   "(x sampling)", f"{median * 1e6:.0f} ({median / base:.2f}x)")
+
+
+def _processing_steps(chain: Chain, extra: dict, count: int) -> list[float]:
+    """Host times of `count` decode steps of 32 sampled sequences with params `extra`."""
+    from kerncc.serve.engine import Config, Engine, Request
+    from kerncc.serve.sampling_hook import Params
+
+    engine = Engine(chain, Config(max_running=32, chunk=512))
+    for s in range(32):
+        engine.submit(Request([(i * 7 + s) % 31999 + 1 for i in range(128)], 300,
+                              Params(temperature=1.0, seed=s, **extra)))
+    while engine.calls.get("decode_batch", 0) < 3:
+        engine.tick()  # the prefill and the first steps
+    steps: list[float] = []
+    while engine.requests and len(steps) < count:
+        start = time.perf_counter()
+        engine.tick()  # issue a step
+        engine.tick()  # take its tokens in
+        steps.append(time.perf_counter() - start)
+    return steps
 
 
 if __name__ == "__main__":

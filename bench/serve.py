@@ -11,6 +11,17 @@ prompts (`--prompt-len`, `--max-tokens`, fixed seed), at most `concurrency` at o
 request's TTFT is the time to its first streamed token, its ITLs the gaps between the next ones.
 Bounded: a level stops after --budget seconds.
 
+`--prefix N,M` (bare: 2000,100) makes every prompt one fixed N-token shared prefix (a system
+prompt, the same in every round) and M random tokens of its own. The example is generated with
+a context of at least N + M + --max-tokens (`max_context`, in a folder of its own), and a model
+whose context is shorter is refused before any request. The warm-up sends the prefix too, so
+the levels meet it cached, as a server that has served that system prompt before.
+`--prefix-cache ab` alternates servers with the prefix cache off (`--no-prefix-cache`) and on
+over two rounds each and prints TTFT p50 / p99 and tokens/s, on against off, with the ratios;
+at the end of each round it reads the server's /metrics: the prefix cache's hit rate and
+evictions over the levels. On `--backend sim`, `--row-us` makes a prefill chunk cost its rows
+(bench/simulated.py's cost model), so that prefill the cache skips shows in the TTFT.
+
 --doc docs/benchmarks.md writes the rows between the file's `serve` markers.
 
   python -m bench.serve --size small --backend cuda                     # whole
@@ -18,6 +29,9 @@ Bounded: a level stops after --budget seconds.
   python -m bench.serve --size tiny --backend cpu --levels 1,4 --max-tokens 16
   python -m bench.serve --size small --backend sim --step-ms 2.0        # no GPU
   python -m bench.serve --size small --backend sim --ahead ab           # A/B
+  python -m bench.serve --size small --backend sim --sampled 0.5        # half of them sample
+  python -m bench.serve --size small --backend sim --row-us 10 --prefix --prefix-cache ab \
+      --levels 32                                                       # prefix cache A/B
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import asyncio
 import itertools
 import json
 import multiprocessing
+import re
 import socket
 import statistics
 import threading
@@ -35,13 +50,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import uvicorn
 
 from bench.report import Report
-from kerncc.example import generate
+from kerncc.example import generate, make_config
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
+from kerncc.runtime.model_runner import request_limits
 from kerncc.serve.engine import Config, Engine
 from kerncc.serve.http import Server, create_app
 
@@ -53,8 +70,8 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def one(url: str, model: str, prompt: list[int], max_tokens: int
-              ) -> tuple[float, list[float], int]:
+async def one(url: str, model: str, prompt: list[int], max_tokens: int,
+              sampled: dict[str, Any] | None = None) -> tuple[float, list[float], int]:
     """(TTFT, ITLs, tokens) of one streaming request, each token timed when its bytes arrive.
 
     HTTP/1.1 by hand over asyncio's streams: httpx's stream reader handed the tokens of a
@@ -64,7 +81,7 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int
     started = time.perf_counter()
     reader, writer = await asyncio.open_connection(host, int(port))
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                       "stream": True}).encode()
+                       "stream": True, **(sampled or {})}).encode()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
                  b"application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
                  % (host.encode(), len(body)) + body)
@@ -93,18 +110,19 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int
 
 
 async def level(url: str, model: str, concurrency: int, prompts: list[list[int]],
-                max_tokens: int, budget: float) -> dict[str, float]:
+                max_tokens: int, budget: float, sampled: float = 0.0) -> dict[str, float]:
     gate = asyncio.Semaphore(concurrency)
     deadline = time.perf_counter() + budget
     results: list[tuple[float, list[float], int]] = []
 
-    async def run(prompt: list[int]) -> None:
+    async def run(number: int, prompt: list[int]) -> None:
         async with gate:
             if time.perf_counter() < deadline:
-                results.append(await one(url, model, prompt, max_tokens))
+                results.append(await one(url, model, prompt, max_tokens,
+                                         _sampling(number, sampled)))
 
     started = time.perf_counter()
-    await asyncio.gather(*(run(p) for p in prompts))
+    await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
     wall = time.perf_counter() - started
     ttft = [r[0] for r in results]
     itl = [x for r in results for x in r[1]]
@@ -114,9 +132,19 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
             "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99)}
 
 
-def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True
-                 ) -> tuple[str, uvicorn.Server]:
-    engine = Engine(chain, Config(max_running=max_seqs, max_queue=4096, ahead=ahead))
+def _sampling(number: int, fraction: float) -> dict[str, Any] | None:
+    """Request `number`'s sampling fields: `fraction` of the requests, spread evenly (so that
+    every batch mixes them), sample at temperature 0.8, top-p 0.95, a seed each; the rest
+    are greedy (None)."""
+    if int((number + 1) * fraction) == int(number * fraction):
+        return None
+    return {"temperature": 0.8, "top_p": 0.95, "seed": number}
+
+
+def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
+                 prefix_cache: bool = True) -> tuple[str, uvicorn.Server]:
+    engine = Engine(chain, Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
+                                  prefix_cache=prefix_cache))
     server = Server(engine, model)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -129,24 +157,27 @@ def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True
     return f"http://127.0.0.1:{sock.getsockname()[1]}", uv
 
 
-def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: bool) -> None:
+def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: bool,
+          prefix_cache: bool) -> None:
     """The server's process: load, serve on loopback, answer the bench's questions (`idle`:
     the simulated device's wait for the host a step, then reset; `stop`) until told to stop."""
     bundle = lower_to_bundle(manifest, args.pipeline)
     devices = [int(d) for d in args.devices.split(",")] if args.devices else None
     if args.backend == "sim":
-        from bench.simulated import Device
+        from bench.simulated import Device, Timed
 
-        backend: Any = Device(args.step_ms)
-        chain = Chain(bundle, backend=backend, graphs=True,
-                      token_capacity=args.max_seqs * (args.prompt_len + args.max_tokens + 64))
+        backend: Any = Device(args.step_ms, args.row_us)
+        chain = (Chain if args.row_us is None else Timed)(
+            bundle, backend=backend, graphs=True,
+            token_capacity=args.max_seqs * (args.prompt_len + args.max_tokens + 64))
     else:
         backend = None
         chain = Chain(bundle, backend=args.backend, devices=devices)
     model = bundle.stages[0].manifest.model
-    url, uv = start_server(chain, args.max_seqs, model, ahead=ahead)
+    context = request_limits([s.manifest for s in bundle.stages]).context
+    url, uv = start_server(chain, args.max_seqs, model, ahead=ahead, prefix_cache=prefix_cache)
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
-               len(bundle.stages), getattr(backend, "wake_us", None)))
+               len(bundle.stages), getattr(backend, "wake_us", None), context))
     while (asked := conn.recv()) != "stop":
         conn.send(backend.idle_us() if asked == "idle" and backend is not None else None)
         if backend is not None:
@@ -164,6 +195,37 @@ def _milliseconds(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction, got `{text}`") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text}")
+    return value
+
+
+def _prefix(text: str) -> tuple[int, int]:
+    try:
+        shared, own = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N,M (shared prefix tokens, tokens of "
+                                         f"each request's own), got `{text}`") from None
+    if shared < 1 or own < 1:
+        raise argparse.ArgumentTypeError(f"expected N,M of at least 1 token each, got {text}")
+    return shared, own
+
+
+def _microseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected microseconds, got `{text}`") from None
+    if not 0 <= value < 1e5:
+        raise argparse.ArgumentTypeError(f"expected 0 <= microseconds < 100000, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.splitlines()[0])
     REPORT.add_options(p)
@@ -176,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
                    "cost, measured on the CPU)")
     p.add_argument("--step-ms", type=_milliseconds, default=2.0, help="--backend sim: a replayed "
                    "step's device time (default 2.0, the small model's 32-sequence step)")
+    p.add_argument("--row-us", type=_microseconds, default=None, help="--backend sim: a prefill "
+                   "chunk call takes --step-ms plus this a row it feeds, and every call takes "
+                   "time, replayed or not (bench/simulated.py); default: only replays take "
+                   "time, --step-ms each")
     p.add_argument("--ahead", choices=("on", "off", "ab"), default="on", help="greedy decode "
                    "steps issued a step ahead by the engine (default on); ab: off and on, "
                    "alternating over two rounds of servers, with the ratios")
@@ -185,27 +251,75 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-level", type=int, default=2,
                    help="requests per level = this x concurrency (default 2)")
     p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--prefix", type=_prefix, nargs="?", const=(2000, 100), default=None,
+                   metavar="N,M", help="every prompt: one fixed N-token shared prefix, then M "
+                   "random tokens of its own (bare: 2000,100); replaces --prompt-len")
+    p.add_argument("--prefix-cache", choices=("on", "off", "ab"), default="on", help="the "
+                   "server's prefix cache (default on); ab: off and on, alternating over two "
+                   "rounds of servers, with the ratios and the cache's hits")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--budget", type=float, default=120.0, help="seconds per level at most")
+    p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
+                   "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
+                   "greedy)")
     args = p.parse_args(argv)
+    REPORT.rows.clear()  # one run's rows (main may run again in one process: the tests)
+    REPORT.results.clear()
+    if args.ahead == "ab" and args.prefix_cache == "ab":
+        p.error("--ahead ab and --prefix-cache ab: one A/B at a time")
+    if args.row_us is not None and args.backend != "sim":
+        p.error(f"--row-us is the simulated device's (--backend sim), not {args.backend}'s")
+    if args.prefix is not None:
+        args.prompt_len = sum(args.prefix)
 
-    folder = Path(args.dir) / f"{args.size}-{args.max_seqs}"
-    manifest = folder / "model.json"
-    if not manifest.exists():
-        generate(folder, args.size, max_seqs=args.max_seqs)
-    settings = {"on": [True], "off": [False], "ab": [False, True, False, True]}[args.ahead]
-    runs = [(ahead, *served(args, manifest, ahead)) for ahead in settings]
-    for ahead, stages, rows, wake_us in runs:
-        report(args, stages, rows, wake_us, ahead)
+    manifest = example(args)
+    switch = {"on": [True], "off": [False], "ab": [False, True, False, True]}
+    settings = [(ahead, cache) for ahead in switch[args.ahead]
+                for cache in switch[args.prefix_cache]]
+    runs = [Round(ahead, cache, *served(args, manifest, ahead, cache))
+            for ahead, cache in settings]
+    for run in runs:
+        report(args, run)
     if args.ahead == "ab":
-        compare([r for r in runs if r[0]], [r for r in runs if not r[0]])
+        compare([r for r in runs if r.ahead], [r for r in runs if not r.ahead])
+    if args.prefix_cache == "ab":
+        compare_cache([r for r in runs if r.cache], [r for r in runs if not r.cache])
     return REPORT.finish(args, device(args), argv)
+
+
+def example(args: argparse.Namespace) -> Path:
+    """The example's manifest, generated unless it is there: with a context of at least the
+    prompt and --max-tokens (a multiple of the page, 16), in a folder named by it when it is
+    longer than the size's own."""
+    own = make_config(args.size).max_context
+    needed = -(-(args.prompt_len + args.max_tokens) // 16) * 16
+    name = f"{args.size}-{args.max_seqs}"
+    overrides: dict[str, int] = {"max_seqs": args.max_seqs}
+    if needed > own:
+        name, overrides["max_context"] = f"{name}-context{needed}", needed
+    manifest = Path(args.dir) / name / "model.json"
+    if not manifest.exists():
+        generate(manifest.parent, args.size, **overrides)
+    return manifest
+
+
+@attrs.frozen
+class Round:
+    """One server's run: its settings and what was measured."""
+
+    ahead: bool
+    cache: bool  # the prefix cache
+    stages: int
+    rows: list[tuple[int, dict[str, float]]]
+    wake_us: float | None  # the simulated device's late wake-up
+    hits: dict[str, float]  # the prefix cache's counters over the levels (/metrics)
 
 
 def device(args: argparse.Namespace) -> str:
     """What served, for the --doc header."""
     if args.backend == "sim":
-        return f"a simulated device ({args.step_ms} ms a step) on the CPU"
+        rows = f", {args.row_us} us a prefill row" if args.row_us is not None else ""
+        return f"a simulated device ({args.step_ms} ms a step{rows}) on the CPU"
     if args.backend == "cuda":
         from bench.gpu import device_name
 
@@ -213,64 +327,109 @@ def device(args: argparse.Namespace) -> str:
     return f"the {args.backend} backend"
 
 
-def served(args: argparse.Namespace, manifest: Path, ahead: bool
-           ) -> tuple[int, list[tuple[int, dict[str, float]]], float | None]:
-    """One server's levels: (stages, rows, the simulated device's late wake-up)."""
+def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool
+           ) -> tuple[int, list[tuple[int, dict[str, float]]], float | None, dict[str, float]]:
+    """One server's levels: (stages, rows, the simulated device's late wake-up, the prefix
+    cache's counters over the levels)."""
     # The server in a process of its own, as `kerncc serve` runs: the clients' work here does
     # not take the server's interpreter lock (in one process it doubled the ITL at 32).
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
-    child = context.Process(target=serve, args=(theirs, args, manifest, ahead), daemon=True)
+    child = context.Process(target=serve, args=(theirs, args, manifest, ahead, cache),
+                            daemon=True)
     child.start()
     try:
         if not mine.poll(600):
             raise SystemExit("bench.serve: the server did not start in 600 s")
-        url, model, vocab, stages, wake_us = mine.recv()
-        rows = measure(args, mine, url, model, vocab)
+        url, model, vocab, stages, wake_us, limit = mine.recv()
+        if limit is not None and args.prompt_len + args.max_tokens > limit:
+            mine.send("stop")
+            raise SystemExit(f"bench.serve: {manifest}: a sequence holds at most {limit} "
+                             f"tokens, fewer than a prompt of {args.prompt_len} and "
+                             f"--max-tokens {args.max_tokens}; generate the example with a "
+                             "longer max_context (or remove that folder: the bench does)")
+        rows, hits = measure(args, mine, url, model, vocab)
         mine.send("stop")
     finally:
         child.join(10)
         if child.is_alive():
             child.terminate()
-    return stages, rows, wake_us
+    return stages, rows, wake_us, hits
 
 
-def measure(args: argparse.Namespace, conn: Connection, url: str, model: str,
-            vocab: int) -> list[tuple[int, dict[str, float]]]:
+METRICS = ("queried_tokens", "hit_tokens", "evictions")  # kerncc_prefix_cache_*_total
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The prefix cache's counters off the server's /metrics."""
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n"
+                     % host.encode())
+        text = b"".join(iter(lambda: sock.recv(65536), b"")).decode()
+    if not text.startswith("HTTP/1.1 200"):
+        raise RuntimeError(f"/metrics: {text.splitlines()[0] if text else 'no answer'}")
+    counts = {}
+    for name in METRICS:
+        found = re.search(rf"^kerncc_prefix_cache_{name}_total (\S+)$", text, re.MULTILINE)
+        if found is None:
+            raise RuntimeError(f"/metrics has no kerncc_prefix_cache_{name}_total")
+        counts[name] = float(found.group(1))
+    return counts
+
+
+def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vocab: int
+            ) -> tuple[list[tuple[int, dict[str, float]]], dict[str, float]]:
+    """The levels' rows, and the prefix cache's counters over them (the warm-up's not)."""
     rng = np.random.default_rng(0)
+    shared, own = args.prefix or (0, args.prompt_len)
+    # the same in every round (one seed); none drawn without --prefix (the prompts as before)
+    prefix = rng.integers(0, vocab, shared).tolist() if shared else []
+
+    def prompt() -> list[int]:
+        return prefix + rng.integers(0, vocab, own).tolist()
+
     levels = [int(x) for x in args.levels.split(",")]
     # warm up: graphs and allocations of every decode batch size on the way
-    asyncio.run(level(url, model, max(levels), [rng.integers(0, vocab, args.prompt_len).tolist()
-                                                for _ in range(max(levels))], 4, args.budget))
+    asyncio.run(level(url, model, max(levels), [prompt() for _ in range(max(levels))], 4,
+                      args.budget))
     conn.send("idle")
     conn.recv()
+    before = scrape(url)
     rows = []
     for conc in levels:
-        prompts = [rng.integers(0, vocab, args.prompt_len).tolist()
-                   for _ in range(conc * args.requests_per_level)]
-        row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget))
+        prompts = [prompt() for _ in range(conc * args.requests_per_level)]
+        row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget,
+                                args.sampled))
         conn.send("idle")
         row["idle_us"] = conn.recv()
         rows.append((conc, row))
-    return rows
+    after = scrape(url)
+    return rows, {name: after[name] - before[name] for name in after}
 
 
-def report(args: argparse.Namespace, stages: int, rows: list[tuple[int, dict]],
-           wake_us: float | None, ahead: bool) -> None:
-    sim = args.backend == "sim"
+def report(args: argparse.Namespace, run: Round) -> None:
+    sim, stages, rows, ahead = args.backend == "sim", run.stages, run.rows, run.ahead
+    shared = f" ({args.prefix[0]} shared + {args.prefix[1]} own)" if args.prefix else ""
     print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
-          f"{args.prompt_len}, max_tokens {args.max_tokens}, a step ahead "
-          f"{'on' if ahead else 'off'}")
+          f"{args.prompt_len}{shared}, max_tokens {args.max_tokens}, sampled "
+          f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, prefix cache "
+          f"{'on' if run.cache else 'off'}")
     if sim:
-        print(f"simulated device: {args.step_ms} ms a step; its idle time counts a sleep's "
-              f"late wake-up here, {wake_us:.0f} us, which a GPU does not pay")
+        rows_cost = f" plus {args.row_us} us a prefill row" if args.row_us is not None else ""
+        print(f"simulated device: {args.step_ms} ms a step{rows_cost}; its idle time counts a "
+              f"sleep's late wake-up here, {run.wake_us:.0f} us, which a GPU does not pay")
+    hits = run.cache and (args.prefix is not None or args.prefix_cache != "on")
+    if hits:
+        print(f"prefix cache over the levels (/metrics): {hit_line(run.hits)}")
     extra = " device idle a step us |" if sim else ""
     print("| concurrency | requests | tokens/s | x conc 1 | TTFT p50 ms | TTFT p99 ms "
           f"| ITL p50 ms | ITL p99 ms |{extra}")
     print("| --- " * (8 + sim) + "|")
     base = rows[0][1]["tok_s"]
-    label = f"{stages} stage(s), ahead {'on' if ahead else 'off'}"
+    label = f"{stages} stage(s), ahead {'on' if ahead else 'off'}" + \
+        (f", prefix cache {'on' if run.cache else 'off'}" if args.prefix_cache == "ab" else "")
     for conc, r in rows:
         idle = f" {r['idle_us']:.0f} |" if sim else ""
         print(f"| {conc} | {r['requests']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | "
@@ -282,20 +441,52 @@ def report(args: argparse.Namespace, stages: int, rows: list[tuple[int, dict]],
                    f"{r['tok_s']:.1f} ({r['tok_s'] / base:.2f}x); {r['ttft_p50'] * 1e3:.1f} / "
                    f"{r['ttft_p99'] * 1e3:.1f}; {r['itl_p50'] * 1e3:.2f} / "
                    f"{r['itl_p99'] * 1e3:.2f}{waited}")
-    REPORT.results.setdefault("runs", []).append({"ahead": ahead, "stages": stages,
-                                                  "rows": rows})
+    if hits:
+        REPORT.row(label, "prefix cache over the levels: hit rate, hit / queried tokens, "
+                   "evictions", hit_line(run.hits))
+    REPORT.results.setdefault("runs", []).append({"ahead": ahead, "prefix_cache": run.cache,
+                                                  "stages": stages, "rows": rows,
+                                                  "prefix_cache_counts": run.hits})
 
 
-def compare(on: list[tuple], off: list[tuple]) -> None:
+def hit_line(hits: dict[str, float]) -> str:
+    rate = hits["hit_tokens"] / hits["queried_tokens"] if hits["queried_tokens"] else 0.0
+    return (f"hit rate {rate:.1%}, {hits['hit_tokens']:.0f} / {hits['queried_tokens']:.0f} "
+            f"tokens, {hits['evictions']:.0f} evictions")
+
+
+def compare_cache(on: list[Round], off: list[Round]) -> None:
+    """--prefix-cache ab: each measure's median over the rounds, on and off side by side, with
+    how many times lower the TTFTs are (off / on) and higher the tokens/s (on / off)."""
+    print("prefix cache on against off (the medians of the rounds):")
+    print("| concurrency | TTFT p50 ms on / off | x lower | TTFT p99 ms on / off | x lower "
+          "| tokens/s on / off | x higher |")
+    print("| --- " * 7 + "|")
+    for i, (conc, _) in enumerate(on[0].rows):
+        cells, values = [], []
+        for key, scale, lower in (("ttft_p50", 1e3, True), ("ttft_p99", 1e3, True),
+                                  ("tok_s", 1, False)):
+            mine = statistics.median(run.rows[i][1][key] for run in on) * scale
+            theirs = statistics.median(run.rows[i][1][key] for run in off) * scale
+            ratio = theirs / mine if lower else mine / theirs
+            cells += [f"{mine:.1f} / {theirs:.1f}", f"{ratio:.2f}x"]
+            values.append(f"{mine:.1f} / {theirs:.1f} ({ratio:.2f}x)")
+        print(f"| {conc} | {' | '.join(cells)} |")
+        REPORT.row("prefix cache on / off", f"concurrency {conc}: TTFT p50 ms (x lower); "
+                   "TTFT p99 ms (x lower); tokens/s (x higher) (medians of the rounds)",
+                   "; ".join(values))
+
+
+def compare(on: list[Round], off: list[Round]) -> None:
     """--ahead ab: each measure's median over the rounds, on against off."""
     print("a step ahead against one step at a time (the medians of the rounds, on / off):")
     print("| concurrency | tokens/s | TTFT p50 | ITL p50 | ITL p99 |")
     print("| --- | --- | --- | --- | --- |")
-    for i, (conc, _) in enumerate(on[0][2]):
+    for i, (conc, _) in enumerate(on[0].rows):
         ratios = []
         for key in ("tok_s", "ttft_p50", "itl_p50", "itl_p99"):
-            mine = statistics.median(run[2][i][1][key] for run in on)
-            theirs = statistics.median(run[2][i][1][key] for run in off)
+            mine = statistics.median(run.rows[i][1][key] for run in on)
+            theirs = statistics.median(run.rows[i][1][key] for run in off)
             ratios.append(f"{mine / theirs:.2f}x")
         print(f"| {conc} | {' | '.join(ratios)} |")
         REPORT.row("ahead on / off", f"concurrency {conc}: tokens/s, TTFT p50, ITL p50, ITL p99 "

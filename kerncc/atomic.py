@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
 import tempfile
@@ -68,11 +69,30 @@ def _bundle_files(root: Path) -> tuple[set[str], set[str]] | None:
     return folders, files
 
 
+# The file marking a folder as kerncc's output: a random id, written into every output (a
+# user's folder that merely looks like a bundle lacks it, and is never replaced).
+MARKER = ".kerncc-output"
+_MARKER_TEXT = re.compile(r"kerncc-output [0-9a-f]{32}\n")
+
+
+def _marked(path: Path) -> bool:
+    marker = path / MARKER
+    try:
+        if not stat.S_ISREG(marker.lstat().st_mode) or marker.stat().st_size > 64:
+            return False
+        return bool(_MARKER_TEXT.fullmatch(marker.read_text(encoding="ascii")))
+    except (OSError, ValueError):
+        return False
+
+
 def _is_ours(path: Path) -> bool:
-    """`path` holds only what kerncc writes there: a bundle, or stage<k>.json files."""
-    entries = list(_entries(path))
+    """`path` is empty, or kerncc marked it as its own and it holds only what kerncc writes
+    there: a bundle, or stage<k>.json files."""
+    entries = [(name, st) for name, st in _entries(path) if name != MARKER]
     if not entries:
-        return True
+        return not (path / MARKER).exists() or _marked(path)
+    if not _marked(path):
+        return False
     if all(_STAGE_MANIFEST.fullmatch(name) and stat.S_ISREG(st.st_mode)
            for name, st in entries):
         return True
@@ -93,9 +113,16 @@ def _is_ours(path: Path) -> bool:
 
 
 def remove_leftovers(target: Path) -> None:
-    """Remove the temporary siblings of `target` a killed run left behind."""
+    """Remove the temporary siblings of `target` a killed run left behind; an old output a
+    run killed between its two renames left aside (and nothing at `target`) is put back."""
     pattern = _leftover(target.name)
     with contextlib.suppress(OSError):
+        for item in target.parent.iterdir():
+            aside = item / "x"
+            if pattern.fullmatch(item.name) and ".old." in item.name and aside.is_dir() \
+                    and not aside.is_symlink() and not target.exists() \
+                    and not target.is_symlink():
+                aside.rename(target)
         for item in target.parent.iterdir():
             if pattern.fullmatch(item.name) and item.is_dir() and not item.is_symlink():
                 shutil.rmtree(item, ignore_errors=True)
@@ -134,23 +161,59 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
         raise KernccError.elsewhere(f"`{target}` is a directory kerncc did not write, or holds "
                                     "files besides what kerncc wrote; refusing to overwrite it")
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(target)
+    remove_leftovers(target)  # first: it may put back an old output a crash left aside
+    if target.is_dir() and not _is_ours(target):
+        raise KernccError.elsewhere(f"`{target}` is a directory kerncc did not write, or holds "
+                                    "files besides what kerncc wrote; refusing to overwrite it")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp's 0700 would outlive the rename
         yield tmp
+        (tmp / MARKER).write_text(f"kerncc-output {secrets.token_hex(16)}\n", encoding="ascii")
         fsync_tree(tmp)
         if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-            target.rename(old / "x")
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
+            _replace(tmp, target)
         else:
             tmp.rename(target)
         fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _replace(new: Path, target: Path) -> None:
+    """Put the folder `new` at `target` in one step: the two are exchanged (Linux's
+    renameat2 RENAME_EXCHANGE), so a crash at any point leaves the old folder or the new one
+    at `target`; the old one, then at `new`'s name, is removed after. Where the exchange is not
+    to be had, two renames, and a crash between them leaves the old folder in a leftover
+    sibling that the next write to `target` puts back first (`remove_leftovers`)."""
+    if exchange(new, target):
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    target.rename(old / "x")
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the paths `a` and `b` atomically; False where the system cannot (then nothing
+    changed)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    done = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return done == 0
 
 
 def write_text_atomic(target: str | Path, text: str) -> None:

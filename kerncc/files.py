@@ -28,6 +28,12 @@ def max_file_size() -> int:
 def set_max_file_size(limit: int) -> None:
     _limit[0] = limit
 
+
+def limit_or(default: int) -> int:
+    """`--max-file-size` when it was given (set to other than MAX_FILE_SIZE), else `default`:
+    the limit of files that have a tighter one of their own (a tokenizer, a chat template)."""
+    return default if _limit[0] == MAX_FILE_SIZE else _limit[0]
+
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"))

@@ -21,9 +21,8 @@ Or count by hand, in any unit, as a context manager:
 
 `progress(iterable=None, label="", *, total=None, unit="", stream=None)` returns a `Progress`:
 
-* `update(n=1)` adds `n` done; `set_label(text)` changes the text before the bar (say, the
-  tensor being loaded); `close()` erases the line (also on leaving the `with` block and at the
-  end of the iteration, exceptions included). Closing twice is harmless.
+* `update(n=1)` adds `n` done; `close()` erases the line (also on leaving the `with` block and
+  at the end of the iteration, exceptions included). Closing twice is harmless.
 * `unit="B"` shows counts as bytes (`12.0 MiB/1.5 GiB`); any other unit is appended to plain
   counts (`3/40 tensors`).
 * Without a total the bar shows only the count (`loading 17`).
@@ -122,10 +121,6 @@ class Progress(Generic[T]):
     def update(self, n: float = 1) -> None:
         self.done += n
         self._draw(force=self.total is not None and self.done >= self.total)
-
-    def set_label(self, label: str) -> None:
-        self.label = label
-        self._draw()
 
     def close(self) -> None:
         if self._closed:

@@ -64,9 +64,6 @@ class Origin:
         return f"{where}program `{self.program}` call #{self.call}{label}"
 
 
-HOST = Origin("<host>", -1, None)
-
-
 @attrs.define
 class Machine:
     """Buffer and state-region values of one running manifest, with the origin of each."""

@@ -6,7 +6,8 @@ protocol as far as the whole fits it: `check_unsampled` for every stage, `check`
 when the whole passes it), the arena (the `plan-memory` report, re-planned if a later pass
 changed a stage), the source staging (`kerncc.passes.slicing.staging_plan`, computed here so
 it always matches the stage written), the launch records, `stage.py`, and the module files
-found beside the input manifest or in the kernel library and checked against their sha256.
+found beside the input manifest or in the kernel library and checked against their sha256,
+and the tokenizer files beside the input manifest (name, size, sha256).
 Then `kerncc.atomic.atomic_directory` writes the files into a temporary sibling and renames it
 into place, so a failure leaves nothing behind and a directory kerncc did not write is never
 overwritten. The bundle is deterministic: no timestamps, and paths (input manifest,
@@ -32,7 +33,7 @@ from kerncc.atomic import atomic_directory
 from kerncc.files import FileRefused, inside, read_regular
 from kerncc.bundle.format import FORMAT
 from kerncc.bundle.plan import memory_json, program_records
-from kerncc.bundle.reader import checkpoint_identity
+from kerncc.bundle.reader import checkpoint_identity, tokenizer_record
 from kerncc.bundle.stage_py import render_stage
 from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer, split_pointer
 from kerncc.ir import IR
@@ -168,6 +169,7 @@ class BundleMeta:
     checkpoint: str | None
     input_dir: Path | None
     checkpoint_identity: dict | None = None
+    tokenizer: list[dict] | None = None  # the tokenizer files beside the input, or None
 
     @classmethod
     def of(cls, ir: IR, emit: Emit) -> BundleMeta:
@@ -181,12 +183,21 @@ class BundleMeta:
         identity = _identity(checkpoint) if checkpoint is not None else None
         return cls(ir.pipeline, bundle_relative(source, emit.out), digest,
                    bundle_relative(checkpoint, emit.out) if identity else None,
-                   source.parent, identity)
+                   source.parent, identity, _tokenizer(source.parent))
 
 
 def _read(path: Path, what: str) -> bytes:
     try:
         return read_regular(path, what)
+    except FileRefused as err:
+        raise KernccError.elsewhere(err.message) from None
+
+
+def _tokenizer(folder: Path) -> list[dict]:
+    """The tokenizer files beside the input (name, bytes, sha256): `kerncc run --text` and
+    `kerncc serve` refuse one that differs later."""
+    try:
+        return tokenizer_record(folder)
     except FileRefused as err:
         raise KernccError.elsewhere(err.message) from None
 
@@ -391,6 +402,7 @@ def bundle_json(ir: IR, meta: BundleMeta, stages: list[dict], proof: Proof | Non
         "format": FORMAT, "kerncc": __version__, "pipeline": meta.pipeline,
         "input": {"path": meta.input_path, "sha256": meta.input_sha256},
         "checkpoint": meta.checkpoint, "checkpoint_identity": meta.checkpoint_identity,
+        "tokenizer": meta.tokenizer,
         "cut": cut, "stages": stages,
         "edges": [{"buffer": e.buffer, "from": e.source, "to": e.target, "bytes": e.nbytes}
                   for e in ir.edges],

@@ -60,9 +60,9 @@ class Stage:
 class Bundle:
     """A checked bundle directory: `stages`, `edges`, `checkpoint`, `pipeline`, `index`."""
 
-    def __init__(self, path: str | Path, max_file_size: int | None = None) -> None:
+    def __init__(self, path: str | Path) -> None:
         self.dir = Path(path)
-        self._index = reader.read_index(self.dir, max_file_size)
+        self._index = reader.read_index(self.dir)
         self.index = self._index.data
         self.pipeline: str = self.index.get("pipeline", "")
         self.edges: list[dict] = list(self.index.get("edges", []))
@@ -74,11 +74,11 @@ class Bundle:
         return f"Bundle({str(self.dir)!r}, stages={len(self.stages)})"
 
     @classmethod
-    def open(cls, path: str | Path, max_file_size: int | None = None) -> Bundle:
+    def open(cls, path: str | Path) -> Bundle:
         """A bundle directory (a manifest file is lowered first: `kerncc.lower.open_target`)."""
         path = Path(path)
         if path.is_dir():
-            return cls(path, max_file_size)
+            return cls(path)
         if not path.exists():
             raise KernccError.single(f"`{path}` does not exist (expected a bundle directory)")
         raise KernccError.single(f"`{path}` is not a bundle directory (lower a manifest with "
@@ -110,6 +110,12 @@ class Bundle:
         """
         if path is None:
             return None
+        if not given and not isinstance(self.index.get("checkpoint_identity"), dict):
+            # the path bundle.json names may lead to any file: without the identity to check
+            # it against first, nothing of it (its size, its header) may reach a message
+            raise self._index.error(f"bundle.json names the checkpoint `{path}` but records no "
+                                    "`checkpoint_identity` to check it against, so it is not "
+                                    "opened (give it with --weights FILE)", "/checkpoint")
         if not Path(path).is_dir():  # a directory of shards is checked as it is opened
             try:
                 check_regular(Path(path), "checkpoint")

@@ -20,7 +20,11 @@ it (`check_unsampled`) and merged (the head stages the union of every stage's in
 * the device feed for steps ahead (`feeder`): a decode call's token input written on the
   device from the call before it (`Session.feed`), only where the stages prove the fed values
   fit that input's domain (the library's argmax writes the output: `Session.token_range`),
-  since those bytes pass no host check.
+  since those bytes pass no host check;
+* draws on the device (`draws_on_device`, `submit(draws=...)`): a call's tokens sampled from
+  its logits into its token output (`Session.sample_into`) right after it, so that sampled
+  sequences are fed on the device like greedy ones. The sampler picks an index of the logits
+  row, the same range as the argmax it replaces, so the feed's proof still holds.
 """
 
 from __future__ import annotations
@@ -46,6 +50,17 @@ INPUT_FILLS = ("token", "position", "valid", "slot", "seq_len", "cu_seqlens", "s
 LOGITS = "logits"
 
 Feed = Callable[[dict[str, int]], None]  # writes a call's token input on the device
+Draws = tuple[Sequence[Any], Sequence[tuple[int, int]]]  # (sampling params, counters) a row
+
+
+class _Joined:
+    """A call's pending outputs and the pending download of its drawn tokens, as one."""
+
+    def __init__(self, call: Any, drawn: Any) -> None:
+        self.call, self.drawn = call, drawn
+
+    def result(self) -> dict[str, Any]:
+        return {**self.call.result(), **self.drawn.result()}
 
 
 def chunk_tokens(protocol: proto.Protocol) -> bool:
@@ -305,6 +320,7 @@ class ModelRunner:
         self._held: dict[str, tuple[tuple, np.ndarray]] = {}
         self._rows: dict[int, tuple[list[int], np.ndarray]] = {}  # page-table rows by sequence
         self._feeds: dict[tuple[str, int], Feed | None] = {}
+        self._drawers: dict[str, Session | None] = {}
 
     @property
     def keeps_inputs(self) -> bool:
@@ -375,10 +391,12 @@ class ModelRunner:
     # ------------------------------------------------------------------------ calls
 
     def submit(self, forward: proto.Forward, rows: Sequence[Rows], outputs: Collection[str],
-               feed: Feed | None = None) -> Any:
+               feed: Feed | None = None, draws: Draws | None = None) -> Any:
         """Issue `rows` through `forward` without waiting; the call's pending `outputs`.
         `feed`: the token input is written on the device by `feed(vars)` (the call before
-        hands it over, `feeder`), not sent from the host."""
+        hands it over, `feeder`), not sent from the host. `draws`: (params, counters), one
+        of each per sequence of a decode call: its tokens are drawn on the device into the
+        token output (`draws_on_device` said yes), which comes back among the outputs."""
         count = sum(r.n for r in rows)
         inputs = self.inputs(rows, tokens=feed is None)
         vars = self.protocol.vars(len(rows), count, count, max(r.start + r.n for r in rows))
@@ -387,11 +405,15 @@ class ModelRunner:
             if feed is not None:
                 feed(vars)
                 self._held.pop(self._token_input, None)  # the device's, not the host's
+            wanted = set(outputs) - {forward.emits} if draws is not None else outputs
             if isinstance(self.runner, Chain):
                 pending = self.runner.submit(forward.name, send, vars, rows=count,
-                                             outputs=outputs)
+                                             outputs=wanted)
             else:
-                pending = self.runner.submit(forward.name, send, vars, outputs=outputs)
+                pending = self.runner.submit(forward.name, send, vars, outputs=wanted)
+            if draws is not None:
+                drawer = self._drawers[forward.name]
+                pending = _Joined(pending, drawer.sample_into(LOGITS, forward.emits, *draws))
         except Exception:
             self._held.clear()  # some inputs may be written, others not
             raise
@@ -489,6 +511,30 @@ class ModelRunner:
         return [0]  # span_at: no run in a plain call
 
     # ------------------------------------------------------------------------ steps ahead
+
+    def draws_on_device(self, forward: proto.Forward) -> bool:
+        """Whether a call of `forward` may have its tokens drawn on the device
+        (`submit(draws=...)`): its stages are in this process, the last one that runs it
+        writes both the logits and the token output, and that output is the library's argmax
+        over the logits' rows (`Session.token_range`: [0, vocab), vocab the logits' width),
+        so a drawn token lies where the argmax's would. Worked out once per program."""
+        if forward.name not in self._drawers:
+            self._drawers[forward.name] = self._drawer(forward)
+        return self._drawers[forward.name] is not None
+
+    def _drawer(self, forward: proto.Forward) -> Session | None:
+        if forward.emits is None or not getattr(self.runner, "in_process", False):
+            return None
+        runs = [s for s in self.sessions if forward.name in s.sites]
+        if not runs or LOGITS not in runs[-1].manifest.buffers:
+            return None
+        source = runs[-1]
+        span = source.token_range(forward.name, forward.emits)
+        logits = source.manifest.buffers[LOGITS]
+        dims = logits.dims_at(source.manifest.vars_max())
+        if span is None or logits.dtype != "f32" or len(dims) != 2 or dims[1] != span[1] + 1:
+            return None
+        return source
 
     def feeder(self, forward: proto.Forward, groups: int) -> Feed | None:
         """How a decode call of `forward` at `groups` sequences has its token input written

@@ -9,7 +9,12 @@ this module owns:
   each listed row of the buffer. On the cpu backend the numpy reference runs
   (kerncc.kernels.sampling_ref); on cuda the library's Numba-CUDA cubin `sample_f32` (module
   `sampling_nb`, built ahead of time; numba is never imported here) runs on the device logits
-  and only the chosen ids come back (4 bytes a row).
+  and only the chosen ids come back (4 bytes a row);
+* `sample_into(session, buffer, output, params, counters)`, which `Session.sample_into` calls:
+  rows 0..n-1 drawn into an i32 buffer on the device, after everything issued so far, nothing
+  brought back (a server feeds them to its next step, kerncc.runtime.model_runner). The cpu
+  backend runs the same numpy reference, so a token drawn there is the host draw's
+  (`sample_logits`) for the same counter.
 The random draw of a row is Philox4x32-10 keyed by the seed with the counter (step, sequence),
 so a seed reproduces a whole sampled sequence, however rows are batched. Greedy rows
 (temperature 0) give the first argmax, as the manifest's `argmax` op does.
@@ -171,6 +176,43 @@ def sample(session: Any, buffer: str, rows: Sequence[int], params: Sequence[Samp
                                                                  dims[1]))
 
 
+def sample_into(session: Any, buffer: str, output: str, params: Sequence[SamplingParams],
+                counters: Sequence[tuple[int, int]]) -> None:
+    """`Session.sample_into`: row i of f32 logits `buffer` [rows, vocab] (at the last run's
+    vars) drawn with params[i] and counters[i] into entry i of i32 buffer `output`, for every
+    i < len(params), on the device after everything issued so far; nothing comes back. A
+    greedy row (temperature 0) gets the first argmax, as the manifest's `argmax_f32` writes
+    it. A backend with a `sample_into` of its own draws its own way (the simulated device of
+    bench/simulated.py: a launch that computes nothing)."""
+    buf, out = session._buffer(buffer), session._buffer(output)
+    dims = buf.dims_at(session.last_vars)
+    params, counters = _listed(params, "params"), _listed(counters, "counters")
+    if buf.dtype != "f32" or len(dims) != 2:
+        raise KernccError.single(f"sample: buffer `{buffer}` is {buf.dtype} of {len(dims)} "
+                                 "dims; sampling reads f32 logits [rows, vocab]")
+    if out.dtype != "i32" or out.nbytes(session.last_vars) < 4 * len(params):
+        raise KernccError.single(f"sample: buffer `{output}` ({out.dtype}) cannot hold "
+                                 f"{len(params)} i32 tokens")
+    rows = list(range(len(params)))
+    check_request(rows, params, counters, dims[0], buffer)
+    if not rows:
+        return
+    own = getattr(session.backend, "sample_into", None)
+    if own is not None:
+        own(session, buffer, output, params, counters)
+        return
+    target = session.memory.buffer(output)
+    if session.backend.name != "cuda":
+        tokens = sample_logits(session.read(buffer), rows, params, counters)
+        session.backend.upload(target, 0, tokens.view(np.uint8))
+        return
+    sampler = getattr(session, "_sampler", None)
+    if sampler is None:
+        sampler = session._sampler = CudaSampler(session.backend)
+    sampler.launch(session.memory.buffer(buffer), dims, pack(rows, params, counters, dims[1]),
+                   target.ptr)
+
+
 class CudaSampler:
     """The library's `sample_f32` cubin on one CUDA backend, with its parameter and token
     buffers (grown as batches grow)."""
@@ -196,19 +238,32 @@ class CudaSampler:
         if n <= self.capacity:
             return
         self.capacity = max(n, 2 * self.capacity, 8)
+        for old in (self.words, self.tokens):  # free waits for the stream: no launch reads it
+            if old is not None:
+                self.backend.free(old)
         self.words = self.backend.allocate(self.capacity * PARAM_WORDS * 4)
         self.tokens = self.backend.allocate(self.capacity * 4)
 
     def run(self, logits: Any, dims: Sequence[int], words: np.ndarray) -> np.ndarray:
+        """The tokens of the rows `words` pack, brought back to the host."""
+        n = words.shape[0]
+        self.launch(logits, dims, words, None)
+        return self.backend.download(self.tokens, 0, 4 * n).view(np.int32)
+
+    def launch(self, logits: Any, dims: Sequence[int], words: np.ndarray,
+               tokens: int | None) -> None:
+        """Issue the kernel on the stream: the tokens into device address `tokens` (None:
+        this sampler's own buffer). The parameter words are uploaded before the launch; the
+        upload is ordered on the stream, so the next launch may reuse the buffer."""
         n = words.shape[0]
         self.backend.activate()
         self._ensure(n)
         self.backend.upload(self.words, 0, words.reshape(-1).view(np.uint8))
+        out = self.tokens.ptr if tokens is None else tokens
         slots = [ctypes.c_uint64(logits.ptr), ctypes.c_uint64(self.words.ptr),
-                 ctypes.c_uint64(self.tokens.ptr), ctypes.c_int32(n),
+                 ctypes.c_uint64(out), ctypes.c_int32(n),
                  ctypes.c_int32(dims[1]), ctypes.c_int32(dims[1])]
         table = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
         self.check(self.cu.cuLaunchKernel(self.fn, n, 1, 1, THREADS, 1, 1, 0,
                                           self.backend.stream_handle, ctypes.addressof(table),
                                           0), "cuLaunchKernel(sample_f32)")
-        return self.backend.download(self.tokens, 0, 4 * n).view(np.int32)

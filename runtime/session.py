@@ -455,6 +455,17 @@ class Session:
 
         return sampling.sample(self, buffer, rows, params, counters)
 
+    def sample_into(self, buffer: str, output: str, params: Sequence[Any],
+                    counters: Sequence[tuple[int, int]]) -> Pending:
+        """Rows 0..n-1 of f32 logits `buffer` (n = len(params), at the last run's vars) drawn
+        into i32 buffer `output` on the device, after everything issued so far, as `sample`
+        draws them; the pending download of `output`. A run to come may read the tokens
+        there (`feed`) before they reach the host."""
+        from kerncc.runtime import sampling
+
+        sampling.sample_into(self, buffer, output, params, counters)
+        return Pending({output: self._read_async(output, self.last_vars)})
+
     def _read_async(self, name: str, env: dict[str, int]) -> _Output:
         buf = self.manifest.buffers[name]
         raw = self.backend.download_async(self.memory.buffer(name), 0, buf.nbytes(env))

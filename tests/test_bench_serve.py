@@ -1,19 +1,23 @@
 """bench/serve.py's load generator and bench/simulated.py's device, on the CPU: the hand-written HTTP/1.1
 client reads every streamed token of the server's answer (and the server's refusal as an
 error), and the simulated device queues its steps as a stream does, makes a download wait for
-the work before it, and counts only the time it waited for the host."""
+the work before it, and counts only the time it waited for the host; with a cost a row, a
+prefill chunk takes time by its rows; and a tiny `--prefix --prefix-cache ab` run prints and
+writes its rounds and ratios, its "on" rounds taking the shared prefix from the cache."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import numpy as np
 import pytest
 
 from bench.gpu import greedy
-from bench.serve import level, one, start_server
-from bench.simulated import Device
+from bench.serve import level, main, one, start_server
+from bench.simulated import Device, Timed
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
@@ -68,3 +72,101 @@ def test_the_simulated_device_queues_steps_and_counts_only_its_waits():
     assert device.idle_us() >= 1500  # the median of 0 and at least 3000 us
     device.reset()
     assert np.isnan(device.idle_us()) and device.busy_until == 0
+
+
+def test_with_a_cost_a_row_a_call_costs_its_prefill_rows_replayed_or_not():
+    device = Device(step_ms=1.0, row_us=10.0)
+    start = time.perf_counter_ns()
+    with device.call(300):
+        device.stream_joined()  # a stage's run begins: charged, 1 ms + 300 x 10 us
+        first = device.busy_until
+        device.replay(None)  # its replay is not charged again
+        assert device.busy_until == first and len(device.replays) == 1
+    assert first - start >= 4_000_000 and device.gaps == []
+    with device.call(0):  # a decode step, queued behind: the step alone, exactly
+        device.stream_joined()
+    assert device.busy_until == first + 1_000_000 and device.gaps == [0]
+    plain = Device(step_ms=1.0)  # no cost a row: as before, replays alone take time
+    plain.stream_joined()
+    assert plain.busy_until == 0
+    with pytest.raises(ValueError, match="row_us"):
+        plain.call(3).__enter__()
+
+
+def test_a_timed_chain_tells_the_device_the_rows_of_prefill_calls_only(tmp_path):
+    manifest, _ = generate(tmp_path, "tiny")
+    device = Device(step_ms=1.0, row_us=5.0)
+    chain = Timed(lower_to_bundle(manifest), backend=device, graphs=True, token_capacity=512)
+    assert chain.prefill  # the example's chunk program takes rows as fed
+    told = []
+    device.call = lambda rows, call=device.call: told.append(rows) or call(rows)
+    program = sorted(chain.prefill)[0]
+    chain.submit(program, vars={"tokens": 7}, rows=7, outputs=False)
+    other = next(p for p in chain.sessions[0].programs if p not in chain.prefill
+                 and not chain.sessions[0].manifest.programs[p].once
+                 and not chain.sessions[0].manifest.programs[p].derive)
+    chain.submit(other, rows=3, outputs=False)
+    assert told == [7, 0]
+
+
+def test_a_prefix_cache_ab_run_prints_both_rounds_and_hits_the_cache(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["--size", "tiny", "--backend", "sim", "--step-ms", "0.5", "--row-us", "5",
+                 "--prefix", "48,5", "--prefix-cache", "ab", "--levels", "2",
+                 "--requests-per-level", "2", "--max-tokens", "4", "--max-seqs", "4",
+                 "--budget", "20", "--dir", str(tmp_path / "models"), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert printed.count("prefix cache off\n") == 2 and printed.count("prefix cache on\n") == 2
+    assert "prompt 53 (48 shared + 5 own)" in printed
+    assert "| concurrency | TTFT p50 ms on / off | x lower | TTFT p99 ms on / off | x lower " \
+           "| tokens/s on / off | x higher |" in printed
+    assert re.search(r"^\| 2 \| [\d.]+ / [\d.]+ \| [\d.]+x \| [\d.]+ / [\d.]+ \| [\d.]+x "
+                     r"\| [\d.]+ / [\d.]+ \| [\d.]+x \|$", printed, re.MULTILINE)
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["prefix_cache"] for r in runs] == [False, True, False, True]
+    for run in runs:
+        counts = run["prefix_cache_counts"]
+        (conc, row), = run["rows"]
+        assert conc == 2 and row["requests"] == 4 and row["tokens"] == 16
+        assert counts["queried_tokens"] == 4 * 53
+        # on: every prompt's 3 full shared pages (48 tokens) from the cache, the warm-up
+        # having kept them; off: none
+        assert counts["hit_tokens"] == (4 * 48 if run["prefix_cache"] else 0)
+    hits = re.findall(r"^prefix cache over the levels \(/metrics\): hit rate ([\d.]+)%",
+                      printed, re.MULTILINE)
+    assert [float(h) for h in hits] == [pytest.approx(100 * 48 / 53, abs=0.1)] * 2
+
+
+def test_a_prefix_that_does_not_fit_the_example_gets_a_longer_context(tmp_path):
+    from bench.serve import example
+
+    args = type("Args", (), {"size": "tiny", "max_seqs": 4, "prompt_len": 300,
+                             "max_tokens": 20, "dir": str(tmp_path)})()
+    manifest = example(args)
+    assert manifest.parent.name == "tiny-4-context320"
+    limits = json.loads((manifest.parent / "config.json").read_text())
+    assert limits["max_position_embeddings"] == 320
+
+
+def test_a_model_too_short_for_the_prefix_is_refused_before_any_request(tmp_path, capsys):
+    # the folder the bench would use, holding a model of the tiny size's own context, 256
+    generate(tmp_path / "tiny-4-context336", "tiny", max_seqs=4)
+    with pytest.raises(SystemExit, match="holds at most 256 tokens, fewer than a prompt of 308"):
+        main(["--size", "tiny", "--backend", "sim", "--prefix", "300,8", "--max-tokens", "20",
+              "--max-seqs", "4", "--levels", "1", "--dir", str(tmp_path),
+              "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prefix", "5"], "expected N,M"),
+    (["--prefix", "0,3"], "at least 1 token each"),
+    (["--row-us", "-1"], "expected 0 <= microseconds"),
+    (["--backend", "cpu", "--row-us", "3"], "--row-us is the simulated device's"),
+    (["--ahead", "ab", "--prefix-cache", "ab"], "one A/B at a time"),
+])
+def test_bad_prefix_flags_are_refused_with_their_reason(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        main(flags)
+    assert message in capsys.readouterr().err

@@ -185,9 +185,14 @@ def test_help_and_verify_import_no_numpy(argv: list[str], allowed: str) -> None:
 
 
 def test_example_flags_match_the_config() -> None:
-    from kerncc.cli.run import OVERRIDE_HELP, OVERRIDES, config_number_fields
+    import attrs
 
-    assert OVERRIDES == config_number_fields() and set(OVERRIDE_HELP) == set(OVERRIDES)
+    from kerncc.cli.run import OVERRIDE_HELP, OVERRIDES
+    from kerncc.example.config import QwenConfig
+
+    attrs.resolve_types(QwenConfig)
+    numbers = {f.name: f.type for f in attrs.fields(QwenConfig) if f.type in (int, float)}
+    assert OVERRIDES == numbers and set(OVERRIDE_HELP) == set(OVERRIDES)
 
 
 # --------------------------------------------------------------------------- 4, 6: run

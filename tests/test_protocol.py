@@ -175,8 +175,7 @@ def test_plain_queries():
     assert p.forward(1, 2) is None
     assert p.chunk().name == "prefill"
     assert p.spanned(1) is None
-    assert (p.row_shapes(), p.max_groups(1), p.max_groups(VAR_ROWS), p.max_groups(4)) \
-        == ([1], 4, 1, 0)
+    assert (p.max_groups(1), p.max_groups(VAR_ROWS), p.max_groups(4)) == (4, 1, 0)
     assert p.filled("token", "rows").name == "token_ids"
     assert p.filled("token", "groups") is None
     assert p.token_rows().name == "token_ids"
@@ -187,9 +186,9 @@ def test_speculative_queries():
     p = protocol.check(verified(speculative()))
     round_ = next(f for f in p.forwards if f.name == "round")
     assert round_ == Forward("round", 2, 4, emits="verify_tokens", count="nacc")
-    assert p.fill_named("verify_tokens").width == 4
+    assert {f.name: f.width for f in p.fills}["verify_tokens"] == 4
     assert p.filled("token", "groups").name == "anchor_token"
-    assert (p.row_shapes(), p.max_groups(4)) == ([1, 4], 2)
+    assert p.max_groups(4) == 2
     assert p.forward(2, 4).name == "round"
 
 
@@ -200,7 +199,7 @@ def test_span_queries():
     assert p.spanned(3).name == "decode_span"
     assert p.spanned(5) is None
     assert p.forward(3, 1).name == "decode_batch"    # the span program is no plain shape
-    assert (p.row_shapes(), p.max_groups(1)) == ([1], 4)
+    assert p.max_groups(1) == 4
 
 
 def test_context_goes_in_the_env():
@@ -224,9 +223,9 @@ def test_packed_prefill_is_split_by_cu_seqlens():
 
 def test_encoding_follows_the_dtype():
     p = protocol.check(verified(fixture("plain")))
-    assert p.fill_named("seq_lens").encode([3, -1]) == bytes([3, 0, 0, 0, 255, 255, 255, 255])
-    assert p.fill_named("slot_mapping").encode([2]) == (2).to_bytes(8, "little")
-    assert p.fill_named("seq_lens").decode(bytes([7, 0, 0, 0, 255, 255, 255, 255])) == [7, -1]
+    assert p.any("seq_len").encode([3, -1]) == bytes([3, 0, 0, 0, 255, 255, 255, 255])
+    assert p.any("slot").encode([2]) == (2).to_bytes(8, "little")
+    assert p.any("seq_len").decode(bytes([7, 0, 0, 0, 255, 255, 255, 255])) == [7, -1]
 
 # -------------------------------------------------------------------- summary (§4.6)
 

@@ -245,10 +245,11 @@ def test_steps_issued_ahead_give_the_tokens_and_logits_of_steps_one_at_a_time(wh
     engine.pool.check()
 
 
-def test_a_sampled_request_keeps_the_steps_one_at_a_time(whole, prompts):
-    """A sampled token is drawn on the host: nothing can be fed on the device, so a batch
-    holding a sampled request does not go ahead."""
-    engine = Engine(whole, Config(max_running=2))
+def test_a_sampled_request_drawn_on_the_host_keeps_the_steps_one_at_a_time(whole, prompts):
+    """A sampled token drawn on the host (Config(draw_on_device=False)): nothing can be fed
+    on the device, so a batch holding a sampled request does not go ahead (drawn on the
+    device it does: tests/test_serve_engine_pace.py)."""
+    engine = Engine(whole, Config(max_running=2, draw_on_device=False))
     greedy = engine.submit(Request(prompts[1], 12))
     sampled = engine.submit(Request(prompts[2], 12, sampling_hook.Params(temperature=0.7,
                                                                          seed=1)))

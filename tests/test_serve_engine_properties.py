@@ -71,16 +71,24 @@ SAMPLED = st.builds(sampling_hook.Params, temperature=st.sampled_from([0.7, 1.0,
 
 
 @st.composite
-def loads(draw, capacity: int, longest: int = 24):
+def loads(draw, capacity: int, longest: int = 24, shared: bool = False):
     """Requests (prompt, max_new, sampling, stop pick, arrival tick, cancel delay or None)
     that each fit a sequence of `capacity` tokens (at most `longest` new), and the engine's
-    settings. A stop pick i makes the i-th token the request generates alone a stop token."""
+    settings. A stop pick i makes the i-th token the request generates alone a stop token.
+    `shared`: prompts begin with a part of one of two system prompts (the prefix cache's
+    pages are then shared)."""
     count = draw(st.integers(1, 7))
     requests = []
+    tokens = st.integers(0, VOCAB - 1)
+    systems = draw(st.lists(st.lists(tokens, min_size=40, max_size=40).filter(any),
+                            min_size=2, max_size=2))
     for _ in range(count):
         length = draw(st.integers(1, min(40, capacity)))
-        prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=length, max_size=length)
-                      .filter(any))
+        begun = draw(st.integers(min(length, 17), length)) if shared else 0
+        prompt = systems[draw(st.integers(0, 1))][:begun] + draw(
+            st.lists(tokens, min_size=length - begun, max_size=length - begun))
+        if not any(prompt):
+            prompt[-1] = 1
         max_new = draw(st.integers(1, min(longest, capacity + 1 - length)))
         params = draw(st.just(sampling_hook.Params()) | SAMPLED)
         stop = draw(st.none() | st.integers(0, max_new - 1))
@@ -89,7 +97,8 @@ def loads(draw, capacity: int, longest: int = 24):
         requests.append((prompt, max_new, params, stop, arrival, cancel))
     config = Config(max_running=draw(st.integers(1, 6)), max_queue=draw(st.integers(1, 8)),
                     chunk=draw(st.integers(1, 64)), depth=draw(st.integers(1, 3)),
-                    logits=True, ahead=draw(st.booleans()))
+                    logits=True, ahead=draw(st.booleans()),
+                    prefix_cache=draw(st.booleans()) if not shared else True)
     return requests, config
 
 
@@ -216,3 +225,16 @@ def test_a_refused_request_leaves_no_trace(chains, prompt, max_new):
         return
     engine.run_until_idle()
     check_idle(engine)
+
+
+@settings(max_examples=examples(30, 400))
+@given(load=loads(capacity=48, longest=48, shared=True),
+       name=st.sampled_from(["cut", "3 pages", "5 pages", "cut, 4 pages"]))
+def test_prompts_sharing_cached_pages_give_each_request_its_tokens_alone(chains, load, name):
+    """With the prefix cache on, prompts that begin alike share their full pages (computed
+    once, kept, evicted, shared while queued or running, preempted, cancelled): each request's
+    tokens and logits are still those it gets alone, bit for bit."""
+    engine, admitted, cancelled = serve(chains[name], load)
+    check_idle(engine)
+    check_tokens(chains[name], admitted, cancelled)
+    assert engine.prefix.hit <= engine.prefix.queried

@@ -546,38 +546,81 @@ def test_the_server_accepts_the_moment_it_says_it_listens(model):
             proc.wait()
 
 
-def test_sigterm_cancels_what_is_in_flight_and_exits(model, tmp_path):
+def start_server(model, *flags: str, preexec=None) -> tuple[subprocess.Popen, str]:
+    """`kerncc serve` in a process of its own on 127.0.0.1, and its URL once it listens."""
     command = [sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",
-               "--backend", "cpu"]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+               "--backend", "cpu", *flags]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=preexec,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for _ in range(100):  # bounded: the lines before it are few
+        found = re.search(r"listening on (http://\S+)", proc.stderr.readline())
+        if found:
+            return proc, found.group(1)
+    proc.kill()
+    proc.wait()
+    raise AssertionError("the server did not start")
+
+
+def end_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_sigterm_lets_a_running_stream_finish_and_exits(model):
+    proc, url = start_server(model)
     try:
-        url = None
-        for _ in range(100):
-            line = proc.stderr.readline()
-            found = re.search(r"listening on (http://\S+)", line)
-            if found:
-                url = found.group(1)
-                break
-        assert url, "the server did not start"
         with httpx.stream("POST", f"{url}/v1/completions", json={
                 "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 240, "stream": True},
                 timeout=30) as answer:
             lines = answer.iter_lines()
             next(lines)
             proc.send_signal(signal.SIGTERM)
-            rest = list(lines)
-            try:  # no new work once the signal is in: refused, or no longer listening
-                assert complete(url, prompt=[1, 2], max_tokens=2).status_code == 503
-            except httpx.HTTPError:
-                pass
-        assert proc.wait(15) == 0  # a few seconds: streams get 3 s (GRACE), then cancelled
-        assert [line for line in rest if line][-1] == "data: [DONE]"  # finished or cancelled
+            rest = [line for line in lines if line]
+        assert proc.wait(15) == 0
+        assert rest[-1] == "data: [DONE]"  # a quarter second of work: within the drain
+        last = json.loads(rest[-2][len("data: "):])
+        assert last["choices"][0]["finish_reason"] in ("stop", "length") and "error" not in last
         assert "stopped" in proc.stderr.read()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        end_server(proc)
+
+
+def test_sigterm_drains_then_ends_every_request_left_in_openai_shape(model):
+    """Streams left after --drain-timeout end with an error event and [DONE], plain and
+    queued requests with a 503 in OpenAI's shape, new ones are refused 503 meanwhile; no
+    traceback, exit 0 (streams were cut bare after 3 s, the others got a text/plain 500)."""
+    proc, url = start_server(model, "--max-seqs", "1", "--drain-timeout", "1")
+    plain: list[httpx.Response] = []
+    try:
+        # one sequence at a time: 8 choices of 250 tokens hold the engine for ~2 s
+        with httpx.stream("POST", f"{url}/v1/completions", json={
+                "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 250, "n": 8,
+                "ignore_eos": True, "stream": True}, timeout=30) as answer:
+            lines = answer.iter_lines()
+            next(lines)
+            queued = threading.Thread(target=lambda: plain.append(complete(
+                url, prompt=[4, 5], max_tokens=250, ignore_eos=True)))
+            queued.start()
+            time.sleep(0.2)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)  # within the drain: still listening, not admitting
+            refused = complete(url, prompt=[1, 2], max_tokens=2)
+            health = httpx.get(f"{url}/health", timeout=10)
+            rest = [line for line in lines if line]
+        queued.join(30)
+        assert proc.wait(20) == 0
+        log = proc.stderr.read()
+    finally:
+        end_server(proc)
+    assert refused.status_code == 503 and refused.json()["error"]["type"] == \
+        "service_unavailable"
+    assert health.status_code == 503
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["error"]["code"] == "cancelled"
+    assert plain and plain[0].status_code == 503, plain
+    assert plain[0].json()["error"]["code"] == "cancelled"
+    assert "Traceback" not in log and "cancelled" in log and "stopped" in log
 
 
 class Counting(Letters):
@@ -710,3 +753,108 @@ def test_the_event_loop_answers_while_a_prompt_is_tokenized(chain):
             finally:
                 release.set()
             assert stuck.result(timeout=30).status_code == 200
+
+
+def test_chat_renders_abandoned_by_their_clients_stop_and_leave_room(chain, tmp_path,
+                                                                     monkeypatch):
+    """A client that leaves while its chat template renders stops the render: more abandoned
+    renders than the worker threads used to hold every thread for good, and every request
+    after them waited forever while /health said 200."""
+    pytest.importorskip("tokenizers")
+    from kerncc.hf import tokenizer
+    from kerncc.hf.tokenizer import TextCodec
+
+    monkeypatch.setattr(tokenizer, "MAX_STEPS", 10**12)  # only the client's leaving ends it
+    monkeypatch.setattr(tokenizer, "RENDER_SECONDS", 600.0)
+    generate(tmp_path, "tiny")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    codec = TextCodec.from_dir(tmp_path)
+    workers = min(32, (os.cpu_count() or 1) + 4) + 2  # asyncio.to_thread's pool, and more
+
+    def abandon() -> None:
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(f"{url}/v1/chat/completions", timeout=0.5, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+
+    with serving(chain, text=codec) as (url, _):
+        clients = [threading.Thread(target=abandon) for _ in range(workers)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join(30)
+        answer = httpx.post(f"{url}/v1/completions", timeout=10, json={
+            "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert answer.status_code == 200, answer.text
+
+
+def half_sent(url: str, data: bytes) -> socket.socket:
+    """A connection to the server that sent `data` and then nothing more."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=10)
+    raw.sendall(data)
+    return raw
+
+
+def read_all(raw: socket.socket, seconds: float) -> bytes:
+    """What the server writes before it closes the connection, within `seconds`."""
+    raw.settimeout(seconds)
+    got = b""
+    with contextlib.suppress(TimeoutError, ConnectionResetError):
+        while chunk := raw.recv(4096):
+            got += chunk
+    return got
+
+
+@pytest.mark.parametrize("data, flag, what", [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n", "--header-timeout", "headers"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: test\r\ncontent-type: application/json\r\n"
+     b"content-length: 100\r\n\r\n{\"prompt\"", "--body-timeout", "body"),
+])
+def test_a_half_sent_request_is_answered_408_and_closed(model, data, flag, what):
+    """Neither the headers nor the body had a read timeout: a client that stopped mid-request
+    held its connection for ever."""
+    proc, url = start_server(model, flag, "1")
+    try:
+        with half_sent(url, data) as raw:
+            began = time.monotonic()
+            answer = read_all(raw, 10)
+            took = time.monotonic() - began
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
+        assert 0.9 < took < 5, took
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # still serving
+    finally:
+        end_server(proc)
+
+
+def test_half_sent_requests_do_not_starve_the_others(model):
+    """300 half-sent requests against a process of 256 file descriptors: those waiting past
+    --max-waiting-connections are closed, and a normal request is answered (it waited in the
+    backlog for ever: no header timeout, no cap)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 400:
+        if hard != resource.RLIM_INFINITY and hard < 400:
+            pytest.skip("this test process needs 400 file descriptors for its clients")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (400, hard))
+
+    def few_descriptors() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    proc, url = start_server(model, "--max-waiting-connections", "32", preexec=few_descriptors)
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True)
+    reader.start()  # the log never fills its pipe and stalls the server
+    held: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            held.append(half_sent(url, b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"))
+        began = time.monotonic()
+        answer = httpx.get(f"{url}/health", timeout=15)
+        assert answer.status_code == 200 and time.monotonic() - began < 15
+    finally:
+        for raw in held:
+            raw.close()
+        end_server(proc)

@@ -86,7 +86,7 @@ def test_an_unknown_field_is_refused_naming_it(client, route):
     ("tool_choice", "required"), ("audio", {"voice": "x", "format": "mp3"}),
     ("store", True), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "high"), ("modalities", ["text", "audio"]),
-    ("chat_template_kwargs", {"enable_thinking": False}),
+    ("chat_template_kwargs", {"enable_thinking": [False]}),
     ("response_format", {"type": "xml"}), ("top_logprobs", 2),
     ("guided_regex", "(unclosed"), ("guided_json", "{not json"),
     ("guided_grammar", "start: nowhere"),

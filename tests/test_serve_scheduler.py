@@ -33,7 +33,8 @@ def loads(draw):
         decode_groups=draw(st.integers(1, 4)),
         chunk=Bounds(rows=draw(st.integers(1, 8)), seqs=draw(st.integers(2, 4)) if packed else 1,
                      context=draw(st.integers(table * STRIDE, 40))),
-        max_running=draw(st.integers(1, 5)), chunk_emits=draw(st.booleans()))
+        max_running=draw(st.integers(1, 5)), chunk_emits=draw(st.booleans()),
+        step_tokens=draw(st.none() | st.integers(1, 12)))
     width = limits.pages_per_seq * STRIDE
     requests = draw(st.lists(st.tuples(st.integers(1, width - 1), st.integers(1, width - 1)),
                              min_size=1, max_size=8))
@@ -55,6 +56,16 @@ def check_item(item: sch.Item, limits: sch.Limits, state: sch.State) -> None:
         return
     assert 1 <= len(ids) <= limits.chunk.seqs and 1 <= rows <= limits.chunk.rows
     assert sum(start + n for _, start, n in item.parts) <= limits.chunk.context
+
+
+def check_budget(plan: sch.Plan, limits: sch.Limits) -> None:
+    """A step's prefill rows keep to what its decode rows leave of the step budget (at least
+    the prefill floor), and to the chunk bound."""
+    chunk = sum(n for item in plan.items if item.kind == "chunk" for _, _, n in item.parts)
+    decodes = sum(len(item.parts) for item in plan.items if item.kind == "decode")
+    assert chunk <= limits.chunk.rows
+    if limits.step_tokens is not None:
+        assert chunk <= max(limits.prefill_floor, limits.step_tokens - decodes)
 
 
 @settings(max_examples=100)
@@ -83,6 +94,7 @@ def test_a_simulated_engine_finishes_everything_without_leaking_pages(load):
                 assert pool.take(seq_id, more) is not None
             for item in plan.items:
                 check_item(item, limits, state)
+            check_budget(plan, limits)
             state = sch.apply(state, plan)
             inflight.extend(plan.items)
             if not plan.empty:
@@ -184,3 +196,48 @@ def test_a_chunk_that_hands_back_tokens_feeds_the_whole_prompt():
     plan = sch.schedule(state, limits)
     assert [(i.kind, i.parts, i.emits) for i in plan.items] == [
         ("decode", ((0, 4, 1), (1, 4, 1)), (0, 1))]
+
+
+@settings(max_examples=60)
+@given(running=st.integers(1, 6), prompt=st.integers(2, 60), rows=st.integers(1, 8),
+       budget=st.none() | st.integers(1, 16), groups=st.integers(1, 4),
+       chunk_emits=st.booleans(), packed=st.booleans())
+def test_decodes_keep_going_while_a_long_prompt_is_fed_within_the_step_budget(
+        running, prompt, rows, budget, groups, chunk_emits, packed):
+    """A newcomer's long prompt beside running streams (pages to spare): every step decodes
+    every running stream (none stalls while the prompt is in flight), feeds the prompt at
+    least the prefill floor (it never starves, however many streams decode) and keeps its
+    prefill rows within what the decodes leave of the budget; decode rows go through decode
+    items only, prefill rows through chunk items only."""
+    limits = sch.Limits(stride=STRIDE, pages_per_seq=32, decode_groups=groups,
+                        chunk=Bounds(rows, 3 if packed else 1, 32 * STRIDE * 3),
+                        max_running=running + 1, chunk_emits=chunk_emits, step_tokens=budget)
+    state = sch.State((), (), 1000)
+    streams = list(range(running))
+    for seq_id in streams:  # running streams, prompts fed, decoding
+        state = sch.add(state, seq_id, 2)
+    for _ in range(20):
+        if all(s.decodable(chunk_emits) for s in state.running) and len(state.running) == running:
+            break
+        plan = sch.schedule(state, limits)
+        state = sch.apply(state, plan)
+        for item in plan.items:
+            state = sch.landed_all(state, {i: i in item.emits for i, _, _ in item.parts})
+    state = sch.add(state, running, prompt)
+    newcomer_left = prompt - (0 if chunk_emits else 1)
+    for _ in range(200):  # bounded: the prompt takes at most prompt / floor steps
+        plan = sch.schedule(state, limits)
+        decoded = {i for item in plan.items if item.kind == "decode" for i, _, _ in item.parts}
+        fed = sum(n for item in plan.items if item.kind == "chunk"
+                  for i, _, n in item.parts if i == running)
+        assert set(streams) <= decoded, "a running stream stalled while a prompt was fed"
+        check_budget(plan, limits)
+        assert fed >= min(limits.prefill_floor, newcomer_left), "the prompt starved"
+        newcomer_left -= fed
+        state = sch.apply(state, plan)
+        for item in plan.items:  # every call lands before the next step (depth 1)
+            state = sch.landed_all(state, {i: i in item.emits for i, _, _ in item.parts})
+        if newcomer_left == 0:
+            break
+    else:
+        raise AssertionError("the prompt was never fed")

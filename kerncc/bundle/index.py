@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import PurePosixPath
 from typing import Any
 
+from kerncc.bundle.format import TOKENIZER_FILES
 from kerncc.diagnostics import pointer
 
 Problem = tuple[str, str]  # (JSON pointer, message)
@@ -59,12 +60,14 @@ def _req(spec: Any) -> tuple[Any, bool]:
 STAGE = Obj(index=_opt(int), dir=_req(str), manifest_sha256=_opt(STR_OR_NULL),
             plan_sha256=_opt(STR_OR_NULL), stage_py_sha256=_opt(STR_OR_NULL),
             calls=_opt(MapOf(int)), host_inputs=_opt(ListOf(str)))
+TOKENIZER_FILE = Obj(name=_req(str), bytes=_req(int), sha256=_req(str))
 EDGE = Obj(**{"buffer": _req(str), "from": _req(int), "to": _req(int), "bytes": _req(int)})
 INDEX = Obj(
     format=_req(str), kerncc=_opt(STR_OR_NULL), pipeline=_opt(str),
     input=_opt((Obj(path=_opt(STR_OR_NULL), sha256=_opt(STR_OR_NULL)), type(None))),
     checkpoint=_opt(STR_OR_NULL),
     checkpoint_identity=_opt((Obj(bytes=_req(int), header_sha256=_req(str)), type(None))),
+    tokenizer=_opt((ListOf(TOKENIZER_FILE), type(None))),
     cut=_opt((Obj(id=_opt(str), points=_opt(MapOf(ListOf(int)))), type(None))),
     stages=_req(ListOf(STAGE)), edges=_opt(ListOf(EDGE)),
     proof=_opt(Obj(checked=_req(bool), programs=_opt(ListOf(str)), outputs=_opt(int),
@@ -83,6 +86,23 @@ def index_problems(index: Any) -> list[Problem]:
             if isinstance(folder, str) and not _inside(folder):
                 problems.append((f"/stages/{k}/dir", f"stage directory `{folder}` is not "
                                  "inside the bundle"))
+    problems += _tokenizer_problems(index.get("tokenizer") if isinstance(index, dict) else None)
+    return problems
+
+
+def _tokenizer_problems(files: Any) -> list[Problem]:
+    """A recorded tokenizer file is one of the names the codec reads, each named once: the
+    record names which files are looked at, never a path."""
+    problems, seen = [], set()
+    for k, entry in enumerate(files if isinstance(files, list) else ()):
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str):
+            continue
+        if name not in TOKENIZER_FILES or name in seen:
+            word = "is recorded twice" if name in seen else "is not a tokenizer file kerncc reads"
+            problems.append((f"/tokenizer/{k}/name", f"`{name[:80]}` {word} (one of "
+                             f"{', '.join(TOKENIZER_FILES)})"))
+        seen.add(name)
     return problems
 
 

@@ -26,7 +26,7 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.files import FileRefused, inside, read_regular
-from kerncc.bundle.format import FORMAT, HEADLINE, STAGE_FILES
+from kerncc.bundle.format import FORMAT, HEADLINE, STAGE_FILES, TOKENIZER_FILES
 from kerncc.bundle.index import index_problems
 from kerncc.bundle.plan_check import MalformedPlan, check_plan
 from kerncc.diagnostics import Diagnostic, KernccError, Location
@@ -76,7 +76,6 @@ class Index:
     dir: Path
     data: dict[str, Any]
     text: str = attrs.field(repr=False)
-    limit: int | None = None
 
     @property
     def path(self) -> Path:
@@ -90,7 +89,7 @@ class Index:
         return refusal(message, self.locate(ptr))
 
 
-def read_index(bundle: str | Path, limit: int | None = None) -> Index:
+def read_index(bundle: str | Path) -> Index:
     """bundle.json of the folder `bundle`, its format and every field checked."""
     bundle = Path(bundle)
     if not bundle.is_dir():
@@ -99,11 +98,11 @@ def read_index(bundle: str | Path, limit: int | None = None) -> Index:
     path = bundle / "bundle.json"
     try:
         data = read_regular(inside(bundle, "bundle.json", "the bundle index"),
-                            "the bundle index", limit)
+                            "the bundle index")
     except FileRefused as err:
         raise at_file(path, err.message) from None
     value, text = json_of(data, path)
-    index = Index(bundle, value, text, limit) if isinstance(value, dict) else None
+    index = Index(bundle, value, text) if isinstance(value, dict) else None
     if index is None or value.get("format") != FORMAT:
         found = value.get("format") if isinstance(value, dict) else None
         where = index.locate("/format") if index else Location(file=str(path))
@@ -116,12 +115,28 @@ def read_index(bundle: str | Path, limit: int | None = None) -> Index:
 
 
 def _outside_paths(index: dict[str, Any]) -> list[tuple[str, str]]:
-    """The input's and the checkpoint's paths, when recorded, are relative to the bundle."""
+    """The input's and the checkpoint's paths, when recorded, are relative to the bundle, and
+    the checkpoint's names a checkpoint (a path that leads elsewhere is never opened)."""
     named = [("/checkpoint", "checkpoint", index.get("checkpoint")),
              ("/input/path", "input", (index.get("input") or {}).get("path"))]
-    return [(ptr, f"{what} `{path}` is not a relative path: a bundle names the files beside "
-                  "it relative to its folder") for ptr, what, path in named
-            if path and not is_recorded_path(path)]
+    problems = [(ptr, f"{what} `{path}` is not a relative path: a bundle names the files "
+                      "beside it relative to its folder") for ptr, what, path in named
+                if path and not is_recorded_path(path)]
+    checkpoint = index.get("checkpoint")
+    if not problems and isinstance(checkpoint, str) and checkpoint \
+            and not checkpoint.endswith(CHECKPOINT_SUFFIXES):
+        problems.append(("/checkpoint", f"checkpoint `{_shown_path(checkpoint)}` does not name "
+                         "a checkpoint (`.safetensors` or `.safetensors.index.json`): it is not "
+                         "opened"))
+    return problems
+
+
+# What a checkpoint bundle.json records is named (emit records model.safetensors or an index).
+CHECKPOINT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def _shown_path(name: str) -> str:
+    return name.encode("unicode_escape").decode("ascii")[:200]
 
 
 def _short(value: Any) -> str:
@@ -167,18 +182,18 @@ def read_stage_files(index: Index, k: int) -> StageFiles:
         if key == "stage_py_sha256" and key in entry and expected is None:
             _check_absent(index, path, k, f"{ptr}/{key}")  # null: the stage has no stage.py
             continue
-        data = _read(folder, name, f"stage {k} {name}", index.limit)
+        data = _read(folder, name, f"stage {k} {name}")
         # a sha256 not recorded is not checked (docs/bundle.md)
         if expected is not None and sha256(data) != expected:
             raise index.error(f"stage {k} {name} `{path}` was changed after emit: sha256 "
                               f"{sha256(data)}, the bundle recorded {expected}", f"{ptr}/{key}")
         texts[name] = data
-    return StageFiles(k, folder, texts, _modules(folder, k, index.limit))
+    return StageFiles(k, folder, texts, _modules(folder, k))
 
 
-def _read(folder: Path, name: str, what: str, limit: int | None) -> bytes:
+def _read(folder: Path, name: str, what: str) -> bytes:
     try:
-        return read_regular(inside(folder, name, what), what, limit)
+        return read_regular(inside(folder, name, what), what)
     except FileRefused as err:
         raise at_file(folder / name, err.message) from None
 
@@ -189,7 +204,7 @@ def _check_absent(index: Index, path: Path, k: int, ptr: str) -> None:
                           "none (null): a file the bundle does not pin would be trusted", ptr)
 
 
-def _modules(folder: Path, k: int, limit: int | None) -> dict[str, Path]:
+def _modules(folder: Path, k: int) -> dict[str, Path]:
     """The module files of `folder/modules`: each a `<sha256>.cubin` whose bytes hash to it."""
     modules = folder / "modules"
     if not (modules.exists() or modules.is_symlink()):
@@ -205,7 +220,7 @@ def _modules(folder: Path, k: int, limit: int | None) -> dict[str, Path]:
         if not _MODULE_NAME.fullmatch(path.name):
             raise at_file(path, f"stage {k} modules/ holds `{path.name}`, which is not a "
                           "module file (`<sha256>.cubin`)")
-        data = _read(modules, path.name, f"stage {k} module", limit)
+        data = _read(modules, path.name, f"stage {k} module")
         digest = path.name.removesuffix(".cubin")
         if sha256(data) != digest:
             raise at_file(path, f"stage {k} module `{path}` was changed after emit: its "
@@ -383,10 +398,93 @@ def checkpoint_mismatch(index: Index, path: str | Path | None, given: bool) -> s
         return None
     what = "size" if found["bytes"] != recorded["bytes"] else "safetensors header"
     message = (f"checkpoint `{path}` is not the one the bundle was emitted with: its {what} "
-               f"differs from bundle.json's `checkpoint_identity` ({found['bytes']} bytes, header "
-               f"sha256 {found['header_sha256'][:12]}; recorded {recorded['bytes']} bytes, "
-               f"{recorded['header_sha256'][:12]})")
-    if given:
-        return message
+               "differs from bundle.json's `checkpoint_identity`")
+    if given:  # the user's own file: its size and hash may be shown
+        return message + (f" ({found['bytes']} bytes, header sha256 "
+                          f"{found['header_sha256'][:12]}; recorded {recorded['bytes']} bytes, "
+                          f"{recorded['header_sha256'][:12]})")
+    # a path bundle.json names may lead to any file: nothing of it is shown
     raise index.error(message + "; lower the manifest again, or give the checkpoint with "
                       "--weights to run it anyway", "/checkpoint_identity")
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer files beside the input (bundle.json `tokenizer`)
+
+
+def tokenizer_record(folder: Path) -> list[dict[str, Any]]:
+    """The tokenizer files in `folder` as bundle.json records them: name, bytes, sha256, in
+    TOKENIZER_FILES' order; each read as any file a bundle names (regular, bounded)."""
+    record = []
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if not path.exists() and not path.is_symlink():
+            continue
+        data = read_regular(path, "tokenizer file")
+        record.append({"name": name, "bytes": len(data), "sha256": sha256(data)})
+    return record
+
+
+@attrs.frozen
+class TokenizerPins:
+    """The tokenizer files a bundle was lowered with, which the text codec checks as it reads
+    (kerncc.hf.tokenizer.TextCodec.from_dir's `pins`): `folder(dir)` before it reads (the same
+    files are there, no more, no fewer), `file(path, data)` for the bytes it read. A refusal
+    names the file and the bundle, never a hash or a byte: the folder may be anywhere. Only a
+    folder holding tokenizer.json is read, so only such a folder is held to the record."""
+
+    files: dict[str, tuple[int, str]]  # name -> (bytes, sha256)
+    bundle: Path
+
+    def folder(self, directory: Path) -> None:
+        for name in TOKENIZER_FILES:
+            path = directory / name
+            there = path.exists() or path.is_symlink()
+            if there and name not in self.files:
+                raise self._refusal(path, "is not one of the tokenizer files the bundle "
+                                    f"`{self.bundle}` was lowered with (bundle.json `tokenizer` "
+                                    "records none of that name)")
+            if not there and name in self.files:
+                raise self._refusal(path, f"is missing: the bundle `{self.bundle}` was lowered "
+                                    "with one (bundle.json `tokenizer`)")
+
+    def file(self, path: Path, data: bytes) -> None:
+        recorded = self.files.get(path.name)
+        if recorded is not None and recorded == (len(data), sha256(data)):
+            return
+        raise self._refusal(path, f"is not the file the bundle `{self.bundle}` was lowered with "
+                            "(it differs from bundle.json's `tokenizer` record)")
+
+    @staticmethod
+    def _refusal(path: Path, message: str) -> KernccError:
+        return at_file(path, f"tokenizer file `{path}` {message}; lower the manifest again, or "
+                       "name the folder with --tokenizer to use it as it is")
+
+
+def tokenizer_pins(index: dict[str, Any], bundle: Path) -> TokenizerPins | None:
+    """The pins of bundle.json's `tokenizer` record (read_index checked it), or None when the
+    bundle records none (a bundle emitted from memory, or written by hand: not checked)."""
+    files = index.get("tokenizer")
+    if not isinstance(files, list):
+        return None
+    return TokenizerPins({f["name"]: (f["bytes"], f["sha256"]) for f in files}, bundle)
+
+
+def check_tokenizer(index: Index, folder: Path) -> None:
+    """The tokenizer files in `folder` (the recorded input's) are the ones bundle.json records,
+    as the codec would find them: what `kerncc check` passes, the codec accepts."""
+    pins = tokenizer_pins(index.data, index.dir)
+    if not (folder / "tokenizer.json").is_file():
+        return  # without tokenizer.json no codec reads the folder (TextCodec.from_dir)
+    if pins is None:
+        raise index.error("the bundle records no `tokenizer`: run and serve would read the "
+                          "tokenizer beside its input unchecked; lower the manifest again",
+                          "/tokenizer" if "tokenizer" in index.data else "")
+    pins.folder(folder)
+    for name in pins.files:
+        path = folder / name
+        try:
+            data = read_regular(path, "tokenizer file")
+        except FileRefused as err:
+            raise at_file(path, err.message) from None
+        pins.file(path, data)

@@ -238,14 +238,24 @@ def _optional_text(index: dict, key: str) -> str | None:
     return index.get(key)
 
 
-def _proof(index: dict) -> dict[str, Any] | None:
-    """The proof emit recorded; None when bundle.json records none."""
-    return index.get("proof")
+def _proof(checked: Index, input_status: str) -> dict[str, Any]:
+    """The proof as `kerncc check` finds it now (bundle.json's claim is not repeated): its
+    summary and `"status": "proved"`, or `"checked": false` and why it is not proved."""
+    if input_status != "matches":
+        return {"checked": False, "status": f"not checked: the input manifest is {input_status}"}
+    from kerncc.bundle.check import check_bundle
+
+    try:
+        proof = check_bundle(checked.dir)
+    except KernccError as err:
+        why = err.diagnostics[0].message if err.diagnostics else err.headline
+        return {"checked": False, "status": f"not proved: {why}"}
+    return {**proof.to_json(), "status": "proved"}
 
 
-def read_report(directory: str | Path, max_file_size: int | None = None) -> BundleReport:
+def read_report(directory: str | Path) -> BundleReport:
     """The report of the bundle at `directory`; KernccError naming the file if it is damaged."""
-    checked = read_index(directory, max_file_size)
+    checked = read_index(directory)
     read = [reader.read_stage(checked, files) for files in stage_files(checked)]
     manifests = [r.manifest for r in read]
     reader.check_links(checked, manifests)
@@ -262,7 +272,7 @@ def read_report(directory: str | Path, max_file_size: int | None = None) -> Bund
         pipeline=_optional_text(index, "pipeline") or "", input_path=recorded,
         input_status=status, checkpoint=_optional_text(index, "checkpoint"),
         checkpoint_status=_checkpoint_status(checked),
-        cut=_cut(index), proof=_proof(index), stages=stages, edges=_edges(index),
+        cut=_cut(index), proof=_proof(checked, status), stages=stages, edges=_edges(index),
         footprints=tuple(bundle_footprints([(r.manifest, r.plan) for r in read])))
 
 
@@ -297,8 +307,8 @@ def _proof_text(proof: dict[str, Any] | None) -> str:
     if proof is None:
         return "not recorded"
     if not proof.get("checked"):
-        return "not checked (emit{check=false})"
-    return (f"{_count(len(proof.get('programs', ())), 'driven program')}, "
+        return str(proof.get("status") or "not checked")
+    return (f"proved now: {_count(len(proof.get('programs', ())), 'driven program')}, "
             f"{_count(proof.get('outputs', 0), 'output')}, "
             f"{_count(proof.get('carries', 0), 'carry', 'carries')}, "
             f"{_count(proof.get('state_regions', 0), 'state region')} equal to the whole's")

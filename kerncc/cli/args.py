@@ -27,6 +27,25 @@ def positive(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """A duration in seconds, finite and at least 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got `{text}`") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """A duration in seconds, finite and more than 0 (a timeout that can pass)."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
 def no_stdin(what: str) -> Callable[[str], str]:
     """A path argument that `-` cannot stand for (`what` says why), refused as a usage error:
     a bundle is a folder, and a manifest that `run` or `serve` lowers is read beside its

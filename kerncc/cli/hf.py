@@ -9,7 +9,9 @@ and streams decoded text to stdout as it comes, `end_stream()` that ends the str
 
 The tokenizer of a bundle is the model folder of the manifest it was lowered from (bundle.json
 `input.path`, kept relative to the bundle): emit copies nothing, so a bundle never carries
-files that run code; `--tokenizer DIR` names another folder.
+files that run code; bundle.json records the tokenizer files there (`tokenizer`) and the codec
+refuses one that differs (`tokenizer_pins`); `--tokenizer DIR` names another folder, used as it
+is. `kerncc import --max-file-size` bounds the tokenizer files it checks as serve's flag does.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 import attrs
 
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import positive
+from kerncc.cli.args import limit_flags, positive
 
 
 def _say(message: str) -> None:
@@ -37,7 +39,9 @@ def _say(message: str) -> None:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from kerncc.hf.importer import import_model
+    from kerncc.hf.tokenizer import check_files
 
+    check_files(args.directory)  # bounded as run and serve read them (--max-file-size)
     done = import_model(args.directory, args.output, args.max_tokens, args.max_seqs,
                         args.max_context, quantize=getattr(args, "quantize", None))
     c = done.config
@@ -74,6 +78,16 @@ def tokenizer_dir(args: argparse.Namespace, bundle: Any) -> Path | None:
     return Path(given) if given else model_dir(args.target, bundle)
 
 
+def tokenizer_pins(args: argparse.Namespace, bundle: Any) -> Any:
+    """The tokenizer files the bundle records (kerncc.bundle.reader.TokenizerPins), which the
+    files the codec reads must be; None with --tokenizer (the user's folder, used as it is)."""
+    from kerncc.bundle.reader import tokenizer_pins as pins
+
+    if getattr(args, "tokenizer", None):
+        return None
+    return pins(bundle.index, bundle.dir)
+
+
 def prompt_eos(args: argparse.Namespace, bundle: Any) -> tuple[int, ...]:
     """The eos ids that end a prompt given as ids (one, or several served together): the
     tokenizer folder's, none with --ignore-eos."""
@@ -108,7 +122,7 @@ class TextRun:
         # ids in, JSON out: text is a bonus there, so no tokenizers library means text null
         bonus = as_json and not wants_text and importlib.util.find_spec("tokenizers") is None
         if folder is not None and (wants_text or as_json) and not bonus:
-            codec = TextCodec.from_dir(folder)
+            codec = TextCodec.from_dir(folder, tokenizer_pins(args, bundle))
         if wants_text and codec is None:
             raise KernccError.single(f"--text and --chat need a tokenizer.json in the model "
                                      f"folder ({folder or 'unknown: give --tokenizer DIR'})")
@@ -184,7 +198,8 @@ def _run_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--format", choices=("text", "json"), default="text",
                      help="json: one object with prompt ids, ids and text")
     run.add_argument("--tokenizer", metavar="DIR",
-                     help="the folder of tokenizer.json (default: the model's folder)")
+                     help="the folder of tokenizer.json, used as it is (default: the model's "
+                     "folder, held to the tokenizer files bundle.json records)")
 
 
 def check_run_args(args: argparse.Namespace) -> None:
@@ -209,6 +224,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quantize", choices=("fp8",),
                    help="fp8: the layers' linear weights as block-scaled e4m3 (128 x 128 "
                         "blocks, f32 scales), quantized at load; the checkpoint stays as it is")
+    limit_flags(p)  # --max-file-size bounds the tokenizer files read, as serve's does
     p.set_defaults(handler=cmd_import, format="text")
     run = sub.choices.get("run")
     if run is not None:

@@ -13,17 +13,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from kerncc.cli.args import positive_seconds
+
 PLACEMENTS = ("thread", "process", "ray")
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got `{text}`") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
-    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how crossing buffers go between stage processes or actors (auto, the "
                    "default: NCCL between distinct GPUs when nccl4py is installed, else the "
                    "host; --placement process or ray)")
-    p.add_argument("--stage-timeout", type=_seconds, metavar="SECONDS",
+    p.add_argument("--stage-timeout", type=positive_seconds, metavar="SECONDS",
                    help="a stage process silent or stuck this long counts as dead (default 60; "
                    "--placement process or ray)")
     p.add_argument("--ray-address", metavar="ADDRESS",

@@ -390,28 +390,13 @@ OVERRIDE_HELP = {
     "interleave": "gate/up interleave block rows (0: min(128, intermediate))"}
 
 
-def _override_fields() -> dict[str, type]:
-    """QwenConfig fields a flag may set (`--kv-heads 2`), with their types."""
-    return OVERRIDES
-
-
-def config_number_fields() -> dict[str, type]:
-    """The number fields QwenConfig declares (what OVERRIDES must equal)."""
-    import attrs
-
-    from kerncc.example.config import QwenConfig
-
-    attrs.resolve_types(QwenConfig)
-    return {f.name: f.type for f in attrs.fields(QwenConfig) if f.type in (int, float)}
-
-
 EXAMPLE_FILES = ("model.json", "model.safetensors", "config.json")
 
 
 def cmd_example(args: argparse.Namespace) -> int:
     from kerncc.example import generate
 
-    overrides = {name: getattr(args, name) for name in _override_fields()
+    overrides = {name: getattr(args, name) for name in OVERRIDES
                  if getattr(args, name, None) is not None}
     out = Path(args.output)
     if out.exists() and not out.is_dir():
@@ -512,7 +497,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the directory to write model.json, model.safetensors, config.json into")
     p.add_argument("--force", action="store_true",
                    help="overwrite a model already in the directory")
-    for name, kind in _override_fields().items():
+    for name, kind in OVERRIDES.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, metavar="N",
                        help=f"{OVERRIDE_HELP.get(name, name)} (default: the size's)")
     p.set_defaults(handler=cmd_example, format="text")

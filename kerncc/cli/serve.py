@@ -1,8 +1,10 @@
 """`kerncc serve BUNDLE_OR_MANIFEST`: load the stages, start the engine, serve HTTP on uvicorn.
 
-Registered beside `run` (kerncc.cli.main registers it). SIGTERM or Ctrl-C: admission stops
-(/health says 503), requests still streaming get `GRACE` seconds to finish, then every sequence
-left is cancelled and the process exits.
+Registered beside `run` (kerncc.cli.main registers it). SIGTERM or Ctrl-C drains: admission
+stops (new requests and /health get 503), the requests being answered get `--drain-timeout`
+seconds to finish, then each one left is cancelled (a stream ends with an error event and
+`[DONE]`, a plain request gets a 503 in OpenAI's shape) and the process exits 0. A second
+Ctrl-C ends the drain at once.
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ from typing import Any
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, no_stdin, open_run_target, port, positive
+from kerncc.cli.args import devices, limit_flags, no_stdin, open_run_target, port, \
+    positive, seconds
+from kerncc.cli.hf import tokenizer_pins
 from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
-from kerncc.serve import access
+from kerncc.serve import access, guard
 
 LOG = logging.getLogger("kerncc.serve")
 
-GRACE = 3.0  # seconds streams may go on after SIGTERM
+DRAIN_TIMEOUT = 30.0  # seconds requests may go on after SIGTERM (--drain-timeout)
+BODY_TIMEOUT = 60.0  # seconds to send a request's body (--body-timeout)
+GRACE = 5.0  # seconds uvicorn waits for connections after the drain (only writes are left)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -39,7 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     weights = checkpoint_for(args, bundle)
     folders = [Path(args.tokenizer)] if args.tokenizer else \
         [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
-    codec = _tokenizer(folders, args.tokenizer)
+    codec = _tokenizer(folders, args.tokenizer, tokenizer_pins(args, bundle))
     _logging()
     warn_if_open(args.host, args.api_key or config.api_key())
     # Before the stages start: a port already taken costs no load and leaves nothing to undo.
@@ -62,20 +68,22 @@ def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
     _print_memory(bundle)
     with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
         engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
-                                      chunk=args.chunk))
+                                      chunk=args.chunk, prefix_cache=args.prefix_cache))
         model = args.served_model_name or bundle.stages[0].manifest.model
         server = Server(engine, model, codec, lenient=args.lenient,
-                        api_key=args.api_key or config.api_key())
+                        api_key=args.api_key or config.api_key(),
+                        body_timeout=args.body_timeout)
         host, port = sock.getsockname()[:2]
         uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=GRACE)
+                            timeout_graceful_shutdown=GRACE,
+                            http=guard.protocol(args.header_timeout, args.max_waiting))
         # Listen before saying so: a client that connects the moment the line appears is
         # queued until uvicorn accepts, never refused (a bound socket refuses until listen()).
         sock.listen(uv.backlog)
         print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
               f"{engine.stride} tokens; tokenizer: {'yes' if server.text else 'none'}; "
               f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
-        _Uvicorn(uv, server).run(sockets=[sock])
+        _Uvicorn(uv, server, args.drain_timeout).run(sockets=[sock])
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
 
@@ -121,12 +129,13 @@ def _logging() -> None:
         logger.setLevel(logging.INFO)
 
 
-def _tokenizer(folders: list[Path | None], given: str | None) -> Any:
+def _tokenizer(folders: list[Path | None], given: str | None, pins: Any = None) -> Any:
     """The first folder's tokenizer; one named by --tokenizer must be there (a flag the
-    server ignored would leave text prompts refused with no word of why)."""
+    server ignored would leave text prompts refused with no word of why). `pins`: the
+    tokenizer files the bundle records, which the files found must be."""
     from kerncc.serve import text
 
-    found = text.load(folders)
+    found = text.load(folders, pins)
     if found is not None or not given:
         return found
     if text.TextCodec is None:
@@ -141,6 +150,9 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # Listening now: a client that reads "listening on" and connects before uvicorn has
+        # started waits in the backlog instead of being refused.
+        sock.listen(2048)
     except OSError as err:
         sock.close()
         raise KernccError.single(f"cannot listen on {host}:{port}: "
@@ -149,9 +161,11 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 class _Uvicorn:
-    """uvicorn's server, told to stop admitting the moment a signal arrives."""
+    """uvicorn's server, told to stop admitting the moment a signal arrives, which drains
+    (Server.drain) before uvicorn's own shutdown closes the listening socket: during the
+    drain a new request is answered 503, not refused a connection."""
 
-    def __new__(cls, uv, server):  # a subclass made lazily: uvicorn is an optional import
+    def __new__(cls, uv, server, drain_timeout: float):  # made lazily: uvicorn is optional
         import uvicorn
 
         class Draining(uvicorn.Server):
@@ -160,6 +174,10 @@ class _Uvicorn:
                 super().handle_exit(sig, frame)
                 # A shutdown asked for is a clean exit (uvicorn would re-raise the signal).
                 self._captured_signals.clear()
+
+            async def shutdown(self, sockets=None) -> None:
+                await server.drain(drain_timeout, lambda: self.force_exit)
+                await super().shutdown(sockets)
 
         return Draining(uv)
 
@@ -192,18 +210,36 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sequences served at once (default 8)")
     p.add_argument("--chunk", type=positive, metavar="N",
                    help="prefill rows per step (default: the rows bound)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="compute every prompt from its first token (default: full prompt "
+                   "pages are kept and shared by later prompts that begin alike)")
     p.add_argument("--weights", metavar="FILE", help="safetensors checkpoint (default: the "
                    "bundle's)")
-    p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files "
-                   "(default: the bundle's, the checkpoint's, the manifest's)")
+    p.add_argument("--tokenizer", metavar="DIR", help="folder of the tokenizer files, used "
+                   "as it is (default: the bundle's, the checkpoint's, the manifest's, each held "
+                   "to the tokenizer files bundle.json records)")
     p.add_argument("--api-key", metavar="KEY",
                    help="answer only clients that send `Authorization: Bearer KEY` (401 "
                    "otherwise; /health stays open); default: KERNCC_API_KEY, else none")
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model's name in the API (default: the manifest's `model`)")
+    p.add_argument("--drain-timeout", type=seconds, default=DRAIN_TIMEOUT, metavar="SECONDS",
+                   help="on SIGTERM, how long the requests being answered may go on before "
+                   f"they are cancelled (default {DRAIN_TIMEOUT:g})")
+    p.add_argument("--header-timeout", type=seconds, default=guard.HEADER_TIMEOUT,
+                   metavar="SECONDS", help="time a client has to send a request's headers; "
+                   f"then 408 and the connection is closed (default {guard.HEADER_TIMEOUT:g})")
+    p.add_argument("--body-timeout", type=seconds, default=BODY_TIMEOUT, metavar="SECONDS",
+                   help="time a client has to send a request's body; then 408 (default "
+                   f"{BODY_TIMEOUT:g})")
+    p.add_argument("--max-waiting-connections", dest="max_waiting", type=positive,
+                   default=guard.MAX_WAITING, metavar="N",
+                   help="connections waiting for a request's headers; past N, those waiting "
+                   f"longest (over {guard.TRIM_AGE:g} s) are closed (default {guard.MAX_WAITING})")
     p.add_argument("--lenient", action="store_true",
                    help="accept and ignore (logging them) request fields the server does not "
                    "know, instead of a 400")
     p.add_argument("--pipeline", metavar="SPEC",
                    help="passes lowering a manifest target (default: emit)")
+    limit_flags(p)  # --max-file-size bounds the bundle's files and the tokenizer's
     p.set_defaults(handler=cmd_serve, format="text", check_usage=conflicts)

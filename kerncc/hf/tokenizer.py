@@ -18,25 +18,31 @@ no tokenizer.json. The API, used by `kerncc run` and the serving engine:
 Chat templates render as transformers renders them: jinja2's immutable sandbox with
 trim_blocks and lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that keeps
 non-ASCII, and `bos_token` / `eos_token` (and the other special tokens) as variables. Nothing
-in a model folder is executed beyond the sandboxed template, and a render is bounded (steps,
-output, the sizes of what it builds: MAX_STEPS, MAX_TEXT), so a hostile template is an error
-within seconds, not a hang or a process out of memory. Every problem (a tokenizer.json
+in a model folder is executed beyond the sandboxed template, and a render is bounded (steps:
+every loop iteration, call, filter and operation; the sizes of what it builds, one value and
+all of them; wall-clock time; a caller's stop: MAX_STEPS, MAX_TEXT, MAX_ITEMS, MAX_WORK,
+RENDER_SECONDS), so a hostile template is an error within seconds, not a hang or a process
+out of memory. tokenizer.json and chat_template.jinja are read bounded (TOKENIZER_LIMIT,
+TEMPLATE_LIMIT, or `--max-file-size` when given). Every problem (a tokenizer.json
 or template that does not parse, ids past the model's vocabulary) is a KernccError naming the
 file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kerncc.diagnostics import Diagnostic, KernccError, Location
-from kerncc.hf.config import read_json, token_ids
+from kerncc.hf.config import parse_json, read_json, token_ids
 
 INSTALL = "pip install 'kerncc[hf]'"
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
@@ -117,19 +123,26 @@ class TextCodec:
     # ---------------------------------------------------------------------- loading
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> TextCodec | None:
-        """The codec of a model folder, or None when it has no tokenizer.json."""
+    def from_dir(cls, path: str | Path, pins: Any = None) -> TextCodec | None:
+        """The codec of a model folder, or None when it has no tokenizer.json.
+
+        `pins` (kerncc.bundle.reader.TokenizerPins: the files a bundle was lowered with) is
+        asked `folder(dir)` before anything is read and `file(path, bytes)` for each file's
+        bytes as read, and refuses a file that differs."""
         directory = Path(path)
         tokenizer_path = directory / TOKENIZER
         if not tokenizer_path.is_file():
             return None
-        tokenizer = _load_tokenizer(tokenizer_path)
-        config = _optional_json(directory / TOKENIZER_CONFIG, "tokenizer config")
-        template, template_file = _template(directory, config)
-        specials = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k)))}
-        model = _optional_json(directory / "config.json", "model config")
-        vocab = model.get("vocab_size")
-        eos = _eos_ids(directory, model, specials, tokenizer)
+        if pins is not None:
+            pins.folder(directory)
+        with _pinned(pins):
+            tokenizer = _load_tokenizer(tokenizer_path)
+            config = _optional_json(directory / TOKENIZER_CONFIG, "tokenizer config")
+            template, template_file = _template(directory, config)
+            specials = {k: t for k in SPECIAL_TOKENS if (t := _token_text(config.get(k)))}
+            model = _optional_json(directory / "config.json", "model config")
+            vocab = model.get("vocab_size")
+            eos = _eos_ids(directory, model, specials, tokenizer)
         return cls(directory, tokenizer, template, template_file, specials, eos,
                    vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None)
 
@@ -164,13 +177,23 @@ class TextCodec:
         """The prompt text of `messages` ([{"role", "content"}, ...]) by the chat template;
         `variables` reach the template as transformers passes its extra arguments (`tools`,
         Qwen3's `enable_thinking`, ...)."""
+        return self.render_chat(messages, variables, add_generation_prompt)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], variables: Mapping[str, Any],
+                    add_generation_prompt: bool = True, stop: Callable[[], bool] | None = None,
+                    seconds: float | None = None) -> str:
+        """apply_chat_template's text, the render ended (a KernccError) once `stop()` is true
+        or after `seconds` (default RENDER_SECONDS): the server stops the render of a client
+        that left."""
         if self._compiled is None:
             raise KernccError.single(f"{self.directory}: the tokenizer has no chat template "
                                      f"({TOKENIZER_CONFIG} `chat_template` or {TEMPLATE_FILE})")
+        budget = _Budget(RENDER_SECONDS if seconds is None else seconds, stop)
         try:
             return _render(self._compiled, {**self.specials, **variables,
                                             "messages": [dict(m) for m in messages],
-                                            "add_generation_prompt": add_generation_prompt})
+                                            "add_generation_prompt": add_generation_prompt},
+                           budget)
         except Exception as err:  # noqa: BLE001 - raise_exception, or any bad expression
             where = self.template_file or self.directory / TOKENIZER_CONFIG
             why = str(err) or type(err).__name__  # a MemoryError says nothing by itself
@@ -182,10 +205,65 @@ class TextCodec:
 # Reading the folder
 
 
+# The largest tokenizer.json and chat template read (a published tokenizer.json is 2-12 MB, a
+# template a few KB); `--max-file-size` given on the command line sets both instead.
+TOKENIZER_LIMIT = 64 << 20
+TEMPLATE_LIMIT = 1 << 20
+
+
+# The pins of the files being read (TextCodec.from_dir's `pins`), or None: every file the codec
+# reads passes its bytes, as read, to them (so what is checked is what is used).
+_PINS: contextvars.ContextVar[Any] = contextvars.ContextVar("kerncc_tokenizer_pins",
+                                                            default=None)
+
+
+@contextlib.contextmanager
+def _pinned(pins: Any) -> Iterator[None]:
+    token = _PINS.set(pins)
+    try:
+        yield
+    finally:
+        _PINS.reset(token)
+
+
+def _read_bounded(path: Path, what: str, default: int | None) -> str:
+    """The text of a regular file of at most `default` bytes (or --max-file-size, given;
+    None: --max-file-size's value), checked against the pins being read with; a refusal names
+    the file."""
+    from kerncc.files import FileRefused, limit_or, read_regular
+
+    try:
+        data = read_regular(path, what, None if default is None else limit_or(default))
+    except FileRefused as err:
+        raise _file_error(path, err.message) from None
+    pins = _PINS.get()
+    if pins is not None:
+        pins.file(path, data)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _file_error(path, f"cannot read: {err}") from None
+
+
+def check_files(directory: str | Path) -> None:
+    """Read the tokenizer files of a model folder under their bounds (`kerncc import`: a file
+    run and serve would refuse as too large, or as no regular file, is refused there first)."""
+    directory = Path(directory)
+    bounds = ((TOKENIZER, "tokenizer.json", TOKENIZER_LIMIT),
+              (TEMPLATE_FILE, "chat template", TEMPLATE_LIMIT),
+              (TOKENIZER_CONFIG, "tokenizer config", None),
+              ("generation_config.json", "generation config", None))
+    for name, what, limit in bounds:
+        path = directory / name
+        if path.exists() or path.is_symlink():
+            _read_bounded(path, what, limit)
+
+
 def _load_tokenizer(path: Path) -> Any:
     tokenizers = _tokenizers()
+    text = _read_bounded(path, "tokenizer.json", TOKENIZER_LIMIT)
     try:
-        return tokenizers.Tokenizer.from_file(str(path))
+        return tokenizers.Tokenizer.from_str(text)
     except Exception as err:  # noqa: BLE001 - the library raises plain Exceptions
         raise _file_error(path, f"not a tokenizer the `tokenizers` library reads: {err}"
                           ) from None
@@ -194,7 +272,8 @@ def _load_tokenizer(path: Path) -> Any:
 def _optional_json(path: Path, what: str) -> dict:
     if not path.is_file():
         return {}
-    raw = read_json(path, what)
+    raw = read_json(path, what) if _PINS.get() is None else \
+        parse_json(path, _read_bounded(path, what, None), what)
     if not isinstance(raw, dict):
         raise _file_error(path, f"the {what} is not a JSON object")
     return raw
@@ -205,10 +284,7 @@ def _template(directory: Path, config: dict) -> tuple[str | None, Path | None]:
     list of {name, template} whose `default` entry counts)."""
     file = directory / TEMPLATE_FILE
     if file.is_file():
-        try:
-            return file.read_text(encoding="utf-8"), file
-        except (OSError, UnicodeDecodeError) as err:
-            raise _file_error(file, f"cannot read: {err}") from None
+        return _read_bounded(file, "chat template", TEMPLATE_LIMIT), file
     value = config.get("chat_template")
     where = directory / TOKENIZER_CONFIG
     if value is None:
@@ -243,8 +319,14 @@ def _generation_extension() -> type:
 
 # Bounds on one render, far past any published template (they loop over messages and tools and
 # write at most a few MB), so that a hostile one cannot hang the process or fill its memory.
-MAX_STEPS = 1_000_000  # loop iterations and calls of one render
-MAX_TEXT = 1 << 24  # characters of the output, of a repetition, or of a width given to a call
+MAX_STEPS = 1_000_000  # loop iterations, calls, filters and operations of one render
+MAX_TEXT = 1 << 24  # characters of the output, of a string, or of a width given to a call
+MAX_ITEMS = 1 << 20  # items of a list, tuple or dict a render builds
+# What one render may build in all: each call, filter and operation is charged the size of
+# what it makes (a character a unit, a list item 8: a pointer), so a loop that builds a big
+# value again and again (`('a' * 16000000)|list` 99,999 times) stops after a few.
+MAX_WORK = 1 << 28
+RENDER_SECONDS = 10.0  # wall-clock time of one render (checked at every step)
 MAX_POWER_BITS = 1 << 16  # bits of an integer power
 # Where a template can ask for a width: %-formats (`%9s`, `%.9s`, `%*s`), str.format specs
 # (`{:9}`), the str methods and the filters that pad to a width or repeat to a count.
@@ -252,23 +334,55 @@ _PERCENT_WIDTH = re.compile(r"%[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
 _FORMAT_WIDTH = re.compile(r"\{[^{}]*:[^{}\d]*(\d*)(?:\.(\d*))?")
 WIDE_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
 WIDE_FILTERS = frozenset({"center", "indent", "batch", "slice", "format"})
+# Filters and str methods that build one item per item (or character) of their input: refused
+# before they run when that input is past MAX_ITEMS (the list would be allocated first).
+LISTING_FILTERS = frozenset({"list", "batch", "slice", "sort", "unique", "map", "select",
+                             "reject", "selectattr", "rejectattr", "groupby", "dictsort",
+                             "join", "reverse", "items"})
+SPLITTING_METHODS = frozenset({"split", "rsplit", "splitlines"})
 
 
 class TemplateLimit(Exception):
     """A render went past one of the bounds above."""
 
 
+class TemplateStopped(TemplateLimit):
+    """A render ended from outside (its client left, the server is shutting down)."""
+
+
 class _Budget:
-    """The steps left to one render; the bounded template calls `loop` on every for loop."""
+    """What one render may still do: steps, work (the sizes of what it built) and time; and
+    whether it was asked to stop. Every loop iteration, call, filter and intercepted
+    operation goes through `tick`."""
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float = RENDER_SECONDS,
+                 stop: Callable[[], bool] | None = None) -> None:
         self.steps = MAX_STEPS
+        self.work = MAX_WORK
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+        self.stop = stop
 
-    def tick(self) -> None:
+    def tick(self, cost: int = 0) -> None:
         self.steps -= 1
+        self.work -= cost
         if self.steps < 0:
-            raise TemplateLimit(f"it took more than {MAX_STEPS} steps (loop iterations and "
-                                "calls), kerncc's limit")
+            raise TemplateLimit(f"it took more than {MAX_STEPS} steps (loop iterations, calls, "
+                                "filters and operations), kerncc's limit")
+        if self.work < 0:
+            raise TemplateLimit(f"it built more than {MAX_WORK} characters or items in all, "
+                                "kerncc's limit")
+        if time.monotonic() > self.deadline:
+            raise TemplateLimit(f"it ran for more than {self.seconds:g} seconds, kerncc's limit")
+        if self.stop is not None and self.stop():
+            raise TemplateStopped("its render was stopped: the client left or the server is "
+                                  "shutting down")
+
+    def made(self, value: Any) -> Any:
+        """`value`, built by a call, filter or operation: refused past the size bounds, and
+        charged to the render's work."""
+        self.tick(_cost(_check_size(value)))
+        return value
 
     def loop(self, iterable: Any) -> Iterator[Any]:
         for item in iterable:
@@ -281,16 +395,58 @@ class _Budget:
         if sum(map(len, texts)) > MAX_TEXT:
             raise TemplateLimit(f"it built a value of more than {MAX_TEXT} items, kerncc's "
                                 "limit")
-        return "".join(texts)
+        return "".join(texts)  # charged by the call that ran this
+
+
+# The budget of the render running on this thread (calls, filters and operations find it here:
+# a filter is not handed the template's context).
+_current: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("kerncc_budget",
+                                                                         default=None)
+
+
+def _made(value: Any) -> Any:
+    """`value` through the current render's budget (size-checked alone outside a render)."""
+    budget = _current.get()
+    return _check_size(value) if budget is None else budget.made(value)
+
+
+def _cost(value: Any) -> int:
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, (list, tuple, dict, set, frozenset)):
+        return 8 * len(value)
+    return 0
 
 
 def _check_size(value: Any) -> Any:
-    """What an operation made, refused when past MAX_TEXT: step by step a template can only
-    double what it holds (`s ~ s`, `s + s`, `[s, s]|join`), so checking every result bounds
-    the memory of a render to a small multiple of MAX_TEXT."""
-    if isinstance(value, (str, list, tuple, dict)) and len(value) > MAX_TEXT:
+    """What an operation made, refused when past MAX_TEXT characters or MAX_ITEMS items: step
+    by step a template can only double what it holds (`s ~ s`, `s + s`, `[s, s]|join`), so
+    checking every result bounds the memory of a render to a small multiple of MAX_TEXT."""
+    if isinstance(value, str) and len(value) > MAX_TEXT:
         raise TemplateLimit(f"it built a value of more than {MAX_TEXT} items, kerncc's limit")
+    if isinstance(value, (list, tuple, dict, set, frozenset)) and len(value) > MAX_ITEMS:
+        raise TemplateLimit(f"it built a list of more than {MAX_ITEMS} items, kerncc's limit")
     return value
+
+
+def _check_items(value: Any) -> None:
+    """A filter about to build a list of one item per item of `value`: refused first."""
+    try:
+        size = len(value)
+    except TypeError:  # a generator: its items pass through the budget one by one
+        return
+    if size > MAX_ITEMS:
+        raise TemplateLimit(f"a list of more than {MAX_ITEMS} items, kerncc's limit")
+
+
+def _check_join(value: Any, separator: Any) -> None:
+    """`join` makes the sum of its items' lengths: known before it runs."""
+    if isinstance(value, (list, tuple)) and len(value) <= MAX_ITEMS:
+        sep = len(separator) if isinstance(separator, str) else 0
+        size = sum(len(v) for v in value if isinstance(v, str)) + sep * max(0, len(value) - 1)
+        if size > MAX_TEXT:
+            raise TemplateLimit(f"a join making more than {MAX_TEXT} characters, kerncc's "
+                                "limit")
 
 
 def _check_widths(widths: Iterable[Any]) -> None:
@@ -320,6 +476,11 @@ def _check_call(obj: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None
         return
     if name == "replace" and len(args) >= 2:
         _check_replace(owner, args[0], args[1])
+    elif name in SPLITTING_METHODS and len(owner) > MAX_ITEMS:
+        sep = args[0] if args and isinstance(args[0], str) and args[0] else None
+        pieces = owner.count(sep) if sep else sum(owner.count(c) for c in " \t\n\r\x0b\x0c")
+        if pieces >= MAX_ITEMS:
+            raise TemplateLimit(f"a split into more than {MAX_ITEMS} pieces, kerncc's limit")
     elif name in WIDE_METHODS:
         _check_widths([*args, *kwargs.values()])
 
@@ -342,9 +503,10 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
     """Refuse `*`, `**` and `%` whose result would be past the bounds, before computing it."""
     if operator == "*":
         for seq, count in ((left, right), (right, left)):
+            bound = MAX_TEXT if isinstance(seq, str) else MAX_ITEMS
             if isinstance(seq, (str, list, tuple)) and isinstance(count, int) \
-                    and len(seq) * count > MAX_TEXT:
-                raise TemplateLimit(f"a repetition past {MAX_TEXT} items, kerncc's limit")
+                    and len(seq) * count > bound:
+                raise TemplateLimit(f"a repetition past {bound} items, kerncc's limit")
     elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
             and abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
         raise TemplateLimit(f"a power past {MAX_POWER_BITS} bits, kerncc's limit")
@@ -365,7 +527,11 @@ def _bounded_filter(name: str, fn: Any) -> Any:
             _check_replace(*value[:3])
         elif name in WIDE_FILTERS:
             _check_widths([*value[1:], *kwargs.values()])
-        return _check_size(fn(*args, **kwargs))
+        if name in LISTING_FILTERS and value:
+            _check_items(value[0])
+            if name == "join":
+                _check_join(value[0], value[1] if len(value) > 1 else kwargs.get("d", ""))
+        return _made(fn(*args, **kwargs))
 
     return bounded
 
@@ -381,18 +547,15 @@ def _environment() -> Any:
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             _check_binop(operator, left, right)
-            return _check_size(super().call_binop(context, operator, left, right))
+            return _made(super().call_binop(context, operator, left, right))
 
         def wrap_str_format(self, value: Any) -> Any:
             wrapped = super().wrap_str_format(value)
             return None if wrapped is None else _bounded_format(value.__self__, wrapped)
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-            budget = __context.get(_BUDGET)
-            if isinstance(budget, _Budget):
-                budget.tick()
             _check_call(__obj, args, kwargs)
-            return _check_size(super().call(__context, __obj, *args, **kwargs))
+            return _made(super().call(__context, __obj, *args, **kwargs))
 
     env = Bounded(trim_blocks=True, lstrip_blocks=True,
                   extensions=["jinja2.ext.loopcontrols", _generation_extension()])
@@ -422,14 +585,21 @@ def _through_budget(tree: Any) -> Any:
     return tree
 
 
-def _render(compiled: Any, variables: dict[str, Any]) -> str:
-    """The template's text, stopped at MAX_TEXT characters of output."""
+def _render(compiled: Any, variables: dict[str, Any], budget: _Budget | None = None) -> str:
+    """The template's text under `budget` (a fresh one by default), stopped at MAX_TEXT
+    characters of output."""
+    budget = budget or _Budget()
     parts, size = [], 0
-    for part in compiled.generate(**variables, **{_BUDGET: _Budget()}):
-        size += len(part)
-        if size > MAX_TEXT:
-            raise TemplateLimit(f"its output passed {MAX_TEXT} characters, kerncc's limit")
-        parts.append(part)
+    token = _current.set(budget)
+    try:
+        for part in compiled.generate(**variables, **{_BUDGET: budget}):
+            size += len(part)
+            if size > MAX_TEXT:
+                raise TemplateLimit(f"its output passed {MAX_TEXT} characters, kerncc's limit")
+            budget.tick(len(part))
+            parts.append(part)
+    finally:
+        _current.reset(token)
     return "".join(parts)
 
 
@@ -448,7 +618,7 @@ def _compile(template: str, where: Path | None) -> Any:
         return datetime.now().strftime(fmt)
 
     env = _environment()
-    env.filters["tojson"] = tojson
+    env.filters["tojson"] = _bounded_filter("tojson", tojson)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     try:

@@ -292,6 +292,9 @@ def run_pipeline(ir: IRT, passes: Sequence[Any] | PipelineSpec | str,
     """
     reg = registry() if reg is None else reg
     if isinstance(passes, (str, PipelineSpec)):
+        if getattr(ir, "pipeline", None) == "" and attrs.has(type(ir)):
+            # the spec that ran, as emit records it (`kerncc check` runs it again)
+            ir = attrs.evolve(ir, pipeline=str(passes))
         passes = resolve_pipeline(passes, reg)
     runner = _Runner(schedule_passes(passes, reg), tuple(instruments), verify, input_name)
     return runner.run(ir)

@@ -146,11 +146,6 @@ class Protocol:
         fits = [f for f in self.forwards if f.span and groups <= f.groups]
         return min(fits, key=lambda f: f.groups, default=None)
 
-    def row_shapes(self) -> list[int]:
-        """Every constant rows-per-sequence some program accepts (no run), ascending."""
-        return sorted({f.rows for f in self.forwards
-                       if not f.span and isinstance(f.rows, int)})
-
     def max_groups(self, rows: Rows) -> int:
         """Most sequences any program accepts at `rows` per sequence, no run among them."""
         return max((f.groups for f in self.forwards if not f.span and f.rows == rows), default=0)
@@ -176,10 +171,6 @@ class Protocol:
     def token_rows(self) -> Filled | None:
         """The tokens fed one per row: over this rank's rows, else over the tray's."""
         return self.filled("token", "rows") or self.filled("token", "tray")
-
-    def fill_named(self, name: str) -> Filled | None:
-        """The fill on buffer `name` (what `Forward.emits` and `Forward.count` name)."""
-        return next((f for f in self.fills if f.name == name), None)
 
 # -------------------------------------------------------------------- `kern verify` output
 

@@ -50,6 +50,7 @@ from kerncc.serve import sampling_hook
 from kerncc.serve import scheduler as sch
 from kerncc.serve.pack import Bounds
 from kerncc.serve.pool import KVPool
+from kerncc.serve.prefix import PrefixCache
 
 
 class Listener(Protocol):
@@ -96,9 +97,16 @@ class Config:
     max_running: int = 8  # sequences decoded together (bounded by the decode forward too)
     max_queue: int = 256  # requests waiting for admission before new ones are refused
     chunk: int | None = None  # prefill rows per step; default: the rows bound
+    # most rows a step feeds, decodes and prefill chunks together (scheduler.Limits): None,
+    # `chunk` rows of prefill beside every decode
+    step_tokens: int | None = None
     depth: int | None = None  # items in flight; default: one per stage
     logits: bool = False  # keep every token's logits row on its request (tests, debugging)
-    ahead: bool = True  # greedy decode steps issued a step ahead, tokens fed on the device
+    ahead: bool = True  # decode steps issued a step ahead, tokens fed on the device
+    # plain sampled requests of a decode call drawn on the device (else on the host, a step
+    # at a time): the same tokens either way
+    draw_on_device: bool = True
+    prefix_cache: bool = True  # full prompt pages kept for later prompts (kerncc.serve.prefix)
     runs: bool = False  # keep every call that fed a request on it (`Request.runs`)
 
 
@@ -108,6 +116,7 @@ class _Flight:
     forward: proto.Forward
     pending: Any
     requests: list[Request]
+    drawn: bool = False  # its sampled tokens were drawn on the device into its token output
 
 
 class Engine:
@@ -116,10 +125,12 @@ class Engine:
     def __init__(self, runner: Session | Chain, config: Config = Config()) -> None:
         self.model = ModelRunner(runner)
         self.pool = KVPool(self.model.pages)
+        self.prefix = PrefixCache(self.pool, self.model.stride, config.prefix_cache)
         self.limits = self._limits(config)
         self.depth = config.depth or len(self.model.sessions)
         self.max_queue = config.max_queue
         self.keep_logits, self.keep_runs = config.logits, config.runs
+        self.draw_on_device = config.draw_on_device
         self.state = sch.State((), (), self.pool.pages)
         self.requests: dict[int, Request] = {}
         self.inflight: deque[_Flight] = deque()
@@ -139,6 +150,7 @@ class Engine:
         # a step ahead (`_go_ahead`): the flight the scheduler has not heard of yet
         self.ahead = config.ahead and self.model.keeps_inputs
         self.ahead_steps = 0  # decode steps issued ahead (counts: a server runs long)
+        self.drawn_steps = 0  # decode steps whose sampled tokens were drawn on the device
         self._ahead: _Flight | None = None
 
     # ------------------------------------------------------------------------ limits
@@ -155,6 +167,10 @@ class Engine:
         seqs = chunk.groups if packs else 1
         if chunk is None:  # prefill one row at a time through the one-row program
             chunk_rows = 1
+        if config.step_tokens is not None and not (is_whole(config.step_tokens)
+                                                   and config.step_tokens >= 1):
+            raise KernccError.single(f"step_tokens {config.step_tokens!r}: expected a whole "
+                                     "number >= 1 (rows a step feeds)")
         # Without a context var nothing bounds a call's summed context but the sequences'.
         context = protocol.context.max if protocol.context else self.capacity * seqs
         decode_groups = max(1, protocol.max_groups(1)) if model.step_program else 1
@@ -162,7 +178,7 @@ class Engine:
                           decode_groups=decode_groups,
                           chunk=Bounds(chunk_rows, seqs, context),
                           max_running=max(1, config.max_running),
-                          chunk_emits=model.chunk_emits)
+                          chunk_emits=model.chunk_emits, step_tokens=config.step_tokens)
 
     @property
     def capacity(self) -> int:
@@ -251,6 +267,7 @@ class Engine:
     def run_forever(self, idle: float = 0.05) -> None:
         """Serve until `stop` (or a fault, after which every request has been failed)."""
         self.model.reset()  # the runner may have run other work since the engine last served
+        self.prefix.forget()  # and written the pages it keeps
         while not self._stopping or self.requests:
             self._wake.clear()  # before the tick: a command queued during it wakes the wait
             if not self.tick():
@@ -263,6 +280,7 @@ class Engine:
     def run_until_idle(self) -> None:
         """Serve what was submitted until nothing is left (the command line's loop)."""
         self.model.reset()  # the runner may have run other work since the engine last served
+        self.prefix.forget()  # and written the pages it keeps
         while self.tick():
             pass
         self._notify()
@@ -279,6 +297,7 @@ class Engine:
             self._notify()
             return False
         try:
+            self._refresh_prefixes()
             if self._room():
                 plan = sch.schedule(self.state, self.limits)
                 if not plan.empty:
@@ -351,15 +370,41 @@ class Engine:
     # ------------------------------------------------------------------------ issuing
 
     def _issue(self, plan: sch.Plan) -> None:
+        self._share_prefixes(plan)  # before any take: a take may evict a cached page
         for victim in plan.preempted:  # recomputed later from its known tokens
             self.pool.release(victim)
+            self.prefix.released(victim)
             self.preemptions += 1
         for seq_id, more in plan.grants:
             if self.pool.take(seq_id, more) is None:
                 raise AssertionError("the scheduler granted pages the pool does not have")
         self.state = sch.apply(self.state, plan)
+        self._sync_pool()
         for item in plan.items:
             self.inflight.append(self._submit(item))
+            self.prefix.issued(item, self._prompt_of)
+
+    # ------------------------------------------------------------------------ prefix cache
+
+    def _refresh_prefixes(self) -> None:
+        """Tell the waiting sequences the next step may admit what the cache holds for them
+        (kerncc.serve.prefix.PrefixCache.refresh)."""
+        if self.state.waiting:
+            self.state = self.prefix.refresh(self.state, self.limits, self._prompt_of)
+
+    def _share_prefixes(self, plan: sch.Plan) -> None:
+        """The admitted sequences hold the cached pages the plan gave them."""
+        reused = dict(plan.reused)
+        for seq_id in plan.admitted:
+            self.prefix.admit(seq_id, reused.get(seq_id, 0), self.requests[seq_id].prompt)
+
+    def _prompt_of(self, seq_id: int) -> list[int]:
+        return self.requests[seq_id].prompt
+
+    def _sync_pool(self) -> None:
+        """The scheduler's free pages and shared counts, the pool's (only the pool knows
+        which pages a release frees when prompts share pages)."""
+        self.state = sch.synced(self.state, self.pool.free, self.pool.shared)
 
     def _submit(self, item: sch.Item, feed: Feed | None = None) -> _Flight:
         """Issue `item`; `feed`: its token input is written on the device from the call
@@ -368,12 +413,13 @@ class Engine:
         rows = [Rows(r.id, r.prompt, r.generated, self.pool.held(r.id), start, n)
                 for r, (_, start, n) in zip(requests, item.parts)]
         forward = self.model.forward(item.kind, len(rows))
+        draws = self._draws(item, forward, requests)
         wanted = {forward.emits} if forward.emits and item.emits else set()
         if (self.keep_logits and (item.emits or self.keep_runs)) or (
-                item.emits and any(r.sampler is not None for r in requests)):
+                item.emits and draws is None and any(r.sampler is not None for r in requests)):
             wanted.add(LOGITS)
         try:
-            pending = self.model.submit(forward, rows, wanted, feed)
+            pending = self.model.submit(forward, rows, wanted, feed, draws)
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, forward, requests) from None
         if item.kind == "decode":
@@ -381,7 +427,22 @@ class Engine:
         self.calls[forward.name] += 1
         self.rows[forward.name] += sum(r.n for r in rows)
         self.packed += item.kind == "chunk" and len(rows) > 1
-        return _Flight(item, forward, pending, requests)
+        self.drawn_steps += draws is not None
+        return _Flight(item, forward, pending, requests, draws is not None)
+
+    def _draws(self, item: sch.Item, forward: proto.Forward, requests: list[Request]
+               ) -> Any:
+        """How a decode item's sampled tokens are drawn on the device (sampling_hook.
+        device_draws), or None: on the host, or all greedy. The counter of the token a row
+        at position `start` draws is its index among the generated ones, start + 1 - prompt,
+        which the host knows before the tokens before it are here."""
+        if (item.kind != "decode" or not item.emits or not self.draw_on_device
+                or all(r.sampler is None for r in requests)
+                or not self.model.draws_on_device(forward)):
+            return None
+        return sampling_hook.device_draws(
+            [r.sampler if r.id in item.emits else None for r in requests],
+            [start + 1 - len(r.prompt) for r, (_, start, _) in zip(requests, item.parts)])
 
     # ------------------------------------------------------------------------ a step ahead
 
@@ -403,8 +464,10 @@ class Engine:
         if len(self.state.running) != len(item.parts) or sch.admits(self.state, self.limits):
             return False  # the scheduler would plan more than this step
         grants = []
+        if not flight.drawn and any(r.sampler is not None for r in requests):
+            return False  # some token is drawn on the host: nothing to feed on the device
         for request, (seq_id, start, _) in zip(requests, item.parts):
-            if (self.requests.get(seq_id) is not request or request.sampler is not None
+            if (self.requests.get(seq_id) is not request
                     or len(request.generated) + 2 > request.max_new
                     or (start + 1) // self.stride >= self.limits.pages_per_seq):
                 return False
@@ -450,8 +513,8 @@ class Engine:
             return
         # a row of the outputs per sequence of the call (a chunk's: its last row's token)
         drawn = sampling_hook.tokens(outputs, flight.forward.emits, LOGITS,
-                                     [r.sampler if r.id in item.emits else None
-                                      for r in flight.requests],
+                                     [r.sampler if r.id in item.emits and not flight.drawn
+                                      else None for r in flight.requests],
                                      [len(r.generated) for r in flight.requests])
         now = time.perf_counter()
         rows = np.asarray(outputs[LOGITS]).reshape(len(drawn), -1) \
@@ -495,6 +558,8 @@ class Engine:
         self.model.forget(request.id)
         self.state = sch.remove(self.state, request.id)
         self.pool.release(request.id)
+        self.prefix.released(request.id)
+        self._sync_pool()
         request.finish, request.error = reason, error
         if request.listener is not None:
             self._told.append((request, None))
@@ -524,17 +589,17 @@ def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max
                   chunk: int | None = None, max_running: int | None = None,
                   logits: bool = False, stop_ids: Collection[int] = (), ahead: bool = True,
                   params: sampling_hook.Params = sampling_hook.Params(),
-                  listener: Listener | None = None, runs: bool = False
-                  ) -> tuple[list[Request], Engine]:
+                  listener: Listener | None = None, runs: bool = False,
+                  prefix_cache: bool = True) -> tuple[list[Request], Engine]:
     """Serve every prompt together through an Engine; the finished requests, in prompt order
     (each one's `generated`, ending at one of `stop_ids` or after `max_new`, its `logits`
     rows with `logits` and its `runs` with `runs`), and the engine (its `calls` and `rows`);
-    every request samples by `params` and is heard by `listener`; `ahead`: Config.ahead.
-    Every prompt is checked before any is served."""
+    every request samples by `params` and is heard by `listener`; `ahead` and `prefix_cache`:
+    Config's. Every prompt is checked before any is served."""
     _check_kinds(max_new, chunk, params, stop_ids, listener)
     engine = Engine(runner, Config(max_running=max_running or len(prompts), chunk=chunk,
                                    max_queue=max(1, len(prompts)), logits=logits,
-                                   ahead=ahead, runs=runs))
+                                   ahead=ahead, runs=runs, prefix_cache=prefix_cache))
     stops = frozenset(int(t) for t in stop_ids)
     requests = [Request(token_ids(p), max_new, params, stops, listener) for p in prompts]
     for number, request in enumerate(requests, 1):

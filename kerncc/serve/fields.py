@@ -49,12 +49,9 @@ OFF_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "service_tier": (lambda v: v in (None, "auto", "default"), "only the default service "
                      "tier is served"),
     "prompt_cache_key": (_none, "prompt cache keys are not served"),
-    "tools": (lambda v: v in (None, []), "tools are not served yet"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "tools are not served yet"),
     "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "must be true or false"),
-    "chat_template_kwargs": (lambda v: v in (None, {}), "chat template arguments are not "
-                             "served"),
 }
+# Served on chat, checked by kerncc.serve.tools: tools, tool_choice, chat_template_kwargs.
 # Informational fields that change nothing in OpenAI's own service either (abuse monitoring).
 NOTES = ("user", "safety_identifier")
 

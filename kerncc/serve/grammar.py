@@ -88,8 +88,16 @@ class Grammars:
             raise GrammarError(asked[1], f"`{asked[0]}` and `{asked[1]}` both constrain the "
                                "output: give one")
         name = asked[0]
+        return self._checked(name, lambda: _grammar_text(name, body[name]))
+
+    def lark(self, name: str, text: str) -> Grammar:
+        """A Lark grammar (a forced tool call's, kerncc.serve.tools), checked; a GrammarError
+        names the field `name` that asked for it."""
+        return self._checked(name, lambda: llguidance.LLMatcher.grammar_from_lark(text))
+
+    def _checked(self, name: str, make: Any) -> Grammar:
         try:
-            text = _grammar_text(name, body[name])
+            text = make()
             message = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         except (ValueError, TypeError, RuntimeError) as err:  # a schema it cannot compile
             message = str(err) or type(err).__name__

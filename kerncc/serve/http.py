@@ -8,7 +8,8 @@ thread, so the event loop never waits on the engine.
 Routes: POST /v1/completions (prompt as text, when the model has a tokenizer, or as token ids,
 or a list of prompts; max_tokens, temperature, top_p, top_k, seed, stop (up to 4 strings of up
 to 256 characters), stream, n, best_of, echo, logprobs, and the fields of kerncc.serve.fields),
-POST /v1/chat/completions (when the tokenizer has a chat template),
+POST /v1/chat/completions (when the tokenizer has a chat template; tools through
+kerncc.serve.tools),
 GET /v1/models (and /v1/models/{id}), GET /health (200, or 503 after a fault or while
 stopping), GET /metrics
 (Prometheus text). Errors are OpenAI's shape,
@@ -45,7 +46,7 @@ from starlette.routing import Route
 
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.backends.fingerprint import of_runner
-from kerncc.serve import fields, grammar, sampling_hook
+from kerncc.serve import fields, grammar, sampling_hook, tools
 from kerncc.serve.access import Access
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
 from kerncc.serve.metrics import Metrics
@@ -60,6 +61,7 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 DEFAULT_MAX_TOKENS = 16
 POLL = 0.25  # seconds between checks that a client still waiting for a piece is there
+FINISH = 5.0  # seconds requests cancelled at the end of a drain have to write their ending
 
 
 class ApiError(Exception):
@@ -78,7 +80,9 @@ class ApiError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # a 408 leaves the body unread: the connection cannot carry another request
+        headers = {"connection": "close"} if self.status == 408 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 @attrs.frozen
@@ -97,6 +101,7 @@ class Ask:
     prompts: tuple[tuple[int, ...], ...] = ()
     texts: tuple[str, ...] = ()  # each prompt's text, for `echo`
     options: fields.Options = fields.Options()
+    tools: tools.Plan | None = None  # a chat request's tools, rendered and parsed back
 
     @property
     def every_prompt(self) -> tuple[tuple[int, ...], ...]:
@@ -107,14 +112,18 @@ class Server:
     """The engine on its thread, the model's name and tokenizer, the metrics."""
 
     def __init__(self, engine: Engine, model: str, text: Text | None = None,
-                 lenient: bool = False, api_key: str | None = None) -> None:
+                 lenient: bool = False, api_key: str | None = None,
+                 body_timeout: float = 60.0) -> None:
         self.engine, self.model, self.text = engine, model, text
+        self.body_timeout = body_timeout  # seconds to send a request's body (408 after)
         self.lenient = lenient  # unknown request fields accepted and ignored (logged)
         self.api_key = api_key  # None: every client is served (kerncc.serve.access)
         self._grammars: grammar.Grammars | None = None  # made at the first grammar asked
         self.metrics = Metrics(engine)
         self.fingerprint = of_runner(engine.model.runner)  # system_fingerprint
         self.draining = False
+        self.active = 0  # generation requests being answered (a stream until its last event)
+        self.renders = threading.Event()  # set: every chat template render stops (shutdown)
         self.thread = threading.Thread(target=engine.run_forever, name="kerncc-engine",
                                        daemon=True)
 
@@ -132,9 +141,29 @@ class Server:
         if self.thread.is_alive():
             self.thread.join(timeout)
 
+    async def drain(self, timeout: float, forced: Any = lambda: False) -> None:
+        """Stop admitting (new requests get 503), wait up to `timeout` seconds for the requests
+        being answered to end, then cancel the rest: each ends with a 503 (a stream: an error
+        event and `[DONE]`), told within FINISH seconds."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.active and loop.time() < deadline and not forced():
+            await asyncio.sleep(0.05)
+        if not self.active:
+            return
+        LOG.warning("%d request(s) still running after the drain timeout (%g s): cancelled",
+                    self.active, timeout)
+        self.renders.set()
+        self.engine.stop()
+        deadline = loop.time() + FINISH
+        while self.active and loop.time() < deadline and not forced():
+            await asyncio.sleep(0.05)
+
     # ------------------------------------------------------------------------ requests
 
-    def parse(self, body: Any, chat: bool) -> Ask:
+    def parse(self, body: Any, chat: bool, stop: Any = None) -> Ask:
+        """The request `body`; `stop()` true ends a chat template's render (a KernccError)."""
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         model = body.get("model", self.model)
@@ -150,9 +179,10 @@ class Server:
         except fields.FieldError as err:
             raise ApiError(400, err.message, err.param) from None
         form = self._grammar(body)
+        plan, form = self._tool_plan(body, form) if chat else (None, form)
         try:
             if chat:
-                prompts, texts = [self._chat_prompt(body)], ("",)
+                prompts, texts = [self._chat_prompt(body, plan, stop)], ("",)
             else:
                 prompts, texts = self._prompts(body.get("prompt"))
         except KernccError as err:  # the tokenizer or chat template refused the text
@@ -171,7 +201,7 @@ class Server:
         return Ask(prompt, max_new, params, self._stops(body.get("stop")),
                    bool(_field(body, "stream", bool, False)),
                    isinstance(options, dict) and bool(options.get("include_usage")), max_field,
-                   chat, tuple(tuple(p) for p in prompts), texts, served)
+                   chat, tuple(tuple(p) for p in prompts), texts, served, plan)
 
     def _known_fields(self, body: dict, chat: bool) -> None:
         """Refuse a field neither OpenAI's schema nor the server knows (`--lenient`: log it
@@ -213,6 +243,13 @@ class Server:
         if asked is None or body.get("response_format") == {"type": "text"} and not any(
                 body.get(name) is not None for name in grammar.FIELDS[1:]):
             return None
+        try:
+            return self._grammar_engine(asked).of(body)
+        except grammar.GrammarError as err:
+            raise ApiError(400, err.message, err.param) from None
+
+    def _grammar_engine(self, asked: str) -> grammar.Grammars:
+        """The server's grammars (made at the first asked), for the field `asked`."""
         if not grammar.available():
             raise ApiError(400, f"`{asked}` needs llguidance: pip install 'kerncc[serve]'",
                            asked)
@@ -223,10 +260,27 @@ class Server:
                            asked, "no_tokenizer")
         if self._grammars is None:
             self._grammars = grammar.Grammars(codec, self.engine.model.vocab, min(self.text.eos))
+        return self._grammars
+
+    def _tool_plan(self, body: dict, form: Any) -> tuple[tools.Plan | None, Any]:
+        """A chat request's tools (kerncc.serve.tools) and the grammar its output follows:
+        `form`, or the forced call's for `tool_choice` required or a named function."""
+        template = getattr(getattr(self.text, "codec", None), "template", None)
         try:
-            return self._grammars.of(body)
-        except grammar.GrammarError as err:
+            plan = tools.plan(body, template if isinstance(template, str) else None)
+        except tools.ToolError as err:
             raise ApiError(400, err.message, err.param) from None
+        lark = plan.grammar() if plan is not None else None
+        if lark is None:
+            return plan, form
+        if form is not None:
+            raise ApiError(400, "`tool_choice` forces a tool call, and a `response_format` or "
+                           "guided field constrains the output too: give one", "tool_choice")
+        try:
+            return plan, self._grammar_engine("tool_choice").lark("tool_choice", lark)
+        except grammar.GrammarError as err:
+            raise ApiError(400, f"{err.message} (the grammar of the tools' `parameters`)",
+                           "tools") from None
 
     def _prompts(self, prompt: Any) -> tuple[list[list[int]], tuple[str, ...]]:
         """A completions request's prompts (a list of texts or of token-id lists is several)
@@ -253,18 +307,17 @@ class Server:
             return [int(t) for t in prompt]
         raise ApiError(400, "`prompt` must be a string or a list of token ids", "prompt")
 
-    def _chat_prompt(self, body: dict) -> list[int]:
+    def _chat_prompt(self, body: dict, plan: tools.Plan | None = None, stop: Any = None
+                     ) -> list[int]:
         if self.text is None or not self.text.chat:
             raise ApiError(400, "model has no chat template: use /v1/completions", "messages",
                            "no_chat_template")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in messages):
-            raise ApiError(400, "`messages` must be a non-empty list of {role, content} "
-                           "strings", "messages")
-        return self.text.chat_prompt([{"role": m["role"], "content": m["content"]}
-                                      for m in messages])
+        try:  # the history's tool calls and results; chat_template_kwargs and the tools
+            messages = tools.messages(body.get("messages"))
+            variables = tools.template_variables(body, plan)
+        except tools.ToolError as err:
+            raise ApiError(400, err.message, err.param) from None
+        return self.text.chat_prompt(messages, variables, stop)
 
     def _stops(self, stop: Any) -> tuple[str, ...]:
         stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
@@ -386,9 +439,15 @@ class _Bridge:
         self._put(token)
 
     def done(self, request: Request) -> None:
-        reason = "stop" if self.stopped and request.finish == "cancelled" else request.finish
-        self.server.metrics.finished(reason or "unknown")
         self._put(None)
+
+    def count(self, request: Request) -> None:
+        """Count the finish the client is told, once the answer is over: a stop string met
+        in the text is `stop` even when the engine ended the sequence first (by length, or by
+        the cancel the stop string sent); an answer left before the engine ended it is
+        `cancelled`."""
+        reason = "stop" if self.stopped else request.finish or "cancelled"
+        self.server.metrics.finished(reason)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,6 +560,7 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch,
     finally:
         if request.finish is None:
             server.engine.cancel(request)
+        bridge.count(request)
 
 
 def _catch_up(item: int | None, queue: asyncio.Queue, request: Request, detok: _Detok
@@ -601,16 +661,21 @@ def create_app(server: Server, manage: bool = True) -> Starlette:
                      middleware=[Middleware(Access, key=lambda: server.api_key)])
 
 
-async def _body(http: HttpRequest) -> bytes:
-    """The request's bytes, bounded (JSON decoding is the caller's)."""
+async def _body(http: HttpRequest, timeout: float) -> bytes:
+    """The request's bytes, bounded in size and in time (a client sending a byte now and then
+    would hold its connection for ever); JSON decoding is the caller's."""
     raw = b""
     try:
-        async for chunk in http.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY:
-                raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
+        async with asyncio.timeout(timeout):
+            async for chunk in http.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY:
+                    raise ApiError(413, f"the request body is over {MAX_BODY} bytes")
     except ClientDisconnect:  # nobody hears this answer; it only keeps a traceback out of logs
         raise ApiError(400, "the client went away before the end of its request body") from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} seconds",
+                       code="timeout") from None
     return raw
 
 
@@ -663,11 +728,40 @@ def _is_text(value: str) -> bool:
 
 
 async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
+    """A completion or chat request, counted in `server.active` until its last byte (a
+    stream's until its last event): a drain waits for those."""
+    if server.draining:
+        return ApiError(503, "the server is shutting down", code="unavailable").response()
+    server.active += 1
     try:
-        # off the event loop: decoding 4 MiB of JSON, tokenizing it and rendering a chat
-        # template take long enough to stall every stream the loop is feeding
-        ask = await asyncio.to_thread(lambda body: server.parse(_json(body), chat),
-                                      await _body(http))
+        response = await _answer(server, http, chat)
+    except BaseException:
+        server.active -= 1
+        raise
+    if isinstance(response, _Counted):
+        response.server = server  # the stream's end lowers the count
+    else:
+        server.active -= 1
+    return response
+
+
+class _Counted(StreamingResponse):
+    """A stream that lowers its server's count of requests being answered when it ends,
+    however it ends (written out, its client gone, cancelled)."""
+
+    server: Server | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.server is not None:
+                self.server.active -= 1
+
+
+async def _answer(server: Server, http: HttpRequest, chat: bool) -> Response:
+    try:
+        ask = await _parsed(server, http, chat, await _body(http, server.body_timeout))
         units = _units(ask)
         if ask.stream:
             # a client that leaves while its request waits (queued, or behind a long
@@ -677,14 +771,33 @@ async def _generate(server: Server, http: HttpRequest, chat: bool) -> Response:
                 else _merged(server, ask, http, watch, units)
             opened = await _first(first)  # errors before the first token are plain answers
             watch.on = False
-            return StreamingResponse(_sse(server, ask, chat, opened, first),
-                                     media_type="text/event-stream")
+            return _Counted(_sse(server, ask, chat, opened, first),
+                            media_type="text/event-stream")
         got: dict[int, list[_Piece]] = {i: [] for i in range(len(units))}
         async for index, piece in _merged(server, ask, http, _Watch(), units):
             got[index].append(piece)
     except ApiError as err:
         return err.response()
     return JSONResponse(_whole(server, ask, chat, [got[i] for i in range(len(units))]))
+
+
+async def _parsed(server: Server, http: HttpRequest, chat: bool, raw: bytes) -> Ask:
+    """The request parsed off the event loop (decoding 4 MiB of JSON, tokenizing it and
+    rendering a chat template take long enough to stall every stream the loop is feeding);
+    a chat template's render stops when its client leaves or the server shuts down."""
+    gone = threading.Event()
+
+    def stop() -> bool:
+        return gone.is_set() or server.renders.is_set()
+
+    work = asyncio.ensure_future(asyncio.to_thread(
+        lambda: server.parse(_json(raw), chat, stop)))
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=POLL)
+        if done:
+            return work.result()
+        if not gone.is_set() and await http.is_disconnected():
+            gone.set()  # the render ends at its next step; nobody hears the answer
 
 
 def _units(ask: Ask) -> list[tuple[tuple[int, ...], sampling_hook.Params]]:
@@ -770,13 +883,47 @@ def _choice(server: Server, ask: Ask, chat: bool, pieces: list[_Piece], index: i
     choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_ids": ids}
     wants = ask.options.logprobs is not None
     if chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"], choice["finish_reason"] = _tool_message(ask, text, finish)
         choice["logprobs"] = _chat_logprobs(server, heard) if wants else None
     else:
         echo = prompt_text if ask.options.echo else ""
         choice.update(text=echo + text,
                       logprobs=_text_logprobs(server, heard, 0)[0] if wants else None)
     return choice
+
+
+def _tool_message(ask: Ask, text: str, finish: str) -> tuple[dict[str, Any], str]:
+    """A chat choice's message (its tool calls parsed out of the text, when it has tools)
+    and finish reason (`tool_calls` when it ended on them)."""
+    if ask.tools is None:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = tools.parse(ask.tools.format, text)
+    calls = tools.limited(ask.tools, calls)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    return ({"role": "assistant", "content": content, "tool_calls": calls},
+            "tool_calls" if finish == "stop" else finish)
+
+
+def _chat_delta(ask: Ask, streams: dict[int, tools.Stream], index: int, piece: _Piece
+                ) -> tuple[dict[str, Any], str | None]:
+    """A streamed chat piece's delta and finish reason: its text, or with tools what of it
+    is content now and the calls completed (`delta.tool_calls`)."""
+    if ask.tools is None:
+        return ({"content": piece.text} if piece.text or piece.token_ids else {}), piece.finish
+    stream = streams.setdefault(index, tools.Stream(ask.tools))
+    before = stream.calls
+    content, calls = stream.push(piece.text)
+    if piece.finish:
+        more, last = stream.finish()
+        content, calls = content + more, calls + last
+    delta: dict[str, Any] = {}
+    if content or (piece.token_ids and not calls):
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = [{"index": before + k, **c} for k, c in enumerate(calls)]
+    finish = "tool_calls" if piece.finish == "stop" and stream.calls else piece.finish
+    return delta, finish
 
 
 # ---------------------------------------------------------------------------------------------
@@ -840,6 +987,7 @@ async def _sse(server: Server, ask: Ask, chat: bool, first: tuple[int, _Piece] |
     count = 0
     wants = ask.options.logprobs is not None
     offsets: dict[int, int] = {}  # completions' text offset, by choice (logprobs)
+    streams: dict[int, tools.Stream] = {}  # chat choices' tool-call parsers, by choice
     texts = ask.texts or ("",)
     choices = len(texts) * ask.options.n
 
@@ -850,7 +998,7 @@ async def _sse(server: Server, ask: Ask, chat: bool, first: tuple[int, _Piece] |
         choice: dict[str, Any] = {"index": index, "finish_reason": piece.finish,
                                   "token_ids": piece.token_ids}
         if chat:
-            choice["delta"] = {"content": piece.text} if piece.text or piece.token_ids else {}
+            choice["delta"], choice["finish_reason"] = _chat_delta(ask, streams, index, piece)
             choice["logprobs"] = _chat_logprobs(server, piece.heard) if wants else None
             return event({**head, "choices": [choice]})
         text = piece.text

@@ -10,6 +10,12 @@ flight, and the logits buffer on the device already holds a later call's by the 
 is collected. The counter of a request's token t is (0, t), so a seeded request draws the same
 tokens whatever it is batched with and whichever request it is.
 
+Where the model runner can (`ModelRunner.draws_on_device`), a decode call's plain sampled
+requests are drawn on the device instead (`device_draws`: the same reference, the same
+counters, into the call's token output, greedy rows by their argmax as before), so that their
+tokens are fed to the next step on the device as greedy ones are; their tokens are those the
+host draw gives (tests/test_serve_engine_pace.py).
+
 A request that asks for logits processing (penalties, `logit_bias`, `min_tokens`, a grammar)
 or for logprobs gets a `kerncc.serve.logits.Drawer` instead, greedy or not: its rows are
 processed, then picked (`logits.draw`). A request that asks for none of it takes exactly the
@@ -93,6 +99,19 @@ def prepare(params: Params) -> Any:
 
 def _matcher(params: Params) -> Any:
     return None if params.grammar is None else params.grammar.matcher()
+
+
+def device_draws(natives: Sequence[Any], steps: Sequence[int]
+                 ) -> tuple[list[Any], list[tuple[int, int]]] | None:
+    """The (params, counters) a decode call's sequences are drawn with on the device
+    (kerncc.runtime.model_runner: `submit(draws=...)`), `natives[i]` sequence i's `prepare`d
+    params (None: greedy), `steps[i]` the index of the token it draws; None when every one
+    is greedy (the argmax output is the token already) or one is processed on the host (a
+    `Drawer`: penalties, bias, grammar and logprobs run there)."""
+    if all(n is None for n in natives) or any(isinstance(n, _logits.Drawer) for n in natives):
+        return None
+    greedy = _sampling.SamplingParams()
+    return ([n or greedy for n in natives], [(0, max(0, int(step))) for step in steps])
 
 
 def tokens(outputs: dict[str, Any], emits: str | None, logits: str, natives: Sequence[Any],

@@ -16,13 +16,21 @@ The order of the feeding depends on the chunk program (`Limits.chunk_emits`):
 So a step holds
 * chunk items: the running sequences with prefill rows to go, packed by `pack()` (spec §6.2)
   when the chunk program takes several sequences (a `cu_seqlens` fill), else one sequence per
-  call; either way at most `chunk.rows` rows per step, so decodes are never starved; an item
-  lists in `emits` the sequences whose token it hands back;
+  call; either way at most `chunk.rows` rows per step, and with a step budget
+  (`Limits.step_tokens`) at most what the step's decode rows leave of it, but never fewer
+  than `prefill_floor` rows (`prefill_rows`), so that neither starves: the running streams
+  decode every step while a newcomer's prompt is fed, and the prompt advances however many
+  streams run; an item lists in `emits` the sequences whose token it hands back;
 * decode items, after them: every running sequence with only its last token to feed and no
   call in flight that will hand it a token (a chunk in flight that does not is fine: calls run
   in issue order), oldest first, `decode_groups` per call (the protocol's multi-sequence
   forward), and every recomputed sequence replaying a generated token (below). Without chunk
   tokens, a sequence whose prefill ends in this step's chunk decodes in this step.
+Decode rows stay in the decode program and prefill rows in the chunk program, two calls of
+one step: a decode row's bits must not depend on whether a prefill rides beside it, and the
+chunk program's row is not the decode program's bit for bit (issue 40's determinism
+contract), so the step interleaves the two programs within its budget rather than mixing
+rows in one call.
 
 Pages (`stride` tokens each) are granted oldest first as items need them. When the pool runs
 dry the newest running sequence with nothing in flight is preempted (its pages freed, its
@@ -34,6 +42,15 @@ KV and logits are those it had). A sequence that can get no page waits for one: 
 always gets its pages (every sequence fits the pool alone, which the engine checks on
 admission), so nothing deadlocks. Waiting sequences are admitted oldest first while fewer than `max_running` run and
 the free pages cover the prompt plus one page of headroom per running sequence.
+
+With the prefix cache (kerncc.serve.prefix) the driver tells each waiting sequence the next
+step may admit what it would take from the cache before it asks for a step (`Seq.reuse`,
+`fresh`, `held`): an admitted sequence starts with its `reuse` tokens fed and their pages held
+(`Plan.reused`), and needs free pages only for the rest and for cached pages no one holds; one
+`held` (its next page is about to be computed ahead of it) waits, and the queue behind it. A
+sequence is not preempted in the step that admits it. Pages shared by several sequences are
+freed only when the last lets go: `State.shared` says how many of each sequence's pages are,
+and the driver sets `free` and `shared` from the pool after each change (`synced`).
 """
 
 from __future__ import annotations
@@ -67,6 +84,13 @@ class Seq:
     # only its prompt through chunks and replays its generated tokens one row at a time, as
     # they were first fed: the chunk program's rows need not be the one-row program's bits.
     prompt: int | None = None
+    # A waiting one's match in the prefix cache (kerncc.serve.prefix), set before each step:
+    # `reuse` tokens (whole pages) it takes from the cache when admitted, `fresh` of those
+    # pages held by no sequence now (they come out of the free pages), `held`: it waits for
+    # a page a running sequence is about to compute, to share it.
+    reuse: int = 0
+    fresh: int = 0
+    held: bool = False
 
     def chunk_end(self, chunk_emits: bool) -> int:
         """How many of its known tokens go through chunks."""
@@ -99,11 +123,16 @@ class Seq:
                    self.pages if pages is None else pages,
                    self.inflight if inflight is None else inflight,
                    self.decoding if decoding is None else decoding,
-                   self.primed if primed is None else primed, self.prompt)
+                   self.primed if primed is None else primed, self.prompt, self.reuse,
+                   self.fresh, self.held)
 
     def recomputed(self) -> Seq:
         """The sequence sent back to the queue by a preemption: its known tokens, no pages."""
         return Seq(self.id, self.tokens, prompt=self.prompt)
+
+    def admitted(self, stride: int) -> Seq:
+        """The sequence once admitted: its `reuse` tokens fed already, their pages held."""
+        return Seq(self.id, self.tokens, self.reuse, self.reuse // stride, prompt=self.prompt)
 
 
 @attrs.frozen
@@ -116,6 +145,23 @@ class Limits:
     chunk: Bounds  # one chunk call: rows, sequences (1: one-sequence chunks), context
     max_running: int
     chunk_emits: bool = False  # the chunk program hands back each sequence's next token
+    # Most rows one step feeds, decode and prefill together (None: `chunk.rows` of prefill
+    # beside every decode row); decode rows all go first, prefill gets the rest, at least
+    # `prefill_floor` (see `prefill_rows`)
+    step_tokens: int | None = None
+
+    @property
+    def prefill_floor(self) -> int:
+        """Prefill rows a step feeds whatever its decodes take (a page's worth, at most a
+        chunk): a newcomer's prompt advances every step."""
+        return min(self.chunk.rows, self.stride)
+
+    def prefill_rows(self, decodes: int) -> int:
+        """Prefill rows a step may feed beside `decodes` decode rows: what the step budget
+        leaves, between `prefill_floor` and `chunk.rows`."""
+        if self.step_tokens is None:
+            return self.chunk.rows
+        return min(self.chunk.rows, max(self.prefill_floor, self.step_tokens - decodes))
 
 
 @attrs.frozen
@@ -133,6 +179,8 @@ class Plan:
     preempted: tuple[int, ...] = ()
     grants: tuple[tuple[int, int], ...] = ()  # (seq id, pages more), in grant order
     items: tuple[Item, ...] = ()
+    # (seq id, pages) an admitted sequence takes from the prefix cache: they come first
+    reused: tuple[tuple[int, int], ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -143,7 +191,11 @@ class Plan:
 class State:
     waiting: tuple[Seq, ...]  # oldest first (preempted ones go back to the front)
     running: tuple[Seq, ...]  # in admission order
-    free: int  # free pages
+    free: int  # free pages (blank, or cached and held by none: kerncc.serve.pool)
+    # seq id -> how many of its pages another sequence holds too (a shared prefix): releasing
+    # it frees the others only. The pool's count: with shared pages `apply` counts low, and
+    # the driver sets `free` and `shared` from the pool after each change (`synced`).
+    shared: Mapping[int, int] = attrs.field(factory=dict)
 
 
 class _Draft:
@@ -151,6 +203,10 @@ class _Draft:
 
     def __init__(self, state: State, stride: int) -> None:
         self.stride = stride
+        self.shared = state.shared
+        # pages admitted sequences took from the cache that a running sequence held: one a
+        # preemption counts free may stay held by the newcomer (its count is the pool's)
+        self.pinned = 0
         self.order = [s.id for s in state.running]
         self.seqs = {s.id: s for s in state.running}
         self.waiting = list(state.waiting)
@@ -158,6 +214,7 @@ class _Draft:
         self.admitted: list[int] = []
         self.preempted: list[int] = []
         self.grants: list[tuple[int, int]] = []
+        self.reused: list[tuple[int, int]] = []
         self.busy: set[int] = set()  # in this step's items: not preemptable now
 
     def grant(self, seq_id: int, end: int) -> bool:
@@ -180,7 +237,10 @@ class _Draft:
             if seq.inflight == 0 and victim not in self.busy:
                 self.order.remove(victim)
                 del self.seqs[victim]
-                self.free += seq.pages
+                gain = seq.pages - self.shared.get(victim, 0)
+                kept = min(self.pinned, gain)
+                self.pinned -= kept
+                self.free += gain - kept
                 self.preempted.append(victim)
                 self.waiting.insert(0, seq.recomputed())
                 return True
@@ -192,11 +252,13 @@ def schedule(state: State, limits: Limits) -> Plan:
     draft = _Draft(state, limits.stride)
     _admit(draft, limits)
     # Chunks first: without chunk tokens, a sequence whose prefill ends in this step's chunk
-    # decodes in this step.
-    items = _chunk_items(draft, limits)
+    # decodes in this step. Their rows are what the decode rows leave of the budget.
+    emits = limits.chunk_emits
+    decodes = sum(1 for s in draft.seqs.values() if s.decodable(emits) or s.replayable(emits))
+    items = _chunk_items(draft, limits, limits.prefill_rows(decodes))
     items += _decode_items(draft, limits)
     return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
-                tuple(items))
+                tuple(items), tuple(draft.reused))
 
 
 def admits(state: State, limits: Limits) -> bool:
@@ -207,9 +269,11 @@ def admits(state: State, limits: Limits) -> bool:
 
 
 def _fits(seq: Seq, running: int, free: int, limits: Limits) -> bool:
-    """Room for `seq` beside `running` sequences: a place, and its prompt's pages plus a
-    page of headroom for each running one."""
-    return running < limits.max_running and free >= cdiv(seq.tokens, limits.stride) + running
+    """Room for `seq` beside `running` sequences: a place, and its prompt's pages (those it
+    takes from the cache only if no one holds them) plus a page of headroom for each running
+    one; none while it waits for a page to share."""
+    pages = cdiv(seq.tokens, limits.stride) - seq.reuse // limits.stride + seq.fresh
+    return not seq.held and running < limits.max_running and free >= pages + running
 
 
 def _admit(draft: _Draft, limits: Limits) -> None:
@@ -219,8 +283,14 @@ def _admit(draft: _Draft, limits: Limits) -> None:
             return
         draft.waiting.pop(0)
         draft.order.append(seq.id)
-        draft.seqs[seq.id] = seq
+        draft.seqs[seq.id] = seq.admitted(limits.stride)
         draft.admitted.append(seq.id)
+        draft.busy.add(seq.id)  # not preempted in the step that admits it
+        if seq.reuse:
+            pages = seq.reuse // limits.stride
+            draft.reused.append((seq.id, pages))
+            draft.free -= seq.fresh
+            draft.pinned += pages - seq.fresh
 
 
 def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
@@ -247,8 +317,7 @@ def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
             for parts in calls]
 
 
-def _chunk_items(draft: _Draft, limits: Limits) -> list[Item]:
-    budget = limits.chunk.rows
+def _chunk_items(draft: _Draft, limits: Limits, budget: int) -> list[Item]:
     items: list[Item] = []
     while budget > 0:
         emits = limits.chunk_emits
@@ -291,10 +360,17 @@ def apply(state: State, plan: Plan) -> State:
     by_id = {s.id: s for s in (*state.running, *state.waiting)}
     back = [by_id[i].recomputed() for i in plan.preempted]
     waiting = list(reversed(back)) + waiting
-    running += [by_id[i] for i in plan.admitted if i not in plan.preempted]
+    reused = dict(plan.reused)
+    running += [Seq(i, by_id[i].tokens, by_id[i].reuse, reused.get(i, 0), prompt=by_id[i].prompt)
+                for i in plan.admitted if i not in plan.preempted]
     seqs = {s.id: s for s in running}
-    freed = sum(by_id[i].pages for i in plan.preempted)
-    taken = sum(n for _, n in plan.grants)
+    taken = sum(n for _, n in plan.grants) + sum(by_id[i].fresh for i in reused)
+    freed, pinned = 0, sum(n - by_id[i].fresh for i, n in plan.reused)
+    for victim in plan.preempted:  # as the draft counted them (`_preempt_newer_than`)
+        gain = by_id[victim].pages - state.shared.get(victim, 0)
+        kept = min(pinned, gain)
+        pinned -= kept
+        freed += gain - kept
     for seq_id, more in plan.grants:
         seqs[seq_id] = seqs[seq_id].but(pages=seqs[seq_id].pages + more)
     for item in plan.items:
@@ -309,7 +385,7 @@ def apply(state: State, plan: Plan) -> State:
                                    decoding=seq.decoding or token,
                                    primed=seq.primed or chunked)
     return State(tuple(waiting), tuple(seqs[s.id] for s in running),
-                 state.free + freed - taken)
+                 state.free + freed - taken, state.shared)
 
 
 def landed(state: State, seq_id: int, token: bool) -> State:
@@ -331,11 +407,21 @@ def landed_all(state: State, tokens: Mapping[int, bool]) -> State:
 
 
 def remove(state: State, seq_id: int) -> State:
-    """`seq_id` finished, was cancelled or failed: gone, its pages free."""
+    """`seq_id` finished, was cancelled or failed: gone, its pages free (but those another
+    sequence holds too)."""
     gone = [s for s in (*state.running, *state.waiting) if s.id == seq_id]
+    shared = state.shared.get(seq_id, 0)
     return State(tuple(s for s in state.waiting if s.id != seq_id),
                  tuple(s for s in state.running if s.id != seq_id),
-                 state.free + sum(s.pages for s in gone))
+                 state.free + sum(s.pages for s in gone) - shared, state.shared)
+
+
+def synced(state: State, free: int, shared: Mapping[int, int]) -> State:
+    """The state with the pool's free pages and shared counts (the driver's, after each
+    change to the pool: only the pool knows which pages a release frees)."""
+    if state.free == free and state.shared == shared:
+        return state
+    return attrs.evolve(state, free=free, shared=dict(shared))
 
 
 def add(state: State, seq_id: int, tokens: int) -> State:

@@ -44,8 +44,20 @@ class Text:
         this codec, which decodes a short window of recent ids per id."""
         return TextStream(self)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        made = self.codec.apply_chat_template(messages, add_generation_prompt=True)
+    def chat_prompt(self, messages: list[dict[str, Any]],
+                    variables: dict[str, Any] | None = None, stop: Any = None) -> list[int]:
+        """The prompt of `messages` by the chat template; `variables` reach the template as
+        Hugging Face's apply_chat_template passes its extra arguments (`tools`,
+        chat_template_kwargs such as `enable_thinking`). The render is bounded in steps, sizes
+        and time (kerncc.hf.tokenizer), and ends (a KernccError) once `stop()` is true: the
+        server's caller runs it on a worker thread and asks it to stop when its client
+        leaves."""
+        render = getattr(self.codec, "render_chat", None)
+        if render is not None:
+            made = render(messages, variables or {}, add_generation_prompt=True, stop=stop)
+        else:  # a codec of its own (tests), unbounded by kerncc
+            made = self.codec.apply_chat_template(messages, add_generation_prompt=True,
+                                                  **(variables or {}))
         if not isinstance(made, str):
             return [int(t) for t in made]
         try:  # the template writes its own special tokens (as transformers encodes it)
@@ -54,14 +66,15 @@ class Text:
             return self.encode(made)
 
 
-def load(folders: Iterable[Path | None]) -> Text | None:
-    """The first folder's tokenizer that TextCodec can read, or None."""
+def load(folders: Iterable[Path | None], pins: Any = None) -> Text | None:
+    """The first folder's tokenizer that TextCodec can read, or None; `pins`: the tokenizer
+    files the bundle was lowered with, which the files read must be (TextCodec.from_dir)."""
     if TextCodec is None:
         return None
     for folder in folders:
         if folder is None or not Path(folder).is_dir():
             continue
-        codec = TextCodec.from_dir(folder)
+        codec = TextCodec.from_dir(folder, pins)
         if codec is not None:
             return Text(codec)
     return None

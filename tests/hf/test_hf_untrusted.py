@@ -133,6 +133,17 @@ HOSTILE_TEMPLATES = {
     "star-width": "{{ '%*s' % (4000000000, 'x') }}",
     "format-filter": "{{ '%4000000000s'|format('x') }}",
     "percent-width": "{{ '%4000000000s' % 'x' }}",
+    # filters were not counted: each of these ran for hours holding 1.5 GB
+    "filter-list": "{% for i in range(99999) %}{% set x = ('a' * 16000000)|list|length %}"
+                   "{% endfor %}",
+    "filter-length": "{% for i in range(99999) %}{% set x = ('a' * 16000000)|length %}"
+                     "{% endfor %}",
+    "filter-map": "{% for i in range(99999) %}{% set x = ('a' * 1000000)|map('upper')|join %}"
+                  "{% endfor %}",
+    "method-split": "{% for i in range(99999) %}{% set x = ('a ' * 8000000).split()|length %}"
+                    "{% endfor %}",
+    "list-repeat-join": "{{ (['x' * 1000] * 1000000)|join }}",
+    "tojson": "{% for i in range(99999) %}{% set x = ([1] * 1000000)|tojson %}{% endfor %}",
 }
 
 
@@ -223,3 +234,61 @@ def test_sizes_past_what_kerncc_serves_name_the_config_field(tmp_path, changes, 
     with pytest.raises(KernccError, match=message) as err:
         import_model(folder)
     assert "config.json" in str(err.value) and "--max-context 0" not in str(err.value)
+
+
+SLOW = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+def _slow_codec(tmp_path, monkeypatch):
+    """A codec whose template would run for hours were it not for the render's clock."""
+    from kerncc.example import generate
+    from kerncc.hf import tokenizer
+    from kerncc.hf.tokenizer import TextCodec
+
+    monkeypatch.setattr(tokenizer, "MAX_STEPS", 10**12)  # only time or a stop can end it
+    generate(tmp_path, "tiny")
+    (tmp_path / "chat_template.jinja").write_text(SLOW)
+    return TextCodec.from_dir(tmp_path)
+
+
+def test_a_render_ends_at_its_deadline(tmp_path, monkeypatch):
+    codec = _slow_codec(tmp_path, monkeypatch)
+    outcome = within(20, lambda: codec.render_chat([], {}, seconds=0.5))
+    assert isinstance(outcome, KernccError), outcome
+    assert "more than 0.5 seconds" in str(outcome) and "chat_template.jinja" in str(outcome)
+
+
+def test_a_render_asked_to_stop_ends_at_its_next_step(tmp_path, monkeypatch):
+    codec = _slow_codec(tmp_path, monkeypatch)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    outcome = within(20, lambda: codec.render_chat([], {}, stop=stop.is_set, seconds=600))
+    assert isinstance(outcome, KernccError) and "stopped" in str(outcome), outcome
+
+
+def test_a_chat_template_past_its_bound_is_refused_before_it_is_read(tmp_path):
+    """A 3 GiB chat_template.jinja ended in `internal error: MemoryError`."""
+    from kerncc.example import generate
+    from kerncc.hf.tokenizer import TEMPLATE_LIMIT, TextCodec
+
+    generate(tmp_path, "tiny")
+    (tmp_path / "chat_template.jinja").write_text("x" * (TEMPLATE_LIMIT + 1))
+    with pytest.raises(KernccError, match="larger than") as err:
+        TextCodec.from_dir(tmp_path)
+    assert "chat_template.jinja" in str(err.value)
+
+
+def test_a_tokenizer_json_past_its_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A 3 GiB tokenizer.json was read whole (3.2 GB resident)."""
+    from kerncc.example import generate
+    from kerncc.hf import tokenizer
+    from kerncc.hf.tokenizer import TextCodec
+
+    generate(tmp_path, "tiny")
+    size = (tmp_path / "tokenizer.json").stat().st_size
+    monkeypatch.setattr(tokenizer, "TOKENIZER_LIMIT", size - 1)
+    with pytest.raises(KernccError, match="larger than") as err:
+        TextCodec.from_dir(tmp_path)
+    assert "tokenizer.json" in str(err.value)
+    monkeypatch.setattr(tokenizer, "TOKENIZER_LIMIT", size)
+    assert TextCodec.from_dir(tmp_path) is not None

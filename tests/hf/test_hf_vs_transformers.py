@@ -8,7 +8,6 @@ config.json as a Qwen3 config. Seen passing with transformers 5.24 (no torch nee
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,7 @@ from kerncc.hf.tokenizer import TextCodec
 
 transformers = pytest.importorskip("transformers")
 
-_spec = importlib.util.spec_from_file_location(
-    "hf_fidelity", Path(__file__).resolve().parents[1] / "bench" / "hf_fidelity.py")
-fidelity = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fidelity)
+from bench import hf_fidelity as fidelity  # noqa: E402 (bench/ is on pytest's pythonpath)
 
 
 @pytest.fixture(scope="module")

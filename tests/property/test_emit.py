@@ -127,7 +127,10 @@ def test_random_bundles_verify_never_overlap_and_check(data: st.DataObject) -> N
             return
         out = Path(tmp) / "bundle"
         slicers = data.draw(st.sampled_from(SLICERS))
-        ir = attrs.evolve(ir, pipeline=f"{slicers}emit")
+        # the bundle records the spec that made it (check derives it again from that)
+        at = next(iter(ir.points.values()), ()) if ir.is_pipeline else ()
+        cut = f"cut{{at={','.join(map(str, at))}}}," if at else ""
+        ir = attrs.evolve(ir, pipeline=f"{cut}{slicers}emit")
         run_pipeline(ir, f'{slicers}emit{{out="{out}"}}')
         index = json.loads((out / "bundle.json").read_text())
         assert len(index["stages"]) == (len(ir.stages) if ir.is_pipeline else 1)
