@@ -84,3 +84,18 @@ def test_every_response_carries_the_system_fingerprint(tmp_path):
             else:
                 seen.add(answer.json()["system_fingerprint"])
     assert seen == {want}
+
+
+def test_a_decode_steps_gemm_sites_are_bounded_by_its_batch_not_by_the_chunk(tmp_path):
+    """The GEMM path of a site is fixed from the most rows it can launch with: the decode
+    steps' sites may never see a prefill chunk's rows, so their bound is their batch's."""
+    from kerncc import manifest
+    from kerncc.runtime.session import program_bounds
+
+    generate(tmp_path, "tiny", max_tokens=48, max_seqs=3)
+    man = manifest.load(tmp_path / "model.json")
+    bounds = program_bounds(man)
+    assert bounds["decode"]["tokens"] == 1 and bounds["decode"]["seqs"] == 1
+    assert bounds["decode_batch"]["tokens"] == 3 and bounds["decode_batch"]["seqs"] == 3
+    assert bounds["prefill"]["tokens"] == 48  # rows as fed: the chunk's bound
+    assert bounds["load"] == man.vars_max()

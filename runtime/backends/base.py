@@ -146,9 +146,10 @@ class Backend(abc.ABC):
 
     def rewrite_launchers(self, programs: Mapping[str, Sequence[Site]],
                           launchers: dict[int, Launcher],
-                          bounds: Mapping[str, int] | None = None) -> dict[int, Launcher]:
-        """The launchers a Session issues with, given each program's sites in order and each
-        var's largest value (`bounds`): a backend may put another launch that computes the
+                          bounds: Mapping[str, Mapping[str, int]] | None = None
+                          ) -> dict[int, Launcher]:
+        """The launchers a Session issues with, given each program's sites in order and, per
+        program, each var's largest value in a call of it (`bounds`): a backend may put another launch that computes the
         same bits in a site's place (cuda: the pipelined decode attention, runtime/backends/
         attention_pipe.py), or fix per site what it would pick per launch (cuda: the GEMMs'
         path, so that a row's bits do not depend on the batch). The default issues each site

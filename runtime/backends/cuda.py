@@ -553,17 +553,19 @@ class CudaBackend(Backend):
 
     def rewrite_launchers(self, programs: Mapping[str, Sequence[Site]],
                           launchers: dict[int, Callable],
-                          bounds: Mapping[str, int] | None = None) -> dict[int, Callable]:
-        """Each GEMM site batch-invariant (`invariant`: `_invariant_extern`, given the vars'
-        largest values `bounds`), and the batched decode's split attention pipelined
+                          bounds: Mapping[str, Mapping[str, int]] | None = None
+                          ) -> dict[int, Callable]:
+        """Each GEMM site batch-invariant (`invariant`: `_invariant_extern`, given each
+        program's vars at their largest, `bounds`), and the batched decode's split attention pipelined
         (runtime/backends/attention_pipe.py) when `pipe_attention` is on; every other site as
         prepared."""
         if self.invariant:
             launchers = dict(launchers)
-            for sites in programs.values():
+            for program, sites in programs.items():
                 for site in sites:
                     if site.kind == "extern" and site.number in launchers:
-                        launchers[site.number] = self._invariant_extern(site, bounds or {})
+                        launchers[site.number] = self._invariant_extern(
+                            site, (bounds or {}).get(program, {}))
         if not self.pipe_attention:
             return launchers
         return attention_pipe.pipe(self, self._pipe_launch,
