@@ -238,24 +238,6 @@ extern "C" __global__ void __launch_bounds__(512)
   pdl_begin();
   gemv_tile<1, 1, 16, 4>(a, w, c, m, n, k, mode);
 }
-extern "C" __global__ void __launch_bounds__(512)
-    gemv_bf16_tn_mb2_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<2, 1, 16, 2>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(512)
-    gemv_bf16_tn_mb3_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<3, 1, 16, 2>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(512)
-    gemv_bf16_tn_mb4_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<4, 1, 16, 2>(a, w, c, m, n, k, mode);
-}
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb2_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
@@ -263,14 +245,26 @@ extern "C" __global__ void __launch_bounds__(256)
   gemv_tile<2, 2, 8, 2>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb3_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<3, 2, 8, 2>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb4_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
   gemv_tile<4, 2, 8, 2>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb4_t3(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<4, 3, 8, 2>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512)
+    gemv_bf16_tn_mb2_w16_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<2, 2, 16, 2>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512)
+    gemv_bf16_tn_mb3_w16_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<3, 2, 16, 2>(a, w, c, m, n, k, mode);
 }
