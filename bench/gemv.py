@@ -59,6 +59,7 @@ def measure(torch, site, gemv, label: str, n: int, k: int) -> None:
     a = torch.randn(max(ROWS), k, device="cuda", dtype=torch.bfloat16, generator=gen)
     c = torch.empty(max(ROWS), n, device="cuda", dtype=torch.bfloat16)
     alone = torch.empty_like(c)
+    torch.cuda.synchronize()  # the operands were made on the default stream
     with torch.cuda.stream(stream):
         for r in range(max(ROWS)):
             site(a[r].data_ptr(), ws[0].data_ptr(), alone[r].data_ptr(), 1, n, k, handle)
