@@ -24,6 +24,11 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
   pipe      the batched decode's split attention pipelined (runtime/backends/attention_pipe.py,
             the default) against the split kernel, alternating: batch 1 and 8 sequences run the
             same kernels on both sides (controls of the noise); 32 sequences go out pipelined.
+  invariant the batch-invariant GEMMs (the default: every decode GEMM on the GEMV kernels at any
+            batch and width, prefill chunks on one pinned cuBLASLt algorithm a site) against
+            the batch-shaped path (KERNCC_INVARIANT=0: cuBLAS by m), alternating: the batch-1
+            decode graph, decode_batch steps of 8, 32 (and 64 where the model takes 64
+            sequences) x CONTEXT tokens, and TTFT of 4096 and 8192 tokens at chunk 2048.
   attention the batched decode at 32/8/2/1 sequences and 512-4096 tokens with the attention's
             split blocks per (sequence, kv head) at max_splits (a block per split), 16, 8, 4.
   torch     the PyTorch reference (bench/torch_ref.py) on the same weights: its decode step
@@ -70,21 +75,25 @@ CAPACITY = 32 * 1024  # tokens of KV per chain: 32 sequences of 1024, or one 8k 
 CONTEXT = 512
 
 
-def chain_of(bundle: Path, max_m: int, pdl: bool = True, pipe: bool | None = None):
+def chain_of(bundle: Path, max_m: int, pdl: bool = True, pipe: bool | None = None,
+             invariant: bool | None = None):
     """A cuda chain with GEMV kernels up to m = max_m, with or without overlapping launches
     (programmatic dependent launch, runtime/backends/cuda.py), with or without the pipelined
-    batched decode attention (runtime/backends/attention_pipe.py; None: the default)."""
+    batched decode attention (runtime/backends/attention_pipe.py; None: the default), with or
+    without batch-invariant GEMMs (None: the default; off, max_m applies as before)."""
     from kerncc.runtime import Chain
     from kerncc.runtime.backends import attention_pipe, gemv
 
     gemv.MAX_M = max_m
-    before = attention_pipe.ENABLED
+    before = attention_pipe.ENABLED, gemv.INVARIANT
     if pipe is not None:
         attention_pipe.ENABLED = pipe
+    if invariant is not None:
+        gemv.INVARIANT = invariant
     try:
         chain = Chain(bundle, backend="cuda", token_capacity=CAPACITY)
     finally:
-        attention_pipe.ENABLED = before
+        attention_pipe.ENABLED, gemv.INVARIANT = before
     for backend in chain.backends:
         backend.pdl = pdl
     return chain
@@ -467,6 +476,48 @@ def policy_ab(name: str, what_ab: str, counter: str, model: dict, cfg: dict, hbm
             f"{on:.4f} ({on / roof:.2f}x) / {off:.4f} ({off / roof:.2f}x), "
             f"{(off - on) / layers * 1e3:.2f}")
     RESULTS[f"{name}_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
+
+
+def invariant_ab(model: dict, cfg: dict, hbm: float, rounds: int = 4) -> None:
+    """Batch-invariant GEMMs (the default) against the batch-shaped path, alternating (the
+    order flips each round): the batch-1 decode graph, decode_batch steps of 8, 32 and, where
+    the model takes them, 64 sequences (graph replays), TTFT of 4096 and 8192 tokens at chunk
+    2048; medians of `rounds`, and the tax (invariant / batch-shaped - 1) a row."""
+    layers = cfg["num_hidden_layers"]
+    most = int(cfg.get("kerncc", {}).get("max_seqs", 32))
+    batches = [b for b in (8, 32, 64) if b <= most]
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(1, 32000, CONTEXT)]
+    long = {n: [int(t) for t in rng.integers(1, 32000, n)] for n in (4096, 8192)}
+    times: dict[tuple, list[float]] = {}
+    for r in range(rounds):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            with chain_of(model["whole"], 8, True, invariant=on) as chain:
+                paths = {p for b in chain.backends for p in b.gemm_paths.values()}
+                if on and not {"gemv", "pinned"} <= paths:
+                    raise RuntimeError(f"invariant: GEMM paths {sorted(paths)}")
+                greedy(chain, prompt, 4, 512)  # captures the decode graph
+                times.setdefault((on, "decode", 1), []).append(graph_step_ms(chain))
+                for seqs in batches:
+                    times.setdefault((on, "decode", seqs), []).append(
+                        batch_step_ms(chain, seqs, CONTEXT))
+                for tokens, ids in long.items():
+                    times.setdefault((on, "ttft", tokens), []).append(
+                        ttft(chain, ids, 2048) * 1e3)
+            gc.collect()
+    for kind, size in sorted({k[1:] for k in times}):
+        on = statistics.median(times[(True, kind, size)])
+        off = statistics.median(times[(False, kind, size)])
+        if kind == "decode":
+            roof = (weight_bytes(cfg) + size * kv_bytes(cfg, CONTEXT)) / (hbm * 1e12) * 1e3
+            what = f"decode {size} sequences" if size > 1 else "decode batch 1"
+            extra = f" (x roofline {on / roof:.2f} / {off / roof:.2f}), us a layer " \
+                    f"{(on - off) / layers * 1e3:+.2f}"
+        else:
+            what, extra = f"TTFT {size} (chunk 2048)", ""
+        row("invariant", f"{what}: invariant / batch-shaped ms, tax",
+            f"{on:.4f} / {off:.4f}, {(on / off - 1) * 100:+.1f}%{extra}")
+    RESULTS["invariant_ms"] = {" ".join(map(str, k)): v for k, v in times.items()}
 
 
 def attention_blocks(model: dict, cfg: dict, hbm: float) -> None:
@@ -873,8 +924,8 @@ def pipeline(model: dict, out: Path, gpus: int) -> None:
 
 # ---------------------------------------------------------------------------------- main
 
-SECTIONS = ("copy", "gemm", "profile", "launch", "decode", "pipe", "attention", "torch",
-            "bitwise", "prefill", "first-token", "pipeline")
+SECTIONS = ("copy", "gemm", "profile", "launch", "decode", "pipe", "invariant", "attention",
+            "torch", "bitwise", "prefill", "first-token", "pipeline")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -941,6 +992,9 @@ def main(argv: list[str] | None = None) -> int:
         if "pipe" in run:
             with REPORT.section("pipe", limit=300):
                 pipe_ab(model, cfg, hbm)
+        if "invariant" in run:
+            with REPORT.section("invariant", limit=400):
+                invariant_ab(model, cfg, hbm)
         if "attention" in run:
             with REPORT.section("attention"):
                 attention_blocks(model, cfg, hbm)

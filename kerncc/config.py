@@ -6,6 +6,9 @@ KERNCC_NO_PROGRESS=1   never draw progress bars (kerncc.progress), even on a ter
 The cuda backend's (docs/runtime.md), read when its modules load:
 KERNCC_PDL=0     no programmatic dependent launch in CUDA graphs (1, the default: on)
 KERNCC_GEMV_MAX_M=N   the largest m kerncc's GEMV kernels take, 0 to 32 (default 8; 0: cuBLAS)
+KERNCC_INVARIANT=0   a measurement switch for the benches' A/B, not a mode to serve with: the
+                 GEMMs as before batch-invariance (cuBLAS picks a kernel by m, so a row's bits
+                 depend on the batch); 1, the default: every GEMM row-invariant (docs/runtime.md)
 KERNCC_PIPE_ATTENTION=0   the batched decode's split attention one split a block as before (1,
                  the default: pipelined across each block's splits, faster on an H200)
 KERNCC_API_KEY   the key `kerncc serve` asks clients for (as --api-key; the flag wins)
@@ -53,6 +56,12 @@ def gemv_max_m() -> int:
         raise KernccError.single(f"KERNCC_GEMV_MAX_M={value!r}: expected a whole number from "
                                  "0 to 32")
     return int(value)
+
+
+def invariant() -> bool:
+    """Whether the cuda backend's GEMMs give each row the same bits whatever the batch
+    (KERNCC_INVARIANT; 0 only for the benches' A/B against the batch-shaped path)."""
+    return _choice("KERNCC_INVARIANT", "1", ("0", "1")) == "1"
 
 
 def pipe_attention() -> bool:

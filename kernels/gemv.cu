@@ -40,18 +40,31 @@ __device__ __forceinline__ uint4 load_shared_ro(const bf16* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-template <int MB, int GEMV_WARPS, int GEMV_UNROLL>
+template <int MB, int T, int GEMV_WARPS, int GEMV_UNROLL>
 __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16* __restrict__ w,
                                           void* __restrict__ c, int m, int n, int k, int mode) {
   constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
-  __shared__ float partial[GEMV_WARPS][MB * 4][32];
+  __shared__ float partial[GEMV_WARPS][T * MB * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * 16;
+  // Row groups: m > 8 * MB takes ceil(m / (8 * MB)) blocks per tile, neighbours in launch
+  // order (so they read the tile's W rows while they are in L2); group q takes rows
+  // 8 * MB * q .. of A as a launch of its own would (the same bits: the rows never meet).
+  const int groups = (m + 8 * MB - 1) / (8 * MB);
+  const int q = blockIdx.x % groups;
+  a += (size_t)q * 8 * MB * k;
+  const int col0 = q * 8 * MB;
+  m -= col0;
+  const int row0 = (blockIdx.x / groups) * 16 * T;
   const int chunks = (k + 31) >> 5;
-  const bool lo_ok = row0 + g < n, hi_ok = row0 + g + 8 < n;
-  const bf16* w_lo = w + (size_t)(row0 + g) * k + 8 * t;
-  const bf16* w_hi = w_lo + (size_t)8 * k;
+  const bf16* w_lo[T];
+  bool lo_ok[T], hi_ok[T];
+#pragma unroll
+  for (int i = 0; i < T; ++i) {
+    lo_ok[i] = row0 + 16 * i + g < n;
+    hi_ok[i] = row0 + 16 * i + g + 8 < n;
+    w_lo[i] = w + (size_t)(row0 + 16 * i + g) * k + 8 * t;
+  }
   const uint4 zero = make_uint4(0, 0, 0, 0);
   const bf16* a_row[MB];
   bool a_ok[MB];
@@ -61,28 +74,33 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
     a_row[j] = a + (size_t)(8 * j + g) * k + 8 * t;
   }
 
-  float acc[MB][4];
+  float acc[T][MB][4];
 #pragma unroll
-  for (int j = 0; j < MB; ++j)
+  for (int i = 0; i < T; ++i)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
+    for (int j = 0; j < MB; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
 
-  uint4 lo[GEMV_UNROLL], hi[GEMV_UNROLL];
+  uint4 lo[GEMV_UNROLL][T], hi[GEMV_UNROLL][T];
   // The whole tile in rows and k a whole number of the warps' rounds of chunks (the model's
   // shapes): the same loads and products with no per-chunk bounds, pointers stepped, so the
   // loop issues about a third of the instructions (each warp turns its loads over sooner).
   constexpr int STEP = 32 * GEMV_WARPS;  // elements between one warp's chunks
-  if (row0 + 16 <= n && k % (STEP * GEMV_UNROLL) == 0) {  // block-uniform: mma.sync needs the warp
-    const bf16* pl = w_lo + 32 * warp;
-    const bf16* ph = w_hi + 32 * warp;
+  if (row0 + 16 * T <= n && k % (STEP * GEMV_UNROLL) == 0) {  // block-uniform (mma.sync)
+    const bf16* pl[T];
+#pragma unroll
+    for (int i = 0; i < T; ++i) pl[i] = w_lo[i] + 32 * warp;
     const bf16* pa[MB];
 #pragma unroll
     for (int j = 0; j < MB; ++j) pa[j] = a_row[j] + 32 * warp;
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) {
-      lo[u] = load_stream(pl + STEP * u);
-      hi[u] = load_stream(ph + STEP * u);
-    }
+    for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+      for (int i = 0; i < T; ++i) {
+        lo[u][i] = load_stream(pl[i] + STEP * u);
+        hi[u][i] = load_stream(pl[i] + (size_t)8 * k + STEP * u);
+      }
     for (int left = k / (STEP * GEMV_UNROLL); left > 0; --left) {
       uint4 act[GEMV_UNROLL][MB];
 #pragma unroll
@@ -90,25 +108,31 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
 #pragma unroll
         for (int j = 0; j < MB; ++j)
           act[u][j] = a_ok[j] ? load_shared_ro(pa[j] + STEP * u) : zero;
-      uint4 lo_now[GEMV_UNROLL], hi_now[GEMV_UNROLL];
+      uint4 lo_now[GEMV_UNROLL][T], hi_now[GEMV_UNROLL][T];
 #pragma unroll
-      for (int u = 0; u < GEMV_UNROLL; ++u) {
-        lo_now[u] = lo[u];
-        hi_now[u] = hi[u];
-      }
-      pl += STEP * GEMV_UNROLL;
-      ph += STEP * GEMV_UNROLL;
+      for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+        for (int i = 0; i < T; ++i) {
+          lo_now[u][i] = lo[u][i];
+          hi_now[u][i] = hi[u][i];
+        }
+#pragma unroll
+      for (int i = 0; i < T; ++i) pl[i] += STEP * GEMV_UNROLL;
 #pragma unroll
       for (int j = 0; j < MB; ++j) pa[j] += STEP * GEMV_UNROLL;
       if (left > 1) {  // the next chunks' loads fly during this math
 #pragma unroll
-        for (int u = 0; u < GEMV_UNROLL; ++u) {
-          lo[u] = load_stream(pl + STEP * u);
-          hi[u] = load_stream(ph + STEP * u);
-        }
+        for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+          for (int i = 0; i < T; ++i) {
+            lo[u][i] = load_stream(pl[i] + STEP * u);
+            hi[u][i] = load_stream(pl[i] + (size_t)8 * k + STEP * u);
+          }
       }
 #pragma unroll
-      for (int u = 0; u < GEMV_UNROLL; ++u) chunk_mma<MB>(acc, lo_now[u], hi_now[u], act[u]);
+      for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+        for (int i = 0; i < T; ++i) chunk_mma<MB>(acc[i], lo_now[u][i], hi_now[u][i], act[u]);
     }
   } else {
   auto load_w = [&](int base) {
@@ -116,8 +140,11 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
     for (int u = 0; u < GEMV_UNROLL; ++u) {
       const int ch = base + u * GEMV_WARPS;
       const bool in_k = ch < chunks && 32 * ch + 8 * t < k;
-      lo[u] = in_k && lo_ok ? load_stream(w_lo + 32 * ch) : zero;
-      hi[u] = in_k && hi_ok ? load_stream(w_hi + 32 * ch) : zero;
+#pragma unroll
+      for (int i = 0; i < T; ++i) {
+        lo[u][i] = in_k && lo_ok[i] ? load_stream(w_lo[i] + 32 * ch) : zero;
+        hi[u][i] = in_k && hi_ok[i] ? load_stream(w_lo[i] + (size_t)8 * k + 32 * ch) : zero;
+      }
     }
   };
   load_w(warp);
@@ -131,34 +158,40 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
       for (int j = 0; j < MB; ++j)
         act[u][j] = in_k && a_ok[j] ? load_shared_ro(a_row[j] + 32 * ch) : zero;
     }
-    uint4 lo_now[GEMV_UNROLL], hi_now[GEMV_UNROLL];
+    uint4 lo_now[GEMV_UNROLL][T], hi_now[GEMV_UNROLL][T];
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) {
-      lo_now[u] = lo[u];
-      hi_now[u] = hi[u];
-    }
+    for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+      for (int i = 0; i < T; ++i) {
+        lo_now[u][i] = lo[u][i];
+        hi_now[u][i] = hi[u][i];
+      }
     const int next = base + GEMV_UNROLL * GEMV_WARPS;
     if (next < chunks) load_w(next);  // the next chunks' loads fly during this math
 #pragma unroll
-    for (int u = 0; u < GEMV_UNROLL; ++u) chunk_mma<MB>(acc, lo_now[u], hi_now[u], act[u]);
+    for (int u = 0; u < GEMV_UNROLL; ++u)
+#pragma unroll
+      for (int i = 0; i < T; ++i) chunk_mma<MB>(acc[i], lo_now[u][i], hi_now[u][i], act[u]);
   }
   }
 
 #pragma unroll
-  for (int j = 0; j < MB; ++j)
+  for (int i = 0; i < T; ++i)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) partial[warp][j * 4 + r][lane] = acc[j][r];
+    for (int j = 0; j < MB; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) partial[warp][(i * MB + j) * 4 + r][lane] = acc[i][j][r];
   __syncthreads();
-  for (int i = threadIdx.x; i < MB * 4 * 32; i += GEMV_THREADS) {
-    const int s = i >> 5, l = i & 31;
+  for (int e = threadIdx.x; e < T * MB * 4 * 32; e += GEMV_THREADS) {
+    const int s = e >> 5, l = e & 31;
     float sum = 0.f;
 #pragma unroll
     for (int v = 0; v < GEMV_WARPS; ++v) sum += partial[v][s][l];  // warp order: fixed
-    const int j = s >> 2, r = s & 3;
-    const int row = row0 + (l >> 2) + (r >= 2 ? 8 : 0);
+    const int i = s / (MB * 4), j = (s >> 2) % MB, r = s & 3;
+    const int row = row0 + 16 * i + (l >> 2) + (r >= 2 ? 8 : 0);
     const int col = 8 * j + 2 * (l & 3) + (r & 1);
     if (row >= n || col >= m) continue;
-    const size_t at = (size_t)col * n + row;
+    const size_t at = (size_t)(col0 + col) * n + row;
     if (mode == GEMV_F32) {
       reinterpret_cast<float*>(c)[at] = sum;
     } else {
@@ -170,34 +203,68 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
   }
 }
 
-// gemv_bf16_tn_mb<MB>[_w<WARPS>][_u<UNROLL>]: m <= 8 * MB rows of A; 32 * WARPS threads.
+// gemv_bf16_tn_mb<MB>[_w<WARPS>][_t<T>]: blocks of 8 * MB rows of A (any m: more rows take
+// more blocks), T 16-row tiles of W a block, 32 * WARPS threads. For a given WARPS every entry
+// gives each row of C the same bits (the same chunks a warp, in the same order, summed over
+// the warps in the same order), whatever MB, T, the unroll or m: the batch-invariant decode
+// GEMMs (kerncc.runtime.backends.gemv) rely on it.
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb1(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<1, 8, 4>(a, w, c, m, n, k, mode);
+  gemv_tile<1, 1, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<2, 8, 4>(a, w, c, m, n, k, mode);
+  gemv_tile<2, 1, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb3(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<3, 8, 4>(a, w, c, m, n, k, mode);
+  gemv_tile<3, 1, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<4, 8, 4>(a, w, c, m, n, k, mode);
+  gemv_tile<4, 1, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(512)
     gemv_bf16_tn_mb1_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<1, 16, 4>(a, w, c, m, n, k, mode);
+  gemv_tile<1, 1, 16, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb2_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<2, 2, 8, 2>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb4_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<4, 2, 8, 2>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb4_t3(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<4, 3, 8, 2>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512)
+    gemv_bf16_tn_mb2_w16_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<2, 2, 16, 2>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512)
+    gemv_bf16_tn_mb3_w16_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<3, 2, 16, 2>(a, w, c, m, n, k, mode);
 }

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kerncc import manifest as m
+from kerncc import protocol as proto
 from kerncc.analysis.access import call_access
 from kerncc.diagnostics import Diagnostic, KernccError, Location
 from kerncc.kernels import library
@@ -36,6 +37,7 @@ from kerncc.runtime.footprint import check_fits, stage_footprint
 from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
 from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype
 from kerncc.runtime.weights import CheckpointLike, assemble_buffer, open_checkpoint
+from kerncc.verify import verify
 
 HOST_WRITTEN = ("input", "inout")
 LAUNCH_FAILURES = (BackendError, ValueError, IndexError, TypeError)
@@ -174,7 +176,8 @@ class Session:
         self.sites = self._parse_sites()
         self._by_number = {s.number: s for sites in self.sites.values() for s in sites}
         self.backend.add_modules(dict(self.stage.modules))
-        self._launchers = self.backend.rewrite_launchers(self.sites, self._prepare_sites())
+        self._launchers = self.backend.rewrite_launchers(self.sites, self._prepare_sites(),
+                                                         program_bounds(self.manifest))
         self._graph_vars = {name: sorted(set().union(*(s.vars_read() for s in sites)))
                             for name, sites in self.sites.items()}
         self._fast = {} if interpret else self._load_stage_py()
@@ -649,3 +652,28 @@ class _StageHandle:
             raise KernccError.single(f"stage.py launches site {site}, which plan.json lacks")
         shape = (1, 1, 1) if grid is None else (int(grid[0]), int(grid[1]), int(grid[2]))
         s._issue(found, shape, scalars)
+
+
+def program_bounds(manifest: m.Manifest) -> dict[str, dict[str, int]]:
+    """Each program's vars at their largest in any call of it: the vars' bounds, tightened for
+    a `batch` program of fixed rows a sequence (a decode step calls with at most its groups
+    times its rows), so a GEMM site of the decode step is known to stay small even where the
+    rows var's bound is a prefill chunk's. A stage the serving protocol does not fit keeps the
+    vars' bounds."""
+    widest = manifest.vars_max()
+    try:
+        axes = proto.check_unsampled(verify(manifest))
+    except KernccError:
+        axes = None
+    bounds = {}
+    for name, program in manifest.programs.items():
+        env = dict(widest)
+        batch = program.batch
+        if axes is not None and batch is not None and batch.span is None \
+                and isinstance(batch.rows, int):
+            rows, groups = axes.rows.var, axes.groups.var
+            env[groups] = min(env.get(groups, batch.groups), batch.groups)
+            env[rows] = min(env.get(rows, batch.groups * batch.rows), batch.groups * batch.rows)
+        bounds[name] = env
+    return bounds
+

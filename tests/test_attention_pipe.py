@@ -320,7 +320,7 @@ def test_the_cuda_backend_pipes_its_launches_when_the_switch_is_on(wide):
     sites, calls = wide["decode_batch"], []
     stand_in = Backend()
     fake = SimpleNamespace(
-        pipe_attention=True, pipe_columns=None,
+        pipe_attention=True, pipe_columns=None, invariant=False,
         device=SimpleNamespace(properties=SimpleNamespace(multiprocessor_count=FEW)),
         _pipe_launch=stand_in.prepare(calls), piped=0)
     launchers = CudaBackend.rewrite_launchers(fake, {"p": sites}, originals(sites, calls))

@@ -13,6 +13,7 @@ from kerncc.diagnostics import KernccError
     ("KERNCC_PDL", config.pdl, {"0": False, "1": True}),
     ("KERNCC_GEMV_MAX_M", config.gemv_max_m, {"0": 0, "8": 8, "32": 32}),
     ("KERNCC_PIPE_ATTENTION", config.pipe_attention, {"0": False, "1": True}),
+    ("KERNCC_INVARIANT", config.invariant, {"0": False, "1": True}),
 ])
 def test_the_cuda_backends_variables_read_what_they_say(monkeypatch, name, read, values):
     for text, value in values.items():
@@ -20,7 +21,7 @@ def test_the_cuda_backends_variables_read_what_they_say(monkeypatch, name, read,
         assert read() == value
     monkeypatch.delenv(name)
     assert read() == {"KERNCC_PDL": True, "KERNCC_GEMV_MAX_M": 8,
-                      "KERNCC_PIPE_ATTENTION": True}[name]
+                      "KERNCC_PIPE_ATTENTION": True, "KERNCC_INVARIANT": True}[name]
 
 
 @pytest.mark.parametrize("name, read, bad", [
@@ -29,6 +30,7 @@ def test_the_cuda_backends_variables_read_what_they_say(monkeypatch, name, read,
     ("KERNCC_GEMV_MAX_M", config.gemv_max_m, "33"),
     ("KERNCC_GEMV_MAX_M", config.gemv_max_m, "-1"),
     ("KERNCC_PIPE_ATTENTION", config.pipe_attention, "on"),
+    ("KERNCC_INVARIANT", config.invariant, "yes"),
 ])
 def test_a_value_outside_them_is_an_error_naming_the_variable(monkeypatch, name, read, bad):
     monkeypatch.setenv(name, bad)

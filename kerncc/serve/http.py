@@ -45,6 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kerncc.diagnostics import KernccError
+from kerncc.runtime.backends.fingerprint import of_runner
 from kerncc.serve import fields, grammar, sampling_hook, tools
 from kerncc.serve.access import Access
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
@@ -119,6 +120,7 @@ class Server:
         self.api_key = api_key  # None: every client is served (kerncc.serve.access)
         self._grammars: grammar.Grammars | None = None  # made at the first grammar asked
         self.metrics = Metrics(engine)
+        self.fingerprint = of_runner(engine.model.runner)  # system_fingerprint
         self.draining = False
         self.active = 0  # generation requests being answered (a stream until its last event)
         self.renders = threading.Event()  # set: every chat template render stops (shutdown)
@@ -976,7 +978,7 @@ def _head(server: Server, chat: bool, stream: bool) -> dict[str, Any]:
         else "text_completion"
     prefix = "chatcmpl" if chat else "cmpl"
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-            "model": server.model}
+            "model": server.model, "system_fingerprint": server.fingerprint}
 
 
 async def _sse(server: Server, ask: Ask, chat: bool, first: tuple[int, _Piece] | None,

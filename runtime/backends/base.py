@@ -139,12 +139,21 @@ class Backend(abc.ABC):
 
         return kernel
 
+    def kind(self) -> str:
+        """What kind of device computes (system_fingerprint): the same kind gives the same bits
+        (a GPU: its name and architecture, not its index)."""
+        return self.name
+
     def rewrite_launchers(self, programs: Mapping[str, Sequence[Site]],
-                          launchers: dict[int, Launcher]) -> dict[int, Launcher]:
-        """The launchers a Session issues with, given each program's sites in order: a backend
-        may put another launch that computes the same bits in a site's place (cuda: the
-        pipelined decode attention, runtime/backends/attention_pipe.py). The default issues
-        each site as prepared."""
+                          launchers: dict[int, Launcher],
+                          bounds: Mapping[str, Mapping[str, int]] | None = None
+                          ) -> dict[int, Launcher]:
+        """The launchers a Session issues with, given each program's sites in order and, per
+        program, each var's largest value in a call of it (`bounds`): a backend may put another launch that computes the
+        same bits in a site's place (cuda: the pipelined decode attention, runtime/backends/
+        attention_pipe.py), or fix per site what it would pick per launch (cuda: the GEMMs'
+        path, so that a row's bits do not depend on the batch). The default issues each site
+        as prepared."""
         return launchers
 
     def stream_joined(self) -> None:

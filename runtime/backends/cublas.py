@@ -118,3 +118,188 @@ class Blas:
             w, CUDA_R_16BF, k, a, CUDA_R_16BF, k, ctypes.byref(self._betas[beta]),
             c, ctype, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
         _check(status, f"cublasGemmEx (m={m}, n={n}, k={k})")
+
+
+# ---------------------------------------------------------------------------- cuBLASLt, pinned
+# The batch-invariant prefill GEMMs (runtime/backends/cuda.py): one cuBLASLt algorithm per
+# launch site, chosen once at load for the site's largest m and then used at every m, with its
+# K walk pinned whole (no split-K: one block owns each output and sums K in the order its tile
+# fixes). cuBLAS's own choice is by m, so a row's bits would depend on how many rows share the
+# call; with one algorithm they depend on the row alone (tests/test_determinism_cuda.py).
+LT_DESC_TRANSA, LT_DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+LT_PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
+LT_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # ..._MIN_ALIGNMENT_{A,B,C,D}_BYTES
+LT_CONFIG_SPLITK_NUM, LT_CONFIG_REDUCTION_SCHEME = 2, 3  # cublasLtMatmulAlgoConfigAttributes_t
+LT_ALGO_BYTES = 64  # cublasLtMatmulAlgo_t: uint64_t data[8]
+LT_RESULT_BYTES = 96  # cublasLtMatmulHeuristicResult_t: algo, size_t, status, float, int[4]
+LT_CANDIDATES = 16
+
+
+@functools.cache
+def lt_library() -> ctypes.CDLL:
+    """libcublasLt, loaded once per process (found as libcublas is)."""
+    tried: list[str] = []
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+        path = load_nvidia_dynamic_lib("cublasLt").abs_path
+        if path:
+            return _bind_lt(ctypes.CDLL(path))
+    except Exception as err:  # noqa: BLE001 - any failure here means: try the next place
+        tried.append(f"cuda-pathfinder: {err}")
+    candidates = [ctypes.util.find_library("cublasLt")]
+    candidates += sorted(glob.glob("/usr/local/cuda*/lib64/libcublasLt.so*"), reverse=True)
+    for path in filter(None, candidates):
+        try:
+            return _bind_lt(ctypes.CDLL(path))
+        except OSError as err:
+            tried.append(f"{path}: {err}")
+    raise CublasError("cannot load libcublasLt (" + "; ".join(tried or ["not found"]) + ")")
+
+
+def lt_version() -> int:
+    """cuBLASLt's version number (its algorithms, hence the pinned GEMMs' bits, may change)."""
+    return int(lt_library().cublasLtGetVersion())
+
+
+def _bind_lt(lib: ctypes.CDLL) -> ctypes.CDLL:
+    vp, i, sz, u64, i64 = (ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint64,
+                           ctypes.c_int64)
+    signatures = {
+        "cublasLtCreate": [ctypes.POINTER(vp)],
+        "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), i, i],
+        "cublasLtMatmulDescSetAttribute": [vp, i, vp, sz],
+        "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), i, u64, u64, i64],
+        "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
+        "cublasLtMatmulPreferenceSetAttribute": [vp, i, vp, sz],
+        "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i, vp,
+                                           ctypes.POINTER(i)],
+        "cublasLtMatmulAlgoConfigSetAttribute": [vp, i, vp, sz],
+        "cublasLtMatmulAlgoCheck": [vp, vp, vp, vp, vp, vp, vp, vp],
+        "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, sz, vp],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, i
+    lib.cublasLtGetVersion.argtypes, lib.cublasLtGetVersion.restype = [], sz
+    return lib
+
+
+class Lt:
+    """One cuBLASLt handle and the pinned algorithms of its device's prefill GEMM sites."""
+
+    def __init__(self, workspace: int, workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        self.lib = lt_library()
+        self.handle = ctypes.c_void_p()
+        _check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.workspace, self.workspace_bytes = workspace, workspace_bytes
+        self._plans: dict[tuple[str, int, int, int, int], PinnedGemm] = {}
+
+    def pinned(self, name: str, n: int, k: int, max_m: int, align: int = 256) -> PinnedGemm:
+        """extern `name` at (n, k) with one algorithm for every m up to max_m, for pointers
+        aligned to `align` bytes (one per key)."""
+        key = (name, n, k, max_m, align)
+        if key not in self._plans:
+            self._plans[key] = PinnedGemm(self, name, n, k, max_m, align)
+        return self._plans[key]
+
+
+class PinnedGemm:
+    """C[m, n] (= or +=) A[m, k] · W[n, k]ᵀ by one cuBLASLt algorithm for every m <= max_m.
+
+    The algorithm is cuBLASLt's first candidate for m = max_m whose split-K is set to 1 (no
+    reduction) and that cublasLtMatmulAlgoCheck accepts at m = 1 and at max_m within the
+    workspace; none such is a CublasError (the backend then keeps the site on kerncc's own
+    row-invariant GEMV kernels)."""
+
+    def __init__(self, lt: Lt, name: str, n: int, k: int, max_m: int, align: int = 256) -> None:
+        self.lt, self.name, self.n, self.k, self.max_m = lt, name, n, k, max_m
+        self.align = align
+        lib = lt.lib
+        self.ctype, beta = GEMMS[name]
+        self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(beta)
+        self.desc = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), CUBLAS_COMPUTE_32F,
+                                            CUDA_R_32F), "cublasLtMatmulDescCreate")
+        for attr, op in ((LT_DESC_TRANSA, CUBLAS_OP_T), (LT_DESC_TRANSB, CUBLAS_OP_N)):
+            value = ctypes.c_int32(op)
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(value), 4),
+                   "cublasLtMatmulDescSetAttribute")
+        self.w_layout = self._layout(CUDA_R_16BF, k, n, k)  # W[n, k] row-major = (k, n) col
+        self._layouts: dict[int, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
+        self.algo = self._choose()
+
+    def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
+        layout = ctypes.c_void_p()
+        _check(self.lt.lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols,
+                                                      ld), "cublasLtMatrixLayoutCreate")
+        return layout
+
+    def layouts(self, m: int) -> tuple[ctypes.c_void_p, ctypes.c_void_p]:
+        """(A's, C's) layouts at m rows, made once per m."""
+        found = self._layouts.get(m)
+        if found is None:
+            found = (self._layout(CUDA_R_16BF, self.k, m, self.k),
+                     self._layout(self.ctype, self.n, m, self.n))
+            self._layouts[m] = found
+        return found
+
+    def _candidates(self) -> list[ctypes.Array]:
+        lib, lt = self.lt.lib, self.lt
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
+               "cublasLtMatmulPreferenceCreate")
+        limit = ctypes.c_uint64(lt.workspace_bytes)
+        _check(lib.cublasLtMatmulPreferenceSetAttribute(
+            pref, LT_PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit), 8),
+            "cublasLtMatmulPreferenceSetAttribute")
+        align = ctypes.c_uint32(self.align)
+        for attr in LT_PREF_MIN_ALIGNMENT:
+            _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(align), 4),
+                   "cublasLtMatmulPreferenceSetAttribute")
+        results = (ctypes.c_uint8 * (LT_RESULT_BYTES * LT_CANDIDATES))()
+        found = ctypes.c_int(0)
+        a_layout, c_layout = self.layouts(self.max_m)
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(
+            lt.handle, self.desc, self.w_layout, a_layout, c_layout, c_layout, pref,
+            LT_CANDIDATES, results, ctypes.byref(found)),
+            f"cublasLtMatmulAlgoGetHeuristic (m={self.max_m}, n={self.n}, k={self.k})")
+        raw = bytes(results)
+        return [(ctypes.c_uint8 * LT_ALGO_BYTES).from_buffer_copy(
+            raw[i * LT_RESULT_BYTES:i * LT_RESULT_BYTES + LT_ALGO_BYTES])
+            for i in range(found.value)]
+
+    def _split_free(self, algo: ctypes.Array) -> None:
+        """K walked whole by one block: split-K 1, no reduction (a setter an algorithm refuses
+        is a knob it does not have, and it then has no split either)."""
+        for attr in (LT_CONFIG_SPLITK_NUM, LT_CONFIG_REDUCTION_SCHEME):
+            value = ctypes.c_uint32(1 if attr == LT_CONFIG_SPLITK_NUM else 0)
+            self.lt.lib.cublasLtMatmulAlgoConfigSetAttribute(algo, attr, ctypes.byref(value), 4)
+
+    def _accepts(self, algo: ctypes.Array, m: int) -> bool:
+        lib, lt = self.lt.lib, self.lt
+        a_layout, c_layout = self.layouts(m)
+        result = (ctypes.c_uint8 * LT_RESULT_BYTES)()
+        status = lib.cublasLtMatmulAlgoCheck(lt.handle, self.desc, self.w_layout, a_layout,
+                                             c_layout, c_layout, algo, result)
+        workspace = int.from_bytes(bytes(result)[LT_ALGO_BYTES:LT_ALGO_BYTES + 8], "little")
+        return status == 0 and workspace <= lt.workspace_bytes
+
+    def _choose(self) -> ctypes.Array:
+        for algo in self._candidates():
+            self._split_free(algo)
+            if all(self._accepts(algo, m) for m in sorted({1, self.max_m})):
+                return algo
+        raise CublasError(f"cuBLASLt offers no split-free algorithm for m <= {self.max_m}, "
+                          f"n={self.n}, k={self.k}")
+
+    def __call__(self, a: int, w: int, c: int, m: int, stream: int) -> None:
+        """C (= or +=) A · Wᵀ over m rows, on `stream`."""
+        if m <= 0:
+            return
+        lt = self.lt
+        a_layout, c_layout = self.layouts(m)
+        status = lt.lib.cublasLtMatmul(
+            lt.handle, self.desc, ctypes.byref(self._alpha), w, self.w_layout, a, a_layout,
+            ctypes.byref(self._beta), c, c_layout, c, c_layout, self.algo, lt.workspace,
+            lt.workspace_bytes, stream)
+        _check(status, f"cublasLtMatmul (m={m}, n={self.n}, k={self.k})")

@@ -53,11 +53,12 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
     raise ImportError(f"{_err} (install kerncc[cuda])") from None
 
 from kerncc import config
+from kerncc.diagnostics import KernccError
 from kerncc.kernels import library
 from kerncc.runtime.backends import attention_pipe, gemv
-from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError
+from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError, Lt, lt_version
 from kerncc.runtime.backends.probe import cuda_devices
-from kerncc.runtime.launch import Pack, Site, VarScalar
+from kerncc.runtime.launch import Pack, Site, VarScalar, evaluate
 
 SLOT_BYTES = 1 << 20  # pinned upload slot
 LARGE_PAGE = 2 << 20  # the device pages cuMemAlloc takes for all but small allocations
@@ -210,6 +211,11 @@ class CudaBackend(Backend):
         self.pipe_attention = attention_pipe.ENABLED
         self.pipe_columns: int | None = None
         self.piped = 0  # pipelined launches made
+        # every GEMM row-invariant (the default; False only for the benches' A/B, set before a
+        # Session loads): rewrite_launchers puts `_invariant_extern` in each extern site's place
+        self.invariant = gemv.INVARIANT
+        self._lt: Lt | None = None
+        self.gemm_paths: dict[int, str] = {}  # site number -> "gemv" | "pinned" | "cublas"
 
     def _open_device(self, device: int) -> None:
         """The device, its primary context (current on this thread) and the backend's stream."""
@@ -546,14 +552,84 @@ class CudaBackend(Backend):
         return launch
 
     def rewrite_launchers(self, programs: Mapping[str, Sequence[Site]],
-                          launchers: dict[int, Callable]) -> dict[int, Callable]:
-        """The batched decode's split attention pipelined (runtime/backends/attention_pipe.py)
-        when `pipe_attention` is on; every other site as prepared."""
+                          launchers: dict[int, Callable],
+                          bounds: Mapping[str, Mapping[str, int]] | None = None
+                          ) -> dict[int, Callable]:
+        """Each GEMM site batch-invariant (`invariant`: `_invariant_extern`, given each
+        program's vars at their largest, `bounds`), and the batched decode's split attention pipelined
+        (runtime/backends/attention_pipe.py) when `pipe_attention` is on; every other site as
+        prepared."""
+        if self.invariant:
+            launchers = dict(launchers)
+            for program, sites in programs.items():
+                for site in sites:
+                    if site.kind == "extern" and site.number in launchers:
+                        launchers[site.number] = self._invariant_extern(
+                            site, (bounds or {}).get(program, {}))
         if not self.pipe_attention:
             return launchers
         return attention_pipe.pipe(self, self._pipe_launch,
                                    self.device.properties.multiprocessor_count, programs,
                                    launchers, self.pipe_columns)
+
+    def _invariant_extern(self, site: Site, bounds: Mapping[str, int]) -> Callable:
+        """A GEMM site whose rows each get the same bits at every m: the path is fixed here,
+        once, from the site (its shape, pointers and the most rows it can launch with), never
+        from a launch's m. Sites of at most gemv.DECODE_MAX_M rows (the decode steps, the
+        prefill's lm_head) take kerncc's GEMV kernels; others one pinned cuBLASLt algorithm
+        (runtime/backends/cublas.py PinnedGemm), or the GEMV kernels where cuBLASLt offers
+        none. A shape neither takes (k % 8, misaligned) stays on cuBLAS, batch-shaped."""
+        name = site.extern_name
+        self.check_extern(name)
+        fixed = [a if isinstance(a, VarScalar) else int(a) for a in site.args]
+        a, w, c, _, n, k = fixed
+        max_m = _max_value(fixed[3], bounds)
+        shaped = not any(isinstance(v, VarScalar) for v in (a, w, c, n, k))
+        small = self._gemv_invariant_site(name)
+        if not shaped or small is None or not gemv.invariant_usable(n, k, a, w, c):
+            self.gemm_paths[site.number] = "cublas"
+            return self._prepare_extern(site)
+        pinned = None
+        if max_m is None or max_m > gemv.DECODE_MAX_M:
+            pinned = self._pinned_gemm(name, n, k, max_m or PREFILL_ROWS, _alignment(a, w, c))
+        self.gemm_paths[site.number] = "gemv" if pinned is None else "pinned"
+        m_at = fixed[3]
+
+        def launch(grid: tuple[int, int, int], shared: int, scalars: Sequence[int]) -> None:
+            m = int(scalars[0] if isinstance(m_at, VarScalar) else m_at)
+            if m > 0 and pinned is not None:
+                pinned(a, w, c, m, int(self._launch_stream))
+                self.after_kernel = False  # cuBLASLt may issue more than one operation
+            elif m > 0:
+                overlap = self.pdl and self.capturing and self.after_kernel
+                small(a, w, c, m, n, k, self._launch_stream, overlap)
+                self.overlapped += overlap
+                self.after_kernel = True
+            self.launches += 1
+
+        return launch
+
+    def _gemv_invariant_site(self, name: str) -> gemv.GemvSite | None:
+        """The GEMV kernels' batch-invariant launcher for extern `name` (whatever
+        KERNCC_GEMV_MAX_M says), or None when their cubin is missing."""
+        if name not in gemv.MODES:
+            return None
+        if self._gemv is None:
+            try:
+                self._gemv = gemv.Gemv(check)
+            except (BackendError, OSError, KeyError):
+                self._gemv = False
+        return self._gemv.site(name, invariant=True) if self._gemv else None
+
+    def _pinned_gemm(self, name: str, n: int, k: int, max_m: int, align: int) -> Any:
+        """The pinned cuBLASLt GEMM of (name, n, k, max_m), or None where cuBLASLt has none."""
+        try:
+            if self._lt is None:
+                self.activate()
+                self._lt = Lt(self._workspace.ptr)
+            return self._lt.pinned(name, n, k, max_m, align)
+        except (CublasError, OSError):
+            return None
 
     def _pipe_launch(self, site: Site, shared: int) -> _KernelLaunch:
         """The pipelined split kernel over `site`'s arguments (the same ABI), allowed `shared`
@@ -632,6 +708,15 @@ class CudaBackend(Backend):
     def elapsed_ms(start: Any, end: Any) -> float:
         end.sync()
         return float(end - start)
+
+    def kind(self) -> str:
+        """The GPU's name and architecture and the cuBLASLt the pinned GEMMs come from."""
+        cc = self.device.compute_capability
+        try:
+            lt = f", cuBLASLt {lt_version()}"
+        except (CublasError, OSError):
+            lt = ""
+        return f"{self.device.name} (sm_{cc.major}{cc.minor}{lt})"
 
     def describe(self) -> str:
         cc = self.device.compute_capability
@@ -755,6 +840,30 @@ def _param_bytes(arg: Any) -> tuple[bytes, list[tuple[int, str, Any, Any]]]:
                 data[f.at:f.at + f.width] = f.value[:f.width].ljust(f.width, b"\0")
         return bytes(data), variable
     raise BackendError(f"cannot pass {type(arg).__name__} to a kernel")
+
+
+def _max_value(value: Any, bounds: Mapping[str, int]) -> int | None:
+    """The most a site's scalar can be: itself, or its expression at every var's largest value
+    (the expressions a plan writes grow with their vars); None where a var has no bound."""
+    if not isinstance(value, VarScalar):
+        return int(value)
+    try:
+        return evaluate(value.expr, dict(bounds))
+    except KernccError:  # a var without a bound: the caller treats it as unknown
+        return None
+
+
+def _alignment(*pointers: int) -> int:
+    """The largest power of two up to 256 that divides every pointer (cuBLASLt's candidates
+    may assume 256-byte alignment unless told less)."""
+    low = 256
+    for p in pointers:
+        low = min(low, p & -p if p else 256)
+    return low
+
+
+# the rows a pinned prefill algorithm is chosen for when a site's m has no bound
+PREFILL_ROWS = 2048
 
 
 def now() -> float:

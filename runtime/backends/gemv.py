@@ -15,6 +15,15 @@ as fast.
 The backend says per launch whether it may overlap the kernel before (programmatic dependent
 launch, runtime/backends/cuda.py); the GEMV waits (`griddepcontrol.wait`) before it loads W, A
 or C either way.
+
+Batch invariance (the default; `KERNCC_INVARIANT=0` restores the shape-picked path for the
+benches' A/B): a GEMM site whose m can never exceed `DECODE_MAX_M` (the decode programs', and
+the prefill's lm_head over one row a sequence) takes these kernels at every m and n, cuBLAS
+never: `invariant_entry` picks the warps from n alone (16 where W has at most WIDE_MAX_TILES
+tiles, else 8), and for a given warp count every entry gives a row of C the same bits whatever
+m, MB, T or the unroll (kernels/gemv.cu), so a sequence's logits do not depend on how many
+others share its decode step. m above 32 takes more blocks a tile (row groups), each computing
+its rows as a launch of its own would.
 """
 
 from __future__ import annotations
@@ -41,10 +50,19 @@ MAX_M = config.gemv_max_m()
 # than the multiprocessors), else NARROW_ENTRY (8 warps).
 CUBLAS_MIN_N = 16384
 WIDE_MAX_TILES = 128
+WIDE_N = 6144  # from here three W tiles a block of 32 A rows fill the SMs well enough
 WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
 NARROW_ENTRY = "gemv_bf16_tn_mb1"
-ENTRIES = {"gemv_bf16_tn_mb1": 256, "gemv_bf16_tn_mb2": 256, "gemv_bf16_tn_mb3": 256,
-           "gemv_bf16_tn_mb4": 256, "gemv_bf16_tn_mb1_w16": 512}  # entry: threads
+# entry: (threads, MB: 8-row blocks of A a block, T: 16-row tiles of W a block)
+ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2": (256, 2, 1),
+           "gemv_bf16_tn_mb3": (256, 3, 1), "gemv_bf16_tn_mb4": (256, 4, 1),
+           "gemv_bf16_tn_mb2_t2": (256, 2, 2), "gemv_bf16_tn_mb4_t2": (256, 4, 2),
+           "gemv_bf16_tn_mb4_t3": (256, 4, 3), "gemv_bf16_tn_mb1_w16": (512, 1, 1),
+           "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2), "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2)}
+INVARIANT = config.invariant()
+# The most rows a site may launch with and still be served by these kernels when invariant:
+# above it (prefill chunks) the pinned cuBLASLt algorithm of runtime/backends/cublas.py.
+DECODE_MAX_M = 64
 MODULE = "gemv"
 ROWS_PER_BLOCK = 16
 MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
@@ -55,6 +73,33 @@ def usable(m: int, n: int, k: int, a: int, w: int, c: int) -> bool:
     """Whether the GEMV kernels take this launch (else cuBLAS does)."""
     return (0 < m <= min(MAX_M, 32) and 0 < n < CUBLAS_MIN_N and k > 0 and k % 8 == 0
             and not (a | w | c) & 15)
+
+
+def invariant_usable(n: int, k: int, a: int, w: int, c: int) -> bool:
+    """Whether the kernels take a batch-invariant site's launches (a property of the site:
+    its shape and pointers, never of m)."""
+    return n > 0 and k > 0 and k % 8 == 0 and not (a | w | c) & 15
+
+
+def invariant_entry(m: int, n: int) -> str:
+    """The kernel of a batch-invariant launch: the warp count from n alone (what fixes a row's
+    bits), the blocks' shape from m and n (which does not): the fastest of each warp count's
+    entries at the models' shapes, measured at m = 1 to 64 on an H100 (docs/design-notes.md)."""
+    if -(-n // ROWS_PER_BLOCK) <= WIDE_MAX_TILES:  # 16 warps
+        if m <= 8:
+            return WIDE_ENTRY
+        return "gemv_bf16_tn_mb3_w16_t2" if 16 < m <= 24 or m > 32 else "gemv_bf16_tn_mb2_w16_t2"
+    if m <= 8:
+        return NARROW_ENTRY
+    if m <= 16:
+        return "gemv_bf16_tn_mb2_t2"
+    return "gemv_bf16_tn_mb4_t3" if n >= WIDE_N else "gemv_bf16_tn_mb4_t2"
+
+
+def grid_for(entry: str, m: int, n: int) -> int:
+    """Blocks of a launch: W's tiles of T rows times A's groups of 8 * MB rows."""
+    _, mb, t = ENTRIES[entry]
+    return -(-n // (ROWS_PER_BLOCK * t)) * -(-m // (8 * mb))
 
 
 def entry_for(m: int, n: int) -> str:
@@ -76,15 +121,15 @@ class Gemv:
                                       f"cuModuleGetFunction({name})")
                           for name in ENTRIES}
 
-    def site(self, extern: str) -> GemvSite:
-        return GemvSite(self, MODES[extern])
+    def site(self, extern: str, invariant: bool = False) -> GemvSite:
+        return GemvSite(self, MODES[extern], invariant)
 
 
 class GemvSite:
     """One extern launch site's parameter block, rewritten per launch (m may change)."""
 
-    def __init__(self, gemv: Gemv, mode: int) -> None:
-        self.gemv, self.mode = gemv, mode
+    def __init__(self, gemv: Gemv, mode: int, invariant: bool = False) -> None:
+        self.gemv, self.mode, self.invariant = gemv, mode, invariant
         self.storage = ctypes.create_string_buffer(56)
         base = ctypes.addressof(self.storage)
         self.table = (ctypes.c_void_p * 7)(*[base + at for at in _SLOTS])
@@ -96,10 +141,10 @@ class GemvSite:
         base = self.storage
         for at, fmt, value in zip(_SLOTS, "QQQiiii", (a, w, c, m, n, k, self.mode)):
             struct.pack_into("<" + fmt, base, at, value)
-        entry = entry_for(m, n)
+        entry = invariant_entry(m, n) if self.invariant else entry_for(m, n)
         config = self.configs[overlap]
-        config.gridDimX = -(-n // ROWS_PER_BLOCK)
-        config.blockDimX = ENTRIES[entry]
+        config.gridDimX = grid_for(entry, m, n)
+        config.blockDimX = ENTRIES[entry][0]
         config.hStream = stream
         fn = self.gemv.functions[entry]
         self.gemv._check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(self.table), 0),

@@ -1,0 +1,107 @@
+"""The batch-invariant decode GEMMs against cuBLAS, per weight shape and rows, on a GPU.
+
+    python -m bench.gemv [--out DIR] [--doc docs/benchmarks.md]
+
+For the `small` example's and an 8B model's (Qwen3-8B) weight shapes, at m = 1, 8, 16, 32 and
+64 rows: the GEMV entry the invariant policy picks (runtime/backends/gemv.py `invariant_entry`)
+against torch.matmul (cuBLAS, free to pick its kernel by m), each timed as 24 launches over four
+copies of W (more than L2 holds) in one CUDA graph, best of five replays; and whether the
+entry's rows equal the same rows launched one at a time, bit for bit (what makes a sequence's
+logits independent of its batch). Needs torch with CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.report import Report
+
+REPORT = Report("gemv")
+SHAPES = {"small qkv": (4096, 2048), "small o": (2048, 2048), "small gate_up": (12288, 2048),
+          "small down": (2048, 6144), "small lm_head": (32000, 2048),
+          "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (24576, 4096),
+          "8b down": (4096, 12288), "8b lm_head": (151936, 4096)}
+ROWS = (1, 8, 16, 32, 64)
+COPIES, REPEATS = 4, 24
+
+
+def graph_us(torch, stream, launch) -> float:
+    """Microseconds a launch, from REPEATS launches in one graph (launch(i) uses W copy i)."""
+    with torch.cuda.stream(stream):
+        launch(0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(REPEATS):
+                launch(i)
+        graph.replay()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) * 1e3 / REPEATS)
+    return best
+
+
+def measure(torch, site, gemv, label: str, n: int, k: int) -> None:
+    from cuda.bindings import driver as cu
+
+    stream = torch.cuda.Stream()
+    handle = cu.CUstream(stream.cuda_stream)
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+          for _ in range(COPIES)]
+    a = torch.randn(max(ROWS), k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    c = torch.empty(max(ROWS), n, device="cuda", dtype=torch.bfloat16)
+    alone = torch.empty_like(c)
+    torch.cuda.synchronize()  # the operands were made on the default stream
+    with torch.cuda.stream(stream):
+        for r in range(max(ROWS)):
+            site(a[r].data_ptr(), ws[0].data_ptr(), alone[r].data_ptr(), 1, n, k, handle)
+    for m in ROWS:
+        with torch.cuda.stream(stream):
+            site(a.data_ptr(), ws[0].data_ptr(), c.data_ptr(), m, n, k, handle)
+        torch.cuda.synchronize()
+        same = torch.equal(c[:m], alone[:m])
+        ours = graph_us(torch, stream, lambda i: site(
+            a.data_ptr(), ws[i % COPIES].data_ptr(), c.data_ptr(), m, n, k, handle))
+        theirs = graph_us(torch, stream, lambda i: torch.matmul(a[:m], ws[i % COPIES].T,
+                                                                out=c[:m]))
+        entry = gemv.invariant_entry(m, n).removeprefix("gemv_bf16_tn_")
+        REPORT.row(label, f"m={m}: invariant ({entry}) / cuBLAS us, ratio; rows equal alone",
+                   f"{ours:.1f} / {theirs:.1f}, {ours / theirs:.2f}x; "
+                   f"{'bitwise' if same else 'DIFFER'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gemv",
+                                     description=__doc__.splitlines()[0])
+    REPORT.add_options(parser)
+    args = parser.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("bench.gemv: needs torch with CUDA", file=sys.stderr)
+        return 1
+    if not torch.cuda.is_available():
+        print("bench.gemv: no CUDA device", file=sys.stderr)
+        return 1
+    from kerncc.runtime.backends import gemv
+    from kerncc.runtime.backends.cuda import check
+
+    torch.zeros(1, device="cuda")  # the primary context the GEMV module loads into
+    site = gemv.Gemv(check).site("cublaslt_bf16_tn", invariant=True)
+    for label, (n, k) in SHAPES.items():
+        with REPORT.section(label):
+            measure(torch, site, gemv, label, n, k)
+        torch.cuda.empty_cache()
+    return REPORT.finish(args, torch.cuda.get_device_name(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

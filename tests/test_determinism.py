@@ -1,0 +1,101 @@
+"""Batch invariance, what can be checked without a GPU: the cuda backend's GEMM policy fixes what
+decides a row's bits from the site alone, and every response names the system that computed it.
+
+(The cpu backend's served-together == alone, under random arrivals, chunk sizes and packing, is
+tests/test_serve_engine_properties.py; the GPU's is tests/test_determinism_cuda.py.)
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serving import serving
+
+from kerncc.example import generate
+from kerncc.lower import lower_to_bundle
+from kerncc.runtime import Chain
+from kerncc.runtime.backends import gemv
+from kerncc.runtime.backends.fingerprint import of_runner, system_fingerprint
+
+
+@pytest.mark.parametrize("n", [16, 2000, 2048, 2049, 4096, 16384, 16896, 151936])
+def test_the_warps_of_a_decode_gemm_come_from_n_alone(n):
+    """The warp count (which fixes the chunks a warp sums and the order of the warps' sum) is
+    the same at every m; m picks only the blocks' shape, which does not change a row's bits."""
+    entries = {gemv.invariant_entry(m, n) for m in range(1, 129)}
+    assert len({gemv.ENTRIES[e][0] for e in entries}) == 1
+    assert all(e in gemv.ENTRIES for e in entries)
+
+
+@pytest.mark.parametrize("m, n", [(1, 16), (8, 4096), (9, 4096), (32, 2048), (33, 2048),
+                                  (64, 16896), (65, 151936), (200, 100)])
+def test_every_row_and_every_w_row_is_covered_once(m, n):
+    entry = gemv.invariant_entry(m, n)
+    _, mb, t = gemv.ENTRIES[entry]
+    groups = -(-m // (8 * mb))
+    blocks = gemv.grid_for(entry, m, n)
+    assert blocks == groups * -(-n // (16 * t))
+    assert groups * 8 * mb >= m > (groups - 1) * 8 * mb  # the last group is not empty
+    assert blocks * 16 * t // groups >= n
+
+
+def test_a_sites_path_is_a_property_of_the_site():
+    """The shape test behind the GEMV path reads no m."""
+    assert gemv.invariant_usable(16896, 512, 0, 256, 512)
+    assert not gemv.invariant_usable(64, 60, 0, 0, 0)  # k % 8
+    assert not gemv.invariant_usable(64, 64, 8, 0, 0)  # A not 16-byte aligned
+
+
+def test_the_largest_m_of_a_site_comes_from_the_vars_bounds():
+    pytest.importorskip("cuda.bindings")
+    from kerncc.runtime.backends.cuda import _alignment, _max_value
+    from kerncc.runtime.launch import VarScalar
+
+    assert _max_value(7, {}) == 7
+    assert _max_value(VarScalar("i32", "seqs"), {"seqs": 32, "tokens": 2048}) == 32
+    assert _max_value(VarScalar("i32", "tokens"), {"seqs": 32}) is None  # unbound: unknown
+    assert _alignment(0x1000, 0x2000) == 256 and _alignment(0x1010, 0x2000) == 16
+
+
+def test_the_fingerprint_names_bundle_library_and_device():
+    index = {"stages": [{"sha256": "a" * 64}]}
+    base = system_fingerprint(index, ["NVIDIA H100 (sm_90)"])
+    assert base.startswith("fp_") and len(base) == 19
+    assert base == system_fingerprint(dict(index), ["NVIDIA H100 (sm_90)"])
+    assert base != system_fingerprint({"stages": [{"sha256": "b" * 64}]}, ["NVIDIA H100 (sm_90)"])
+    assert base != system_fingerprint(index, ["NVIDIA H200 (sm_90)"])
+
+
+def test_every_response_carries_the_system_fingerprint(tmp_path):
+    model, _ = generate(tmp_path / "model", "tiny")
+    chain = Chain(lower_to_bundle(model), backend="cpu")
+    want = of_runner(chain)
+    with serving(chain, "tiny") as (url, _):
+        seen = set()
+        for stream in (False, True):
+            answer = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3, "stream": stream})
+            assert answer.status_code == 200
+            if stream:
+                chunks = [line.removeprefix("data: ") for line in answer.text.splitlines()
+                          if line.startswith("data: {")]
+                seen |= {httpx.Response(200, content=c).json()["system_fingerprint"]
+                         for c in chunks}
+            else:
+                seen.add(answer.json()["system_fingerprint"])
+    assert seen == {want}
+
+
+def test_a_decode_steps_gemm_sites_are_bounded_by_its_batch_not_by_the_chunk(tmp_path):
+    """The GEMM path of a site is fixed from the most rows it can launch with: the decode
+    steps' sites may never see a prefill chunk's rows, so their bound is their batch's."""
+    from kerncc import manifest
+    from kerncc.runtime.session import program_bounds
+
+    generate(tmp_path, "tiny", max_tokens=48, max_seqs=3)
+    man = manifest.load(tmp_path / "model.json")
+    bounds = program_bounds(man)
+    assert bounds["decode"]["tokens"] == 1 and bounds["decode"]["seqs"] == 1
+    assert bounds["decode_batch"]["tokens"] == 3 and bounds["decode_batch"]["seqs"] == 3
+    assert bounds["prefill"]["tokens"] == 48  # rows as fed: the chunk's bound
+    assert bounds["load"] == man.vars_max()
