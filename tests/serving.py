@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import uvicorn
 
 from kerncc.serve.engine import Config, Engine
@@ -35,7 +36,7 @@ def serving(chain: Any, model: str, codec: Any = None, runner: Any = None, split
         engine.model.runner = runner
     text = Text(codec) if codec is not None else None
     with contextlib.ExitStack() as stack:
-        front = stack.enter_context(core_apart(engine, text)) if split else engine
+        front = stack.enter_context(core_apart(engine, text)).clients[0] if split else engine
         server = Server(front, model, text)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -55,10 +56,20 @@ def serving(chain: Any, model: str, codec: Any = None, runner: Any = None, split
             sock.close()
 
 
+@attrs.define
+class Apart:
+    """An engine core on a thread and its front ends' clients (`core_apart`)."""
+
+    core: Any
+    clients: list[Any]
+    inbox: str
+    outboxes: list[str]
+
+
 @contextlib.contextmanager
-def core_apart(engine: Engine, text: Any = None, workers: int = 1) -> Iterator[Any]:
-    """`engine` served by a Core on a thread; yields worker 0's CoreClient (more with
-    `workers`: the others are made with `client(i)`)."""
+def core_apart(engine: Engine, text: Any = None, workers: int = 1) -> Iterator[Apart]:
+    """`engine` served by a Core on a thread, over ipc sockets in a temporary folder, to
+    `workers` CoreClients."""
     from kerncc.serve.client import CoreClient
     from kerncc.serve.core import Core
 
@@ -68,10 +79,12 @@ def core_apart(engine: Engine, text: Any = None, workers: int = 1) -> Iterator[A
         core = Core(engine, inbox, outboxes, text)
         thread = threading.Thread(target=core.run, name="kerncc-test-core", daemon=True)
         thread.start()
-        client = CoreClient(inbox, outboxes[0], 0, alive=thread.is_alive, hello_timeout=30)
+        clients = [CoreClient(inbox, outbox, i, alive=thread.is_alive, hello_timeout=30)
+                   for i, outbox in enumerate(outboxes)]
         try:
-            yield client
+            yield Apart(core, clients, inbox, outboxes)
         finally:
             core.stop()
             thread.join(10)
-            client.close()
+            for client in clients:
+                client.close()

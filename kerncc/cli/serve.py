@@ -158,7 +158,8 @@ def _serve_apart(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any
             fronts = [_front(fork, args, bundle, codec, sock, inbox, outboxes, i, core.pid)
                       for i in range(args.api_workers)]
             print(f"kerncc serve: {said}; tokenizer: {'yes' if codec else 'none'}; "
-                  f"{args.api_workers} API worker(s); {listening(sock)}", file=sys.stderr,
+                  f"engine core pid {core.pid}, {args.api_workers} API worker(s); "
+                  f"{listening(sock)}", file=sys.stderr,
                   flush=True)
             return _watch(args, bundle, codec, sock, inbox, outboxes, core, fronts, fork,
                           signal)
@@ -252,12 +253,23 @@ def _front_main(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.
 
 
 def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, ended and not yet reaped, does not)."""
+    """Whether process `pid` runs (a zombie, ended and not yet reaped, does not); a check
+    that cannot be made (no file descriptor left to read /proc) says it runs."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
+    except FileNotFoundError:
         return False
+    except (OSError, IndexError):
+        return True
 
 
 def _watch(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socket,

@@ -201,11 +201,22 @@ class CoreClient:
         """Tell the listeners what the core sends until `stop` (every request ended) or the
         core is gone."""
         while not (self._stopping and not self.requests):
-            if self.pull.poll(POLL_MS):
-                self._take(self.pull.recv(zmq.NOBLOCK))
+            raw = self._receive()
+            if raw is not None:
+                self._take(raw)
             elif not self.alive():
                 self._lost("the engine core is gone")
                 return
+
+    def _receive(self) -> bytes | None:
+        """The next message, or None after POLL_MS; a socket error (the process out of file
+        descriptors, say) is logged and waited out, not the end of the front end."""
+        try:
+            return self.pull.recv(zmq.NOBLOCK) if self.pull.poll(POLL_MS) else None
+        except zmq.ZMQError as err:
+            LOG.warning("receiving from the engine core: %s", err)
+            time.sleep(POLL_MS / 1000)
+            return None
 
     def _take(self, raw: bytes) -> None:
         try:

@@ -158,8 +158,14 @@ class Core:
     def _receive(self) -> None:
         last = 0.0
         while not self._done.is_set():
-            if self.pull.poll(POLL_MS):
-                self._take(self.pull.recv(zmq.NOBLOCK))
+            try:
+                raw = self.pull.recv(zmq.NOBLOCK) if self.pull.poll(POLL_MS) else None
+            except zmq.ZMQError as err:  # out of file descriptors, say: waited out
+                LOG.warning("receiving from the front ends: %s", err)
+                time.sleep(POLL_MS / 1000)
+                raw = None
+            if raw is not None:
+                self._take(raw)
             now = time.monotonic()
             if now - last >= HEARTBEAT:
                 last = now
