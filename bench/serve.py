@@ -482,9 +482,9 @@ def report(args: argparse.Namespace, run: Round) -> None:
     print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
           f"{args.prompt_len}{shared}, max_tokens {args.max_tokens}, sampled "
-          f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, prefix cache "
-          f"{'on' if run.cache else 'off'}, front end "
-          f"{'apart from the core' if run.split else 'in the core process'}")
+          f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, front end "
+          f"{'apart from the core' if run.split else 'in the core process'}, prefix cache "
+          f"{'on' if run.cache else 'off'}")
     if sim:
         rows_cost = f" plus {args.row_us} us a prefill row" if args.row_us is not None else ""
         print(f"simulated device: {args.step_ms} ms a step{rows_cost}; its idle time counts a "
