@@ -22,9 +22,9 @@ at the end of each round it reads the server's /metrics: the prefix cache's hit 
 evictions over the levels. On `--backend sim`, `--row-us` makes a prefill chunk cost its rows
 (bench/simulated.py's cost model), so that prefill the cache skips shows in the TTFT.
 
-The front end runs apart from the engine core (`--split on`, as `kerncc serve` does): a
+`--split on` runs the front end apart from the engine core (`kerncc serve --api-workers 1`): a
 forked process of its own serving HTTP over a kerncc.serve.client, the core on a thread of the
-server's process; `--split off` keeps everything in one process (`--api-workers 0`), and
+server's process; `--split off` (the default) keeps everything in one process, and
 `--split ab` alternates the two over two rounds each and prints the ratios.
 
 --doc docs/benchmarks.md writes the rows between the file's `serve` markers.
@@ -305,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ahead", choices=("on", "off", "ab"), default="on", help="greedy decode "
                    "steps issued a step ahead by the engine (default on); ab: off and on, "
                    "alternating over two rounds of servers, with the ratios")
-    p.add_argument("--split", choices=("on", "off", "ab"), default="on", help="the front end "
-                   "in a process of its own, apart from the engine core, as `kerncc serve` "
-                   "runs it (default on); off: one process (--api-workers 0); ab: off and on, "
-                   "alternating over two rounds of servers, with the ratios")
+    p.add_argument("--split", choices=("on", "off", "ab"), default="off", help="on: the "
+                   "front end in a process of its own, apart from the engine core (`kerncc "
+                   "serve --api-workers 1`); off: one process, as `kerncc serve` runs by "
+                   "default (default); ab: off and on, alternating over two rounds of "
+                   "servers, with the ratios")
     p.add_argument("--devices", default=None, help="e.g. 0,1")
     p.add_argument("--pipeline", default="emit", help="e.g. 'cut,slice-derive,emit'")
     p.add_argument("--levels", default="1,8,32")
@@ -560,7 +561,7 @@ def compare(on: list[Round], off: list[Round],
         for key in ("tok_s", "ttft_p50", "itl_p50", "itl_p99"):
             mine = statistics.median(run.rows[i][1][key] for run in on)
             theirs = statistics.median(run.rows[i][1][key] for run in off)
-            ratios.append(f"{mine / theirs:.2f}x")
+            ratios.append(f"{mine / theirs:.2f}x" if theirs else "n/a")
         print(f"| {conc} | {' | '.join(ratios)} |")
         REPORT.row(label, f"concurrency {conc}: tokens/s, TTFT p50, ITL p50, ITL p99 "
                    "(medians of the rounds)", ", ".join(ratios))

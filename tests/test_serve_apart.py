@@ -92,7 +92,7 @@ def test_two_front_ends_on_one_core_each_hear_their_own_requests_as_alone(chain)
 def start(model, *flags: str) -> tuple[subprocess.Popen, str, int]:
     """`kerncc serve` on 127.0.0.1 in a process of its own: it, its URL, its core's pid."""
     command = [sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",
-               "--backend", "cpu", *flags]
+               "--backend", "cpu", "--api-workers", "1", *flags]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for _ in range(100):  # bounded: the lines before it are few

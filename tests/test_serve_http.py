@@ -374,7 +374,7 @@ def test_a_start_that_fails_after_the_stages_started_closes_them(model, capsys, 
 
 def test_a_core_that_fails_to_start_is_said_plainly_and_leaves_no_process(model, capsys,
                                                                         monkeypatch):
-    """The engine core's process (the default) refuses the stages: its error is the
+    """The engine core's process (--api-workers 1) refuses the stages: its error is the
     server's, exit 1, and no core or front end is left (the core closed its stages)."""
     import multiprocessing
 
@@ -386,7 +386,7 @@ def test_a_core_that_fails_to_start_is_said_plainly_and_leaves_no_process(model,
 
     monkeypatch.setattr(engine, "Engine", refuse)
     code = main(["serve", str(model), "--backend", "cpu", "--placement", "process",
-                 "--port", "0"])
+                 "--port", "0", "--api-workers", "1"])
     err = capsys.readouterr().err
     assert code == 1, err
     assert "the engine cannot serve these stages" in err and "Traceback" not in err
