@@ -22,6 +22,11 @@ at the end of each round it reads the server's /metrics: the prefix cache's hit 
 evictions over the levels. On `--backend sim`, `--row-us` makes a prefill chunk cost its rows
 (bench/simulated.py's cost model), so that prefill the cache skips shows in the TTFT.
 
+`--split on` runs the front end apart from the engine core (`kerncc serve --api-workers 1`): a
+forked process of its own serving HTTP over a kerncc.serve.client, the core on a thread of the
+server's process; `--split off` (the default) keeps everything in one process, and
+`--split ab` alternates the two over two rounds each and prints the ratios.
+
 --doc docs/benchmarks.md writes the rows between the file's `serve` markers.
 
   python -m bench.serve --size small --backend cuda                     # whole
@@ -30,6 +35,8 @@ evictions over the levels. On `--backend sim`, `--row-us` makes a prefill chunk 
   python -m bench.serve --size small --backend sim --step-ms 2.0        # no GPU
   python -m bench.serve --size small --backend sim --ahead ab           # A/B
   python -m bench.serve --size small --backend sim --sampled 0.5        # half of them sample
+  python -m bench.serve --size small --backend sim --max-seqs 128 --levels 32,128 --split ab
+                                                   # front end apart from the core vs one process
   python -m bench.serve --size small --backend sim --row-us 10 --prefix --prefix-cache ab \
       --levels 32                                                       # prefix cache A/B
 """
@@ -38,12 +45,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import multiprocessing
+import os
 import re
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -142,23 +152,72 @@ def _sampling(number: int, fraction: float) -> dict[str, Any] | None:
 
 
 def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
-                 prefix_cache: bool = True) -> tuple[str, uvicorn.Server]:
-    engine = Engine(chain, Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
-                                  prefix_cache=prefix_cache))
-    server = Server(engine, model)
+                 prefix_cache: bool = True, split: bool = False) -> tuple[str, Any]:
+    """The server on a free port of loopback; its URL and what `stop_server` stops. `split`:
+    the front end in a process of its own over a kerncc.serve.core Core in this one, as
+    `kerncc serve` runs them (--api-workers 1); else everything here (--api-workers 0)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    config = Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
+                    prefix_cache=prefix_cache)
+    if split:
+        return url, _start_apart(chain, config, model, sock, url)
+    server = Server(Engine(chain, config), model)
     uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
     threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True).start()
     for _ in range(500):
         if uv.started:
             break
         time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", uv
+    return url, uv
+
+
+def _start_apart(chain: Chain, config: Config, model: str, sock: socket.socket, url: str
+                 ) -> tuple[Any, Any]:
+    """The front end forked first (before this process starts a thread of its own), then the
+    core on a thread here; (the front end's process, the core) once /health answers."""
+    from kerncc.serve.core import Core
+
+    folder = tempfile.mkdtemp(prefix="kerncc-bench-")
+    inbox, outbox = f"ipc://{folder}/core", f"ipc://{folder}/front"
+    sock.listen(2048)
+    front = multiprocessing.get_context("fork").Process(
+        target=_front, args=(sock, inbox, outbox, model, os.getpid()), daemon=True)
+    front.start()
+    core = Core(Engine(chain, config), inbox, [outbox])
+    threading.Thread(target=core.run, daemon=True).start()
+    for _ in range(3000):  # bounded: 60 s
+        with contextlib.suppress(OSError):
+            with socket.create_connection(sock.getsockname()[:2], timeout=1) as probe:
+                probe.sendall(b"GET /health HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n")
+                if probe.recv(12).startswith(b"HTTP/1.1 200"):
+                    return front, core
+        time.sleep(0.02)
+    raise SystemExit(f"bench.serve: the front end at {url} did not start in 60 s")
+
+
+def _front(sock: socket.socket, inbox: str, outbox: str, model: str, parent: int) -> None:
+    """The front end's process: uvicorn over a CoreClient."""
+    from kerncc.serve.client import CoreClient
+
+    client = CoreClient(inbox, outbox, 0, alive=lambda: os.getppid() == parent)
+    uv = uvicorn.Server(uvicorn.Config(create_app(Server(client, model)), log_level="warning"))
+    uv.run(sockets=[sock])
+
+
+def stop_server(running: Any) -> None:
+    if isinstance(running, uvicorn.Server):
+        running.should_exit = True
+        return
+    front, core = running
+    front.terminate()
+    front.join(10)
+    core.stop()
 
 
 def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: bool,
-          prefix_cache: bool) -> None:
+          prefix_cache: bool, split: bool = False) -> None:
     """The server's process: load, serve on loopback, answer the bench's questions (`idle`:
     the simulated device's wait for the host a step, then reset; `stop`) until told to stop."""
     bundle = lower_to_bundle(manifest, args.pipeline)
@@ -175,14 +234,15 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
         chain = Chain(bundle, backend=args.backend, devices=devices)
     model = bundle.stages[0].manifest.model
     context = request_limits([s.manifest for s in bundle.stages]).context
-    url, uv = start_server(chain, args.max_seqs, model, ahead=ahead, prefix_cache=prefix_cache)
+    url, running = start_server(chain, args.max_seqs, model, ahead=ahead,
+                                prefix_cache=prefix_cache, split=split)
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
                len(bundle.stages), getattr(backend, "wake_us", None), context))
     while (asked := conn.recv()) != "stop":
         conn.send(backend.idle_us() if asked == "idle" and backend is not None else None)
         if backend is not None:
             backend.reset()
-    uv.should_exit = True
+    stop_server(running)
 
 
 def _milliseconds(text: str) -> float:
@@ -245,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ahead", choices=("on", "off", "ab"), default="on", help="greedy decode "
                    "steps issued a step ahead by the engine (default on); ab: off and on, "
                    "alternating over two rounds of servers, with the ratios")
+    p.add_argument("--split", choices=("on", "off", "ab"), default="off", help="on: the "
+                   "front end in a process of its own, apart from the engine core (`kerncc "
+                   "serve --api-workers 1`); off: one process, as `kerncc serve` runs by "
+                   "default (default); ab: off and on, alternating over two rounds of "
+                   "servers, with the ratios")
     p.add_argument("--devices", default=None, help="e.g. 0,1")
     p.add_argument("--pipeline", default="emit", help="e.g. 'cut,slice-derive,emit'")
     p.add_argument("--levels", default="1,8,32")
@@ -265,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     REPORT.rows.clear()  # one run's rows (main may run again in one process: the tests)
     REPORT.results.clear()
-    if args.ahead == "ab" and args.prefix_cache == "ab":
-        p.error("--ahead ab and --prefix-cache ab: one A/B at a time")
+    if [args.ahead, args.prefix_cache, args.split].count("ab") > 1:
+        p.error("--ahead ab, --prefix-cache ab, --split ab: one A/B at a time")
     if args.row_us is not None and args.backend != "sim":
         p.error(f"--row-us is the simulated device's (--backend sim), not {args.backend}'s")
     if args.prefix is not None:
@@ -274,14 +339,17 @@ def main(argv: list[str] | None = None) -> int:
 
     manifest = example(args)
     switch = {"on": [True], "off": [False], "ab": [False, True, False, True]}
-    settings = [(ahead, cache) for ahead in switch[args.ahead]
-                for cache in switch[args.prefix_cache]]
-    runs = [Round(ahead, cache, *served(args, manifest, ahead, cache))
-            for ahead, cache in settings]
+    settings = [(ahead, cache, split) for ahead in switch[args.ahead]
+                for cache in switch[args.prefix_cache] for split in switch[args.split]]
+    runs = [Round(ahead, cache, *served(args, manifest, ahead, cache, split), split=split)
+            for ahead, cache, split in settings]
     for run in runs:
         report(args, run)
     if args.ahead == "ab":
         compare([r for r in runs if r.ahead], [r for r in runs if not r.ahead])
+    if args.split == "ab":
+        compare([r for r in runs if r.split], [r for r in runs if not r.split],
+                "front end apart from the core against one process", "apart / one process")
     if args.prefix_cache == "ab":
         compare_cache([r for r in runs if r.cache], [r for r in runs if not r.cache])
     return REPORT.finish(args, device(args), argv)
@@ -313,6 +381,7 @@ class Round:
     rows: list[tuple[int, dict[str, float]]]
     wake_us: float | None  # the simulated device's late wake-up
     hits: dict[str, float]  # the prefix cache's counters over the levels (/metrics)
+    split: bool = False  # the front end in a process of its own (kerncc.serve.core)
 
 
 def device(args: argparse.Namespace) -> str:
@@ -327,16 +396,16 @@ def device(args: argparse.Namespace) -> str:
     return f"the {args.backend} backend"
 
 
-def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool
-           ) -> tuple[int, list[tuple[int, dict[str, float]]], float | None, dict[str, float]]:
+def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool,
+           split: bool = False) -> tuple[int, list[tuple[int, dict[str, float]]], float | None, dict[str, float]]:
     """One server's levels: (stages, rows, the simulated device's late wake-up, the prefix
     cache's counters over the levels)."""
     # The server in a process of its own, as `kerncc serve` runs: the clients' work here does
     # not take the server's interpreter lock (in one process it doubled the ITL at 32).
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
-    child = context.Process(target=serve, args=(theirs, args, manifest, ahead, cache),
-                            daemon=True)
+    # not a daemon: apart, it forks its front end (joined, then terminated, below)
+    child = context.Process(target=serve, args=(theirs, args, manifest, ahead, cache, split))
     child.start()
     try:
         if not mine.poll(600):
@@ -414,7 +483,8 @@ def report(args: argparse.Namespace, run: Round) -> None:
     print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
           f"{args.prompt_len}{shared}, max_tokens {args.max_tokens}, sampled "
-          f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, prefix cache "
+          f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, front end "
+          f"{'apart from the core' if run.split else 'in the core process'}, prefix cache "
           f"{'on' if run.cache else 'off'}")
     if sim:
         rows_cost = f" plus {args.row_us} us a prefill row" if args.row_us is not None else ""
@@ -429,7 +499,8 @@ def report(args: argparse.Namespace, run: Round) -> None:
     print("| --- " * (8 + sim) + "|")
     base = rows[0][1]["tok_s"]
     label = f"{stages} stage(s), ahead {'on' if ahead else 'off'}" + \
-        (f", prefix cache {'on' if run.cache else 'off'}" if args.prefix_cache == "ab" else "")
+        (f", prefix cache {'on' if run.cache else 'off'}" if args.prefix_cache == "ab" else "") \
+        + (f", {'apart' if run.split else 'one process'}" if args.split == "ab" else "")
     for conc, r in rows:
         idle = f" {r['idle_us']:.0f} |" if sim else ""
         print(f"| {conc} | {r['requests']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | "
@@ -445,6 +516,7 @@ def report(args: argparse.Namespace, run: Round) -> None:
         REPORT.row(label, "prefix cache over the levels: hit rate, hit / queried tokens, "
                    "evictions", hit_line(run.hits))
     REPORT.results.setdefault("runs", []).append({"ahead": ahead, "prefix_cache": run.cache,
+                                                  "split": run.split,
                                                   "stages": stages, "rows": rows,
                                                   "prefix_cache_counts": run.hits})
 
@@ -477,9 +549,11 @@ def compare_cache(on: list[Round], off: list[Round]) -> None:
                    "; ".join(values))
 
 
-def compare(on: list[Round], off: list[Round]) -> None:
-    """--ahead ab: each measure's median over the rounds, on against off."""
-    print("a step ahead against one step at a time (the medians of the rounds, on / off):")
+def compare(on: list[Round], off: list[Round],
+            title: str = "a step ahead against one step at a time",
+            label: str = "ahead on / off") -> None:
+    """--ahead ab, --split ab: each measure's median over the rounds, on against off."""
+    print(f"{title} (the medians of the rounds, on / off):")
     print("| concurrency | tokens/s | TTFT p50 | ITL p50 | ITL p99 |")
     print("| --- | --- | --- | --- | --- |")
     for i, (conc, _) in enumerate(on[0].rows):
@@ -487,9 +561,9 @@ def compare(on: list[Round], off: list[Round]) -> None:
         for key in ("tok_s", "ttft_p50", "itl_p50", "itl_p99"):
             mine = statistics.median(run.rows[i][1][key] for run in on)
             theirs = statistics.median(run.rows[i][1][key] for run in off)
-            ratios.append(f"{mine / theirs:.2f}x")
+            ratios.append(f"{mine / theirs:.2f}x" if theirs else "n/a")
         print(f"| {conc} | {' | '.join(ratios)} |")
-        REPORT.row("ahead on / off", f"concurrency {conc}: tokens/s, TTFT p50, ITL p50, ITL p99 "
+        REPORT.row(label, f"concurrency {conc}: tokens/s, TTFT p50, ITL p50, ITL p99 "
                    "(medians of the rounds)", ", ".join(ratios))
 
 

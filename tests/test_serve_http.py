@@ -363,12 +363,35 @@ def test_a_start_that_fails_after_the_stages_started_closes_them(model, capsys, 
         raise KernccError.single("the engine cannot serve these stages")
 
     monkeypatch.setattr(engine, "Engine", refuse)
+    # in this process (--api-workers 0), where the test sees the stages' processes
     code = main(["serve", str(model), "--backend", "cpu", "--placement", "process",
-                 "--port", "0"])
+                 "--port", "0", "--api-workers", "0"])
     err = capsys.readouterr().err
     assert code == 1, err
     assert "the engine cannot serve these stages" in err and "Traceback" not in err
     assert len(started) == 1 and _stage_processes() == []
+
+
+def test_a_core_that_fails_to_start_is_said_plainly_and_leaves_no_process(model, capsys,
+                                                                        monkeypatch):
+    """The engine core's process (--api-workers 1) refuses the stages: its error is the
+    server's, exit 1, and no core or front end is left (the core closed its stages)."""
+    import multiprocessing
+
+    from kerncc.cli.main import main
+    from kerncc.serve import engine
+
+    def refuse(runner, config):
+        raise KernccError.single("the engine cannot serve these stages")
+
+    monkeypatch.setattr(engine, "Engine", refuse)
+    code = main(["serve", str(model), "--backend", "cpu", "--placement", "process",
+                 "--port", "0", "--api-workers", "1"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "the engine cannot serve these stages" in err and "Traceback" not in err
+    assert "listening on" not in err
+    assert [p for p in multiprocessing.active_children() if p.name.startswith("kerncc-")] == []
 
 
 class Gated:

@@ -317,6 +317,10 @@ def test_an_api_key_guards_every_route_but_health_and_each_request_is_logged(cha
             keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
             answer = keyed.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
             assert ids(answer.choices[0]) == greedy(chain, PROMPT, 2)
+            for _ in range(500):  # bounded (5 s): the line is written after the answer's end
+                if sum(r.name == "kerncc.serve.access" for r in caplog.records) == 6:
+                    break
+                time.sleep(0.01)
     lines = [r.getMessage() for r in caplog.records if r.name == "kerncc.serve.access"]
     assert len(lines) == 6
     assert "POST /v1/completions 401" in lines[0] and "POST /v1/completions 200" in lines[-1]

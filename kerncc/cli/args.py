@@ -38,6 +38,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> int:
+    """A whole number of at least 0 (a count that may be none)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {value}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     """A duration in seconds, finite and more than 0 (a timeout that can pass)."""
     value = seconds(text)

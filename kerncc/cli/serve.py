@@ -19,8 +19,8 @@ from typing import Any
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, limit_flags, no_stdin, open_run_target, port, \
-    positive, seconds
+from kerncc.cli.args import devices, limit_flags, no_stdin, non_negative, open_run_target, \
+    port, positive, seconds
 from kerncc.cli.hf import tokenizer_pins
 from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
 from kerncc.serve import access, guard
@@ -58,34 +58,278 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
            sock: socket.socket) -> int:
-    """Start the stages, the engine and uvicorn on `sock`; the stages are closed however this
-    ends (a failed start left stage processes running)."""
-    import uvicorn
+    """Serve on `sock`: the engine core and `--api-workers` front ends in processes of their
+    own (`_serve_apart`), or with `--api-workers 0` everything in this one."""
+    if args.api_workers:
+        return _serve_apart(args, bundle, weights, codec, sock)
+    return _serve_here(args, bundle, weights, codec, sock)
 
-    from kerncc.serve.engine import Config, Engine
-    from kerncc.serve.http import Server, create_app
+
+def _serve_here(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
+                sock: socket.socket) -> int:
+    """Start the stages, the engine and uvicorn on `sock`, in this process; the stages are
+    closed however this ends (a failed start left stage processes running)."""
+    from kerncc.serve.http import Server
 
     _print_memory(bundle)
     with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
-        engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
-                                      chunk=args.chunk, prefix_cache=args.prefix_cache))
-        model = args.served_model_name or bundle.stages[0].manifest.model
+        engine = make_engine(args, chain)
+        model = model_name(args, bundle)
         server = Server(engine, model, codec, lenient=args.lenient,
                         api_key=args.api_key or config.api_key(),
                         body_timeout=args.body_timeout)
-        host, port = sock.getsockname()[:2]
-        uv = uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
-                            timeout_graceful_shutdown=GRACE,
-                            http=guard.protocol(args.header_timeout, args.max_waiting))
+        uv = uvicorn_config(args, server)
         # Listen before saying so: a client that connects the moment the line appears is
         # queued until uvicorn accepts, never refused (a bound socket refuses until listen()).
         sock.listen(uv.backlog)
-        print(f"kerncc serve: `{model}` on {chain}, {engine.pool.pages} KV pages of "
-              f"{engine.stride} tokens; tokenizer: {'yes' if server.text else 'none'}; "
-              f"listening on http://{host}:{port}", file=sys.stderr, flush=True)
+        print(f"kerncc serve: {engine_line(model, chain, engine)}; tokenizer: "
+              f"{'yes' if server.text else 'none'}; {listening(sock)}", file=sys.stderr,
+              flush=True)
         _Uvicorn(uv, server, args.drain_timeout).run(sockets=[sock])
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def make_engine(args: argparse.Namespace, chain: Any) -> Any:
+    from kerncc.serve.engine import Config, Engine
+
+    return Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
+                                chunk=args.chunk, prefix_cache=args.prefix_cache))
+
+
+def model_name(args: argparse.Namespace, bundle: Any) -> str:
+    return args.served_model_name or bundle.stages[0].manifest.model
+
+
+def engine_line(model: str, chain: Any, engine: Any) -> str:
+    return f"`{model}` on {chain}, {engine.pool.pages} KV pages of {engine.stride} tokens"
+
+
+def listening(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"listening on http://{host}:{port}"
+
+
+def uvicorn_config(args: argparse.Namespace, server: Any) -> Any:
+    import uvicorn
+
+    from kerncc.serve.http import create_app
+
+    return uvicorn.Config(create_app(server), log_level="warning", lifespan="on",
+                          timeout_graceful_shutdown=GRACE,
+                          http=guard.protocol(args.header_timeout, args.max_waiting))
+
+
+def run_uvicorn(args: argparse.Namespace, server: Any, sock: socket.socket) -> None:
+    """uvicorn on `sock` (already listening), draining on SIGTERM (`_Uvicorn`)."""
+    _Uvicorn(uvicorn_config(args, server), server, args.drain_timeout).run(sockets=[sock])
+
+
+# ------------------------------------------------------------------------ apart
+
+START_TIMEOUT = 3600.0  # seconds the core may take to load (a checkpoint of many GB)
+RESTARTS = 5  # front ends restarted in a row (each within RESTART_WINDOW) before giving up
+RESTART_WINDOW = 60.0
+LOST_GRACE = 1.0  # seconds the front ends have to answer their requests once the core is gone
+
+
+def _serve_apart(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
+                 sock: socket.socket) -> int:
+    """The engine core in a process of its own (kerncc.serve.core), `--api-workers` front ends
+    in theirs (kerncc.serve.client under uvicorn), all on the one listening `sock` handed down;
+    this process watches them: a front end that dies is restarted, a core that dies ends the
+    server (exit 1), SIGTERM drains the front ends, then stops the core."""
+    import multiprocessing
+    import signal
+    import tempfile
+
+    _print_memory(bundle)
+    fork = multiprocessing.get_context("fork")  # the bundle, tokenizer and socket, inherited
+    with tempfile.TemporaryDirectory(prefix="kerncc-serve-") as folder:
+        inbox = f"ipc://{folder}/core"
+        outboxes = [f"ipc://{folder}/front-{i}" for i in range(args.api_workers)]
+        theirs, mine = fork.Pipe(duplex=False)
+        core = fork.Process(target=_core_main, name="kerncc-core", daemon=False,
+                            args=(args, bundle, weights, codec, inbox, outboxes, mine))
+        core.start()
+        mine.close()
+        try:
+            said = _started(core, theirs)
+            fronts = [_front(fork, args, bundle, codec, sock, inbox, outboxes, i, core.pid)
+                      for i in range(args.api_workers)]
+            print(f"kerncc serve: {said}; tokenizer: {'yes' if codec else 'none'}; "
+                  f"engine core pid {core.pid}, {args.api_workers} API worker(s); "
+                  f"{listening(sock)}", file=sys.stderr,
+                  flush=True)
+            return _watch(args, bundle, codec, sock, inbox, outboxes, core, fronts, fork,
+                          signal)
+        finally:
+            if core.is_alive():
+                core.terminate()
+                core.join(30)
+            if core.is_alive():
+                core.kill()
+                core.join()
+
+
+def _started(core: Any, pipe: Any) -> str:
+    """The core's line once it serves (bounded, and while it lives); its load error raised."""
+    import time
+
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if pipe.poll(0.2):
+            kind, text = pipe.recv()
+            if kind == "error":
+                core.join(30)
+                raise KernccError.single(text)
+            return text
+        if not core.is_alive():
+            raise KernccError.single(f"the engine core ended while it started (exit code "
+                                     f"{core.exitcode})")
+    raise KernccError.single(f"the engine core did not start within {START_TIMEOUT:g} s")
+
+
+def _core_main(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any, inbox: str,
+               outboxes: list[str], pipe: Any) -> None:
+    """The engine core's process: load the stages, serve the front ends until SIGTERM."""
+    import os
+    import signal
+
+    from kerncc.serve.core import Core
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the front ends first
+    code = 0
+    try:
+        with placement.make(args, bundle, checkpoint=weights) as chain:
+            engine = make_engine(args, chain)
+            core = Core(engine, inbox, outboxes, codec)
+            signal.signal(signal.SIGTERM, lambda *_: core.stop())
+            pipe.send(("ready", engine_line(model_name(args, bundle), chain, engine)))
+            core.run()
+    except KernccError as err:
+        pipe.send(("error", err.headline))
+        code = 1
+    except BaseException as err:  # noqa: BLE001 - said to the watcher, which exits 1
+        pipe.send(("error", f"the engine core failed: {type(err).__name__}: {err}"))
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)  # never the forking process's exit handlers
+
+
+def _front(fork: Any, args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socket,
+           inbox: str, outboxes: list[str], worker: int, core_pid: int) -> Any:
+    process = fork.Process(target=_front_main, name=f"kerncc-api-{worker}", daemon=False,
+                           args=(args, bundle, codec, sock, inbox, outboxes[worker], worker,
+                                 core_pid))
+    process.start()
+    return process
+
+
+def _front_main(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socket,
+                inbox: str, outbox: str, worker: int, core_pid: int) -> None:
+    """A front end's process: uvicorn on the shared socket over a CoreClient."""
+    import os
+
+    from kerncc.serve.client import CoreClient
+    from kerncc.serve.http import Server
+
+    watcher = os.getppid()
+    code = 0
+    try:
+        client = CoreClient(inbox, outbox, worker,
+                            alive=lambda: _alive(core_pid) and os.getppid() == watcher)
+        server = Server(client, model_name(args, bundle), codec, lenient=args.lenient,
+                        api_key=args.api_key or config.api_key(),
+                        body_timeout=args.body_timeout)
+        run_uvicorn(args, server, sock)
+        code = 1 if client.fault is not None and not server.draining else 0
+    except KernccError as err:
+        print(f"kerncc serve: API worker {worker}: {err.headline}", file=sys.stderr,
+              flush=True)
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, ended and not yet reaped, does not); a check
+    that cannot be made (no file descriptor left to read /proc) says it runs."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        return True
+
+
+def _watch(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socket,
+           inbox: str, outboxes: list[str], core: Any, fronts: list[Any], fork: Any,
+           signal: Any) -> int:
+    """Watch the processes until the server ends; its exit code."""
+    import os
+    import time
+    from multiprocessing.connection import wait
+
+    stopping: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if not stopping and signum == signal.SIGTERM:  # Ctrl-C reached them already
+            for front in fronts:
+                if front.is_alive():
+                    os.kill(front.pid, signal.SIGTERM)
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    restarts: list[float] = []
+    while True:
+        wait([core.sentinel, *(f.sentinel for f in fronts)], timeout=0.5)
+        if not core.is_alive():
+            why = (f"signal {-core.exitcode}" if core.exitcode and core.exitcode < 0
+                   else f"exit code {core.exitcode}")
+            print(f"kerncc serve: the engine core died ({why}): every request in flight "
+                  "was answered 500; the server stops", file=sys.stderr, flush=True)
+            time.sleep(LOST_GRACE)  # the front ends answer their requests, then end
+            for front in fronts:
+                front.terminate()
+                front.join(10)
+            return 1
+        for i, front in enumerate(fronts):
+            if front.is_alive() or stopping:
+                continue
+            now = time.monotonic()
+            restarts = [t for t in restarts if now - t < RESTART_WINDOW] + [now]
+            if len(restarts) > RESTARTS:
+                print(f"kerncc serve: API worker {i} keeps ending (exit code "
+                      f"{front.exitcode}): the server stops", file=sys.stderr, flush=True)
+                return _stop_all(core, fronts, 1)
+            print(f"kerncc serve: API worker {i} ended (exit code {front.exitcode}): "
+                  "restarted", file=sys.stderr, flush=True)
+            fronts[i] = _front(fork, args, bundle, codec, sock, inbox, outboxes, i, core.pid)
+        if stopping and not any(f.is_alive() for f in fronts):
+            code = _stop_all(core, fronts, 0)
+            print("kerncc serve: stopped", file=sys.stderr, flush=True)
+            return code
+
+
+def _stop_all(core: Any, fronts: list[Any], code: int) -> int:
+    for front in fronts:
+        if front.is_alive():
+            front.terminate()
+        front.join(10)
+    core.terminate()  # SIGTERM: the core cancels what is left and ends
+    core.join(30)
+    return code
 
 
 def _print_memory(bundle: Any) -> None:
@@ -236,6 +480,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=guard.MAX_WAITING, metavar="N",
                    help="connections waiting for a request's headers; past N, those waiting "
                    f"longest (over {guard.TRIM_AGE:g} s) are closed (default {guard.MAX_WAITING})")
+    p.add_argument("--api-workers", type=non_negative, default=0, metavar="N",
+                   help="front-end processes (HTTP, tokens to text, stop strings, streaming) "
+                   "sharing the port, apart from the engine core's process; default 0: one "
+                   "process serves everything")
     p.add_argument("--lenient", action="store_true",
                    help="accept and ignore (logging them) request fields the server does not "
                    "know, instead of a 400")

@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -195,33 +195,7 @@ class Engine:
     def check(self, request: Request) -> None:
         """Refuse a request the engine could never serve (a KernccError naming the field),
         and fix its sampler (its seed, for the whole sequence)."""
-        if not request.prompt:
-            raise KernccError.single("the prompt is empty", "/prompt")
-        odd = next((i for i, t in enumerate(request.prompt) if not is_whole(t)), None)
-        if odd is not None:  # 1.5 ran as token 1
-            raise KernccError.single(f"prompt token {odd} is {request.prompt[odd]!r}, not a "
-                                     "whole number (a token id)", f"/prompt/{odd}")
-        if not is_whole(request.max_new):  # 2.5 gave 3 tokens
-            raise KernccError.single(f"{request.max_new!r} new tokens: expected a whole number",
-                                     "/max_tokens")
-        if request.max_new < 1:
-            raise KernccError.single(f"{request.max_new} new tokens: at least 1 is needed",
-                                     "/max_tokens")
-        vocab = self.model.vocab
-        bad = next((i for i, t in enumerate(request.prompt)
-                    if vocab is not None and not 0 <= t < vocab), None)
-        if bad is not None:
-            raise KernccError.single(f"prompt token {bad} is {request.prompt[bad]}, past the "
-                                     f"vocabulary (ids 0..{vocab - 1})", f"/prompt/{bad}")
-        self.model.check_tokens(request.prompt)
-        needed = len(request.prompt) + request.max_new - 1  # the last token is never fed
-        if needed > self.capacity:
-            total = len(request.prompt) + request.max_new
-            raise KernccError.single(
-                f"the prompt ({len(request.prompt)} tokens) and {request.max_new} new tokens "
-                f"make {total}, past the context: a sequence holds at most "
-                f"{self.capacity + 1} (its last token is never fed back)", "/max_tokens")
-        request.sampler = sampling_hook.prepare(request.params)
+        check_request(request, self.model.vocab, self.capacity, self.model.check_tokens)
 
     def submit(self, request: Request) -> Request:
         """Queue `request` (checked first); raises KernccError, QueueFull or Stopped."""
@@ -264,8 +238,11 @@ class Engine:
 
     # ------------------------------------------------------------------------ the loop
 
-    def run_forever(self, idle: float = 0.05) -> None:
-        """Serve until `stop` (or a fault, after which every request has been failed)."""
+    def run_forever(self, idle: float = 0.05, after: Callable[[], None] | None = None
+                    ) -> None:
+        """Serve until `stop` (or a fault, after which every request has been failed);
+        `after` is called after every turn (kerncc.serve.core sends what the listeners heard
+        in the turn as one message)."""
         self.model.reset()  # the runner may have run other work since the engine last served
         self.prefix.forget()  # and written the pages it keeps
         while not self._stopping or self.requests:
@@ -274,8 +251,12 @@ class Engine:
                 self._wake.wait(idle)
             if self._stopping and self.fault is None and self.requests:
                 self._cancel_all()
+            if after is not None:
+                after()
         self._apply_commands()  # requests queued just before `stop` end too (cancelled)
         self._notify()
+        if after is not None:
+            after()
 
     def run_until_idle(self) -> None:
         """Serve what was submitted until nothing is left (the command line's loop)."""
@@ -572,6 +553,40 @@ class Engine:
             self._end(request, "error", why)
         self.inflight.clear()
         self._ahead = None
+
+
+def check_request(request: Request, vocab: int | None, capacity: int,
+                  check_tokens: Callable[[Sequence[int]], None]) -> None:
+    """Refuse a request an engine of this `vocab` and `capacity` could never serve (a
+    KernccError naming the field; `check_tokens` refuses ids the token buffers cannot carry),
+    and fix its sampler (its seed, for the whole sequence): the engine's check, and a front
+    end's before it sends the request to the core (kerncc.serve.client)."""
+    if not request.prompt:
+        raise KernccError.single("the prompt is empty", "/prompt")
+    odd = next((i for i, t in enumerate(request.prompt) if not is_whole(t)), None)
+    if odd is not None:  # 1.5 ran as token 1
+        raise KernccError.single(f"prompt token {odd} is {request.prompt[odd]!r}, not a "
+                                 "whole number (a token id)", f"/prompt/{odd}")
+    if not is_whole(request.max_new):  # 2.5 gave 3 tokens
+        raise KernccError.single(f"{request.max_new!r} new tokens: expected a whole number",
+                                 "/max_tokens")
+    if request.max_new < 1:
+        raise KernccError.single(f"{request.max_new} new tokens: at least 1 is needed",
+                                 "/max_tokens")
+    bad = next((i for i, t in enumerate(request.prompt)
+                if vocab is not None and not 0 <= t < vocab), None)
+    if bad is not None:
+        raise KernccError.single(f"prompt token {bad} is {request.prompt[bad]}, past the "
+                                 f"vocabulary (ids 0..{vocab - 1})", f"/prompt/{bad}")
+    check_tokens(request.prompt)
+    needed = len(request.prompt) + request.max_new - 1  # the last token is never fed
+    if needed > capacity:
+        total = len(request.prompt) + request.max_new
+        raise KernccError.single(
+            f"the prompt ({len(request.prompt)} tokens) and {request.max_new} new tokens "
+            f"make {total}, past the context: a sequence holds at most "
+            f"{capacity + 1} (its last token is never fed back)", "/max_tokens")
+    request.sampler = sampling_hook.prepare(request.params)
 
 
 def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]

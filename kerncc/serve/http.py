@@ -354,6 +354,16 @@ class Server:
         except KernccError as err:
             raise self._refusal(err, ask, request.prompt) from None
 
+    def refused(self, ask: Ask, request: Request) -> ApiError:
+        """The answer to a request the engine core refused after it left (kerncc.serve.client:
+        the same answers as `submit`'s)."""
+        why, message, pointer = self.engine.refusal(request)
+        if why == "queue_full":
+            return ApiError(429, f"the queue is full: {message}", code="queue_full")
+        if why == "unavailable":
+            return ApiError(503, f"the engine does not admit: {message}", code="unavailable")
+        return self._refusal(KernccError.single(message, pointer or ""), ask, request.prompt)
+
     def _refusal(self, err: KernccError, ask: Ask, prompt: list[int]) -> ApiError:
         """The engine's refusal of a request, naming the field the client sent (and OpenAI's
         `context_length_exceeded` when the sequence would not fit)."""
@@ -446,6 +456,8 @@ class _Bridge:
         in the text is `stop` even when the engine ended the sequence first (by length, or by
         the cancel the stop string sent); an answer left before the engine ended it is
         `cancelled`."""
+        if request.finish == "refused":  # never served (the engine core said why)
+            return
         reason = "stop" if self.stopped else request.finish or "cancelled"
         self.server.metrics.finished(reason)
 
@@ -551,6 +563,8 @@ async def _pieces(server: Server, ask: Ask, http: HttpRequest, watch: _Watch,
                 return
             if ended:
                 break
+        if request.finish == "refused":  # by the engine core (kerncc.serve.client)
+            raise server.refused(ask, request)
         if request.finish == "error":
             raise ApiError(500, request.error or "the engine failed", code="engine_fault")
         if request.finish == "cancelled":
