@@ -93,6 +93,7 @@ class CoreClient:
                 info = message[1]
                 self.capacity, self.stride = info["capacity"], info["stride"]
                 self.model = types.SimpleNamespace(vocab=info["vocab"])
+                self.fingerprint = info["fingerprint"]  # the core's system (system_fingerprint)
                 self._bounds = info["token_bounds"]
                 self._take_stats(info["stats"])
                 return

@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from kerncc.diagnostics import KernccError
+from kerncc.runtime.backends.fingerprint import of_runner
 from kerncc.runtime.memory import numpy_dtype
 from kerncc.serve import grammar, wire
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
@@ -132,7 +133,8 @@ class Core:
                 limits = np.iinfo(numpy_dtype(f.dtype))
                 bounds.append([f.name, str(f.dtype), int(limits.min), int(limits.max)])
         return {"capacity": self.engine.capacity, "stride": self.engine.stride,
-                "vocab": model.vocab, "token_bounds": bounds, "stats": self.stats()}
+                "vocab": model.vocab, "token_bounds": bounds, "stats": self.stats(),
+                "fingerprint": of_runner(model.runner)}
 
     def _flush(self) -> None:
         """The engine's turn is over: one `step` message to each worker with news."""

@@ -42,6 +42,7 @@ import numpy as np
 
 from kerncc import protocol as proto
 from kerncc.diagnostics import KernccError
+from kerncc.runtime.backends.fingerprint import of_runner
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.domains import is_whole
 from kerncc.runtime.model_runner import LOGITS, Feed, ModelRunner, Rows, check_whole, token_ids
@@ -179,6 +180,11 @@ class Engine:
                           chunk=Bounds(chunk_rows, seqs, context),
                           max_running=max(1, config.max_running),
                           chunk_emits=model.chunk_emits, step_tokens=config.step_tokens)
+
+    @property
+    def fingerprint(self) -> str:
+        """The system that computes this engine's bits (`system_fingerprint`)."""
+        return of_runner(self.model.runner)
 
     @property
     def capacity(self) -> int:

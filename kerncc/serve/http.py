@@ -45,7 +45,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kerncc.diagnostics import KernccError
-from kerncc.runtime.backends.fingerprint import of_runner
 from kerncc.serve import fields, grammar, sampling_hook, tools
 from kerncc.serve.access import Access
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
@@ -120,7 +119,7 @@ class Server:
         self.api_key = api_key  # None: every client is served (kerncc.serve.access)
         self._grammars: grammar.Grammars | None = None  # made at the first grammar asked
         self.metrics = Metrics(engine)
-        self.fingerprint = of_runner(engine.model.runner)  # system_fingerprint
+        self.fingerprint = engine.fingerprint  # system_fingerprint
         self.draining = False
         self.active = 0  # generation requests being answered (a stream until its last event)
         self.renders = threading.Event()  # set: every chat template render stops (shutdown)

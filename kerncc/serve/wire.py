@@ -135,6 +135,7 @@ def _info(message: list[Any]) -> None:
     _int(info.get("capacity"), "info.capacity", 1)
     _int(info.get("stride"), "info.stride", 1)
     _need(info.get("vocab") is None or isinstance(info["vocab"], int), "info.vocab")
+    _need(isinstance(info.get("fingerprint"), str), "info.fingerprint: expected a string")
     _need(isinstance(info.get("token_bounds"), list), "info.token_bounds: expected a list")
     for bound in info["token_bounds"]:
         _need(isinstance(bound, list) and len(bound) == 4, "info.token_bounds: [name, dtype, "
