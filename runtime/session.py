@@ -1,9 +1,11 @@
 """Sessions: one stage of a bundle loaded on a backend and run; a Chain runs every stage.
 
 `Session(bundle, stage)` allocates the stage's memory from its plan (kerncc.runtime.memory),
-assembles weights from the checkpoint by `bind`, runs the `derive` programs inside loading with
-the staging plan (sources uploaded into their windows just before the first call that reads
-them, the staging freed after), runs the `once` programs, and then serves
+checks every weight's and derive source's `bind` against the checkpoint's headers, streams the
+weights to the device (kerncc.runtime.loader), runs the `derive` programs inside loading with
+the staging plan (sources streamed into their windows just before the first call that reads
+them, the staging freed after), runs the `once` programs (`load_times` says where the seconds
+went), and then serves
 `run(program, inputs, vars)`: host inputs written and domain-checked, the program's launches
 issued (through stage.py's generated functions when the stage has them, else by interpreting
 plan.json's launch records, `when` gates included), the outputs it writes handed back.
@@ -331,7 +333,10 @@ class Session:
                 continue
             # stream-ordered behind the window's previous occupant's launches (a synchronous
             # backend has finished them)
+            started = time.perf_counter()
             self._stream([self._sources[source]])
+            self.load_times["sources"] = self.load_times.get("sources", 0.0) + (
+                time.perf_counter() - started)
             self._uploaded.add(source)
 
     # ------------------------------------------------------------------------ running

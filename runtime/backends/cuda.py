@@ -26,8 +26,10 @@ in the same order). `KERNCC_PDL=0` turns it off.
 Every driver call is checked (cuda.bindings returns its CUresult; it does not raise) and a
 failure is a `BackendError` naming the call; the Session adds program, call, op and launch.
 Host-to-device copies are stream-ordered: small ones go through a ring of pinned slots, big
-ones (weights at load) wait for the stream and copy synchronously. Downloads can be taken
-later (`download_async`), so a chain of stages never waits for the host between items.
+ones wait for the stream and copy synchronously; weights at load come through the loader's
+pinned staging buffers (`pinned_buffer`, `upload_async`, `fence`: kerncc.runtime.loader) and
+are not waited for. Downloads can be taken later (`download_async`), so a chain of stages
+never waits for the host between items.
 """
 
 from __future__ import annotations
