@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from kerncc.diagnostics import KernccError
-from kerncc.runtime.backends.base import Backend
+from kerncc.runtime.backends.base import Backend, BackendError
 from kerncc.runtime.weights import Piece, Tensors, nonfinite_error
 
 JOB_BYTES = 16 << 20  # one thread's share at a time: the largest tensors split over threads
@@ -75,7 +75,7 @@ def _unsigned(dtype: np.dtype) -> np.dtype:
     return np.dtype(f"u{np.dtype(dtype).itemsize}")
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Target:
     """A buffer to fill: its planned pieces, laid at byte `offset` of `allocation`."""
 
@@ -91,7 +91,7 @@ class Target:
         return sum(p.nbytes for p in self.pieces)
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class _Job:
     """Units [start, stop) of one piece written at byte `offset` of its target (or, with no
     piece, elements [start, stop) of tensor `source` only checked)."""
@@ -234,6 +234,7 @@ class Loader:
         self._fences: list[Any] = []
         self._next = 0
         self._wanted = max(1, stages)
+        self._unstaged = False  # the backend had no pinned memory to give
         self._closed = False
 
     def __enter__(self) -> Loader:
@@ -341,14 +342,23 @@ class Loader:
     def _staging_ready(self, jobs: list[_Job]) -> bool:
         """Pinned staging buffers, made at the first load that needs them; False when the
         backend has none."""
-        if self._stages:
-            return True
-        for _ in range(self._wanted):
-            buffer = self.backend.pinned_buffer(self.stage_bytes)
-            if buffer is None:
-                return False
-            self._stages.append(buffer)
-            self._fences.append(None)
+        if self._stages or self._unstaged:
+            return bool(self._stages)
+        try:
+            for _ in range(self._wanted):
+                buffer = self.backend.pinned_buffer(self.stage_bytes)
+                if buffer is None:
+                    break
+                self._stages.append(buffer)
+        except BackendError:  # no page-locked memory to be had: slower, not refused
+            pass
+        if len(self._stages) < self._wanted:
+            stages, self._stages = self._stages, []
+            for buffer in stages:
+                self.backend.free_pinned(buffer)
+            self._unstaged = True  # not asked again at every derive source
+            return False
+        self._fences = [None] * len(self._stages)
         return True
 
     def _chunks(self, jobs: list[_Job]) -> Iterator[list[tuple[_Job, int]]]:

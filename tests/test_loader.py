@@ -24,7 +24,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.hf.importer import import_model
 from kerncc.runtime import Chain
 from kerncc.runtime import loader as loading
-from kerncc.runtime.backends.base import Geometry
+from kerncc.runtime.backends.base import BackendError, Geometry
 from kerncc.runtime.backends.cpu import CpuBackend
 from kerncc.runtime.memory import numpy_dtype
 from kerncc.runtime.session import Session
@@ -183,6 +183,21 @@ def test_a_load_without_threads_or_pinned_memory_loads_the_same_bytes(bundles, o
     monkeypatch.setattr(loading, "JOB_BYTES", 1000)
     monkeypatch.setattr(loading, "THREADS", 1)
     assert resident(Chain(bundles["quantized"], backend=Plain())) == old["quantized"]
+
+
+def test_a_backend_out_of_pinned_memory_loads_without_staging(bundles, old, monkeypatch):
+    class Short(LateCopies):  # the second staging buffer cannot be pinned
+        def pinned_buffer(self, nbytes):
+            if self.pinned:
+                raise BackendError("cuMemAllocHost failed: out of memory")
+            return super().pinned_buffer(nbytes)
+
+        def upload_async(self, allocation, offset, data):
+            raise AssertionError("no staged copy without every staging buffer")
+
+    backend = Short()
+    assert resident(Chain(bundles["bf16"], backend=backend)) == old["bf16"]
+    assert backend.freed == len(backend.pinned) == 1
 
 
 # ---------------------------------------------------------------------------------------------
