@@ -37,7 +37,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.runtime.backends.base import Backend, BackendError
 from kerncc.runtime.weights import Piece, Tensors, nonfinite_error
 
-JOB_BYTES = 16 << 20  # one thread's share at a time: the largest tensors split over threads
+JOB_BYTES = 8 << 20  # one thread's share at a time: a tensor or a source spreads over threads
 STAGE_BYTES = 128 << 20  # one pinned staging buffer (pinning costs time: 512 MB in all)
 STAGES = 4  # staging buffers: three filling while one is copied
 THREADS = max(1, min(8, os.cpu_count() or 1))

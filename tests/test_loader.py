@@ -54,8 +54,8 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
     for name, source, quantize in (("bf16", folder, None), ("fp8", fp8, None),
                                    ("quantized", folder, "fp8")):
         done = import_model(source, source / f"{name}.json", quantize=quantize, **LIMITS)
-        assert kerncc(["lower", str(done.path), "-p", "emit", "-o", str(root / f"bundle-{name}")]) == 0
         out[name] = root / f"bundle-{name}"
+        assert kerncc(["lower", str(done.path), "-p", "emit", "-o", str(out[name])]) == 0
     return out
 
 

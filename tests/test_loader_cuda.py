@@ -22,8 +22,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8", "quantized"])
 @pytest.mark.parametrize("staging", ["default", "small"])
-def test_a_cuda_load_puts_the_old_paths_bytes_on_the_device(bundles, old, kind, staging,  # noqa: F811
-                                                            monkeypatch):
+def test_a_cuda_load_puts_the_old_paths_bytes_on_the_device(  # noqa: F811 (fixtures)
+        bundles, old, kind, staging, monkeypatch):
     if staging == "small":
         monkeypatch.setattr(loading, "STAGE_BYTES", 64 << 10)
         monkeypatch.setattr(loading, "JOB_BYTES", 5000)
