@@ -1,20 +1,23 @@
 """An 8B model on one GPU (issue 43): import, lower, startup and batch-1 decode, bf16 and FP8,
 side by side in one run.
 
-    python bench/scale.py [--size 8b|tiny] [--backend cuda|cpu] [--out DIR] [--steps N]
+    python bench/scale.py [--size 8b|mid|tiny] [--backend cuda|cpu] [--out DIR] [--steps N]
                           [--prompt N] [--work DIR]
 
 `--size 8b` (the default, for a GPU machine with transformers and torch) builds a checkpoint in
 Qwen3-8B's exact shapes (36 layers, hidden 4096, 32/8 heads of 128, intermediate 12288, vocab
 151936, untied head) with random bf16 weights, written by transformers' `save_pretrained` in
 shards; `--size tiny` writes kerncc's tiny example instead (numpy, seconds) and runs on the
-cpu backend, so the script itself is tested in CI (tests/test_bench_scale.py). Then, timing
+cpu backend, so the script itself is tested in CI (tests/test_bench_scale.py); `--size mid`
+the example at 0.23 GB, on the cpu backend too (a load worth profiling). Then, timing
 each step:
   import   `kerncc import` of the folder as bf16, and with `--quantize fp8` (headers only);
   lower    each manifest whole (`emit`) and cut in two (`cut{stages=2},slice-derive,emit`);
   memory   the plan's peak and resident bytes per stage (kerncc.runtime.footprint);
   startup  bundle on disk to a loaded chain (weights read, derive and once programs run), and
-           to the first token of a 1-token prompt (graphs captured on the way);
+           to the first token of a 1-token prompt (graphs captured on the way), and where the
+           load went: waiting for the shards' reads, for the device's copies, the FP8
+           quantize (derive), the once programs, the rest, the first token (graphs);
   decode   ms/token at batch 1 after a `--prompt`-token prompt (greedy, `--steps` tokens,
            host included: the time between tokens), for bf16 whole, bf16 in 2 stages on the
            one device and FP8 whole, against the roofline of the bytes a step reads (every
@@ -52,7 +55,13 @@ SIZES = {  # import limits, token capacity of a chain, prompt and steps by defau
            "prompt": 512, "steps": 64},
     "tiny": {"max_tokens": 64, "max_seqs": 4, "max_context": 256, "capacity": 256,
              "prompt": 16, "steps": 4},
+    "mid": {"max_tokens": 256, "max_seqs": 4, "max_context": 512, "capacity": 512,
+            "prompt": 16, "steps": 4},
 }
+# --size mid: the example's shapes at 0.23 GB (4 layers, hidden 1024, vocab 32000), enough
+# bytes for a profile of loading on the cpu backend
+MID = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 4, "head_dim": 128,
+       "intermediate": 3072, "vocab": 32000}
 CUT = "cut{stages=2},slice-derive,emit"
 RESULTS: dict[str, Any] = {}
 ROWS: list[tuple[str, str, str]] = []
@@ -87,16 +96,23 @@ def write_8b(folder: Path) -> None:
         torch.cuda.empty_cache()
 
 
-def write_tiny(folder: Path) -> None:
+def write_example(folder: Path, size: str) -> None:
     from kerncc.example import generate
 
-    generate(folder, "tiny")
+    if size == "mid":
+        limits = {k: SIZES["mid"][k] for k in ("max_tokens", "max_seqs", "max_context")}
+        generate(folder, "small", **MID, **limits)
+    else:
+        generate(folder, "tiny")
     (folder / "model.json").unlink()  # imported below, as a Hugging Face folder
 
 
 def checkpoint(size: str, folder: Path) -> float:
     start = time.perf_counter()
-    (write_8b if size == "8b" else write_tiny)(folder)
+    if size == "8b":
+        write_8b(folder)
+    else:
+        write_example(folder, size)
     return time.perf_counter() - start
 
 
@@ -205,6 +221,7 @@ def decode(path: Path, backend: str, capacity: int, prompt: list[int],
 
     chain, load = timed(Chain, path, backend=backend, token_capacity=capacity)
     try:
+        split = load_split(chain, load)
         _, first = timed(serve_prompts, chain, [[1]], 1)
         stamps = Stamps()
         serve_prompts(chain, [prompt], steps + 1, listener=stamps)
@@ -212,7 +229,27 @@ def decode(path: Path, backend: str, capacity: int, prompt: list[int],
         chain.close()
         gc.collect()
     per_token = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-    return {"load_s": load, "first_token_s": load + first, "decode_ms": per_token * 1e3}
+    return {"load_s": load, "first_token_s": load + first, "decode_ms": per_token * 1e3,
+            "load_split": {**split, "first_token": first}}
+
+
+def load_split(chain: Any, load: float) -> dict[str, float]:
+    """Where a chain's load went, summed over its stages (Session.load_times): `read` and
+    `copy` are the time the loading thread waited for the shards' reads and for the device's
+    copies, `quantize` the derive programs less the sources streamed inside them, `once` the
+    once programs, `other` the rest (the bundle opened and checked, allocations, modules)."""
+    times: dict[str, float] = {}
+    for session in chain.sessions:
+        for key, value in session.load_times.items():
+            times[key] = times.get(key, 0.0) + value
+    split = {"read": times.get("load_read_wait_s", 0.0),
+             "copy": times.get("load_copy_wait_s", 0.0),
+             "quantize": max(0.0, times.get("derive", 0.0) - times.get("sources", 0.0)),
+             "once": times.get("once", 0.0)}
+    split["other"] = max(0.0, load - sum(split.values()))
+    split["bytes"] = times.get("load_bytes", 0.0)
+    split["fill_thread_s"] = times.get("load_fill_s", 0.0)
+    return split
 
 
 def decode_all(bundles: dict[str, Path], read: dict[str, int], backend: str, capacity: int,
@@ -225,6 +262,14 @@ def decode_all(bundles: dict[str, Path], read: dict[str, int], backend: str, cap
         RESULTS[name] = {**timing, "step_bytes": step_bytes, "roofline_ms": roofline_ms}
         row(f"startup {name}", "bundle to loaded chain / to first token, s",
             f"{timing['load_s']:.2f} / {timing['first_token_s']:.2f}")
+        split = timing["load_split"]
+        row(f"startup split {name}", "read / copy / quantize / once / other / first token "
+            "(graphs), s", " / ".join(f"{split[k]:.2f}" for k in
+                                      ("read", "copy", "quantize", "once", "other",
+                                       "first_token")))
+        row(f"startup stream {name}", "GB streamed, GB/s of the load, thread-s filling",
+            f"{split['bytes'] / 1e9:.2f}, {split['bytes'] / 1e9 / timing['load_s']:.1f}, "
+            f"{split['fill_thread_s']:.2f}")
         row(f"decode {name}", f"batch 1 after {prompt_len} tokens, ms/token (x roofline)",
             f"{timing['decode_ms']:.3f} ({timing['decode_ms'] / roofline_ms:.2f}x of "
             f"{roofline_ms:.3f})")
@@ -248,7 +293,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--size", choices=sorted(SIZES), default="8b",
                    help="8b: Qwen3-8B's shapes by transformers (a GPU machine); tiny: the tiny "
-                        "example on the cpu backend, in seconds")
+                        "example on the cpu backend, in seconds; mid: the example at 0.23 GB "
+                        "(a load worth profiling on the cpu backend)")
     p.add_argument("--backend", choices=("cuda", "cpu"),
                    help="default: cuda for 8b, cpu for tiny")
     p.add_argument("--out", type=Path, help="write results.json here")

@@ -1,9 +1,11 @@
 """Sessions: one stage of a bundle loaded on a backend and run; a Chain runs every stage.
 
 `Session(bundle, stage)` allocates the stage's memory from its plan (kerncc.runtime.memory),
-assembles weights from the checkpoint by `bind`, runs the `derive` programs inside loading with
-the staging plan (sources uploaded into their windows just before the first call that reads
-them, the staging freed after), runs the `once` programs, and then serves
+checks every weight's and derive source's `bind` against the checkpoint's headers, streams the
+weights to the device (kerncc.runtime.loader), runs the `derive` programs inside loading with
+the staging plan (sources streamed into their windows just before the first call that reads
+them, the staging freed after), runs the `once` programs (`load_times` says where the seconds
+went), and then serves
 `run(program, inputs, vars)`: host inputs written and domain-checked, the program's launches
 issued (through stage.py's generated functions when the stage has them, else by interpreting
 plan.json's launch records, `when` gates included), the outputs it writes handed back.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +39,8 @@ from kerncc.runtime.bundle import Bundle, Stage, bundle_error
 from kerncc.runtime.footprint import check_fits, stage_footprint
 from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
 from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype
-from kerncc.runtime.weights import CheckpointLike, assemble_buffer, open_checkpoint
+from kerncc.runtime.loader import Loader, Target
+from kerncc.runtime.weights import CheckpointLike, open_checkpoint, plan_buffer
 from kerncc.verify import verify
 
 HOST_WRITTEN = ("input", "inout")
@@ -140,9 +144,13 @@ class Session:
         self._writes: dict[str, list[str]] = {}  # program -> the buffers it hands back
         self._tensors = open_checkpoint(checkpoint if checkpoint is not None
                                          else self.bundle.checkpoint)
+        self._loader: Loader | None = None
+        self._sources: dict[str, Target] = {}
+        self.load_times: dict[str, float] = {}  # seconds by phase (bench/scale.py shows them)
         try:
             self._load(interpret)
         finally:
+            self._close_loader()
             self._close_checkpoint()
 
     def __repr__(self) -> str:
@@ -181,11 +189,21 @@ class Session:
         self._graph_vars = {name: sorted(set().union(*(s.vars_read() for s in sites)))
                             for name, sites in self.sites.items()}
         self._fast = {} if interpret else self._load_stage_py()
-        self._load_weights()
-        self._run_derive(derive)
+        self._timed("weights", self._load_weights)
+        self._timed("derive", self._run_derive, derive)
+        self._close_loader()
+        self._timed("once", self._run_once)
+
+    def _timed(self, phase: str, step: Callable, *args: Any) -> None:
+        started = time.perf_counter()
+        step(*args)
+        self.load_times[phase] = time.perf_counter() - started
+
+    def _run_once(self) -> None:
         for name in sorted((n for n, p in self.manifest.programs.items() if p.once),
                            key=str.encode):
             self._execute(name, self._vars({}))
+        self.backend.sync()  # the device's share of loading is counted here, not at a first run
 
     def _parse_sites(self) -> dict[str, list[Site]]:
         try:
@@ -230,23 +248,51 @@ class Session:
         return {name: fn for name, fn in programs.items() if name in self.sites}
 
     def _load_weights(self) -> None:
-        weights = [name for name, b in self.manifest.buffers.items() if b.kind == "weight"]
+        """Every weight streamed to the device (kerncc.runtime.loader), after every weight's
+        and every derive source's segments were checked against the checkpoint."""
+        weights = sorted((n for n, b in self.manifest.buffers.items() if b.kind == "weight"),
+                         key=str.encode)
+        if not weights and not self.memory.windows:
+            return
+        targets = [self._target(name, self.memory.buffer(name), 0) for name in weights]
+        self._sources = {name: self._target(name, self.memory.staging, int(window["offset"]))
+                         for name, window in self.memory.windows.items()}
+        self._loader = Loader(self.backend, self._require_checkpoint(),
+                              finite=not self.allow_nonfinite)
         label = f"stage {self.stage.index} weights"
-        for name in progress(sorted(weights, key=str.encode), label, unit="tensors"):
-            data = self._assemble(name)
-            self.backend.upload(self.memory.buffer(name), 0, data)
+        with progress(total=sum(t.nbytes for t in targets), label=label, unit="B") as bar:
+            self._stream(targets, bar.update)
 
-    def _assemble(self, name: str) -> np.ndarray:
-        buf = self.manifest.buffers[name]
-        tensors = self._require_checkpoint()
-        nbytes = buf.nbytes(self.manifest.vars_max())
+    def _stream(self, targets: list[Target], update: Callable[[int], None] | None = None
+                ) -> None:
         try:
-            return assemble_buffer(buf.bind, tensors, numpy_dtype(buf.dtype), nbytes,
-                                   where=f"/buffers/{name}/bind",
-                                   finite=not self.allow_nonfinite)
+            self._loader.load(targets, update)
         except KernccError as err:
             headline = f"{err.headline} (checkpoint: {self._checkpoint_name})"
             raise self.stage.located(KernccError(headline, err.diagnostics)) from None
+
+    def _target(self, name: str, allocation: Any, offset: int) -> Target:
+        """Buffer `name`'s bind segments checked against the checkpoint (headers only)."""
+        buf = self.manifest.buffers[name]
+        tensors = self._require_checkpoint()
+        nbytes = buf.nbytes(self.manifest.vars_max())
+        where = f"/buffers/{name}/bind"
+        dtype = numpy_dtype(buf.dtype)
+        try:
+            pieces = plan_buffer(buf.bind, tensors, dtype, nbytes, where=where)
+        except KernccError as err:
+            headline = f"{err.headline} (checkpoint: {self._checkpoint_name})"
+            raise self.stage.located(KernccError(headline, err.diagnostics)) from None
+        return Target(name, where, dtype, allocation, offset, tuple(pieces))
+
+    def _close_loader(self) -> None:
+        """Wait for the loader's copies and give its staging back (its times are kept)."""
+        if self._loader is None:
+            return
+        loader, self._loader = self._loader, None
+        loader.close()
+        for key, value in loader.stats.as_dict().items():
+            self.load_times[f"load_{key}"] = value
 
     def _require_checkpoint(self) -> Callable[[str], np.ndarray]:
         if self._tensors is None:
@@ -288,8 +334,12 @@ class Session:
             live = int(window["first"]) <= call <= int(window["last"])
             if not live or source in self._uploaded:
                 continue
-            self.backend.sync()  # the window's previous occupant has finished
-            self.backend.upload(self.memory.staging, int(window["offset"]), self._assemble(source))
+            # stream-ordered behind the window's previous occupant's launches (a synchronous
+            # backend has finished them)
+            started = time.perf_counter()
+            self._stream([self._sources[source]])
+            self.load_times["sources"] = self.load_times.get("sources", 0.0) + (
+                time.perf_counter() - started)
             self._uploaded.add(source)
 
     # ------------------------------------------------------------------------ running

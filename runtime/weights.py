@@ -36,7 +36,7 @@ class _SegmentError(Exception):
 
 
 @attrs.frozen
-class _Piece:
+class Piece:
     """One segment resolved: the arrays to copy and where they land in the buffer."""
 
     offset: int
@@ -44,6 +44,9 @@ class _Piece:
     whole: np.ndarray | None = None  # a (possibly strided) matrix copied as is
     pair: tuple[np.ndarray, np.ndarray] | None = None  # interleaved matrices
     block: int = 0  # rows per interleave block
+    segment: int = 0  # its index in the bind list
+    names: tuple[str, ...] = ()  # the tensors it reads
+    entire: bool = False  # it takes its tensors whole (a scan of its bytes scans them)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,15 +96,35 @@ def first_nonfinite(array: np.ndarray) -> tuple[tuple[int, ...], Any, int] | Non
     return index, flat[first], count
 
 
-def _check_finite(name: str, array: np.ndarray) -> None:
+def _nonfinite_text(name: str, array: np.ndarray) -> str | None:
     found = first_nonfinite(array)
     if found is None:
-        return
+        return None
     index, value, count = found
     more = f" (and {count - 1} more)" if count > 1 else ""
-    raise _SegmentError(f"tensor `{name}` holds {float(value)} at "
-                        f"[{', '.join(str(i) for i in index)}]{more}: weights must be finite "
-                        "(--allow-nonfinite loads them anyway)")
+    return (f"tensor `{name}` holds {float(value)} at [{', '.join(str(i) for i in index)}]"
+            f"{more}: weights must be finite (--allow-nonfinite loads them anyway)")
+
+
+def _check_finite(name: str, array: np.ndarray) -> None:
+    text = _nonfinite_text(name, array)
+    if text is not None:
+        raise _SegmentError(text)
+
+
+def nonfinite_error(pieces: Sequence[Piece], tensors: Tensors, where: str
+                    ) -> KernccError | None:
+    """The refusal `assemble_buffer` gives for a buffer of `pieces` whose tensors hold a NaN or
+    an infinity (each tensor searched whole, so the words are the same); None if none does."""
+    diagnostics = []
+    for piece in pieces:
+        for name in piece.names:
+            text = _nonfinite_text(name, np.asarray(tensors(name)))
+            if text is not None:
+                diagnostics.append(Diagnostic(f"bind[{piece.segment}]: {text}",
+                                              Location(f"{where}/{piece.segment}")))
+                break
+    return KernccError(_headline(where), diagnostics) if diagnostics else None
 
 
 def _finite(tensors: Tensors) -> Tensors:
@@ -175,21 +198,25 @@ def _interleaved(seg: Any, first: np.ndarray, tensors: Tensors, dtype: np.dtype,
     return a, b, block
 
 
-def _piece(seg: Any, offset: int, tensors: Tensors, dtype: np.dtype, rank: int) -> _Piece:
+def _piece(seg: Any, offset: int, tensors: Tensors, dtype: np.dtype, rank: int,
+           index: int) -> Piece:
     name = _pick(seg.tensor, rank, "tensor name")
     array = _load(tensors, name, dtype)
     if seg.interleave is not None:
         a, b, block = _interleaved(seg, array, tensors, dtype, rank, name)
-        return _Piece(offset, a.nbytes + b.nbytes, pair=(a, b), block=block)
+        other = _pick(seg.interleave.with_, rank, "tensor name")
+        return Piece(offset, a.nbytes + b.nbytes, pair=(a, b), block=block, segment=index,
+                      names=(name, other), entire=True)
     matrix = _sliced(seg, _matrix(array), rank, name)
-    return _Piece(offset, matrix.size * dtype.itemsize, whole=matrix)
+    return Piece(offset, matrix.size * dtype.itemsize, whole=matrix, segment=index,
+                  names=(name,), entire=matrix.size == array.size)
 
 
 # ---------------------------------------------------------------------------------------------
 # Laying pieces into the buffer
 
 
-def _write(out: np.ndarray, piece: _Piece, dtype: np.dtype) -> None:
+def _write(out: np.ndarray, piece: Piece, dtype: np.dtype) -> None:
     target = out[piece.offset:piece.offset + piece.nbytes].view(dtype)
     if piece.whole is not None:
         target.reshape(piece.whole.shape)[...] = piece.whole
@@ -209,13 +236,13 @@ def _buffer_name(where: str) -> str:
 
 
 def _plan(segments: Sequence[Any], tensors: Tensors, dtype: np.dtype, rank: int,
-          where: str) -> tuple[list[_Piece], list[Diagnostic]]:
-    pieces: list[_Piece] = []
+          where: str) -> tuple[list[Piece], list[Diagnostic]]:
+    pieces: list[Piece] = []
     diagnostics: list[Diagnostic] = []
     offset = 0
     for i, seg in enumerate(segments):
         try:
-            piece = _piece(seg, offset, tensors, dtype, rank)
+            piece = _piece(seg, offset, tensors, dtype, rank, i)
         except _SegmentError as exc:
             diagnostics.append(Diagnostic(f"bind[{i}]: {exc}", Location(f"{where}/{i}")))
             continue
@@ -239,20 +266,32 @@ def assemble_buffer(
     bind's JSON pointer (`/buffers/w_qkv/bind`), which errors extend with the segment index.
     With `finite`, a tensor holding a NaN or an infinity is refused at its segment.
     """
-    dtype = np.dtype(dtype)
     tensors = _finite(tensors) if finite else tensors
+    pieces = plan_buffer(segments, tensors, dtype, nbytes, rank, where)
+    out = np.empty(nbytes, dtype=np.uint8)
+    for piece in pieces:
+        _write(out, piece, np.dtype(dtype))
+    return out
+
+
+def plan_buffer(segments: Sequence[Any], tensors: Tensors, dtype: np.dtype, nbytes: int,
+                rank: int = 0, where: str = "") -> list[Piece]:
+    """The pieces `assemble_buffer` lays out, every segment checked (tensors present, dtypes,
+    ranges, shapes, the total) from the tensors' headers alone: no weight byte is read here
+    unless `tensors` reads it (the loader checks finiteness as it streams the bytes)."""
+    dtype = np.dtype(dtype)
     pieces, diagnostics = _plan(segments, tensors, dtype, rank, where)
-    headline = f"cannot assemble buffer `{_buffer_name(where)}` from its bind segments"
     if diagnostics:
-        raise KernccError(headline, diagnostics)
+        raise KernccError(_headline(where), diagnostics)
     total = sum(p.nbytes for p in pieces)
     if total != nbytes:
         message = f"bind segments hold {total} bytes, but the buffer has {nbytes}"
-        raise KernccError(headline, [Diagnostic(message, Location(where))])
-    out = np.empty(nbytes, dtype=np.uint8)
-    for piece in pieces:
-        _write(out, piece, dtype)
-    return out
+        raise KernccError(_headline(where), [Diagnostic(message, Location(where))])
+    return pieces
+
+
+def _headline(where: str) -> str:
+    return f"cannot assemble buffer `{_buffer_name(where)}` from its bind segments"
 
 
 # ---------------------------------------------------------------------------------------------

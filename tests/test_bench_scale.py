@@ -33,6 +33,7 @@ def test_tiny_runs_on_the_cpu_backend(tmp_path, capsys):
                        str(tmp_path)]) == 0
     table = capsys.readouterr().out
     for name in ("import fp8", "lower bf16 2 stages", "memory fp8 whole", "startup bf16 whole",
+                 "startup split fp8 whole", "startup stream bf16 2 stages",
                  "decode bf16 2 stages", "decode fp8 whole", "fp8 / bf16"):
         assert name in table
     results = json.loads((tmp_path / "results.json").read_text())["results"]
@@ -40,6 +41,10 @@ def test_tiny_runs_on_the_cpu_backend(tmp_path, capsys):
     assert fp8["step_bytes"] < bf16["step_bytes"]  # FP8 linears: fewer bytes a step
     assert bf16["decode_ms"] > 0 and results["fp8_over_bf16"] > 0
     assert bf16["first_token_s"] >= bf16["load_s"] > 0
+    for timing in (bf16, fp8):  # the load's split adds up to no more than the load
+        split = timing["load_split"]
+        parts = sum(split[k] for k in ("read", "copy", "quantize", "once", "other"))
+        assert split["bytes"] > 0 and abs(parts - timing["load_s"]) < 1e-6
 
 
 def test_bad_counts_are_usage_errors(capsys):

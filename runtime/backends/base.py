@@ -80,6 +80,31 @@ class Backend(abc.ABC):
         """Copy bytes between two allocations of this backend."""
         self.upload(target, target_offset, self.download(source, source_offset, nbytes))
 
+    # ---- loading weights (kerncc.runtime.loader): in place, or staged in pinned memory ----
+
+    def host_view(self, allocation: Any, offset: int, nbytes: int) -> np.ndarray | None:
+        """A writable uint8 view of `nbytes` bytes at `offset` when the allocation is host
+        memory (cpu), which a loader fills in place; None when it is not."""
+        return None
+
+    def pinned_buffer(self, nbytes: int) -> np.ndarray | None:
+        """A host buffer (uint8) that `upload_async` copies from while the host goes on
+        (page-locked on cuda), given back with `free_pinned`; None when the backend has none."""
+        return None
+
+    def free_pinned(self, buffer: np.ndarray) -> None:
+        """Give back a buffer of `pinned_buffer` (every copy from it has passed a fence)."""
+
+    def upload_async(self, allocation: Any, offset: int, data: np.ndarray) -> None:
+        """Write `data` (uint8, inside a `pinned_buffer`) at byte `offset` in the order of the
+        backend's work, without waiting: `data` must stay as it is until a `fence()` recorded
+        after this call has passed."""
+        self.upload(allocation, offset, data)
+
+    def fence(self) -> Any:
+        """A point behind everything issued so far: `fence().sync()` waits until it passed."""
+        return Passed()
+
     def add_modules(self, cubins: Mapping[str, Path]) -> None:
         """Learn where the cubins of a stage are: {module sha256: file} (cpu: not needed)."""
 
@@ -178,6 +203,13 @@ class Backend(abc.ABC):
     @staticmethod
     def elapsed_ms(start: Any, end: Any) -> float:
         return (end - start) * 1e3
+
+
+class Passed:
+    """A fence of a synchronous backend: everything before it is done."""
+
+    def sync(self) -> None:
+        pass
 
 
 class Ready:

@@ -35,6 +35,12 @@ class CpuBackend(Backend):
     def upload(self, allocation: np.ndarray, offset: int, data: np.ndarray) -> None:
         allocation[offset:offset + data.size] = data
 
+    def host_view(self, allocation: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
+        if offset < 0 or offset + nbytes > allocation.size:
+            raise BackendError(f"writing {nbytes} bytes at {offset} overruns an allocation of "
+                               f"{allocation.size} bytes")
+        return allocation[offset:offset + nbytes]
+
     def download(self, allocation: np.ndarray, offset: int, nbytes: int) -> np.ndarray:
         return allocation[offset:offset + nbytes].copy()
 

@@ -26,8 +26,10 @@ in the same order). `KERNCC_PDL=0` turns it off.
 Every driver call is checked (cuda.bindings returns its CUresult; it does not raise) and a
 failure is a `BackendError` naming the call; the Session adds program, call, op and launch.
 Host-to-device copies are stream-ordered: small ones go through a ring of pinned slots, big
-ones (weights at load) wait for the stream and copy synchronously. Downloads can be taken
-later (`download_async`), so a chain of stages never waits for the host between items.
+ones wait for the stream and copy synchronously; weights at load come through the loader's
+pinned staging buffers (`pinned_buffer`, `upload_async`, `fence`: kerncc.runtime.loader) and
+are not waited for. Downloads can be taken later (`download_async`), so a chain of stages
+never waits for the host between items.
 """
 
 from __future__ import annotations
@@ -368,6 +370,39 @@ class CudaBackend(Backend):
               "cuMemcpyHtoDAsync")
         self.stream.record(self._slot_events[i])
         self._slot_used[i] = True
+
+    def pinned_buffer(self, nbytes: int) -> np.ndarray:
+        """Page-locked host memory for the loader's staging (kerncc.runtime.loader)."""
+        self.activate()
+        host = self._pinned(int(nbytes))
+        return np.ctypeslib.as_array((ctypes.c_uint8 * int(nbytes)).from_address(host))
+
+    def free_pinned(self, buffer: np.ndarray) -> None:
+        host = int(buffer.ctypes.data)
+        if self.closed or host not in self._pinned_all:
+            return  # close gave it back already
+        self.activate()
+        self._pinned_all.remove(host)
+        check(cu.cuMemFreeHost(host), "cuMemFreeHost")
+
+    def upload_async(self, allocation: Allocation, offset: int, data: np.ndarray) -> None:
+        """A host-to-device copy from pinned `data` on the stream, not waited for."""
+        self.activate()
+        self.after_kernel = False
+        n = int(data.size)
+        if n == 0:
+            return
+        if offset < 0 or offset + n > allocation.nbytes:
+            raise BackendError(f"writing {n} bytes at {offset} overruns an allocation of "
+                               f"{allocation.nbytes} bytes")
+        check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(allocation.ptr + offset), data.ctypes.data,
+                                   n, self.stream_handle), "cuMemcpyHtoDAsync")
+
+    def fence(self) -> Any:
+        """An event recorded on the stream now (`sync()` waits for it)."""
+        self.activate()
+        self.after_kernel = False
+        return self.stream.record()
 
     def download(self, allocation: Allocation, offset: int, nbytes: int) -> np.ndarray:
         return self.download_async(allocation, offset, nbytes).result()
