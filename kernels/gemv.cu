@@ -1,4 +1,4 @@
-// Decode-shaped GEMMs: C[m, n] (=, += or f32 =) A[m, k] . W[n, k]^T for m <= 32, bf16 in,
+// Decode-shaped GEMMs: C[m, n] (=, += or f32 =) A[m, k] . W[n, k]^T for m <= 8, bf16 in,
 // f32 accumulate. The cuda backend uses these for the GEMM externs (kernels/reference.py's
 // cublaslt_bf16_tn, cublaslt_bf16_tn_acc, cublas_bf16_tn_f32) when m is small; their numpy
 // references are the externs' own: bf16(f32(A) @ f32(W)^T), one rounding (+ f32(C) first when
@@ -23,7 +23,37 @@
 //
 // Needs k % 8 == 0 and A, W, C 16-byte aligned (the backend checks and falls back to cuBLAS).
 // Grid: ceil(n / 16) blocks of 32 * WARPS threads.
-#include "gemv.cuh"
+#include "common.cuh"
+
+// The primitives: a 16-byte weight load streamed past L1, the bf16 tensor-core product
+// m16n8k16 accumulating in f32, and one k chunk of a tile as two such products.
+__device__ __forceinline__ uint4 load_stream(const bf16* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void mma_16816(float* d, uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One 32-wide k chunk of a 16-row tile of W (lane t's 16-byte loads `lo` and `hi`: rows g and
+// g + 8) against MB blocks of 8 activation rows (`act`, the same lane's 16 bytes of each).
+template <int MB>
+__device__ __forceinline__ void chunk_mma(float (&acc)[MB][4], const uint4& lo, const uint4& hi,
+                                          const uint4 (&act)[MB]) {
+#pragma unroll
+  for (int j = 0; j < MB; ++j) {
+    mma_16816(acc[j], lo.x, hi.x, lo.y, hi.y, act[j].x, act[j].y);
+    mma_16816(acc[j], lo.z, hi.z, lo.w, hi.w, act[j].z, act[j].w);
+  }
+}
 
 // WARPS and UNROLL are template parameters: 16 warps (`_w16`) put twice the bytes in flight
 // per multiprocessor, which the few-tile shapes (n = 2048: 128 blocks) need. Measured on an
@@ -170,30 +200,13 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
   }
 }
 
-// gemv_bf16_tn_mb<MB>[_w<WARPS>][_u<UNROLL>]: m <= 8 * MB rows of A; 32 * WARPS threads.
+// gemv_bf16_tn_mb1[_w16]: m <= 8 rows of A; 32 * 8 (or 16) threads. Larger m goes to cuBLAS:
+// tiles of 2-4 activation blocks (m 16-32) never came within 18% of it (docs/design-notes.md).
 extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb1(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
   gemv_tile<1, 8, 4>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<2, 8, 4>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb3(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<3, 8, 4>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<4, 8, 4>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(512)
     gemv_bf16_tn_mb1_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
