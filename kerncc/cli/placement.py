@@ -1,11 +1,12 @@
 """The placement flags of `kerncc run` and `kerncc serve`: where the stages run.
 
-`add_arguments(parser)` adds `--backend`, `--devices`, `--placement thread|process|ray` (default thread: every stage in
-this process), `--transport`, `--stage-timeout` and `--ray-address`; `make(args, bundle,
-**chain_options)` builds the runner they ask for through kerncc.runtime.placement.make_runner.
-A flag the chosen placement does not read, or --devices without cuda, is a usage error (`unread`, which kerncc.cli.main
-calls after parsing): the thread placement has no links and no stage processes, and only Ray
-joins a cluster.
+`add_arguments(parser)` adds `--backend`, `--devices`, `--placement thread|process|ray`
+(default thread: every stage in this process), `--transport`, `--stage-timeout` and
+`--ray-address`; `make(args, bundle, **chain_options)` builds the runner they ask for through
+kerncc.runtime.placement.make_runner. A flag the chosen placement does not read, or --devices
+without the cuda backend, is a usage error (`unread`, which kerncc.cli.main calls after
+parsing): the thread placement has no links and no stage processes, and only Ray joins a
+cluster.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 When A has a handful of rows (the decode step's GEMMs) a GEMM is a stream over W, and at the
 example model's smaller shapes (n = 2048: 128 tiles for 132 multiprocessors) cuBLAS's kernels
 reach 1.1-2.1 TB/s of the H200's 4.2 (docs/benchmarks.md). The cuda backend hands such
-launches of the three GEMM externs to `gemv_bf16_tn_mb1[_w16]` instead: the same function (kernels/reference.py's `cublaslt_bf16_tn`, `..._acc`,
-`cublas_bf16_tn_f32`: f32 accumulation, one rounding), summed in a fixed order, so results are
-reproducible bit for bit and whole = stages holds as it does with cuBLAS. Which path a launch
+launches of the three GEMM externs to `gemv_bf16_tn_mb1[_w16]` instead: the same function
+(kernels/reference.py's `cublaslt_bf16_tn`, `..._acc`, `cublas_bf16_tn_f32`: f32 accumulation,
+one rounding), summed in a fixed order, so results are reproducible bit for bit and whole =
+stages holds as it does with cuBLAS. Which path a launch
 takes depends only on its shape (m, n, k) and its pointers' alignment, never on timing.
 
 `MAX_M` (`KERNCC_GEMV_MAX_M`, default 8, the most they take; 0 turns the kernels off) is the

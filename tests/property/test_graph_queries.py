@@ -1,9 +1,9 @@
 """The dataflow graph's queries equal the list scans they replaced (ARCHITECTURE §3).
 
-On random manifests (tests/random_manifests.py, with and without partial writes) the cut's crossing sets
-at every call index, the region owners and conflicts, and the once/derive slices are the same
-whether asked of the graph (kerncc.analysis.dataflow) or computed by the old scans
-(scan_oracles.py). The partial-write edge has its own example: `once: full(a); half(a@256)`
+On random manifests (tests/random_manifests.py, with and without partial writes) the cut's
+crossing sets at every call index, the region owners and conflicts, and the once/derive slices
+are the same whether asked of the graph (kerncc.analysis.dataflow) or computed by the old
+scans (scan_oracles.py). The partial-write edge has its own example: `once: full(a); half(a@256)`
 feeding `use(a)` keeps both producers.
 """
 
