@@ -6,7 +6,7 @@ bf16 weights on the device, plain functions over plain tensors, `F.linear` matmu
 `F.scaled_dot_product_attention` (grouped-query via `enable_gqa`), no torch.compile and no
 CUDA graphs, everything under `torch.inference_mode()`.
 
-The math is kerncc.example.oracle's (HF `Qwen3ForCausalLM`): bf16 rounding after every linear,
+The math is tests/oracle.py's (HF `Qwen3ForCausalLM`): bf16 rounding after every linear,
 norm, rope, activation and residual add; RMS norms in f32; q/k norms per head; neox rope with
 cos/sin built by HF's f32 recipe and applied in f32; SiLU-gated MLP; the final norm's f32
 weight rounded to bf16; logits f32 from rows [0, vocab) of the padded lm_head. One place

@@ -5,7 +5,7 @@ KERNCC_BACKEND   default runtime backend (`cpu` or `cuda`), `cpu` unless set
 KERNCC_NO_PROGRESS=1   never draw progress bars (kerncc.progress), even on a terminal
 The cuda backend's (docs/runtime.md), read when its modules load:
 KERNCC_PDL=0     no programmatic dependent launch in CUDA graphs (1, the default: on)
-KERNCC_GEMV_MAX_M=N   the largest m kerncc's GEMV kernels take, 0 to 32 (default 8; 0: cuBLAS)
+KERNCC_GEMV_MAX_M=N   the largest m kerncc's GEMV kernels take, 0 to 8 (default 8; 0: cuBLAS)
 KERNCC_INVARIANT=0   a measurement switch for the benches' A/B, not a mode to serve with: the
                  GEMMs as before batch-invariance (cuBLAS picks a kernel by m, so a row's bits
                  depend on the batch); 1, the default: every GEMM row-invariant (docs/runtime.md)
@@ -52,9 +52,9 @@ def pdl() -> bool:
 
 def gemv_max_m() -> int:
     value = os.environ.get("KERNCC_GEMV_MAX_M", "8").strip()
-    if not value.isdigit() or int(value) > 32:
+    if not value.isdigit() or int(value) > 8:
         raise KernccError.single(f"KERNCC_GEMV_MAX_M={value!r}: expected a whole number from "
-                                 "0 to 32")
+                                 "0 to 8")
     return int(value)
 
 

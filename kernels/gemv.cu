@@ -214,24 +214,6 @@ extern "C" __global__ void __launch_bounds__(256)
   pdl_begin();
   gemv_tile<1, 1, 8, 4>(a, w, c, m, n, k, mode);
 }
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<2, 1, 8, 4>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb3(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<3, 1, 8, 4>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<4, 1, 8, 4>(a, w, c, m, n, k, mode);
-}
 extern "C" __global__ void __launch_bounds__(512)
     gemv_bf16_tn_mb1_w16(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {

@@ -362,7 +362,7 @@ GEMV_MODES = (cublaslt_bf16_tn, cublaslt_bf16_tn_acc, cublas_bf16_tn_f32)  # gem
 
 
 def gemv_bf16_tn(launch: Any, a, w, c, m, n, k, mode) -> None:
-    """kernels/gemv.cu's gemv_bf16_tn_mb{1..4}[_w16][_t2|_t3] (any m: blocks of 8 * MB rows): the
+    """kernels/gemv.cu's gemv_bf16_tn_mb{1..4}[_w16][_t2|_t3] (the entries that exist) (any m: blocks of 8 * MB rows): the
     extern `mode` names (0 bf16, 1 bf16 accumulating, 2 f32), the same function summed in a
     fixed order."""
     if not 0 <= mode < len(GEMV_MODES):
@@ -404,8 +404,7 @@ KERNELS: dict[str, Callable[..., None]] = {
         rope_table_llama3_f32,
     )
 }
-GEMV_ENTRIES = ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb2", "gemv_bf16_tn_mb3", "gemv_bf16_tn_mb4",
-                "gemv_bf16_tn_mb2_t2", "gemv_bf16_tn_mb4_t2", "gemv_bf16_tn_mb4_t3",
+GEMV_ENTRIES = ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb2_t2", "gemv_bf16_tn_mb4_t2", "gemv_bf16_tn_mb4_t3",
                 "gemv_bf16_tn_mb1_w16", "gemv_bf16_tn_mb2_w16_t2", "gemv_bf16_tn_mb3_w16_t2")  # gemv.cu: one function
 KERNELS.update({name: _int_scalars(gemv_bf16_tn) for name in GEMV_ENTRIES})
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -177,7 +177,7 @@ class Chain:
                 if close is not None:
                     close()
 
-    def __enter__(self) -> Chain:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -436,7 +436,7 @@ def test_the_floor_plan_test_says_which_row_to_change_and_how() -> None:
         "in its job cell (a module of runtime/)",
         f"docs/architecture.md:{runtime}, row `runtime/` (`kerncc.runtime`): drop `gone.py` "
         "from its job cell (runtime/ has no such module)"]
-    text = text.replace("| `kerncc/testing.py` |", "| testing |")
+    text = text.replace("| `kerncc/progress.py` |", "| progress |")
     assert floor_plan_problems(text, graph)[0] == (
-        "`kerncc/testing.py` is in no row: add a row `kerncc/testing.py` | its job | config |, "
+        "`kerncc/progress.py` is in no row: add a row `kerncc/progress.py` | its job | config |, "
         "or name it in a row's first cell")

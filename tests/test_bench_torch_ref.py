@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from bench.torch_ref import TorchQwen
 
 from kerncc.example import generate
-from kerncc.example.oracle import Oracle
+from tests.oracle import Oracle
 
 LENGTHS = (1, 2, 7, 16, 17, 40, 100)  # across the 16-slot pages kerncc uses, and one row
 TOLERANCE = 0.03  # of the largest |logit|; seen: 0.012 at most

@@ -31,7 +31,7 @@ from kerncc.lower import lower as lower_file
 from kerncc.lower import run_lowering, with_output
 from kerncc.pipeline import resolve_pipeline, run_pipeline
 from kerncc.runtime import Bundle
-from kerncc.testing import Xorshift, random_manifest
+from tests.random_manifests import Xorshift, random_manifest
 from kerncc.verify import verify
 
 GOLDEN_MODEL = Path(__file__).resolve().parent.parent / "golden" / "bundles" / "cut-two"

@@ -21,7 +21,7 @@ from kerncc.kernels import library
 from kerncc.kernels.reference import EXTERNS, KERNELS
 
 from kerncc.example import generate, make_config
-from kerncc.example.oracle import Oracle
+from tests.oracle import Oracle
 from kerncc.example.qwen import LAYER_CALLS
 from kerncc.checkpoint.safetensors import load_file
 

@@ -2,11 +2,11 @@
 
 Every case draws fresh random non-zero inputs, poisons C (NaN) where the kernel only writes
 and fills it with random values where it accumulates, and leaves a poisoned guard after C that
-must stay untouched. Shapes cover each of the four kernels (m up to 8, 16, 24, 32), n that is
+must stay untouched. Shapes cover m from 1 to 8 (the most the kernels take), n that is
 not a multiple of the 16-row tile, k that is not a multiple of the 32-wide chunk, and the
 model's own sizes; each result must match the reference within bf16 rounding, equal itself
 bit for bit on a second launch, and agree with cuBLAS on the same launch within the same
-tolerance. Launches that the kernels must not take (m > 32, k % 8 != 0, a misaligned pointer)
+tolerance. Launches that the kernels must not take (m > 8, k % 8 != 0, a misaligned pointer)
 go to cuBLAS.
 """
 
@@ -26,9 +26,9 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 GUARD = 64  # bytes of poison after C
 EXTERN_NAMES = ("cublaslt_bf16_tn", "cublaslt_bf16_tn_acc", "cublas_bf16_tn_f32")
 SHAPES = [  # (m, n, k)
-    (1, 16, 32), (1, 40, 8), (1, 2048, 2048), (3, 100, 72), (8, 64, 2048), (9, 48, 40),
-    (16, 4096, 2048), (17, 33, 6144), (24, 80, 264), (31, 2048, 6144), (32, 12288, 2048),
-    (32, 17, 16), (5, 32000, 2048),
+    (1, 16, 32), (1, 40, 8), (1, 2048, 2048), (3, 100, 72), (8, 64, 2048), (7, 48, 40),
+    (6, 4096, 2048), (4, 33, 6144), (2, 80, 264), (7, 2048, 6144), (8, 12288, 2048),
+    (8, 17, 16), (5, 32000, 2048),
 ]
 
 
@@ -38,7 +38,7 @@ def backend():
     from kerncc.runtime.backends.cuda import CudaBackend
 
     saved = gemv.MAX_M, gemv.CUBLAS_MIN_N
-    gemv.MAX_M, gemv.CUBLAS_MIN_N = 32, 1 << 30  # every size the kernels can take
+    gemv.MAX_M, gemv.CUBLAS_MIN_N = 8, 1 << 30  # every size the kernels can take
     yield CudaBackend(0)
     gemv.MAX_M, gemv.CUBLAS_MIN_N = saved
 
@@ -186,8 +186,8 @@ def test_each_variant_for_m_up_to_8_matches_the_reference(backend, entry, name, 
 def test_shapes_the_kernels_refuse_go_to_cublas(backend):
     from kerncc.runtime.backends import gemv
 
-    assert gemv.usable(32, 64, 64, 0, 0, 0)
-    assert not gemv.usable(33, 64, 64, 0, 0, 0)  # m > 32
+    assert gemv.usable(8, 64, 64, 0, 0, 0)
+    assert not gemv.usable(9, 64, 64, 0, 0, 0)  # m > 8
     assert not gemv.usable(4, 64, 60, 0, 0, 0)  # k % 8 != 0
     assert not gemv.usable(4, 64, 64, 2, 0, 0)  # A not 16-byte aligned
     assert not gemv.usable(4, 64, 64, 0, 0, 8)
@@ -200,11 +200,11 @@ def test_shapes_the_kernels_refuse_go_to_cublas(backend):
 
 
 @pytest.mark.parametrize("name", EXTERN_NAMES)
-@pytest.mark.parametrize("shape", [(1, 40, 64), (32, 48, 64), (33, 48, 64), (4, 40, 60),
+@pytest.mark.parametrize("shape", [(1, 40, 64), (8, 48, 64), (9, 48, 64), (4, 40, 60),
                                    (4, 40, 64, 2)], ids=str)
 def test_the_extern_site_takes_the_right_path_and_stays_right(backend, name, shape):
     """Through the backend's own extern launch site (m a var, as in a manifest): the kernels
-    take m <= 32; m > 32, k % 8 != 0 and a misaligned A go to cuBLAS; the result matches the
+    take m <= 8; m > 8, k % 8 != 0 and a misaligned A go to cuBLAS; the result matches the
     reference either way."""
     from kerncc.runtime.backends import gemv
     from kerncc.runtime.launch import Site, VarScalar
@@ -226,8 +226,8 @@ def test_the_extern_site_takes_the_right_path_and_stays_right(backend, name, sha
             got = case.run(lambda *_: launcher((1, 1, 1), 0, (m,)))
         finally:
             gemv.GemvSite.__call__ = original
-        assert bool(calls) == gemv.usable(m, n, k, a, w, c) == (m <= 32 and k % 8 == 0
-                                                                 and shift == 0)
+        assert bool(calls) == gemv.usable(m, n, k, a, w, c) == (m <= 8 and k % 8 == 0
+                                                                and shift == 0)
         close(name, got, case.expected(), m, n, cublas=not calls)
     finally:
         case.free()

@@ -24,7 +24,7 @@ from kerncc.runtime.model_runner import ModelRunner
 from kerncc.runtime.sampling import SamplingParams
 from kerncc.runtime.session import Session
 from kerncc.serve.engine import Config, Engine
-from kerncc.testing import examples
+from tests.random_manifests import examples
 from reference_loop import Generation, alone
 
 PROMPTS = [[5], [5, 6, 7], list(range(1, 40)), [(i * 37) % 250 + 1 for i in range(70)]]

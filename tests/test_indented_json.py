@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kerncc.manifest.writer import indented_json
-from kerncc.testing import examples
+from tests.random_manifests import examples
 
 SCALARS = (st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True)
            | st.text(max_size=8))

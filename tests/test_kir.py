@@ -15,7 +15,7 @@ from kerncc.manifest import reader
 from kerncc import manifest as m
 from kerncc.diagnostics import KernccError
 from kerncc.kir.parse import DECLARATIONS, FLAGS, keywords
-from kerncc.testing import examples
+from tests.random_manifests import examples
 
 ROOT = Path(__file__).resolve().parents[1]
 

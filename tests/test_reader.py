@@ -16,7 +16,7 @@ from kerncc import manifest as m
 from kerncc.manifest import writer
 from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
-from kerncc.testing import Xorshift, examples, random_manifest
+from tests.random_manifests import Xorshift, examples, random_manifest
 
 ROOT = Path(__file__).resolve().parent.parent
 MINIMAL = json.loads((ROOT / "examples" / "minimal.json").read_text())

@@ -3,7 +3,7 @@
 The gate of spec §6.4 in miniature: for 7 prompts (1 to 2x the chunk rows) and two chunk
 sizes, chunked prefill then greedy decode gives bitwise equal logits (every step) and tokens
 from the whole manifest and from its cut bundles on the cpu backend; and the whole agrees with
-the independent numpy oracle (kerncc.example.oracle) within bf16 tolerance. Also the README's
+the independent numpy oracle (tests/oracle.py) within bf16 tolerance. Also the README's
 main command, from a shell.
 """
 
@@ -21,7 +21,7 @@ import pytest
 from kerncc.lower import lower_to_bundle
 from kerncc.cli.main import main
 from kerncc.example import generate
-from kerncc.example.oracle import Oracle
+from tests.oracle import Oracle
 from kerncc.runtime import Bundle, Chain
 from reference_loop import alone
 

@@ -27,7 +27,7 @@ from reference_loop import Generation, reference
 from kerncc.runtime.sampling import SamplingParams
 from kerncc.serve import sampling_hook
 from kerncc.serve.engine import Config, Engine, QueueFull, Request
-from kerncc.testing import examples
+from tests.random_manifests import examples
 
 VOCAB = 256
 TICKS = 3000  # far more than any load here needs: a loop that does not drain is a bug

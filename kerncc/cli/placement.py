@@ -1,11 +1,12 @@
-"""The placement flags of `kerncc run` (and `kerncc serve`): where the stages run.
+"""The placement flags of `kerncc run` and `kerncc serve`: where the stages run.
 
-`add_arguments(parser)` adds `--placement thread|process|ray` (default thread: every stage in
-this process), `--transport`, `--stage-timeout` and `--ray-address`; `make(args, bundle,
-**chain_options)` builds the runner they ask for through kerncc.runtime.placement.make_runner.
-A flag the chosen placement does not read is a usage error (`unread`, which kerncc.cli.main
-calls after parsing): the thread placement has no links and no stage processes, and only Ray
-joins a cluster.
+`add_arguments(parser)` adds `--backend`, `--devices`, `--placement thread|process|ray`
+(default thread: every stage in this process), `--transport`, `--stage-timeout` and
+`--ray-address`; `make(args, bundle, **chain_options)` builds the runner they ask for through
+kerncc.runtime.placement.make_runner. A flag the chosen placement does not read, or --devices
+without the cuda backend, is a usage error (`unread`, which kerncc.cli.main calls after
+parsing): the thread placement has no links and no stage processes, and only Ray joins a
+cluster.
 """
 
 from __future__ import annotations
@@ -13,12 +14,18 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kerncc.cli.args import positive_seconds
+from kerncc import config
+from kerncc.cli.args import devices, positive_seconds
 
 PLACEMENTS = ("thread", "process", "ray")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
+                   help="where the kernels run (default: $KERNCC_BACKEND, else cpu; now "
+                   f"{config.default_backend()})")
+    p.add_argument("--devices", type=devices, metavar="0,1",
+                   help="GPUs to spread the stages over, in order (cuda backend)")
     p.add_argument("--placement", choices=PLACEMENTS, default="thread",
                    help="where the stages run: all in this process (thread, the default), each "
                    "in its own process on this host (process), or as Ray actors (ray)")
@@ -45,10 +52,12 @@ FLAGS = {"transport": "--transport", "stage_timeout": "--stage-timeout",
 
 
 def unread(args: argparse.Namespace) -> str | None:
-    """The usage error of placement flags given that the chosen placement does not read."""
+    """The usage error of placement flags given that the chosen placement does not read, and
+    of --devices without the cuda backend."""
     placement = getattr(args, "placement", "thread")
     read = READ_BY.get(placement, {})
-    problems = []
+    cuda = args.backend == "cuda"
+    problems = [] if cuda or not args.devices else ["--devices needs --backend cuda"]
     for dest, flag in FLAGS.items():
         if getattr(args, dest, None) is None or dest in read:
             continue

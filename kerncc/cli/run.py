@@ -23,7 +23,7 @@ from kerncc import config
 from kerncc.atomic import write_atomic
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import (devices, limit_flags, no_stdin, number, open_run_target,
+from kerncc.cli.args import (limit_flags, no_stdin, number, open_run_target,
                              positive, prompt_conflict, token_ids)
 
 if TYPE_CHECKING:  # numpy loads only when a command runs: `kerncc --help` stays fast
@@ -162,7 +162,7 @@ def conflicts(args: argparse.Namespace) -> str | None:
     command line leaves unread (kerncc.cli.main.parse: exit 2 with run's usage, before
     anything loads), the placement flags' among them."""
     several = args.prompt is not None and len(args.prompt) > 1
-    problems = [prompt_conflict(args), devices_conflict(args), placement.unread(args),
+    problems = [prompt_conflict(args), placement.unread(args),
                 _several_conflict(args) if several else None]
     # sampling values out of range are bad input, said as such by the run (exit 1)
     if _valid_sampling(args):
@@ -198,13 +198,6 @@ def _sampling_flags(args: argparse.Namespace) -> str:
     return ", ".join(f"{flag} {value}" for flag, value, off in (
         ("--top-k", args.top_k, 0), ("--top-p", args.top_p, 1.0), ("--seed", args.seed, None))
         if value != off)
-
-
-def devices_conflict(args: argparse.Namespace) -> str | None:
-    """--devices without the cuda backend (`kerncc run` and `kerncc serve`)."""
-    if args.devices and args.backend != "cuda":
-        return "--devices needs --backend cuda"
-    return None
 
 
 def _several_conflict(args: argparse.Namespace) -> str | None:
@@ -440,9 +433,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(command_parser=p)  # usage errors print run's usage (kerncc.cli.main.parse)
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST", type=no_stdin(TARGET_NOT_STDIN),
                    help="a bundle directory (kerncc lower ... -p ...,emit) or a manifest file")
-    p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
-                   help="where the kernels run (default: $KERNCC_BACKEND, else cpu; now "
-                   f"{config.default_backend()})")
     p.add_argument("--prompt", type=token_ids, required=True, action="append",
                    help="token ids, e.g. 1,2,3; several --prompt are served together, one "
                    "output line each")
@@ -456,8 +446,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "with --max-new 4: 5 rows, the first the chunk 1,2's)")
     p.add_argument("--pipeline",
                    help="passes lowering a manifest target (default: emit)")
-    p.add_argument("--devices", type=devices, metavar="0,1",
-                   help="GPUs to spread the stages over, in order (cuda backend)")
     p.add_argument("--graphs", choices=("auto", "marked", "off"), default="auto",
                    help="CUDA graphs: for `graph` programs and repeated chunk sizes (auto, the "
                    "default), for `graph` programs only (marked), or none (off)")

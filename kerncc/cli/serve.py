@@ -19,10 +19,10 @@ from typing import Any
 from kerncc import config
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
-from kerncc.cli.args import devices, limit_flags, no_stdin, non_negative, open_run_target, \
-    port, positive, seconds
+from kerncc.cli.args import limit_flags, no_stdin, non_negative, open_run_target, port, \
+    positive, seconds
 from kerncc.cli.hf import tokenizer_pins
-from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for, devices_conflict
+from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for
 from kerncc.serve import access, guard
 
 LOG = logging.getLogger("kerncc.serve")
@@ -426,23 +426,12 @@ class _Uvicorn:
         return Draining(uv)
 
 
-def conflicts(args: argparse.Namespace) -> str | None:
-    """The usage error of `kerncc serve` flags that contradict each other or go unread
-    (kerncc.cli.main.parse: exit 2 with serve's usage, before anything loads)."""
-    problems = [devices_conflict(args), placement.unread(args)]
-    return "; ".join(p for p in problems if p) or None
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `serve` to the `kerncc` command line (called by kerncc.cli.main)."""
     p = sub.add_parser("serve", help="serve a bundle over HTTP (OpenAI-compatible)")
     p.set_defaults(command_parser=p)  # usage errors print serve's usage (kerncc.cli.main.parse)
     p.add_argument("target", metavar="BUNDLE_OR_MANIFEST", type=no_stdin(TARGET_NOT_STDIN),
                    help="a bundle directory or a manifest file (lowered with --pipeline)")
-    p.add_argument("--backend", choices=("cpu", "cuda"), default=config.default_backend(),
-                   help="where the stages run (default: KERNCC_BACKEND, else cpu)")
-    p.add_argument("--devices", type=devices, metavar="0,1",
-                   help="GPUs to spread the stages over, in order (cuda backend)")
     placement.add_arguments(p)
     p.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                    help="address to listen on (default 127.0.0.1)")
@@ -490,4 +479,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipeline", metavar="SPEC",
                    help="passes lowering a manifest target (default: emit)")
     limit_flags(p)  # --max-file-size bounds the bundle's files and the tokenizer's
-    p.set_defaults(handler=cmd_serve, format="text", check_usage=conflicts)
+    p.set_defaults(handler=cmd_serve, format="text")  # check_usage: placement.unread

@@ -1,6 +1,6 @@
 """The example model's configuration: sizes, presets, checks against the kernels' limits.
 
-`QwenConfig` is shared by the generator (`qwen.py`), the oracle (`oracle.py`) and the
+`QwenConfig` is shared by the generator (`qwen.py`), the test oracle (`tests/oracle.py`) and the
 Hugging Face importer (`kerncc.hf`, which builds one from a checkpoint's config.json); the
 example saves it beside the checkpoint as an HF `config.json` (with kerncc's serving sizes
 under `"kerncc"`, a key transformers keeps as an attribute) so the oracle can rebuild it from

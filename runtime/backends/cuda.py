@@ -9,7 +9,7 @@ What lives where (gpu/NOTES.md has the measurements behind each choice):
   are fixed at load (arena base + offset), literal scalars and `bytes<n>` packs are written
   once, and only the var-dependent slots are rewritten before each launch.
 * cuBLAS through ctypes (`kerncc.runtime.backends.cublas`) for the GEMM externs, and
-  kerncc's own GEMV kernels (`kerncc.runtime.backends.gemv`) for their decode shapes (m <= 32).
+  kerncc's own GEMV kernels (`kerncc.runtime.backends.gemv`) for their decode shapes (m <= 8).
 
 Programmatic dependent launch (PDL): a kernel of kerncc's own library (its module's sha256 is
 one `kernels/cubins.json` marks `"waits"`: every entry begins with `griddepcontrol.wait`) is

@@ -1,17 +1,17 @@
-"""Decode-shaped GEMM externs on the GPU: kerncc's own GEMV kernels (kernels/gemv.cu) for m <= 32.
+"""Decode-shaped GEMM externs on the GPU: kerncc's own GEMV kernels (kernels/gemv.cu) for m <= 8.
 
 When A has a handful of rows (the decode step's GEMMs) a GEMM is a stream over W, and at the
 example model's smaller shapes (n = 2048: 128 tiles for 132 multiprocessors) cuBLAS's kernels
 reach 1.1-2.1 TB/s of the H200's 4.2 (docs/benchmarks.md). The cuda backend hands such
-launches of the three GEMM externs to `gemv_bf16_tn_mb{1..4}[_w16]` instead: the same function (kernels/reference.py's `cublaslt_bf16_tn`, `..._acc`,
-`cublas_bf16_tn_f32`: f32 accumulation, one rounding), summed in a fixed order, so results are
-reproducible bit for bit and whole = stages holds as it does with cuBLAS. Which path a launch
+launches of the three GEMM externs to `gemv_bf16_tn_mb1[_w16]` instead: the same function
+(kernels/reference.py's `cublaslt_bf16_tn`, `..._acc`, `cublas_bf16_tn_f32`: f32 accumulation,
+one rounding), summed in a fixed order, so results are reproducible bit for bit and whole =
+stages holds as it does with cuBLAS. Which path a launch
 takes depends only on its shape (m, n, k) and its pointers' alignment, never on timing.
 
-`MAX_M` (`KERNCC_GEMV_MAX_M`, default 8; 0 turns the kernels off, 32 is the most they take)
-is the largest m they are given: measured on an H200 (docs/benchmarks.md), at m <= 8 they
-beat cuBLAS inside the decode graph (1.45 against 1.57 ms a step), at m = 32 cuBLAS is twice
-as fast.
+`MAX_M` (`KERNCC_GEMV_MAX_M`, default 8, the most they take; 0 turns the kernels off) is the
+largest m the batch-shaped path gives them: measured on an H200 (docs/benchmarks.md), at m <= 8
+they beat cuBLAS inside the decode graph (1.45 against 1.57 ms a step).
 The backend says per launch whether it may overlap the kernel before (programmatic dependent
 launch, runtime/backends/cuda.py); the GEMV waits (`griddepcontrol.wait`) before it loads W, A
 or C either way.
@@ -22,8 +22,9 @@ the prefill's lm_head over one row a sequence) takes these kernels at every m an
 never: `invariant_entry` picks the warps from n alone (16 where W has at most WIDE_MAX_TILES
 tiles, else 8), and for a given warp count every entry gives a row of C the same bits whatever
 m, MB, T or the unroll (kernels/gemv.cu), so a sequence's logits do not depend on how many
-others share its decode step. m above 32 takes more blocks a tile (row groups), each computing
-its rows as a launch of its own would.
+others share its decode step. Past 8 rows an entry takes two or three W tiles a block (each
+block then streams A once for more of W: `python -m bench.gemv`), and m above a block's rows
+takes more blocks a tile (row groups), each computing its rows as a launch of its own would.
 """
 
 from __future__ import annotations
@@ -54,11 +55,10 @@ WIDE_N = 6144  # from here three W tiles a block of 32 A rows fill the SMs well 
 WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
 NARROW_ENTRY = "gemv_bf16_tn_mb1"
 # entry: (threads, MB: 8-row blocks of A a block, T: 16-row tiles of W a block)
-ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2": (256, 2, 1),
-           "gemv_bf16_tn_mb3": (256, 3, 1), "gemv_bf16_tn_mb4": (256, 4, 1),
-           "gemv_bf16_tn_mb2_t2": (256, 2, 2), "gemv_bf16_tn_mb4_t2": (256, 4, 2),
-           "gemv_bf16_tn_mb4_t3": (256, 4, 3), "gemv_bf16_tn_mb1_w16": (512, 1, 1),
-           "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2), "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2)}
+ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2_t2": (256, 2, 2),
+           "gemv_bf16_tn_mb4_t2": (256, 4, 2), "gemv_bf16_tn_mb4_t3": (256, 4, 3),
+           "gemv_bf16_tn_mb1_w16": (512, 1, 1), "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2),
+           "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2)}
 INVARIANT = config.invariant()
 # The most rows a site may launch with and still be served by these kernels when invariant:
 # above it (prefill chunks) the pinned cuBLASLt algorithm of runtime/backends/cublas.py.
@@ -71,7 +71,7 @@ _SLOTS = (0, 8, 16, 24, 32, 40, 48)  # a, w, c, m, n, k, mode: a 8-byte slot eac
 
 def usable(m: int, n: int, k: int, a: int, w: int, c: int) -> bool:
     """Whether the GEMV kernels take this launch (else cuBLAS does)."""
-    return (0 < m <= min(MAX_M, 32) and 0 < n < CUBLAS_MIN_N and k > 0 and k % 8 == 0
+    return (0 < m <= min(MAX_M, 8) and 0 < n < CUBLAS_MIN_N and k > 0 and k % 8 == 0
             and not (a | w | c) & 15)
 
 
@@ -104,8 +104,6 @@ def grid_for(entry: str, m: int, n: int) -> int:
 
 def entry_for(m: int, n: int) -> str:
     """The kernel a launch of m rows over n outputs takes (it must be `usable`)."""
-    if m > 8:
-        return f"gemv_bf16_tn_mb{(m + 7) // 8}"
     tiles = -(-n // ROWS_PER_BLOCK)
     return WIDE_ENTRY if tiles <= WIDE_MAX_TILES else NARROW_ENTRY
 

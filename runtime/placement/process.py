@@ -178,12 +178,6 @@ class ProcessChain(Chain):
         return (f"ProcessChain({self.bundle!r}, {len(self._procs)} processes, {', '.join(where)}"
                 + (f", {'/'.join(links)} links" if links else "") + ")")
 
-    def __enter__(self) -> ProcessChain:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     # ------------------------------------------------------------------------ start
 
     def _spawn(self, backend: str, checkpoint: CheckpointLike, interpret: bool,
@@ -195,7 +189,7 @@ class ProcessChain(Chain):
         beat = min(1.0, self.timeout / 4)
         for k in range(stages):
             spec = StageSpec(str(self.bundle.dir), k, backend, self.devices[k],
-                             _picklable(self.bundle.checkpoint if checkpoint is None
+                             picklable(self.bundle.checkpoint if checkpoint is None
                                         else checkpoint),
                              self.token_capacity, interpret, graphs, allow_nonfinite,
                              beat,
@@ -539,7 +533,7 @@ def _stage_devices(backend: str, devices: Sequence[int] | None, stages: int
     return [devices[k * len(devices) // stages] for k in range(stages)]
 
 
-def _picklable(checkpoint: CheckpointLike) -> Any:
+def picklable(checkpoint: CheckpointLike) -> Any:
     """The checkpoint as a stage process can open it (paths as strings)."""
     if isinstance(checkpoint, os.PathLike):
         return os.fspath(checkpoint)

@@ -36,7 +36,7 @@ from kerncc.runtime.bundle import Bundle
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.memory import default_token_capacity
 from kerncc.runtime.placement.process import (DEFAULT_TIMEOUT, START_TIMEOUT, StageView,
-                                              check_vars, running_stages)
+                                              check_vars, picklable, running_stages)
 from kerncc.runtime.placement.transport import NcclPeer, link_kind
 from kerncc.runtime.placement.worker import crossing_bytes, error_message
 from kerncc.runtime.session import open_bundle
@@ -212,7 +212,7 @@ class RayChain(Chain):
             self._actors.append(actor.options(num_cpus=1, num_gpus=gpus,
                                               scheduling_strategy=placed).remote(
                 os.fspath(self.bundle.dir), k, backend,
-                _picklable(self.bundle.checkpoint if checkpoint is None else checkpoint),
+                picklable(self.bundle.checkpoint if checkpoint is None else checkpoint),
                 self.token_capacity, interpret, graphs, allow_nonfinite,
                 {pair: kind for pair, kind in self.kinds.items() if k in pair}))
         hellos = self._get_all([a.hello.remote() for a in self._actors], start_timeout)
@@ -227,12 +227,6 @@ class RayChain(Chain):
         links = sorted(set(self.kinds.values()))
         return (f"RayChain({self.bundle!r}, {len(self._actors)} actors, {self.backend_name}"
                 + (f", {'/'.join(links)} links" if links else "") + ")")
-
-    def __enter__(self) -> RayChain:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _get_all(self, refs: list[Any], timeout: float) -> list[Any]:
         ray = self._ray
@@ -332,9 +326,3 @@ def _cause(err: Any) -> KernccError:
 
 def _first_lines(text: str, count: int = 6) -> str:
     return "\n".join(text.strip().splitlines()[:count])
-
-
-def _picklable(checkpoint: CheckpointLike) -> Any:
-    if isinstance(checkpoint, os.PathLike):
-        return os.fspath(checkpoint)
-    return checkpoint

@@ -1,7 +1,7 @@
 """The valid (and a few deliberately invalid) inputs the fuzz cases mutate.
 
 JSON seeds: the golden inputs, `examples/`, the test fixtures, manifests from
-`kerncc.testing.random_manifest` (fixed xorshift seeds, every option) and the tiny example
+`tests.random_manifests.random_manifest` (fixed xorshift seeds, every option) and the tiny example
 model (added by the `seeds` fixture, which generates it once per session). kir seeds: the golden
 `.kir` inputs and `kerncc fmt --to kir` of every JSON seed that parses.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from kerncc import kir
 from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
-from kerncc.testing import Xorshift, random_manifest
+from tests.random_manifests import Xorshift, random_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN_INPUTS = ROOT / "golden" / "inputs"

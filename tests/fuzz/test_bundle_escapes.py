@@ -19,7 +19,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kerncc.testing import examples
+from tests.random_manifests import examples
 
 from . import harness
 from .harness import fresh_dir, run_cli

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from kerncc.bundle.check import check_bundle
 from kerncc.diagnostics import KernccError
 from kerncc.runtime import Bundle, Session
-from kerncc.testing import examples
+from tests.random_manifests import examples
 
 from . import harness
 from .harness import fresh_dir, run_cli

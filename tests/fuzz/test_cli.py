@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kerncc.testing import examples
+from tests.random_manifests import examples
 
 from . import harness
 from .harness import fresh_dir, run_cli

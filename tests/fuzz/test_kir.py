@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kerncc.kir.parse import keywords
-from kerncc.testing import examples
+from tests.random_manifests import examples
 
 from . import harness
 from .harness import fresh_dir

@@ -20,7 +20,7 @@ from kerncc import kir, source
 from kerncc.manifest import writer
 from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
-from kerncc.testing import examples
+from tests.random_manifests import examples
 from kerncc.verify import verify
 
 from . import harness

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kerncc.diagnostics import KernccError
 from kerncc.passes import pass_options, registry
 from kerncc.pipeline import parse_pipeline, pass_spec, resolve_pipeline
-from kerncc.testing import examples
+from tests.random_manifests import examples
 
 from . import harness
 from .harness import fresh_dir, run_cli

@@ -12,7 +12,7 @@ import pytest
 
 from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
-from kerncc.testing import Xorshift, random_manifest
+from tests.random_manifests import Xorshift, random_manifest
 
 from . import harness
 from .test_manifests import check_manifest_everywhere

@@ -12,7 +12,7 @@ from kerncc.manifest import reader
 from kerncc.diagnostics import KernccError
 from kerncc.ir import IR
 from kerncc.passes.cut import cut_ir, cut_manifest
-from kerncc.testing import Xorshift, examples, random_manifest, random_points
+from tests.random_manifests import Xorshift, examples, random_manifest, random_points
 from kerncc.verify import verify
 
 DOCUMENTED = ("touched by stages", "passes through untouched")

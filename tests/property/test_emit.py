@@ -25,7 +25,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.ir import IR
 from kerncc.passes.cut import cut_ir
 from kerncc.pipeline import run_pipeline
-from kerncc.testing import examples, random_manifest, random_points
+from tests.random_manifests import examples, random_manifest, random_points
 from kerncc.verify import verify
 
 SLICERS = ("", "share-states,slice-once,slice-derive,")

@@ -1,9 +1,9 @@
 """The dataflow graph's queries equal the list scans they replaced (ARCHITECTURE §3).
 
-On random manifests (kerncc.testing, with and without partial writes) the cut's crossing sets
-at every call index, the region owners and conflicts, and the once/derive slices are the same
-whether asked of the graph (kerncc.analysis.dataflow) or computed by the old scans
-(scan_oracles.py). The partial-write edge has its own example: `once: full(a); half(a@256)`
+On random manifests (tests/random_manifests.py, with and without partial writes) the cut's
+crossing sets at every call index, the region owners and conflicts, and the once/derive slices
+are the same whether asked of the graph (kerncc.analysis.dataflow) or computed by the old
+scans (scan_oracles.py). The partial-write edge has its own example: `once: full(a); half(a@256)`
 feeding `use(a)` keeps both producers.
 """
 
@@ -19,7 +19,7 @@ from kerncc.manifest import reader
 from kerncc.passes import slicing
 from kerncc.passes.cut import cut_ir, region_owners
 from kerncc.passes.share_states import ShareStates
-from kerncc.testing import examples, random_manifest, random_points
+from tests.random_manifests import examples, random_manifest, random_points
 from kerncc.verify import verify
 from tests.property.scan_oracles import scan_crossings, scan_region_conflicts, scan_walk_back
 

@@ -16,7 +16,7 @@ from kerncc.ir import IR
 from kerncc.passes.cut import cut_ir
 from kerncc.passes.share_states import ShareStates
 from kerncc.passes.slicing import SliceDerive, SliceOnce
-from kerncc.testing import examples, random_manifest, random_points
+from tests.random_manifests import examples, random_manifest, random_points
 from kerncc.verify import verify
 
 SLICERS = (ShareStates(), SliceOnce(), SliceDerive())
