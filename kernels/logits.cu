@@ -117,7 +117,7 @@ logits_logprobs_f32(const float* __restrict__ logits, const uint32_t* __restrict
   for (int t = threadIdx.x; t < vocab; t += LOGIT_THREADS) sum += expf(__fsub_rn(x[t], m));
   const float log_sum = logf(block_reduce(sum, sv, false));
   if (threadIdx.x == 0) { out[1] = m; out[2] = log_sum; }
-  const int k = min((int)w[6], TOP_MAX);
+  const int k = min(min((int)w[6], TOP_MAX), vocab);
   float last_v = INFINITY;
   int last_i = -1;
   for (int r = 0; r < k; ++r) {

@@ -108,7 +108,7 @@ def logprobs(logits: np.ndarray, words: np.ndarray, results: np.ndarray, vocab: 
         with np.errstate(under="ignore", divide="ignore"):
             log_sum = np.log(np.exp(x - top).sum(dtype=np.float32))
         results[b, MAX], results[b, LOG_SUM] = top, log_sum
-        k = min(int(w[6]), TOP_MAX)
+        k = min(int(w[6]), TOP_MAX, vocab)
         logp = (x - top - log_sum).astype(np.float32)
         best = top_tokens(logp, k)
         ids[b, TOP_IDS:TOP_IDS + k] = best

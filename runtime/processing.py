@@ -175,10 +175,10 @@ class HostProcessor(Processor):
         ref.logprobs(logits, words, results, self.vocab)
         tokens = sample(logits)
         ref.accept(logits, words, tokens, self.counts, self.seen, results)
-        return Heard(_Ready(results), sources)
+        return Heard(Ready(results), sources)
 
 
-class _Ready:
+class Ready:
     def __init__(self, value: np.ndarray) -> None:
         self.value = value
 
@@ -251,28 +251,33 @@ class CudaProcessor(Processor):
 
     def draw(self, session, buffer, output, params, counters, sample) -> Heard:
         rows, words, masks, sources = self.pack(params)
-        n, vocab = len(rows), self.vocab
+        stride = session.manifest.buffers[buffer].dims_at(session.last_vars)[1]
+        download = self.issue(session.memory.buffer(buffer), stride,
+                              session.memory.buffer(output), words, masks, lambda: sample(None))
+        return Heard(download, sources)
+
+    def issue(self, logits: Any, stride: int, tokens: Any, words: np.ndarray,
+              masks: np.ndarray | None, sample: Callable[[], None]) -> Any:
+        """The kernels around `sample()` (which draws every row into `tokens`) on the
+        logits allocation; the pending download of the results."""
+        n, vocab = words.shape[0], self.vocab
         self.backend.activate()
         self._ensure_rows(n)
         self.backend.upload(self.call["words"], 0, words.reshape(-1).view(np.uint8))
         if masks is not None:
             self.backend.upload(self.call["masks"], 0, masks.reshape(-1).view(np.uint8))
-        stride = session.manifest.buffers[buffer].dims_at(session.last_vars)[1]
-        logits = _Ptr(session.memory.buffer(buffer).ptr)
-        tokens = _Ptr(session.memory.buffer(output).ptr)
-        words_at, results = _Ptr(self.call["words"].ptr), _Ptr(self.call["results"].ptr)
-        state = {name: _Ptr(a.ptr) for name, a in self.state.items()}
+        at = {name: _Ptr(a.ptr) for name, a in {**self.state, **self.call}.items()}
+        x, out = _Ptr(logits.ptr), _Ptr(tokens.ptr)
         self._launch("logits_process_f32", n, THREADS, [
-            logits, words_at, state["counts"], state["seen"], state["bias"], state["allow"],
-            _Ptr(self.call["masks"].ptr), n, vocab, stride])
-        self._launch("logits_logprobs_f32", n, THREADS, [logits, words_at, results, n, vocab,
-                                                          stride])
-        sample(None)
+            x, at["words"], at["counts"], at["seen"], at["bias"], at["allow"], at["masks"], n,
+            vocab, stride])
+        self._launch("logits_logprobs_f32", n, THREADS, [x, at["words"], at["results"], n,
+                                                          vocab, stride])
+        sample()
         self._launch("logits_accept_f32", (n + ACCEPT_THREADS - 1) // ACCEPT_THREADS,
-                     ACCEPT_THREADS, [logits, words_at, tokens, state["counts"], state["seen"],
-                                      results, n, vocab, stride])
-        download = self.backend.download_async(self.call["results"], 0, 4 * RESULT_WORDS * n)
-        return Heard(download, sources)
+                     ACCEPT_THREADS, [x, at["words"], out, at["counts"], at["seen"],
+                                      at["results"], n, vocab, stride])
+        return self.backend.download_async(self.call["results"], 0, 4 * RESULT_WORDS * n)
 
 
 class _Ptr(int):

@@ -54,6 +54,7 @@ class Drawer:
         self.heard: list[Heard] = []
         self.cumulative = 0.0  # sum of the chosen tokens' logprobs (best_of ranks by it)
         self.version = 0  # bumped when the host path counts a token (a device slot is stale)
+        self.vocab = 0  # the logits' width, once a device slot is filled
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +97,7 @@ class Drawer:
                    allow: np.ndarray) -> None:
         """The device slot's rows as of now: counts, seen, bias and the static mask (every
         token but min_tokens' stop ids)."""
+        self.vocab = counts.shape[0]
         self._fill_counts(counts, seen, bias)
         allow[:] = 0xFFFFFFFF
         self._suppress(allow, counts.shape[0])
@@ -123,7 +125,7 @@ class Drawer:
         self.cumulative += chosen
         if self.params.logprobs is None:
             return
-        k = min(self.params.logprobs, TOP_MAX)
+        k = min(self.params.logprobs, TOP_MAX, self.vocab)
         self.heard.append(Heard(token, chosen, tuple(
             (int(t), float(v)) for t, v in zip(ids[TOP_IDS:TOP_IDS + k],
                                                result[TOP_LOGPROBS:TOP_LOGPROBS + k]))))
