@@ -249,3 +249,32 @@ def test_the_cuda_engine_draws_processed_greedy_tokens_as_the_host_path(bundle):
         assert [h.token for h in got] == [h.token for h in want]
         np.testing.assert_allclose([h.logprob for h in got], [h.logprob for h in want],
                                    rtol=2e-6, atol=1e-6)
+
+
+@given(calls())
+def test_the_pointer_entries_run_the_reference(call):
+    """kernels/reference.py's entries (the cpu backend's, by the cubin's argument list) give
+    what the reference functions give on the same arrays."""
+    from kerncc.kernels.reference import KERNELS
+
+    logits, words, counts, seen, bias, allow, step = call
+    n, vocab = logits.shape
+    words[:, 4] |= HAS_LOGPROBS
+    want, got = logits.copy(), logits.copy()
+    want_counts, want_seen = counts.copy(), seen.copy()
+    results = np.zeros((n, RESULT_WORDS), np.float32)
+    ref.process_logits(want, words, want_counts, want_seen, bias, allow, step)
+    ref.logprobs(want, words, results, vocab)
+    tokens = want.argmax(axis=1).astype(np.int32)
+    ref.accept(want, words, tokens, want_counts, want_seen, results)
+    raw = {name: a.reshape(-1).view(np.uint8) for name, a in dict(
+        x=got, w=words, c=counts, s=seen, b=bias, a=allow, m=step, t=tokens,
+        r=np.zeros((n, RESULT_WORDS), np.float32)).items()}
+    KERNELS["logits_process_f32"](None, raw["x"], raw["w"], raw["c"], raw["s"], raw["b"],
+                                  raw["a"], raw["m"], n, vocab, vocab)
+    KERNELS["logits_logprobs_f32"](None, raw["x"], raw["w"], raw["r"], n, vocab, vocab)
+    KERNELS["logits_accept_f32"](None, raw["x"], raw["w"], raw["t"], raw["c"], raw["s"],
+                                 raw["r"], n, vocab, vocab)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(raw["r"].view(np.uint32), results.reshape(-1).view(np.uint32))
+    assert np.array_equal(counts, want_counts) and np.array_equal(seen, want_seen)
