@@ -10,14 +10,18 @@ checked, the call issued, the outputs taken in).
   plan, the call's inputs, the tokens taken in), prefill left out. The engine waits for each
   step's tokens before it plans the next, so on a GPU this time adds to every step's.
 * The cost of logits processing (`--processing`): decode steps of 32 sampled sequences
-  (temperature 1, seeded), plain, with `logprobs` (5 top tokens) and with two `json_schema`
-  grammars (llguidance's mask filled and followed each step), side by side with the ratio to
-  plain sampling. The logits rows come back and are processed on the host (kerncc.serve.logits).
+  (temperature 1, seeded), plain, with penalties (presence, frequency, repetition and a
+  logit_bias), with `logprobs` (5 top tokens) and with two `json_schema` grammars (llguidance's
+  mask filled and followed each step), side by side with the ratio to plain sampling. The rows
+  are processed where they are drawn (kerncc.runtime.processing): with the launches that do
+  nothing, what is timed is the host's half (the words and masks packed and sent, the results
+  heard, the grammar followed); `--backend cuda` times whole steps on a GPU (the `small`
+  interface's shapes on tiny widths: the processing kernels over a 32000-token vocabulary).
 
 --doc docs/benchmarks.md writes the rows between the file's `host_step` markers.
 
-    python -m bench.host_step [--tokens 400] [--engine] [--processing] [--profile]
-                                                                        # ~10-60 s, no GPU
+    python -m bench.host_step [--tokens 400] [--engine] [--processing [--backend cuda]]
+                              [--profile]                    # ~10-60 s, no GPU but with cuda
 """
 
 from __future__ import annotations
@@ -30,10 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from bench.report import Report
 from bench.simulated import Idle
 from kerncc.cli.main import main as kerncc
 from kerncc.example import generate
+from kerncc.kernels.logits_ref import TOKEN, allowed
 from kerncc.runtime import Chain
 from kerncc.runtime import session as sess
 
@@ -51,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also cProfile one run")
     parser.add_argument("--engine", action="store_true", help="the serving engine's steps")
     parser.add_argument("--processing", action="store_true",
-                        help="32 sampled sequences: plain, logprobs, a json_schema grammar")
+                        help="32 sampled sequences: plain, penalties, logprobs, json_schema")
+    parser.add_argument("--backend", choices=("idle", "cuda"), default="idle",
+                        help="--processing: launches that do nothing (host work) or a GPU")
     args = parser.parse_args(argv)
     if args.processing:
         processing_steps(args)
@@ -59,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         engine_steps(args)
     else:
         one_prompt_steps(args)
-    return REPORT.finish(args, "the CPU (launches that do nothing)", argv)
+    where = "a GPU (whole steps)" if args.processing and args.backend == "cuda" else \
+        "the CPU (launches that do nothing)"
+    return REPORT.finish(args, where, argv)
 
 
 def one_prompt_steps(args: argparse.Namespace) -> None:
@@ -161,7 +172,8 @@ def processing_steps(args) -> None:
     root = Path(tempfile.mkdtemp())
     model, _ = generate(root / "model", "tiny", **{**SHAPE, "max_seqs": 32})
     assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
-    chain = Chain(root / "whole", backend=Idle(), graphs=True, token_capacity=48 * 1024)
+    backend = "cuda" if args.backend == "cuda" else _idle_processing()
+    chain = Chain(root / "whole", backend=backend, graphs=True, token_capacity=48 * 1024)
     codec = TextCodec.from_dir(model.parent)
     grammars = grammar.Grammars(codec, SHAPE["vocab"], min(codec.eos_token_ids))
 
@@ -169,7 +181,8 @@ def processing_steps(args) -> None:
         return grammars.of({"response_format": {"type": "json_schema", "json_schema": {
             "name": "a", "schema": schema}}})
 
-    workloads = {"sampling": {}, "logprobs (5 top)": {"logprobs": 5},
+    workloads = {"sampling": {}, "penalties and bias": PENALTIES,
+                 "logprobs (5 top)": {"logprobs": 5},
                  "json_schema (a string)": {"grammar": form(SCHEMA)},
                  "json_schema (objects)": {"grammar": form(ITEMS)}}
     steps: dict[str, list[float]] = {name: [] for name in workloads}
@@ -179,10 +192,40 @@ def processing_steps(args) -> None:
     medians = {name: statistics.median(times) for name, times in steps.items()}
     base = medians["sampling"]
     for name, median in medians.items():
-        print(f"32 sequences, {name}: {median * 1e6:.0f} us of host work a decode step "
+        what = "a decode step on the GPU" if args.backend == "cuda" else \
+            "host work a decode step"
+        print(f"32 sequences, {name}: {median * 1e6:.0f} us, {what} "
               f"({median / base:.2f}x sampling)")
-        REPORT.row("processing", f"32 sampled sequences, {name}: host work a decode step, us "
-                   "(x sampling)", f"{median * 1e6:.0f} ({median / base:.2f}x)")
+        REPORT.row("processing", f"32 sampled sequences, {name}: {what}, us (x sampling)",
+                   f"{median * 1e6:.0f} ({median / base:.2f}x)")
+
+
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+             "logit_bias": ((13, 2.0), (17, -5.0))}
+
+
+def _idle_processing() -> Idle:
+    """The do-nothing backend with a processor whose kernels do nothing: each step's host half
+    runs (words, slots, masks packed and sent, results heard), and a grammar row's token is
+    its mask's first allowed one, so the grammar is followed as on a device."""
+    from kerncc.runtime import processing
+
+    class IdleProcessor(processing.HostProcessor):
+        def draw(self, session, buffer, output, params, counters, sample):
+            rows, words, masks, sources = self.pack(params)
+            sample(None)
+            results = np.zeros((len(rows), processing.RESULT_WORDS), np.float32)
+            tokens = np.zeros(len(params), np.int32)
+            for b, row in enumerate(rows):
+                if masks is not None and words[b, 4] & processing.HAS_STEP_MASK:
+                    tokens[row] = int(np.flatnonzero(allowed(masks[b], self.vocab))[0])
+            session.backend.upload(session.memory.buffer(output), 0, tokens.view(np.uint8))
+            results.view(np.int32)[:, TOKEN] = tokens[rows]
+            return processing.Heard(processing.Ready(results), sources)
+
+    backend = Idle()
+    backend.logits_processor = lambda vocab: IdleProcessor(backend, vocab)
+    return backend
 
 
 def _processing_steps(chain: Chain, extra: dict, count: int) -> list[float]:

@@ -40,7 +40,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from kerncc.kernels import sampling_ref
+from kerncc.kernels import logits_ref, sampling_ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -438,6 +438,48 @@ def sample_f32(launch: Any, logits, params, tokens, n, stride, vocab) -> None:
 
 
 KERNELS["sample_f32"] = _int_scalars(sample_f32)
+
+
+# ---- logits processing (kernels/logits.cu; the algorithm is kernels/logits_ref.py) ---------
+
+
+def _logits_args(logits, words, n, vocab, stride):
+    rows = view(words, np.uint32, n * logits_ref.LOGIT_WORDS).reshape(n, -1)
+    used = int(rows[:, 0].max()) + 1 if n else 0
+    x = view(logits, F32, used * stride).reshape(used, stride)
+    slots = int(rows[:, 5].max()) + 1 if n else 0
+    return rows, x, slots
+
+
+def logits_process_f32(launch: Any, logits, words, counts, seen, bias, allow, step_allow, n,
+                       vocab, stride) -> None:
+    rows, x, slots = _logits_args(logits, words, n, vocab, stride)
+    masks = logits_ref.mask_words(vocab)
+    logits_ref.process_logits(
+        x, rows, view(counts, I32, slots * vocab).reshape(slots, vocab),
+        view(seen, np.uint8, slots * vocab).reshape(slots, vocab),
+        view(bias, F32, slots * vocab).reshape(slots, vocab),
+        view(allow, np.uint32, slots * masks).reshape(slots, masks),
+        view(step_allow, np.uint32, n * masks).reshape(n, masks))
+
+
+def logits_logprobs_f32(launch: Any, logits, words, results, n, vocab, stride) -> None:
+    rows, x, _ = _logits_args(logits, words, n, vocab, stride)
+    out = view(results, F32, n * logits_ref.RESULT_WORDS).reshape(n, -1)
+    logits_ref.logprobs(x, rows, out, vocab)
+
+
+def logits_accept_f32(launch: Any, logits, words, tokens, counts, seen, results, n, vocab,
+                      stride) -> None:
+    rows, x, slots = _logits_args(logits, words, n, vocab, stride)
+    logits_ref.accept(x, rows, view(tokens, I32, x.shape[0]),
+                      view(counts, I32, slots * vocab).reshape(slots, vocab),
+                      view(seen, np.uint8, slots * vocab).reshape(slots, vocab),
+                      view(results, F32, n * logits_ref.RESULT_WORDS).reshape(n, -1))
+
+
+for _fn in (logits_process_f32, logits_logprobs_f32, logits_accept_f32):
+    KERNELS[_fn.__name__] = _int_scalars(_fn)
 
 
 # ---- FP8 weights (kernels/fp8.cu) ----------------------------------------------------------

@@ -33,6 +33,7 @@ import numpy as np
 
 from kerncc.diagnostics import KernccError
 from kerncc.kernels.sampling_ref import PARAM_WORDS, sample_row
+from kerncc.runtime import processing
 
 U64_MAX = 2**64 - 1
 F32_MAX = float(np.finfo(np.float32).max)  # the kernel's parameters are f32
@@ -130,6 +131,8 @@ def check_request(rows: Sequence[int], params: Sequence[SamplingParams],
             raise KernccError.single(f"sample: row {row!r} is outside buffer `{buffer}`'s "
                                      f"{available} rows (at the last run's vars)")
     for p in params:
+        if isinstance(p, processing.Processed):
+            p = p.native
         if not isinstance(p, SamplingParams):
             raise KernccError.single(f"sample: expected SamplingParams, got {type(p).__name__}")
     for counter in counters:
@@ -176,14 +179,18 @@ def sample(session: Any, buffer: str, rows: Sequence[int], params: Sequence[Samp
                                                                  dims[1]))
 
 
-def sample_into(session: Any, buffer: str, output: str, params: Sequence[SamplingParams],
-                counters: Sequence[tuple[int, int]]) -> None:
+def sample_into(session: Any, buffer: str, output: str, params: Sequence[Any],
+                counters: Sequence[tuple[int, int]]) -> processing.Heard | None:
     """`Session.sample_into`: row i of f32 logits `buffer` [rows, vocab] (at the last run's
     vars) drawn with params[i] and counters[i] into entry i of i32 buffer `output`, for every
     i < len(params), on the device after everything issued so far; nothing comes back. A
     greedy row (temperature 0) gets the first argmax, as the manifest's `argmax_f32` writes
     it. A backend with a `sample_into` of its own draws its own way (the simulated device of
-    bench/simulated.py: a launch that computes nothing)."""
+    bench/simulated.py: a launch that computes nothing).
+
+    A `processing.Processed` row is processed first (penalties, bias, masks, its logprobs:
+    kerncc.runtime.processing), then drawn with its own params from the processed row; the
+    draw's pending results are returned (None when no row is processed: the plain path)."""
     buf, out = session._buffer(buffer), session._buffer(output)
     dims = buf.dims_at(session.last_vars)
     params, counters = _listed(params, "params"), _listed(counters, "counters")
@@ -196,21 +203,52 @@ def sample_into(session: Any, buffer: str, output: str, params: Sequence[Samplin
     rows = list(range(len(params)))
     check_request(rows, params, counters, dims[0], buffer)
     if not rows:
-        return
+        return None
+    if any(isinstance(p, processing.Processed) for p in params):
+        return _processed_into(session, buffer, output, params, counters, dims)
     own = getattr(session.backend, "sample_into", None)
     if own is not None:
         own(session, buffer, output, params, counters)
-        return
+        return None
+    _draw_into(session, buffer, output, params, counters, dims, None)
+    return None
+
+
+def _draw_into(session: Any, buffer: str, output: str, params: Sequence[SamplingParams],
+               counters: Sequence[tuple[int, int]], dims: Sequence[int],
+               logits: np.ndarray | None) -> np.ndarray | None:
+    """Rows 0..n-1 drawn into i32 buffer `output`: off cuda on the host from `logits` (None:
+    the buffer's, read), the tokens returned; on cuda by the cubin (None returned)."""
+    rows = list(range(len(params)))
     target = session.memory.buffer(output)
     if session.backend.name != "cuda":
-        tokens = sample_logits(session.read(buffer), rows, params, counters)
+        host = session.read(buffer) if logits is None else logits
+        tokens = sample_logits(host, rows, params, counters)
         session.backend.upload(target, 0, tokens.view(np.uint8))
-        return
+        return tokens
     sampler = getattr(session, "_sampler", None)
     if sampler is None:
         sampler = session._sampler = CudaSampler(session.backend)
     sampler.launch(session.memory.buffer(buffer), dims, pack(rows, params, counters, dims[1]),
                    target.ptr)
+    return None
+
+
+def _processed_into(session: Any, buffer: str, output: str, params: Sequence[Any],
+                    counters: Sequence[tuple[int, int]], dims: Sequence[int]
+                    ) -> processing.Heard:
+    """`sample_into` with processed rows: the session's processor runs around the draw."""
+    natives = processing.natives(params)
+    own = getattr(session.backend, "sample_into", None)
+
+    def draw(logits: np.ndarray | None) -> np.ndarray | None:
+        if own is not None:  # a simulated device draws its own way
+            own(session, buffer, output, natives, counters)
+            return None
+        return _draw_into(session, buffer, output, natives, counters, dims, logits)
+
+    return processing.processor(session, dims[1]).draw(session, buffer, output, params,
+                                                       counters, draw)
 
 
 class CudaSampler:

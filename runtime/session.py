@@ -512,11 +512,15 @@ class Session:
         """Rows 0..n-1 of f32 logits `buffer` (n = len(params), at the last run's vars) drawn
         into i32 buffer `output` on the device, after everything issued so far, as `sample`
         draws them; the pending download of `output`. A run to come may read the tokens
-        there (`feed`) before they reach the host."""
-        from kerncc.runtime import sampling
+        there (`feed`) before they reach the host. Rows with logits processing
+        (kerncc.runtime.processing.Processed) add their results under `processing.HEARD`."""
+        from kerncc.runtime import processing, sampling
 
-        sampling.sample_into(self, buffer, output, params, counters)
-        return Pending({output: self._read_async(output, self.last_vars)})
+        heard = sampling.sample_into(self, buffer, output, params, counters)
+        outputs: dict[str, Any] = {output: self._read_async(output, self.last_vars)}
+        if heard is not None:  # processed rows: their results, heard when taken
+            outputs[processing.HEARD] = heard
+        return Pending(outputs)
 
     def _read_async(self, name: str, env: dict[str, int]) -> _Output:
         buf = self.manifest.buffers[name]

@@ -105,15 +105,15 @@ def test_the_device_draw_is_the_one_run_a_step_at_a_time_with_the_draw_on_it(who
 
 @pytest.mark.parametrize("extra", [dict(presence_penalty=0.5), dict(logit_bias=((3, 2.0),)),
                                    dict(logprobs=2)])
-def test_a_request_processed_on_the_host_keeps_its_batch_a_step_at_a_time(whole, prompts,
-                                                                          extra):
-    """Penalties, a logit bias and logprobs are host-side: a batch holding such a request
-    draws on the host and does not go ahead; its tokens are those of the host draw."""
+def test_a_processed_request_is_drawn_on_the_device_and_goes_ahead(whole, prompts, extra):
+    """Penalties, a logit bias and logprobs are processed where the tokens are drawn
+    (kerncc.runtime.processing, their state kept there): a batch holding such a request goes
+    ahead, and its tokens are those of the host draw a step at a time."""
     params = [sampling_hook.Params(temperature=0.8, seed=5, **extra), SAMPLED[0]]
     ahead, engine = served(whole, prompts[:2], params, max_new=10)
     one, _ = served(whole, prompts[:2], params, max_new=10, ahead=False,
                     draw_on_device=False)
-    assert engine.ahead_steps == 0
+    assert engine.ahead_steps > 0 and engine.drawn_steps > 0
     assert [r.generated for r in one] == [r.generated for r in ahead]
 
 

@@ -157,7 +157,7 @@ def test_the_processing_reference_follows_its_rules():
     allow[1, 1] &= ~np.uint32(1 << 1)  # token 33 masked
     words = np.zeros((2, 8), np.uint32)
     words[0, :5] = [0, f32_bits(0.5), f32_bits(1.5), f32_bits(1.3), 0]
-    words[1, :5] = [1, 0, 0, f32_bits(1.0), 3]
+    words[1, :6] = [1, 0, 0, f32_bits(1.0), 3, 1]  # row 1, its state in slot 1
     got = logits.copy()
     process_logits(got, words, counts, seen, bias, allow)
     want = logits.copy()

@@ -453,6 +453,8 @@ class Engine:
         grants = []
         if not flight.drawn and any(r.sampler is not None for r in requests):
             return False  # some token is drawn on the host: nothing to feed on the device
+        if any(sampling_hook.follows_tokens(r.sampler) for r in requests):
+            return False  # a grammar's next mask needs this step's token on the host
         for request, (seq_id, start, _) in zip(requests, item.parts):
             if (self.requests.get(seq_id) is not request
                     or len(request.generated) + 2 > request.max_new

@@ -4,7 +4,9 @@
 `guided_regex` and `guided_grammar` (Lark) become a `Grammar`; each sequence gets a `Matcher`
 (kerncc.serve.logits.Drawer holds it) that fills the step's token mask (the `allow` rows of
 kernels/logits_ref.py, the bit layout llguidance writes) before the token is picked, and
-follows the token picked. Once the grammar is complete only the tokenizer's eos may come next,
+follows the token picked; the mask for the next step is computed on a worker thread as soon as
+the token is followed (`Matcher.consume`), so it overlaps the rest of the host's step (the
+engine's bookkeeping, the next call's inputs) and `fill` only copies it. Once the grammar is complete only the tokenizer's eos may come next,
 which ends the sequence. `Grammars` is one server's: its tokenizer as llguidance reads it,
 built once.
 
@@ -16,6 +18,8 @@ and transformers), a JSON schema, regex and context-free (Lark) front end, and t
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -50,16 +54,48 @@ class Grammar:
         return Matcher(llguidance.LLMatcher(self.tokenizer, self.text))
 
 
+_WORKER: list[ThreadPoolExecutor] = []
+_WORKER_LOCK = threading.Lock()
+
+
+def _worker() -> ThreadPoolExecutor:
+    """The one thread that computes masks ahead (llguidance's mask runs outside the GIL)."""
+    with _WORKER_LOCK:
+        if not _WORKER:
+            _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="kerncc-grammar"))
+        return _WORKER[0]
+
+
 class Matcher:
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
+        self._next: Future | None = None  # the next mask, being computed into `_mask`
+        self._mask: np.ndarray | None = None
 
     def fill(self, allow: np.ndarray) -> None:
         """Set the bits of the tokens that may come next in `allow` (uint32 [words])."""
+        ahead, self._next = self._next, None
+        if ahead is not None:
+            ahead.result()
+            if self._mask is not None and self._mask.shape == allow.shape:
+                allow[:] = self._mask
+                return
+        self._compute(allow)
+        if self._mask is None or self._mask.shape != allow.shape:
+            self._mask = np.zeros_like(allow)  # the width is known: next masks go ahead
+
+    def _compute(self, allow: np.ndarray) -> None:
         llnumpy.fill_next_token_bitmask(self.matcher, allow.view(np.int32).reshape(1, -1), 0)
 
     def consume(self, token: int) -> None:
+        """Follow `token`, then start computing the next mask (once `fill` told its width)."""
+        if self._next is not None:
+            self._next.result()
+            self._next = None
         self.matcher.consume_token(token)
+        if self._mask is None:
+            return
+        self._next = _worker().submit(self._compute, self._mask)
 
 
 class Grammars:

@@ -3,11 +3,23 @@
 A request with penalties, a `logit_bias`, `min_tokens`, a grammar or `logprobs` gets a
 `Drawer` (kerncc.serve.sampling_hook.prepare): its state across steps (how often each token was
 generated, its grammar's matcher) and what it heard (each token's logprob and the top ones).
-`draw` takes a call's logits rows of such requests, packs them into the arguments of the
-processing kernel (kernels/logits_ref.py's ABI: the numpy reference runs here, on the host,
-on the rows the call brought back), then picks each row's token: the argmax for a greedy
-request, else the sampler (kerncc.runtime.sampling's reference) on the processed row. The
-logprobs are those of the processed row (after penalties, bias and mask), before temperature.
+The logprobs are those of the processed row (after penalties, bias and mask), before
+temperature. Its tokens are drawn one of two ways, with the same numbers:
+
+* on the device, where the model runner draws a decode call's tokens there (every decode step
+  of a server with its stages in this process): the Drawer is the `source` of a
+  kerncc.runtime.processing.Processed row (sampling_hook.device_draws). Its state lives in the
+  session's processor (written once from `fill_state`, then counted on the device from the
+  drawn tokens); each step it gives its words (`device_words`) and, following a grammar, the
+  step's mask (`step_mask`); it hears the step's token, logprob and top tokens when the call's
+  outputs are taken (`hear`). The vocab-wide logits never come back. A grammar's next mask is
+  computed on a worker thread as soon as the token is heard (kerncc.serve.grammar.Matcher),
+  overlapping the rest of the host's step;
+* on the host (`draw`: a prefill chunk's token, or a runner that cannot draw on the device):
+  the call's logits rows of such requests come back and are packed into the same kernels'
+  arguments (kernels/logits_ref.py's ABI: the numpy reference runs here), then each row's
+  token is picked: the argmax for a greedy request, else the sampler
+  (kerncc.runtime.sampling's reference) on the processed row.
 """
 
 from __future__ import annotations
@@ -19,8 +31,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from kerncc.kernels.logits_ref import (HAS_BIAS, HAS_MASK, LOGIT_WORDS, f32_bits, log_softmax,
-                                       process_logits)
+from kerncc.kernels.logits_ref import (CHOSEN, HAS_BIAS, HAS_LOGPROBS, HAS_MASK, LOGIT_WORDS,
+                                       TOKEN, TOP_IDS, TOP_LOGPROBS, TOP_MAX, f32_bits,
+                                       log_softmax, process_logits, top_tokens)
 
 
 @attrs.frozen
@@ -40,6 +53,8 @@ class Drawer:
         self.counts: Counter[int] = Counter()
         self.heard: list[Heard] = []
         self.cumulative = 0.0  # sum of the chosen tokens' logprobs (best_of ranks by it)
+        self.version = 0  # bumped when the host path counts a token (a device slot is stale)
+        self.vocab = 0  # the logits' width, once a device slot is filled
 
     @property
     def greedy(self) -> bool:
@@ -49,9 +64,73 @@ class Drawer:
         p = self.params
         flags = (HAS_BIAS if p.logit_bias else 0) | (HAS_MASK if self._masks(step) else 0)
         out = np.zeros(LOGIT_WORDS, dtype=np.uint32)
-        out[:5] = [row, f32_bits(p.presence_penalty), f32_bits(p.frequency_penalty),
-                   f32_bits(p.repetition_penalty), flags]
+        out[:6] = [row, f32_bits(p.presence_penalty), f32_bits(p.frequency_penalty),
+                   f32_bits(p.repetition_penalty), flags, row]
         return out
+
+    # ------------------------------------------------------------------------ on the device
+
+    @property
+    def wants(self) -> bool:
+        """Whether the chosen token's logprob is wanted (logprobs, or best_of's ranking)."""
+        return self.params.logprobs is not None or self.params.ranked
+
+    @property
+    def masks_steps(self) -> bool:
+        """Whether each step has a mask of its own (a grammar's)."""
+        return self.matcher is not None
+
+    def device_words(self, step: int) -> np.ndarray:
+        """This step's words for the device kernels (row and slot filled by the processor):
+        the slot's static mask holds min_tokens' stop ids back, a grammar's is the step's."""
+        p = self.params
+        held = self.matcher is None and step < p.min_tokens and bool(p.suppress)
+        flags = ((HAS_BIAS if p.logit_bias else 0) | (HAS_MASK if held else 0)
+                 | (HAS_LOGPROBS if self.wants else 0))
+        out = np.zeros(LOGIT_WORDS, dtype=np.uint32)
+        out[1:5] = [f32_bits(p.presence_penalty), f32_bits(p.frequency_penalty),
+                    f32_bits(p.repetition_penalty), flags]
+        out[6] = min(p.logprobs or 0, TOP_MAX)
+        return out
+
+    def fill_state(self, counts: np.ndarray, seen: np.ndarray, bias: np.ndarray,
+                   allow: np.ndarray) -> None:
+        """The device slot's rows as of now: counts, seen, bias and the static mask (every
+        token but min_tokens' stop ids)."""
+        self.vocab = counts.shape[0]
+        self._fill_counts(counts, seen, bias)
+        allow[:] = 0xFFFFFFFF
+        self._suppress(allow, counts.shape[0])
+
+    def step_mask(self, step: int, allow: np.ndarray) -> bool:
+        """This step's grammar mask (min_tokens' stop ids held back) into `allow`."""
+        if self.matcher is None:
+            return False
+        self.matcher.fill(allow)
+        if step < self.params.min_tokens:
+            self._suppress(allow, allow.size * 32)
+        return True
+
+    def hear(self, result: np.ndarray) -> None:
+        """A device step's results row (kernels/logits_ref.py's RESULT_WORDS): the token,
+        its logprob and the top tokens, as `accept` takes them on the host path."""
+        ids = result.view(np.int32)
+        token = int(ids[TOKEN])
+        self.counts[token] += 1
+        if self.matcher is not None:
+            self.matcher.consume(token)
+        if not self.wants:
+            return
+        chosen = float(result[CHOSEN])
+        self.cumulative += chosen
+        if self.params.logprobs is None:
+            return
+        k = min(self.params.logprobs, TOP_MAX, self.vocab)
+        self.heard.append(Heard(token, chosen, tuple(
+            (int(t), float(v)) for t, v in zip(ids[TOP_IDS:TOP_IDS + k],
+                                               result[TOP_LOGPROBS:TOP_LOGPROBS + k]))))
+
+    # ------------------------------------------------------------------------ on the host
 
     def _masks(self, step: int) -> bool:
         return self.matcher is not None or (step < self.params.min_tokens
@@ -60,6 +139,17 @@ class Drawer:
     def fill(self, step: int, counts: np.ndarray, seen: np.ndarray, bias: np.ndarray,
              allow: np.ndarray) -> None:
         """This request's rows of the kernel's per-row arguments."""
+        self._fill_counts(counts, seen, bias)
+        if not self._masks(step):
+            return
+        if self.matcher is not None:
+            self.matcher.fill(allow)
+        else:
+            allow[:] = 0xFFFFFFFF
+        if step < self.params.min_tokens:
+            self._suppress(allow, counts.shape[0])
+
+    def _fill_counts(self, counts: np.ndarray, seen: np.ndarray, bias: np.ndarray) -> None:
         p, vocab = self.params, counts.shape[0]
         for token, count in self.counts.items():
             if token < vocab:
@@ -70,19 +160,16 @@ class Drawer:
         for token, value in p.logit_bias:
             if token < vocab:
                 bias[token] = value
-        if not self._masks(step):
-            return
-        if self.matcher is not None:
-            self.matcher.fill(allow)
-        else:
-            allow[:] = 0xFFFFFFFF
-        if step < p.min_tokens:
-            for token in p.suppress:
-                if token < vocab:
-                    allow[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
+
+    def _suppress(self, allow: np.ndarray, vocab: int) -> None:
+        """min_tokens' stop ids cleared in `allow`."""
+        for token in self.params.suppress:
+            if token < vocab:
+                allow[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
 
     def accept(self, token: int, logp: np.ndarray | None) -> None:
         self.counts[token] += 1
+        self.version += 1  # counted here, not on the device
         if self.matcher is not None:
             self.matcher.consume(token)
         if logp is None:
@@ -92,7 +179,7 @@ class Drawer:
         if self.params.logprobs is None:
             return
         k = min(self.params.logprobs, logp.size)
-        best = np.argsort(-logp, kind="stable")[:k]
+        best = top_tokens(logp, k)
         self.heard.append(Heard(token, chosen, tuple((int(t), float(logp[t])) for t in best)))
 
 

@@ -17,9 +17,11 @@ tokens are fed to the next step on the device as greedy ones are; their tokens a
 host draw gives (tests/test_serve_engine_pace.py).
 
 A request that asks for logits processing (penalties, `logit_bias`, `min_tokens`, a grammar)
-or for logprobs gets a `kerncc.serve.logits.Drawer` instead, greedy or not: its rows are
-processed, then picked (`logits.draw`). A request that asks for none of it takes exactly the
-path above: its bits are those of a server without processors.
+or for logprobs gets a `kerncc.serve.logits.Drawer` instead, greedy or not: in a decode call
+drawn on the device its row is a `kerncc.runtime.processing.Processed` one (processed and
+drawn there, its results heard by the Drawer when the call's outputs are taken); elsewhere its
+rows come back, are processed, then picked (`logits.draw`). A request that asks for none of it
+takes exactly the path above: its bits are those of a server without processors.
 
 Until kerncc.runtime.sampling exists every request is greedy and temperature > 0 is refused
 with a clear message.
@@ -37,9 +39,10 @@ from kerncc.diagnostics import KernccError
 from kerncc.serve import logits as _logits
 
 try:  # the sampling branch
+    from kerncc.runtime import processing as _processing
     from kerncc.runtime import sampling as _sampling  # type: ignore[attr-defined]
 except ImportError:
-    _sampling = None
+    _sampling = _processing = None
 
 
 @attrs.frozen
@@ -106,12 +109,21 @@ def device_draws(natives: Sequence[Any], steps: Sequence[int]
     """The (params, counters) a decode call's sequences are drawn with on the device
     (kerncc.runtime.model_runner: `submit(draws=...)`), `natives[i]` sequence i's `prepare`d
     params (None: greedy), `steps[i]` the index of the token it draws; None when every one
-    is greedy (the argmax output is the token already) or one is processed on the host (a
-    `Drawer`: penalties, bias, grammar and logprobs run there)."""
-    if all(n is None for n in natives) or any(isinstance(n, _logits.Drawer) for n in natives):
+    is greedy (the argmax output is the token already). A `Drawer`'s row is processed on the
+    device before its draw (kerncc.runtime.processing.Processed)."""
+    if all(n is None for n in natives):
         return None
     greedy = _sampling.SamplingParams()
-    return ([n or greedy for n in natives], [(0, max(0, int(step))) for step in steps])
+    params = [_processing.Processed(n.native or greedy, n, max(0, int(step)))
+              if isinstance(n, _logits.Drawer) else n or greedy
+              for n, step in zip(natives, steps)]
+    return (params, [(0, max(0, int(step))) for step in steps])
+
+
+def follows_tokens(native: Any) -> bool:
+    """Whether a request's next draw needs its last token on the host first (a grammar's
+    mask): the engine does not go a step ahead of it."""
+    return isinstance(native, _logits.Drawer) and native.matcher is not None
 
 
 def tokens(outputs: dict[str, Any], emits: str | None, logits: str, natives: Sequence[Any],
