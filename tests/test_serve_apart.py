@@ -132,6 +132,14 @@ def test_kerncc_serve_with_two_api_workers_answers_concurrent_requests_as_alone(
         end(proc)
 
 
+def waited_for(url: str, line: str, seconds: float = 10.0) -> None:
+    """Until /metrics shows `line` (bounded: the stream must still be running then)."""
+    deadline = time.monotonic() + seconds
+    while line not in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        assert time.monotonic() < deadline, f"/metrics never showed {line!r}"
+        time.sleep(0.005)
+
+
 def test_a_killed_core_answers_every_request_in_flight_500_and_the_server_exits(model):
     proc, url, core = start(model, "--max-seqs", "1")
     try:
@@ -146,7 +154,7 @@ def test_a_killed_core_answers_every_request_in_flight_500_and_the_server_exits(
                                                "max_tokens": 200, "ignore_eos": True},
                 timeout=30)))
             queued.start()
-            time.sleep(0.3)
+            waited_for(url, "kerncc_requests_waiting 1.0")  # the queued one is at the core
             os.kill(core, signal.SIGKILL)
             rest = [line for line in lines if line]
         queued.join(30)
