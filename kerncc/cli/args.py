@@ -18,13 +18,7 @@ from kerncc.diagnostics import KernccError
 
 def positive(text: str) -> int:
     """A whole number of at least 1 (counts, sizes, rows)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 1, got {value}")
-    return value
+    return _whole(text, 1)
 
 
 def seconds(text: str) -> float:
@@ -40,12 +34,16 @@ def seconds(text: str) -> float:
 
 def non_negative(text: str) -> int:
     """A whole number of at least 0 (a count that may be none)."""
+    return _whole(text, 0)
+
+
+def _whole(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got `{text}`") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of at least 0, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected a number of at least {least}, got {value}")
     return value
 
 
