@@ -169,6 +169,9 @@ def processing_steps(args) -> None:
     from kerncc.hf.tokenizer import TextCodec
     from kerncc.serve import grammar
 
+    if not grammar.available():
+        raise SystemExit("bench.host_step --processing: the grammar rows need llguidance "
+                         "(pip install 'kerncc[serve]')")
     root = Path(tempfile.mkdtemp())
     model, _ = generate(root / "model", "tiny", **{**SHAPE, "max_seqs": 32})
     assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
