@@ -170,7 +170,7 @@ def test_serve_prints_the_memory_before_loading(bundles, monkeypatch):
     bundle = Bundle.open(bundles["two"])
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(KernccError, match="before load"):
-        serve._serve(None, bundle, None, None, None)
+        serve._serve_here(None, bundle, None, None, None)
     lines = err.getvalue().splitlines()
     assert [line.split(":")[1].strip() for line in lines] == ["stage 0", "stage 1"]
     f = footprints(bundles["two"])[0]
