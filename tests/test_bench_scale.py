@@ -110,3 +110,28 @@ def test_bad_counts_are_usage_errors(capsys):
     with pytest.raises(SystemExit) as done:
         load().main(["--size", "tiny", "--tflops", "0"])
     assert done.value.code == 2 and "--tflops must be positive" in capsys.readouterr().err
+
+
+def test_equal_prefix_counts_the_leading_tokens_two_runs_share():
+    scale = load()
+    assert scale.equal_prefix([5, 6, 7, 8], [5, 6, 9, 8]) == 2
+    assert scale.equal_prefix([5, 6, 7], [5, 6, 7]) == 3
+    assert scale.equal_prefix([4, 6], [5, 6]) == 0
+    assert scale.equal_prefix([5, 6, 7], [5, 6]) == 2
+
+
+def test_one_failing_transformers_measure_leaves_the_others():
+    scale = load()
+
+    def failing():
+        raise RuntimeError("capture failed")
+
+    scale.attempt("transformers decode", "decode in one CUDA graph", failing)
+    assert scale.REPORT.rows == [("transformers decode", "decode in one CUDA graph: FAILED",
+                                  "RuntimeError: capture failed")]
+
+    def stuck():
+        raise scale.SectionTimeout("past its 1 s bound")
+
+    with pytest.raises(scale.SectionTimeout):  # the section's bound is not swallowed
+        scale.attempt("transformers ttft", "TTFT 4096", stuck)
