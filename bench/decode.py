@@ -63,7 +63,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.gpu import Busy, build, decode_step_s, device_count, device_name, greedy, kerncc, ttft
+from bench.gpu import (Busy, batch_inputs, batch_step_ms, build, decode_step_s, device_count,
+                       device_name, greedy, kerncc, prefill_flops, replay_ms, ttft)
 from bench.report import Report, say
 
 REPORT = Report("decode")
@@ -211,17 +212,6 @@ def gemm_shape(backend, busy, site, out: dict, shape: tuple, data: tuple) -> Non
         out[f"{op} m={m}"] = results
 
 
-def replay_ms(busy, graph, replays: int) -> float:
-    """A captured graph's time a replay, `replays` back to back behind `busy`'s stream."""
-    backend = busy.backend
-    with busy:
-        start = backend.mark()
-        for _ in range(replays):
-            backend.replay(graph)
-        end = backend.mark()
-    return backend.elapsed_ms(start, end) / replays
-
-
 def launch_times(session, busy, issue, rounds: int
                  ) -> tuple[dict[str, list[float]], dict[str, int]]:
     """Every launch `issue()` makes on `session`, timed between events and summed per op over
@@ -290,37 +280,6 @@ def decode_profile(chain, label: str, seqs: int = 1) -> None:
         say("    " + line)
     RESULTS.setdefault("profile", {})[label] = {"graph_ms": graph_ms, "event_sum_ms": whole,
                                                 "ops": {n: [counts[n], best[n]] for n in best}}
-
-
-def batch_inputs(chain, seqs: int, context: int) -> tuple[dict, dict]:
-    """`decode_batch`'s inputs and vars for `seqs` sequences at `context` tokens each."""
-    pages = -(-context // 16)
-    table_width = chain.sessions[0].manifest.buffers["block_table"].shape[1]
-    block_table = np.zeros((seqs, table_width), np.int32)
-    for s in range(seqs):
-        block_table[s, :pages] = s * pages + np.arange(pages)
-    rng = np.random.default_rng(seqs)
-    inputs = {
-        "token_ids": rng.integers(1, 32000, seqs).astype(np.int32),
-        "positions": np.full(seqs, context - 1, np.int32),
-        "slot_mapping": np.array([s * pages * 16 + context - 1 for s in range(seqs)], np.int32),
-        "seq_lens": np.full(seqs, context, np.int32),
-        "block_table": block_table,
-    }
-    return inputs, {"seqs": seqs, "tokens": seqs}
-
-
-def batch_step_ms(chain, seqs: int, context: int) -> float:
-    """One `decode_batch` step of `seqs` sequences at `context` tokens each: graph replays."""
-    session, backend = chain.sessions[0], chain.sessions[0].backend
-    inputs, vars = batch_inputs(chain, seqs, context)
-    chain.run("decode_batch", inputs, vars)  # captures the graph
-    chain.run("decode_batch", inputs, vars)
-    backend.sync()
-    env = session._vars(vars)
-    graph = session._graphs[("decode_batch",
-                             *(env[v] for v in session._graph_vars["decode_batch"]))]
-    return replay_ms(Busy(backend), graph, 50)
 
 
 def decode_rows(model: dict, cfg: dict, hbm: float, defaults_only: bool = False) -> None:
@@ -708,14 +667,6 @@ def prefill_profile(chain, context: int, chunk: int) -> None:
     for name in sorted(best, key=best.get, reverse=True):
         say(f"    {name[:58]:58s} {counts[name]:5d} {best[name]:8.3f} {best[name] / whole:6.1%}")
     RESULTS.setdefault("prefill_profile", {})[f"{chunk}@{context}"] = best
-
-
-def prefill_flops(cfg: dict, tokens: int) -> float:
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hd, nq, nk = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    per_token = 2 * ((nq + 2 * nk) * hd * h + h * nq * hd + 2 * inter * h + h * inter)
-    causal = 2 * 2 * nq * hd * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
-    return cfg["num_hidden_layers"] * (per_token * tokens + causal) + 2 * v * h
 
 
 def mma_sync_bundle(model: dict, cfg: dict) -> Path:

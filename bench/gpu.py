@@ -1,5 +1,6 @@
 """What the GPU benches share: the example models they build, a busy stream for event timings,
-wall-clock timers of decode steps and TTFT, and the one greedy loop they drive a chain with.
+wall-clock timers of decode steps and TTFT, the one greedy loop they drive a chain with, the
+batched decode step timed by graph replays, and the FLOPs of a prefill.
 
 Nothing here runs at import: `python -m bench.decode --help` works on a machine without a GPU.
 """
@@ -115,3 +116,62 @@ def ttft_fn(run: Callable[[], object], repeats: int = 3) -> float:
 def ttft(chain, prompt: list[int], chunk: int) -> float:
     """Seconds to the first token of `prompt` at prefill chunks of `chunk` (median of 3)."""
     return ttft_fn(lambda: greedy(chain, prompt, 1, chunk))
+
+
+def replay_ms(busy, graph, replays: int) -> float:
+    """A captured graph's time a replay, `replays` back to back behind `busy`'s stream."""
+    backend = busy.backend
+    with busy:
+        start = backend.mark()
+        for _ in range(replays):
+            backend.replay(graph)
+        end = backend.mark()
+    return backend.elapsed_ms(start, end) / replays
+
+
+def batch_inputs(chain, seqs: int, context: int, vocab: int = 32000) -> tuple[dict, dict]:
+    """`decode_batch`'s inputs and vars for `seqs` sequences at `context` tokens each, sequence
+    s on pages [s * pages, (s + 1) * pages) of 16 tokens, tokens drawn from [1, vocab)."""
+    pages = -(-context // 16)
+    table_width = chain.sessions[0].manifest.buffers["block_table"].shape[1]
+    block_table = np.zeros((seqs, table_width), np.int32)
+    for s in range(seqs):
+        block_table[s, :pages] = s * pages + np.arange(pages)
+    rng = np.random.default_rng(seqs)
+    inputs = {
+        "token_ids": rng.integers(1, vocab, seqs).astype(np.int32),
+        "positions": np.full(seqs, context - 1, np.int32),
+        "slot_mapping": np.array([s * pages * 16 + context - 1 for s in range(seqs)], np.int32),
+        "seq_lens": np.full(seqs, context, np.int32),
+        "block_table": block_table,
+    }
+    return inputs, {"seqs": seqs, "tokens": seqs}
+
+
+def batch_step_ms(chain, seqs: int, context: int, vocab: int = 32000, replays: int = 50
+                  ) -> float:
+    """One `decode_batch` step of `seqs` sequences at `context` tokens each: `replays` graph
+    replays behind a busy stream (the GPU's time); on a backend without graphs (cpu), the
+    median wall time of 3 runs (host included)."""
+    session, backend = chain.sessions[0], chain.sessions[0].backend
+    inputs, vars = batch_inputs(chain, seqs, context, vocab)
+    chain.run("decode_batch", inputs, vars)  # captures the graph
+    chain.run("decode_batch", inputs, vars)
+    backend.sync()
+    if session.graphs == "off":
+        return timed(lambda: chain.run("decode_batch", inputs, vars)) * 1e3
+    env = session._vars(vars)
+    graph = session._graphs[("decode_batch",
+                             *(env[v] for v in session._graph_vars["decode_batch"]))]
+    return replay_ms(Busy(backend), graph, replays)
+
+
+def prefill_flops(cfg: dict, tokens: int) -> float:
+    """The FLOPs of a `tokens`-token prefill of the model of `cfg` (a Hugging Face
+    config.json): 2 x the linears' parameters a token, causal attention (QK^T and PV over the
+    lower triangle) and the last row's lm_head."""
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nq, nk = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    per_token = 2 * ((nq + 2 * nk) * hd * h + h * nq * hd + 2 * inter * h + h * inter)
+    causal = 2 * 2 * nq * hd * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
+    return cfg["num_hidden_layers"] * (per_token * tokens + causal) + 2 * v * h
