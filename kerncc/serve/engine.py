@@ -247,8 +247,8 @@ class Engine:
     def run_forever(self, idle: float = 0.05, after: Callable[[], None] | None = None
                     ) -> None:
         """Serve until `stop` (or a fault, after which every request has been failed);
-        `after` is called after every turn (kerncc.serve.core sends what the listeners heard
-        in the turn as one message)."""
+        `after` is called after every turn, before any wait for work (kerncc.serve.core sends
+        what the listeners heard in the turn as one message)."""
         self.model.reset()  # the runner may have run other work since the engine last served
         self.prefix.forget()  # and written the pages it keeps
         while not self._stopping or self.requests:
