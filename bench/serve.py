@@ -24,7 +24,8 @@ evictions over the levels. On `--backend sim`, `--row-us` makes a prefill chunk 
 
 `--split on` runs the front end apart from the engine core (`kerncc serve --api-workers 1`): a
 forked process of its own serving HTTP over a kerncc.serve.client, the core on a thread of the
-server's process; `--split off` (the default) keeps everything in one process, and
+server's process, as `kerncc serve` runs by default; `--split off` (the default here, as
+the rows measured before the split were) keeps everything in one process, and
 `--split ab` alternates the two over two rounds each and prints the ratios.
 
 --doc docs/benchmarks.md writes the rows between the file's `serve` markers.
@@ -307,9 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                    "alternating over two rounds of servers, with the ratios")
     p.add_argument("--split", choices=("on", "off", "ab"), default="off", help="on: the "
                    "front end in a process of its own, apart from the engine core (`kerncc "
-                   "serve --api-workers 1`); off: one process, as `kerncc serve` runs by "
-                   "default (default); ab: off and on, alternating over two rounds of "
-                   "servers, with the ratios")
+                   "serve --api-workers 1`, its default); off: one process (`--api-workers "
+                   "0`; the default here, as the rows measured before the split were); ab: "
+                   "off and on, alternating over two rounds of servers, with the ratios")
     p.add_argument("--devices", default=None, help="e.g. 0,1")
     p.add_argument("--pipeline", default="emit", help="e.g. 'cut,slice-derive,emit'")
     p.add_argument("--levels", default="1,8,32")

@@ -89,6 +89,48 @@ def test_two_front_ends_on_one_core_each_hear_their_own_requests_as_alone(chain)
     assert apart.core.dropped == 0
 
 
+class _Watched(threading.Event):
+    """The engine's wake-up, watched: counts the idle waits, and those begun while the core
+    still held news (tokens, ends) that no front end had been sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = None
+        self.waits = 0
+        self.stale = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        if self.core is not None and self.core._news:
+            self.stale += 1
+        return super().wait(timeout)
+
+
+def test_the_core_sends_what_a_turn_told_before_the_engine_waits_for_work(chain):
+    """A request's last token and its end are told in a turn with nothing else to do: they
+    leave the core before the engine waits for work, never after the idle bound."""
+    engine = Engine(chain, Config(max_running=4))
+    engine._wake = watched = _Watched()
+    with core_apart(engine) as apart:
+        watched.core = apart.core  # before any request: no news yet
+        client = apart.clients[0]
+        thread = threading.Thread(target=client.run_forever, daemon=True)
+        thread.start()
+        served = []
+        for asks in (prompts(1, seed=5), prompts(4, seed=6), prompts(1, seed=7)):
+            heard = [_Heard() for _ in asks]
+            served += [(client.submit(Request(p, 5, listener=h)), p)
+                       for p, h in zip(asks, heard)]
+            for h in heard:
+                assert h.ended.wait(30), "every request ends"
+        client.stop()
+        thread.join(10)
+    assert [r.generated for r, _ in served] == [reference(chain, p, 5).tokens
+                                                for _, p in served]
+    assert watched.waits > 0, "the engine went idle between the rounds"
+    assert watched.stale == 0
+
+
 def start(model, *flags: str) -> tuple[subprocess.Popen, str, int]:
     """`kerncc serve` on 127.0.0.1 in a process of its own: it, its URL, its core's pid."""
     command = [sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",

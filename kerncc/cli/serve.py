@@ -469,10 +469,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=guard.MAX_WAITING, metavar="N",
                    help="connections waiting for a request's headers; past N, those waiting "
                    f"longest (over {guard.TRIM_AGE:g} s) are closed (default {guard.MAX_WAITING})")
-    p.add_argument("--api-workers", type=non_negative, default=0, metavar="N",
+    p.add_argument("--api-workers", type=non_negative, default=1, metavar="N",
                    help="front-end processes (HTTP, tokens to text, stop strings, streaming) "
-                   "sharing the port, apart from the engine core's process; default 0: one "
-                   "process serves everything")
+                   "sharing the port, apart from the engine core's process (default 1); 0: "
+                   "one process serves everything")
     p.add_argument("--lenient", action="store_true",
                    help="accept and ignore (logging them) request fields the server does not "
                    "know, instead of a 400")

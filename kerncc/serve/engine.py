@@ -247,18 +247,21 @@ class Engine:
     def run_forever(self, idle: float = 0.05, after: Callable[[], None] | None = None
                     ) -> None:
         """Serve until `stop` (or a fault, after which every request has been failed);
-        `after` is called after every turn (kerncc.serve.core sends what the listeners heard
-        in the turn as one message)."""
+        `after` is called after every turn, before any wait for work (kerncc.serve.core sends
+        what the listeners heard in the turn as one message)."""
         self.model.reset()  # the runner may have run other work since the engine last served
         self.prefix.forget()  # and written the pages it keeps
         while not self._stopping or self.requests:
             self._wake.clear()  # before the tick: a command queued during it wakes the wait
-            if not self.tick():
+            busy = self.tick()
+            # What the turn told goes out before any wait: an idle turn still tells the
+            # tokens (and ends) the turn before collected, and they must not sit out `idle`.
+            if after is not None:
+                after()
+            if not busy:
                 self._wake.wait(idle)
             if self._stopping and self.fault is None and self.requests:
                 self._cancel_all()
-            if after is not None:
-                after()
         self._apply_commands()  # requests queued just before `stop` end too (cancelled)
         self._notify()
         if after is not None:
