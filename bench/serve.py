@@ -22,6 +22,11 @@ at the end of each round it reads the server's /metrics: the prefix cache's hit 
 evictions over the levels. On `--backend sim`, `--row-us` makes a prefill chunk cost its rows
 (bench/simulated.py's cost model), so that prefill the cache skips shows in the TTFT.
 
+`--ramp-ms T` starts a level's first `concurrency` requests evenly over T ms rather than all at
+once. All at once (the default), requests of one prompt and answer length stay in step: the
+whole level arrives, prefills and finishes together, wave after wave, which the prefix cache
+meets at its worst (without it, a 2,100-token prefill a request pulls the streams apart).
+
 `--split on` runs the front end apart from the engine core (`kerncc serve --api-workers 1`): a
 forked process of its own serving HTTP over a kerncc.serve.client, the core on a thread of the
 server's process, as `kerncc serve` runs by default; `--split off` (the default here, as
@@ -121,12 +126,17 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int,
 
 
 async def level(url: str, model: str, concurrency: int, prompts: list[list[int]],
-                max_tokens: int, budget: float, sampled: float = 0.0) -> dict[str, float]:
+                max_tokens: int, budget: float, sampled: float = 0.0, ramp: float = 0.0
+                ) -> dict[str, float]:
+    """One level's measures; `ramp` seconds: the first `concurrency` requests start evenly
+    over it (request i at i x ramp / concurrency), the rest as places free (see --ramp-ms)."""
     gate = asyncio.Semaphore(concurrency)
     deadline = time.perf_counter() + budget
     results: list[tuple[float, list[float], int]] = []
 
     async def run(number: int, prompt: list[int]) -> None:
+        if number < concurrency and ramp > 0:
+            await asyncio.sleep(number * ramp / concurrency)
         async with gate:
             if time.perf_counter() < deadline:
                 results.append(await one(url, model, prompt, max_tokens,
@@ -277,6 +287,16 @@ def _prefix(text: str) -> tuple[int, int]:
     return shared, own
 
 
+def _ramp(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got `{text}`") from None
+    if not 0 <= value <= 6e4:
+        raise argparse.ArgumentTypeError(f"expected 0 <= milliseconds <= 60000, got {text}")
+    return value
+
+
 def _microseconds(text: str) -> float:
     try:
         value = float(text)
@@ -325,6 +345,11 @@ def main(argv: list[str] | None = None) -> int:
                    "rounds of servers, with the ratios and the cache's hits")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--budget", type=float, default=120.0, help="seconds per level at most")
+    p.add_argument("--ramp-ms", type=_ramp, default=0.0, help="the first `concurrency` "
+                   "requests of a level start evenly over this many ms, the rest as places "
+                   "free (default 0: all at once; with prompts and answers of one length the "
+                   "streams then stay in step, and each wave of `concurrency` requests arrives "
+                   "at once)")
     p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
                    "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
                    "greedy)")
@@ -470,7 +495,7 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vo
     for conc in levels:
         prompts = [prompt() for _ in range(conc * args.requests_per_level)]
         row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget,
-                                args.sampled))
+                                args.sampled, args.ramp_ms / 1e3))
         conn.send("idle")
         row["idle_us"] = conn.recv()
         rows.append((conc, row))
@@ -484,7 +509,9 @@ def report(args: argparse.Namespace, run: Round) -> None:
     print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
           f"{args.prompt_len}{shared}, max_tokens {args.max_tokens}, sampled "
-          f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, front end "
+          f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, "
+          f"{f'first requests over {args.ramp_ms:g} ms' if args.ramp_ms else 'all at once'}, "
+          f"front end "
           f"{'apart from the core' if run.split else 'in the core process'}, prefix cache "
           f"{'on' if run.cache else 'off'}")
     if sim:

@@ -51,6 +51,15 @@ def test_a_level_counts_every_request_and_token(served):
     assert row["tok_s"] > 0 and row["itl_p50"] >= 0 and row["ttft_p99"] >= row["ttft_p50"]
 
 
+def test_a_ramp_starts_the_first_requests_apart(served):
+    url, model, _ = served
+    prompts = [[5, 17, 3], [9, 1], [4, 4, 4]]
+    started = time.perf_counter()
+    row = asyncio.run(level(url, model, 3, prompts, 2, budget=60, ramp=0.6))
+    assert row["requests"] == 3 and row["tokens"] == 6
+    assert time.perf_counter() - started >= 0.4  # the third began 0.4 s in
+
+
 def test_a_refused_request_is_an_error_not_a_silent_zero(served):
     url, model, _ = served
     with pytest.raises(RuntimeError, match="400"):
@@ -165,6 +174,8 @@ def test_a_model_too_short_for_the_prefix_is_refused_before_any_request(tmp_path
     (["--row-us", "-1"], "expected 0 <= microseconds"),
     (["--backend", "cpu", "--row-us", "3"], "--row-us is the simulated device's"),
     (["--ahead", "ab", "--prefix-cache", "ab"], "one A/B at a time"),
+    (["--ramp-ms", "-5"], "expected 0 <= milliseconds"),
+    (["--ramp-ms", "soon"], "expected milliseconds"),
 ])
 def test_bad_prefix_flags_are_refused_with_their_reason(flags, message, capsys):
     with pytest.raises(SystemExit):

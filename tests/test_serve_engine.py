@@ -177,7 +177,13 @@ def test_bad_requests_are_refused_before_any_work(whole):
         engine.submit(Request([3, 1.5], 3))  # ran as token 1
     with pytest.raises(KernccError, match=r"2.5 new tokens: expected a whole number"):
         engine.submit(Request([3, 1], 2.5))  # gave 3 tokens
+    # the one-pass checks of plain ints find the same token the scans name
+    with pytest.raises(KernccError, match=r"prompt token 2 is True, not a whole number"):
+        engine.submit(Request([3, 1, True], 3))
+    with pytest.raises(KernccError, match=r"prompt token 2 is -1, past the vocabulary"):
+        engine.submit(Request([3, 1, -1, 7], 3))
     assert not engine.requests and engine.waiting == 0
+    assert engine.submit(Request([np.int64(3), 1], 3)).id >= 0  # numpy ints are whole too
 
 
 def test_cancelling_frees_the_pages_at_once(whole, prompts):

@@ -263,3 +263,26 @@ def test_two_prompts_alike_arriving_together_share_the_pages_one_computes():
     drain(driver, {0: 20, 1: 20}, first + second + third)
     assert driver.cache.hit == 16  # 4 pages: never the last token's
     assert driver.tokens[0] == driver.tokens[1]
+
+
+def test_a_page_shared_by_many_counts_once_for_each_holder():
+    """Sharing counts a page for its first holder when a second comes, and for each newcomer
+    (one step a page, not a pass over every holder); releases count down to none."""
+    pool = KVPool(6)
+    pool.take(0, 3)
+    for page, key in zip(pool.held(0), "abc"):
+        pool.register(page, key)
+    pool.share(1, pool.held(0)[:2])
+    pool.share(2, pool.held(0)[:3])
+    pool.share(3, pool.held(0)[:1])
+    assert pool.shared == {0: 3, 1: 2, 2: 3, 3: 1}
+    pool.check()
+    pool.release(0)
+    assert pool.shared == {1: 2, 2: 2, 3: 1}  # page c: held by 2 alone now
+    pool.release(2)
+    assert pool.shared == {1: 1, 3: 1}
+    pool.check()
+    pool.release(1)
+    pool.release(3)
+    assert pool.shared == {} and pool.free == 6
+    pool.check()

@@ -574,7 +574,11 @@ def check_request(request: Request, vocab: int | None, capacity: int,
     end's before it sends the request to the core (kerncc.serve.client)."""
     if not request.prompt:
         raise KernccError.single("the prompt is empty", "/prompt")
-    odd = next((i for i, t in enumerate(request.prompt) if not is_whole(t)), None)
+    # Python ints (what JSON gives) checked in one pass of builtins first: the scan below
+    # took 0.5 ms a 2,100-token prompt, on the thread that serves HTTP, 32 times a wave
+    plain = all(type(t) is int for t in request.prompt)
+    odd = None if plain else next((i for i, t in enumerate(request.prompt)
+                                   if not is_whole(t)), None)
     if odd is not None:  # 1.5 ran as token 1
         raise KernccError.single(f"prompt token {odd} is {request.prompt[odd]!r}, not a "
                                  "whole number (a token id)", f"/prompt/{odd}")
@@ -584,8 +588,9 @@ def check_request(request: Request, vocab: int | None, capacity: int,
     if request.max_new < 1:
         raise KernccError.single(f"{request.max_new} new tokens: at least 1 is needed",
                                  "/max_tokens")
-    bad = next((i for i, t in enumerate(request.prompt)
-                if vocab is not None and not 0 <= t < vocab), None)
+    inside = vocab is None or (0 <= min(request.prompt) and max(request.prompt) < vocab)
+    bad = None if inside else next((i for i, t in enumerate(request.prompt)
+                                    if vocab is not None and not 0 <= t < vocab), None)
     if bad is not None:
         raise KernccError.single(f"prompt token {bad} is {request.prompt[bad]}, past the "
                                  f"vocabulary (ids 0..{vocab - 1})", f"/prompt/{bad}")

@@ -45,6 +45,10 @@ class PrefixCache:
         self._chains: dict[int, list[int]] = {}  # seq id -> serials of its first pages' keys
         # waiting seq id -> the pages it would share and their serials
         self._hits: dict[int, tuple[list[int], list[int]]] = {}
+        # waiting seq id -> its prompt's pages' tokens, one tuple a page, made once: a refresh
+        # runs every turn while someone waits, and slicing 125 pages of each of 32 waiting
+        # prompts every turn cost milliseconds
+        self._pages: dict[int, list[tuple[int, ...]]] = {}
         self.queried = 0  # prompt tokens admitted (counts: a server runs long)
         self.hit = 0  # of them, taken from the cache
 
@@ -84,26 +88,39 @@ class PrefixCache:
         """The longest run of kept pages that begins `prompt`: their ids and serials."""
         pages: list[int] = []
         serials: list[int] = []
-        parent, s = ROOT, self.stride
-        for i in range(self._limit(seq)):
-            found = self.pool.lookup((parent, tuple(prompt[i * s:(i + 1) * s])))
+        parent = ROOT
+        for tokens in self._page_tokens(seq, prompt):
+            found = self.pool.lookup((parent, tokens))
             if found is None:
                 break
             pages.append(found[0])
             serials.append(parent := found[1])
         return pages, serials
 
+    def _page_tokens(self, seq: sch.Seq, prompt: Sequence[int]) -> list[tuple[int, ...]]:
+        """The tokens of each page `seq` may take (`_limit`), kept while it waits."""
+        kept = self._pages.get(seq.id)
+        if kept is None:
+            s = self.stride
+            kept = self._pages[seq.id] = [tuple(prompt[i * s:(i + 1) * s])
+                                          for i in range(self._limit(seq))]
+        return kept
+
     def _computing(self, prompt: Sequence[int], page: int, seq: sch.Seq,
                    ahead: Sequence[sch.Seq], limits: sch.Limits, prompts: Prompts) -> bool:
         """Whether a sequence ahead (running, or admitted first) has yet to feed page `page` of
         `prompt` through chunks, with the same tokens up to its end (it will keep it: better
         wait and share it)."""
-        end = (page + 1) * self.stride
+        start, end = page * self.stride, (page + 1) * self.stride
         if page >= self._limit(seq):
             return False
         for other in ahead:
-            if other.cached < end <= other.chunk_end(limits.chunk_emits) \
-                    and prompts(other.id)[:end] == prompt[:end]:
+            if not other.cached < end <= other.chunk_end(limits.chunk_emits):
+                continue
+            theirs = prompts(other.id)
+            # the page itself first: prompts that share a system prompt differ right after
+            # it, and comparing 2,000 tokens for each pair of 32 newcomers cost milliseconds
+            if theirs[start:end] == prompt[start:end] and theirs[:start] == prompt[:start]:
                 return True
         return False
 
@@ -113,6 +130,7 @@ class PrefixCache:
         self.queried += len(prompt)
         if not self.enabled:
             return
+        self._pages.pop(seq_id, None)
         shared, serials = self._hits.pop(seq_id, ([], []))
         if len(shared) < pages:
             raise AssertionError(f"sequence {seq_id} was planned {pages} cached pages, "
@@ -141,12 +159,14 @@ class PrefixCache:
         """`seq_id` gave its pages back (finished, cancelled, failed or preempted)."""
         self._chains.pop(seq_id, None)
         self._hits.pop(seq_id, None)
+        self._pages.pop(seq_id, None)
 
     def forget(self) -> None:
         """Keep nothing (something else may have written the pages)."""
         self.pool.forget()
         self._chains.clear()
         self._hits.clear()
+        self._pages.clear()
 
     @property
     def hit_rate(self) -> float:
