@@ -40,7 +40,7 @@ from bench.report import Report
 from bench.simulated import Idle
 from kerncc.cli.main import main as kerncc
 from kerncc.example import generate
-from kerncc.kernels.logits_ref import TOKEN, allowed
+from kerncc.kernels.logits_ref import TOKEN
 from kerncc.runtime import Chain
 from kerncc.runtime import session as sess
 
@@ -219,9 +219,9 @@ def _idle_processing() -> Idle:
             sample(None)
             results = np.zeros((len(rows), processing.RESULT_WORDS), np.float32)
             tokens = np.zeros(len(params), np.int32)
-            for b, row in enumerate(rows):
-                if masks is not None and words[b, 4] & processing.HAS_STEP_MASK:
-                    tokens[row] = int(np.flatnonzero(allowed(masks[b], self.vocab))[0])
+            if masks is not None:  # the first allowed token of each masked row, all at once
+                masked = np.flatnonzero(words[:, 4] & processing.HAS_STEP_MASK)
+                tokens[np.asarray(rows)[masked]] = first_allowed(masks[masked])
             session.backend.upload(session.memory.buffer(output), 0, tokens.view(np.uint8))
             results.view(np.int32)[:, TOKEN] = tokens[rows]
             return processing.Heard(processing.Ready(results), sources)
@@ -229,6 +229,14 @@ def _idle_processing() -> Idle:
     backend = Idle()
     backend.logits_processor = lambda vocab: IdleProcessor(backend, vocab)
     return backend
+
+
+def first_allowed(masks: np.ndarray) -> np.ndarray:
+    """The lowest token each packed `allow` row lets through (a row lets one through)."""
+    word = np.argmax(masks != 0, axis=1)
+    bits = masks[np.arange(len(masks)), word]
+    low = bits & (~bits + np.uint32(1))  # the lowest set bit alone
+    return (32 * word + np.log2(low.astype(np.float64)).astype(np.int64)).astype(np.int32)
 
 
 def _processing_steps(chain: Chain, extra: dict, count: int) -> list[float]:

@@ -54,48 +54,103 @@ class Grammar:
         return Matcher(llguidance.LLMatcher(self.tokenizer, self.text))
 
 
-_WORKER: list[ThreadPoolExecutor] = []
+_WORKER: list[Any] = []  # the thread that computes masks ahead, and llguidance's executor
 _WORKER_LOCK = threading.Lock()
 
 
-def _worker() -> ThreadPoolExecutor:
-    """The one thread that computes masks ahead (llguidance's mask runs outside the GIL)."""
+def _worker() -> tuple[ThreadPoolExecutor, Any]:
+    """The one thread that follows tokens and computes masks ahead (llguidance runs them
+    outside the GIL) and the executor that computes a batch's masks in parallel."""
     with _WORKER_LOCK:
         if not _WORKER:
-            _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="kerncc-grammar"))
-        return _WORKER[0]
+            _WORKER.extend([ThreadPoolExecutor(1, thread_name_prefix="kerncc-grammar"),
+                            llguidance.LLExecutor()])
+        return _WORKER[0], _WORKER[1]
+
+
+class _Ahead:
+    """A batch of matchers' tokens followed, then their next masks computed into `masks`
+    (row `Matcher._row` each; None: no width known yet), on the worker thread."""
+
+    def __init__(self, masks: np.ndarray | None) -> None:
+        self.masks = masks
+        self.future: Future | None = None
+
+    def wait(self) -> None:
+        future, self.future = self.future, None
+        if future is not None:
+            future.result()
 
 
 class Matcher:
+    """One sequence's grammar state: the llguidance matcher, and its next mask when it is
+    being computed ahead (`follow`)."""
+
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
-        self._next: Future | None = None  # the next mask, being computed into `_mask`
-        self._mask: np.ndarray | None = None
+        self.words = 0  # the mask's width once `fill` told it: next masks go ahead
+        self._ahead: _Ahead | None = None
+        self._row = 0  # this matcher's row of `_ahead.masks`
 
     def fill(self, allow: np.ndarray) -> None:
         """Set the bits of the tokens that may come next in `allow` (uint32 [words])."""
-        ahead, self._next = self._next, None
-        if ahead is not None:
-            ahead.result()
-            if self._mask is not None and self._mask.shape == allow.shape:
-                allow[:] = self._mask
-                return
-        self._compute(allow)
-        if self._mask is None or self._mask.shape != allow.shape:
-            self._mask = np.zeros_like(allow)  # the width is known: next masks go ahead
-
-    def _compute(self, allow: np.ndarray) -> None:
-        llnumpy.fill_next_token_bitmask(self.matcher, allow.view(np.int32).reshape(1, -1), 0)
+        fill_all([self], allow.reshape(1, -1), [0])
 
     def consume(self, token: int) -> None:
         """Follow `token`, then start computing the next mask (once `fill` told its width)."""
-        if self._next is not None:
-            self._next.result()
-            self._next = None
-        self.matcher.consume_token(token)
-        if self._mask is None:
-            return
-        self._next = _worker().submit(self._compute, self._mask)
+        follow([self], [token])
+
+    def _settled(self) -> _Ahead | None:
+        """The batch this matcher is in, done (its matcher free to use), or None."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.wait()
+        return ahead
+
+
+def follow(matchers: list[Matcher], tokens: list[int]) -> None:
+    """Each matcher follows its token, then their next masks are computed, all in one batch
+    on the worker thread (llguidance's executor computes the masks in parallel), as soon as
+    the tokens are known: `fill_all` takes them."""
+    for matcher in matchers:
+        matcher._settled()  # a batch still running reads the matcher
+    width = max(m.words for m in matchers)
+    ahead = _Ahead(np.empty((len(matchers), width), np.uint32) if width else None)
+    masked = []
+    for row, matcher in enumerate(matchers):
+        matcher._ahead, matcher._row = ahead, row
+        if width and matcher.words == width:
+            masked.append((matcher.matcher, row))
+    pairs = [(m.matcher, int(t)) for m, t in zip(matchers, tokens)]
+    worker, executor = _worker()
+    ahead.future = worker.submit(_follow, executor, pairs, masked, ahead.masks)
+
+
+def _follow(executor: Any, pairs: list, masked: list, masks: np.ndarray | None) -> None:
+    llnumpy.consume_token_par(executor, pairs)  # a refused token leaves the matcher in error
+    if masked:
+        llnumpy.fill_next_token_bitmask_par(executor, masked, masks.view(np.int32))
+
+
+def fill_all(matchers: list[Matcher], out: np.ndarray, rows: list[int]) -> None:
+    """Matcher i's next mask into row rows[i] of `out` (uint32 [n, words], C-contiguous):
+    copied from the batch that computed it ahead, else computed now (in one batch)."""
+    now: list[tuple[Any, int]] = []
+    copies: dict[int, tuple[_Ahead, list[int], list[int]]] = {}
+    for matcher, row in zip(matchers, rows):
+        ahead = matcher._settled()
+        if ahead is None or ahead.masks is None or matcher.words != out.shape[1] \
+                or ahead.masks.shape[1] != out.shape[1]:
+            now.append((matcher.matcher, row))
+            matcher.words = out.shape[1]
+            continue
+        _, src, dst = copies.setdefault(id(ahead), (ahead, [], []))
+        src.append(matcher._row)
+        dst.append(row)
+    for ahead, src, dst in copies.values():
+        out[dst] = ahead.masks[src]
+    if now:
+        llnumpy.fill_next_token_bitmask_par(_worker()[1], now, out.view(np.int32))
 
 
 class Grammars:

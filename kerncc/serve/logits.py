@@ -31,6 +31,8 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kerncc.serve import grammar as _grammar
+
 from kerncc.kernels.logits_ref import (CHOSEN, HAS_BIAS, HAS_LOGPROBS, HAS_MASK, LOGIT_WORDS,
                                        TOKEN, TOP_IDS, TOP_LOGPROBS, TOP_MAX, f32_bits,
                                        log_softmax, process_logits, top_tokens)
@@ -55,6 +57,7 @@ class Drawer:
         self.cumulative = 0.0  # sum of the chosen tokens' logprobs (best_of ranks by it)
         self.version = 0  # bumped when the host path counts a token (a device slot is stale)
         self.vocab = 0  # the logits' width, once a device slot is filled
+        self._device: dict[bool, tuple[int, ...]] = {}  # device_words, by `held`
 
     @property
     def greedy(self) -> bool:
@@ -80,18 +83,21 @@ class Drawer:
         """Whether each step has a mask of its own (a grammar's)."""
         return self.matcher is not None
 
-    def device_words(self, step: int) -> np.ndarray:
-        """This step's words for the device kernels (row and slot filled by the processor):
-        the slot's static mask holds min_tokens' stop ids back, a grammar's is the step's."""
-        p = self.params
-        held = self.matcher is None and step < p.min_tokens and bool(p.suppress)
-        flags = ((HAS_BIAS if p.logit_bias else 0) | (HAS_MASK if held else 0)
-                 | (HAS_LOGPROBS if self.wants else 0))
-        out = np.zeros(LOGIT_WORDS, dtype=np.uint32)
-        out[1:5] = [f32_bits(p.presence_penalty), f32_bits(p.frequency_penalty),
-                    f32_bits(p.repetition_penalty), flags]
-        out[6] = min(p.logprobs or 0, TOP_MAX)
-        return out
+    def device_words(self, step: int) -> tuple[int, ...]:
+        """This step's words for the device kernels (row and slot left 0: the processor
+        fills them): the slot's static mask holds min_tokens' stop ids back, a grammar's is
+        the step's. Packed once per request (one per `held`); not to be written."""
+        held = self.matcher is None and step < self.params.min_tokens \
+            and bool(self.params.suppress)
+        found = self._device.get(held)
+        if found is None:
+            p = self.params
+            flags = ((HAS_BIAS if p.logit_bias else 0) | (HAS_MASK if held else 0)
+                     | (HAS_LOGPROBS if self.wants else 0))
+            found = self._device[held] = (
+                0, f32_bits(p.presence_penalty), f32_bits(p.frequency_penalty),
+                f32_bits(p.repetition_penalty), flags, 0, min(p.logprobs or 0, TOP_MAX), 0)
+        return found
 
     def fill_state(self, counts: np.ndarray, seen: np.ndarray, bias: np.ndarray,
                    allow: np.ndarray) -> None:
@@ -102,33 +108,46 @@ class Drawer:
         allow[:] = 0xFFFFFFFF
         self._suppress(allow, counts.shape[0])
 
-    def step_mask(self, step: int, allow: np.ndarray) -> bool:
-        """This step's grammar mask (min_tokens' stop ids held back) into `allow`."""
-        if self.matcher is None:
-            return False
-        self.matcher.fill(allow)
-        if step < self.params.min_tokens:
-            self._suppress(allow, allow.size * 32)
-        return True
+    @staticmethod
+    def step_masks(drawers: Sequence[Drawer], steps: Sequence[int],
+                   masks: np.ndarray) -> list[int]:
+        """This step's grammar masks (min_tokens' stop ids held back) into the rows of
+        `masks` (uint32 [len(drawers), words]); the rows that have one."""
+        rows = [b for b, d in enumerate(drawers) if d.matcher is not None]
+        if not rows:
+            return rows
+        _grammar.fill_all([drawers[b].matcher for b in rows], masks, rows)
+        for b in rows:
+            if steps[b] < drawers[b].params.min_tokens:
+                drawers[b]._suppress(masks[b], masks.shape[1] * 32)
+        return rows
 
-    def hear(self, result: np.ndarray) -> None:
-        """A device step's results row (kernels/logits_ref.py's RESULT_WORDS): the token,
-        its logprob and the top tokens, as `accept` takes them on the host path."""
-        ids = result.view(np.int32)
-        token = int(ids[TOKEN])
-        self.counts[token] += 1
-        if self.matcher is not None:
-            self.matcher.consume(token)
-        if not self.wants:
-            return
-        chosen = float(result[CHOSEN])
-        self.cumulative += chosen
-        if self.params.logprobs is None:
-            return
-        k = min(self.params.logprobs, TOP_MAX, self.vocab)
-        self.heard.append(Heard(token, chosen, tuple(
-            (int(t), float(v)) for t, v in zip(ids[TOP_IDS:TOP_IDS + k],
-                                               result[TOP_LOGPROBS:TOP_LOGPROBS + k]))))
+    @staticmethod
+    def hear_all(drawers: Sequence[Drawer], results: np.ndarray) -> None:
+        """A device step's results rows (kernels/logits_ref.py's RESULT_WORDS), one a
+        drawer: each hears its token, its logprob and the top tokens, as `accept` takes them
+        on the host path; the grammars follow their tokens in one batch."""
+        ids = results.view(np.int32)
+        tokens = ids[:, TOKEN].tolist()
+        chosen = results[:, CHOSEN].tolist()
+        k = max(min(d.params.logprobs or 0, TOP_MAX, d.vocab) for d in drawers)
+        top_ids = ids[:, TOP_IDS:TOP_IDS + k].tolist() if k else None
+        top_logprobs = results[:, TOP_LOGPROBS:TOP_LOGPROBS + k].tolist() if k else None
+        followed: list[tuple[Any, int]] = []
+        for b, (d, token) in enumerate(zip(drawers, tokens)):
+            d.counts[token] += 1
+            if d.matcher is not None:
+                followed.append((d.matcher, token))
+            if not d.wants:
+                continue
+            d.cumulative += chosen[b]
+            if d.params.logprobs is None:
+                continue
+            n = min(d.params.logprobs, TOP_MAX, d.vocab)
+            top = tuple(zip(top_ids[b][:n], top_logprobs[b][:n])) if n else ()
+            d.heard.append(Heard(token, chosen[b], top))
+        if followed:
+            _grammar.follow([m for m, _ in followed], [t for _, t in followed])
 
     # ------------------------------------------------------------------------ on the host
 
