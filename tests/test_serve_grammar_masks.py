@@ -1,8 +1,7 @@
-"""A grammar's token masks computed in batches (kerncc.serve.grammar: `follow` consumes a
-call's tokens and computes their next masks together with llguidance's executor, `fill_all`
-hands them out) are bit for bit those of one matcher at a time, the way llguidance computes
-them alone; and the engine draws the same grammar-following tokens on the device as on the
-host path.
+"""A call's grammar masks computed in one batch (kerncc.serve.grammar.fill_all: llguidance's
+executor over the cores, or one after another on a machine of few) are bit for bit those of
+one matcher at a time, the way llguidance computes them alone; and the engine draws the same
+grammar-following tokens on the device as on the host path.
 """
 
 from __future__ import annotations
@@ -56,8 +55,11 @@ def _alone(matcher, words: int) -> np.ndarray:
     return out[0].view(np.uint32)
 
 
+@pytest.mark.parametrize("parallel", [True, False], ids=["executor", "one-by-one"])
 @pytest.mark.parametrize("form", FORMS, ids=["json_schema", "json_object", "regex"])
-def test_batched_masks_are_those_of_one_matcher_at_a_time(grammars, form):
+def test_batched_masks_are_those_of_one_matcher_at_a_time(grammars, form, parallel,
+                                                           monkeypatch):
+    monkeypatch.setattr(grammar, "PARALLEL", parallel)
     built, vocab = grammars
     words = mask_words(vocab)
     shape = built.of(form)
@@ -66,12 +68,9 @@ def test_batched_masks_are_those_of_one_matcher_at_a_time(grammars, form):
     alone = [llguidance.LLMatcher(built.tokenizer, shape.text) for _ in range(n)]
     order = [3, 0, 4, 1, 2]  # each matcher's row of the call's masks: not their own order
     for step in range(24):
-        # matcher 1 sits out the odd steps (neither masked nor followed): its mask, computed
-        # ahead, waits for it
-        here = [i for i in range(n) if not (i == 1 and step % 2)]
+        here = [i for i in range(n) if not (i == 1 and step % 2)]  # 1 sits out odd steps
         out = np.full((n, words), 0xA5A5A5A5, np.uint32)  # not a mask: every row is written
         grammar.fill_all([batched[i] for i in here], out, [order[i] for i in here])
-        tokens = []
         for i in here:
             expected = _alone(alone[i], words)
             assert np.array_equal(out[order[i]], expected), (form, step, i)
@@ -79,31 +78,15 @@ def test_batched_masks_are_those_of_one_matcher_at_a_time(grammars, form):
             token = int(rng.choice(choices)) if choices.size else 0
             if i == 4 and step == 9:
                 token = int(np.flatnonzero(~allowed(expected, vocab))[0])  # refused
-            tokens.append(token)
             alone[i].consume_token(token)
-        grammar.follow([batched[i] for i in here], tokens)
-    assert any(alone[i].is_error() for i in range(n))  # the refused token was followed too
+            batched[i].consume(token)
+    assert alone[4].is_error() and batched[4].matcher.is_error()
 
 
-def test_a_matcher_followed_alone_gives_the_masks_of_the_batch(grammars):
-    """The host path (`Matcher.consume`, `Matcher.fill`) and the device path (`follow`,
-    `fill_all`) step the same matcher state."""
-    built, vocab = grammars
-    words = mask_words(vocab)
-    shape = built.of(FORMS[0])
-    one, many = shape.matcher(), shape.matcher()
-    rng = np.random.default_rng(3)
-    for _ in range(16):
-        a, b = np.zeros(words, np.uint32), np.zeros((1, words), np.uint32)
-        one.fill(a)
-        grammar.fill_all([many], b, [0])
-        assert np.array_equal(a, b[0]) and a.any()
-        token = int(rng.choice(np.flatnonzero(allowed(a, vocab))))
-        one.consume(token)
-        grammar.follow([many], [token])
-
-
-def test_grammar_tokens_drawn_on_the_device_equal_the_host_path(model, grammars):
+@pytest.mark.parametrize("parallel", [True, False], ids=["executor", "one-by-one"])
+def test_grammar_tokens_drawn_on_the_device_equal_the_host_path(model, grammars, parallel,
+                                                                 monkeypatch):
+    monkeypatch.setattr(grammar, "PARALLEL", parallel)
     built, _ = grammars
     chain = Chain(lower_to_bundle(model))
     params = [Params(temperature=0.9, seed=s, grammar=built.of(FORMS[s % 2]),

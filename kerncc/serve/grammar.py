@@ -18,8 +18,8 @@ and transformers), a JSON schema, regex and context-free (Lark) front end, and t
 from __future__ import annotations
 
 import json
+import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -54,103 +54,46 @@ class Grammar:
         return Matcher(llguidance.LLMatcher(self.tokenizer, self.text))
 
 
-_WORKER: list[Any] = []  # the thread that computes masks ahead, and llguidance's executor
-_WORKER_LOCK = threading.Lock()
+_EXECUTOR: list[Any] = []
+_EXECUTOR_LOCK = threading.Lock()
+# llguidance's executor spreads a batch's masks over the cores; on a machine of fewer cores
+# handing them to its threads costs more than it saves, and they are computed one at a time
+PARALLEL = (os.cpu_count() or 1) >= 4
 
 
-def _worker() -> tuple[ThreadPoolExecutor, Any]:
-    """The one thread that follows tokens and computes masks ahead (llguidance runs them
-    outside the GIL) and the executor that computes a batch's masks in parallel."""
-    with _WORKER_LOCK:
-        if not _WORKER:
-            _WORKER.extend([ThreadPoolExecutor(1, thread_name_prefix="kerncc-grammar"),
-                            llguidance.LLExecutor()])
-        return _WORKER[0], _WORKER[1]
-
-
-class _Ahead:
-    """A batch of matchers' tokens followed, then their next masks computed into `masks`
-    (row `Matcher._row` each; None: no width known yet), on the worker thread."""
-
-    def __init__(self, masks: np.ndarray | None) -> None:
-        self.masks = masks
-        self.future: Future | None = None
-
-    def wait(self) -> None:
-        future, self.future = self.future, None
-        if future is not None:
-            future.result()
+def _executor() -> Any:
+    with _EXECUTOR_LOCK:
+        if not _EXECUTOR:
+            _EXECUTOR.append(llguidance.LLExecutor())
+        return _EXECUTOR[0]
 
 
 class Matcher:
-    """One sequence's grammar state: the llguidance matcher, and its next mask when it is
-    being computed ahead (`follow`)."""
+    """One sequence's grammar state (an llguidance matcher)."""
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
-        self.words = 0  # the mask's width once `fill` told it: next masks go ahead
-        self._ahead: _Ahead | None = None
-        self._row = 0  # this matcher's row of `_ahead.masks`
 
     def fill(self, allow: np.ndarray) -> None:
         """Set the bits of the tokens that may come next in `allow` (uint32 [words])."""
         fill_all([self], allow.reshape(1, -1), [0])
 
     def consume(self, token: int) -> None:
-        """Follow `token`, then start computing the next mask (once `fill` told its width)."""
-        follow([self], [token])
-
-    def _settled(self) -> _Ahead | None:
-        """The batch this matcher is in, done (its matcher free to use), or None."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            ahead.wait()
-        return ahead
-
-
-def follow(matchers: list[Matcher], tokens: list[int]) -> None:
-    """Each matcher follows its token, then their next masks are computed, all in one batch
-    on the worker thread (llguidance's executor computes the masks in parallel), as soon as
-    the tokens are known: `fill_all` takes them."""
-    for matcher in matchers:
-        matcher._settled()  # a batch still running reads the matcher
-    width = max(m.words for m in matchers)
-    ahead = _Ahead(np.empty((len(matchers), width), np.uint32) if width else None)
-    masked = []
-    for row, matcher in enumerate(matchers):
-        matcher._ahead, matcher._row = ahead, row
-        if width and matcher.words == width:
-            masked.append((matcher.matcher, row))
-    pairs = [(m.matcher, int(t)) for m, t in zip(matchers, tokens)]
-    worker, executor = _worker()
-    ahead.future = worker.submit(_follow, executor, pairs, masked, ahead.masks)
-
-
-def _follow(executor: Any, pairs: list, masked: list, masks: np.ndarray | None) -> None:
-    llnumpy.consume_token_par(executor, pairs)  # a refused token leaves the matcher in error
-    if masked:
-        llnumpy.fill_next_token_bitmask_par(executor, masked, masks.view(np.int32))
+        """Follow `token` (a token the mask refused leaves the matcher in error: its masks
+        then let nothing through)."""
+        self.matcher.consume_token(int(token))
 
 
 def fill_all(matchers: list[Matcher], out: np.ndarray, rows: list[int]) -> None:
-    """Matcher i's next mask into row rows[i] of `out` (uint32 [n, words], C-contiguous):
-    copied from the batch that computed it ahead, else computed now (in one batch)."""
-    now: list[tuple[Any, int]] = []
-    copies: dict[int, tuple[_Ahead, list[int], list[int]]] = {}
+    """Matcher i's next mask into row rows[i] of `out` (uint32 [n, words], C-contiguous),
+    all in one batch."""
+    masks = out.view(np.int32)
+    if PARALLEL and len(matchers) > 1:
+        llnumpy.fill_next_token_bitmask_par(
+            _executor(), [(m.matcher, row) for m, row in zip(matchers, rows)], masks)
+        return
     for matcher, row in zip(matchers, rows):
-        ahead = matcher._settled()
-        if ahead is None or ahead.masks is None or matcher.words != out.shape[1] \
-                or ahead.masks.shape[1] != out.shape[1]:
-            now.append((matcher.matcher, row))
-            matcher.words = out.shape[1]
-            continue
-        _, src, dst = copies.setdefault(id(ahead), (ahead, [], []))
-        src.append(matcher._row)
-        dst.append(row)
-    for ahead, src, dst in copies.values():
-        out[dst] = ahead.masks[src]
-    if now:
-        llnumpy.fill_next_token_bitmask_par(_worker()[1], now, out.view(np.int32))
+        llnumpy.fill_next_token_bitmask(matcher.matcher, masks, row)
 
 
 class Grammars:

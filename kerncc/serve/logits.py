@@ -126,18 +126,17 @@ class Drawer:
     def hear_all(drawers: Sequence[Drawer], results: np.ndarray) -> None:
         """A device step's results rows (kernels/logits_ref.py's RESULT_WORDS), one a
         drawer: each hears its token, its logprob and the top tokens, as `accept` takes them
-        on the host path; the grammars follow their tokens in one batch."""
+        on the host path, and its grammar follows the token."""
         ids = results.view(np.int32)
         tokens = ids[:, TOKEN].tolist()
         chosen = results[:, CHOSEN].tolist()
         k = max(min(d.params.logprobs or 0, TOP_MAX, d.vocab) for d in drawers)
         top_ids = ids[:, TOP_IDS:TOP_IDS + k].tolist() if k else None
         top_logprobs = results[:, TOP_LOGPROBS:TOP_LOGPROBS + k].tolist() if k else None
-        followed: list[tuple[Any, int]] = []
         for b, (d, token) in enumerate(zip(drawers, tokens)):
             d.counts[token] += 1
             if d.matcher is not None:
-                followed.append((d.matcher, token))
+                d.matcher.consume(token)
             if not d.wants:
                 continue
             d.cumulative += chosen[b]
@@ -146,8 +145,6 @@ class Drawer:
             n = min(d.params.logprobs, TOP_MAX, d.vocab)
             top = tuple(zip(top_ids[b][:n], top_logprobs[b][:n])) if n else ()
             d.heard.append(Heard(token, chosen[b], top))
-        if followed:
-            _grammar.follow([m for m, _ in followed], [t for _, t in followed])
 
     # ------------------------------------------------------------------------ on the host
 
