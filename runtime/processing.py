@@ -33,7 +33,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 
 from kerncc.kernels import logits_ref as ref
@@ -44,14 +43,15 @@ THREADS, ACCEPT_THREADS = 1024, 64  # the kernels' blocks (kernels/logits.cu)
 HEARD = "logits_processing"  # the key of a draw's results among a Pending's outputs
 
 
-@attrs.frozen(eq=False)
 class Processed:
     """A row drawn with `native` (kerncc.runtime.sampling.SamplingParams; temperature 0 =
-    the argmax of the processed row) after `source`'s processing, for its token `step`."""
+    the argmax of the processed row) after `source`'s processing, for its token `step`
+    (a plain record, not attrs: a call makes one a sequence)."""
 
-    native: Any
-    source: Any
-    step: int
+    __slots__ = ("native", "source", "step")
+
+    def __init__(self, native: Any, source: Any, step: int) -> None:
+        self.native, self.source, self.step = native, source, step
 
 
 class Heard:
@@ -135,8 +135,7 @@ class Processor:
         rows = [i for i, p in enumerate(params) if isinstance(p, Processed)]
         sources = [params[i].source for i in rows]
         steps = [params[i].step for i in rows]
-        words = np.array([s.device_words(t) for s, t in zip(sources, steps)], np.uint32)
-        words = words.reshape(len(rows), LOGIT_WORDS)
+        words = self._words([s.device_words(t) for s, t in zip(sources, steps)])
         words[:, 0] = rows
         words[:, 5] = [self.slot(s) for s in sources]
         masks = None
@@ -153,6 +152,15 @@ class Processor:
                 masks[members] = part
             words[got, 4] |= HAS_STEP_MASK
         return rows, words, masks, sources
+
+    def _words(self, packed: list[Any]) -> np.ndarray:
+        """The rows' words as `device_words` gave them: the last call's array again when
+        every source gave the same (a decode step's batch is mostly its last one)."""
+        last = getattr(self, "_last_words", None)
+        if last is None or last[0] != packed:
+            array = np.array(packed, np.uint32).reshape(len(packed), LOGIT_WORDS)
+            last = self._last_words = (packed, array)
+        return last[1].copy()
 
     def _masks(self, n: int) -> np.ndarray:
         """The step masks' buffer, [n, words_per_mask], reused from call to call."""

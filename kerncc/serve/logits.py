@@ -26,9 +26,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import numpy as np
 
 from kerncc.serve import grammar as _grammar
@@ -38,9 +37,9 @@ from kerncc.kernels.logits_ref import (CHOSEN, HAS_BIAS, HAS_LOGPROBS, HAS_MASK,
                                        log_softmax, process_logits, top_tokens)
 
 
-@attrs.frozen
-class Heard:
-    """One generated token's logprob and the most likely tokens of its step, best first."""
+class Heard(NamedTuple):
+    """One generated token's logprob and the most likely tokens of its step, best first (a
+    tuple: a step makes one per sequence)."""
 
     token: int
     logprob: float
@@ -57,7 +56,13 @@ class Drawer:
         self.cumulative = 0.0  # sum of the chosen tokens' logprobs (best_of ranks by it)
         self.version = 0  # bumped when the host path counts a token (a device slot is stale)
         self.vocab = 0  # the logits' width, once a device slot is filled
-        self._device: dict[bool, tuple[int, ...]] = {}  # device_words, by `held`
+        # what each device step reads, worked out once: whether the chosen token's logprob is
+        # wanted (logprobs, or best_of's ranking), how many top tokens, the words (by `held`)
+        self.wants = params.logprobs is not None or params.ranked
+        self.masks_steps = matcher is not None  # each step has a mask of its own
+        self._top = min(params.logprobs or 0, TOP_MAX)
+        self._held_until = params.min_tokens if matcher is None and params.suppress else 0
+        self._device = (self._device_words(False), self._device_words(True))
 
     @property
     def greedy(self) -> bool:
@@ -73,31 +78,18 @@ class Drawer:
 
     # ------------------------------------------------------------------------ on the device
 
-    @property
-    def wants(self) -> bool:
-        """Whether the chosen token's logprob is wanted (logprobs, or best_of's ranking)."""
-        return self.params.logprobs is not None or self.params.ranked
-
-    @property
-    def masks_steps(self) -> bool:
-        """Whether each step has a mask of its own (a grammar's)."""
-        return self.matcher is not None
-
     def device_words(self, step: int) -> tuple[int, ...]:
         """This step's words for the device kernels (row and slot left 0: the processor
         fills them): the slot's static mask holds min_tokens' stop ids back, a grammar's is
-        the step's. Packed once per request (one per `held`); not to be written."""
-        held = self.matcher is None and step < self.params.min_tokens \
-            and bool(self.params.suppress)
-        found = self._device.get(held)
-        if found is None:
-            p = self.params
-            flags = ((HAS_BIAS if p.logit_bias else 0) | (HAS_MASK if held else 0)
-                     | (HAS_LOGPROBS if self.wants else 0))
-            found = self._device[held] = (
-                0, f32_bits(p.presence_penalty), f32_bits(p.frequency_penalty),
-                f32_bits(p.repetition_penalty), flags, 0, min(p.logprobs or 0, TOP_MAX), 0)
-        return found
+        the step's. Packed once per request; not to be written."""
+        return self._device[step < self._held_until]
+
+    def _device_words(self, held: bool) -> tuple[int, ...]:
+        p = self.params
+        flags = ((HAS_BIAS if p.logit_bias else 0) | (HAS_MASK if held else 0)
+                 | (HAS_LOGPROBS if self.wants else 0))
+        return (0, f32_bits(p.presence_penalty), f32_bits(p.frequency_penalty),
+                f32_bits(p.repetition_penalty), flags, 0, self._top, 0)
 
     def fill_state(self, counts: np.ndarray, seen: np.ndarray, bias: np.ndarray,
                    allow: np.ndarray) -> None:
@@ -130,21 +122,21 @@ class Drawer:
         ids = results.view(np.int32)
         tokens = ids[:, TOKEN].tolist()
         chosen = results[:, CHOSEN].tolist()
-        k = max(min(d.params.logprobs or 0, TOP_MAX, d.vocab) for d in drawers)
-        top_ids = ids[:, TOP_IDS:TOP_IDS + k].tolist() if k else None
-        top_logprobs = results[:, TOP_LOGPROBS:TOP_LOGPROBS + k].tolist() if k else None
-        for b, (d, token) in enumerate(zip(drawers, tokens)):
+        k = max(min(d._top, d.vocab) for d in drawers)
+        top_ids = ids[:, TOP_IDS:TOP_IDS + k].tolist()
+        top_logprobs = results[:, TOP_LOGPROBS:TOP_LOGPROBS + k].tolist()
+        for d, token, logprob, ids_, logprobs in zip(drawers, tokens, chosen, top_ids,
+                                                     top_logprobs):
             d.counts[token] += 1
             if d.matcher is not None:
                 d.matcher.consume(token)
             if not d.wants:
                 continue
-            d.cumulative += chosen[b]
+            d.cumulative += logprob
             if d.params.logprobs is None:
                 continue
-            n = min(d.params.logprobs, TOP_MAX, d.vocab)
-            top = tuple(zip(top_ids[b][:n], top_logprobs[b][:n])) if n else ()
-            d.heard.append(Heard(token, chosen[b], top))
+            n = min(d._top, d.vocab)
+            d.heard.append(Heard(token, logprob, tuple(zip(ids_[:n], logprobs[:n]))))
 
     # ------------------------------------------------------------------------ on the host
 
