@@ -15,8 +15,9 @@ checked, the call issued, the outputs taken in).
   mask filled and followed each step), side by side with the ratio to plain sampling. The rows
   are processed where they are drawn (kerncc.runtime.processing): with the launches that do
   nothing, what is timed is the host's half (the words and masks packed and sent, the results
-  heard, the grammar followed); `--backend cuda` times whole steps on a GPU (the `small`
-  interface's shapes on tiny widths: the processing kernels over a 32000-token vocabulary).
+  heard, the grammar followed; `--profile` adds a cProfile of each); `--backend cuda` times
+  whole steps on a GPU (the `small` interface's shapes on tiny widths: the processing kernels
+  over a 32000-token vocabulary).
 
 --doc docs/benchmarks.md writes the rows between the file's `host_step` markers.
 
@@ -192,6 +193,14 @@ def processing_steps(args) -> None:
     for _ in range(ROUNDS):  # the workloads take turns: a machine's load moves over a run
         for name, extra in workloads.items():
             steps[name] += _processing_steps(chain, extra, min(100, args.tokens))
+    if args.profile:  # one more run of each workload, under cProfile
+        for name, extra in workloads.items():
+            profile = cProfile.Profile()
+            profile.enable()
+            _processing_steps(chain, extra, min(100, args.tokens))
+            profile.disable()
+            print(f"--- {name}")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(15)
     medians = {name: statistics.median(times) for name, times in steps.items()}
     base = medians["sampling"]
     for name, median in medians.items():

@@ -4,11 +4,12 @@
 `guided_regex` and `guided_grammar` (Lark) become a `Grammar`; each sequence gets a `Matcher`
 (kerncc.serve.logits.Drawer holds it) that fills the step's token mask (the `allow` rows of
 kernels/logits_ref.py, the bit layout llguidance writes) before the token is picked, and
-follows the token picked; the mask for the next step is computed on a worker thread as soon as
-the token is followed (`Matcher.consume`), so it overlaps the rest of the host's step (the
-engine's bookkeeping, the next call's inputs) and `fill` only copies it. Once the grammar is complete only the tokenizer's eos may come next,
-which ends the sequence. `Grammars` is one server's: its tokenizer as llguidance reads it,
-built once.
+follows the token picked (`Matcher.consume`). A call's masks are computed together when the
+call is packed (`fill_all`, straight into the rows the device reads): through llguidance's
+executor, over the cores, on a machine of 4 or more. (Not ahead on a worker thread: it could
+not start before the engine thread let go of the GIL, which it did only when waiting for the
+mask.) Once the grammar is complete only the tokenizer's eos may come next, which ends the
+sequence. `Grammars` is one server's: its tokenizer as llguidance reads it, built once.
 
 llguidance (the `serve` extra) is the engine: no dependency of its own (xgrammar needs torch
 and transformers), a JSON schema, regex and context-free (Lark) front end, and the mask in the

@@ -10,11 +10,11 @@ temperature. Its tokens are drawn one of two ways, with the same numbers:
   of a server with its stages in this process): the Drawer is the `source` of a
   kerncc.runtime.processing.Processed row (sampling_hook.device_draws). Its state lives in the
   session's processor (written once from `fill_state`, then counted on the device from the
-  drawn tokens); each step it gives its words (`device_words`) and, following a grammar, the
-  step's mask (`step_mask`); it hears the step's token, logprob and top tokens when the call's
-  outputs are taken (`hear`). The vocab-wide logits never come back. A grammar's next mask is
-  computed on a worker thread as soon as the token is heard (kerncc.serve.grammar.Matcher),
-  overlapping the rest of the host's step;
+  drawn tokens); each step it gives its words (`device_words`, worked out once per request)
+  and, following a grammar, the step's mask (`step_masks`: a call's grammar masks in one
+  llguidance batch, kerncc.serve.grammar.fill_all); it hears the step's token, logprob and
+  top tokens when the call's outputs are taken (`hear_all`: the call's rows at once), and its
+  grammar follows the token. The vocab-wide logits never come back;
 * on the host (`draw`: a prefill chunk's token, or a runner that cannot draw on the device):
   the call's logits rows of such requests come back and are packed into the same kernels'
   arguments (kernels/logits_ref.py's ABI: the numpy reference runs here), then each row's
