@@ -21,7 +21,7 @@ What a processed row's `source` gives (kerncc.serve.logits.Drawer is one):
   into the rows of `masks` (uint32 [len(sources), words]), the rows that have one;
 * its kind's `hear_all(sources, results)`: the step's results rows (RESULT_WORDS f32; ints as
   their bits), one a source, all the call's sources of that kind at once, when the call's
-  outputs are taken (a grammar's next masks are computed in one batch).
+  outputs are taken (a grammar follows its token).
 
 A sequence's slot is given back when its source is garbage-collected.
 """
@@ -91,6 +91,8 @@ class Processor:
         self.slots: dict[int, list[int]] = {}  # id(source) -> [slot, version written]
         self.free: list[int] = []
         self.capacity = 0
+        self._last_words: tuple[list[Any], np.ndarray] | None = None  # `_words`' last call
+        self._mask_rows: np.ndarray | None = None  # the step masks' buffer (`_masks`)
 
     # ------------------------------------------------------------------------ slots
 
@@ -156,7 +158,7 @@ class Processor:
     def _words(self, packed: list[Any]) -> np.ndarray:
         """The rows' words as `device_words` gave them: the last call's array again when
         every source gave the same (a decode step's batch is mostly its last one)."""
-        last = getattr(self, "_last_words", None)
+        last = self._last_words
         if last is None or last[0] != packed:
             array = np.array(packed, np.uint32).reshape(len(packed), LOGIT_WORDS)
             last = self._last_words = (packed, array)
@@ -164,7 +166,7 @@ class Processor:
 
     def _masks(self, n: int) -> np.ndarray:
         """The step masks' buffer, [n, words_per_mask], reused from call to call."""
-        found = getattr(self, "_mask_rows", None)
+        found = self._mask_rows
         if found is None or found.shape[0] < n:
             found = self._mask_rows = np.zeros((max(n, 8), self.words_per_mask), np.uint32)
         return found[:n]
