@@ -15,8 +15,9 @@ checked, the call issued, the outputs taken in).
   mask filled and followed each step), side by side with the ratio to plain sampling. The rows
   are processed where they are drawn (kerncc.runtime.processing): with the launches that do
   nothing, what is timed is the host's half (the words and masks packed and sent, the results
-  heard, the grammar followed); `--backend cuda` times whole steps on a GPU (the `small`
-  interface's shapes on tiny widths: the processing kernels over a 32000-token vocabulary).
+  heard, the grammar followed; `--profile` adds a cProfile of each); `--backend cuda` times
+  whole steps on a GPU (the `small` interface's shapes on tiny widths: the processing kernels
+  over a 32000-token vocabulary).
 
 --doc docs/benchmarks.md writes the rows between the file's `host_step` markers.
 
@@ -40,7 +41,7 @@ from bench.report import Report
 from bench.simulated import Idle
 from kerncc.cli.main import main as kerncc
 from kerncc.example import generate
-from kerncc.kernels.logits_ref import TOKEN, allowed
+from kerncc.kernels.logits_ref import TOKEN
 from kerncc.runtime import Chain
 from kerncc.runtime import session as sess
 
@@ -192,6 +193,14 @@ def processing_steps(args) -> None:
     for _ in range(ROUNDS):  # the workloads take turns: a machine's load moves over a run
         for name, extra in workloads.items():
             steps[name] += _processing_steps(chain, extra, min(100, args.tokens))
+    if args.profile:  # one more run of each workload, under cProfile
+        for name, extra in workloads.items():
+            profile = cProfile.Profile()
+            profile.enable()
+            _processing_steps(chain, extra, min(100, args.tokens))
+            profile.disable()
+            print(f"--- {name}")
+            pstats.Stats(profile).sort_stats("tottime").print_stats(15)
     medians = {name: statistics.median(times) for name, times in steps.items()}
     base = medians["sampling"]
     for name, median in medians.items():
@@ -219,9 +228,9 @@ def _idle_processing() -> Idle:
             sample(None)
             results = np.zeros((len(rows), processing.RESULT_WORDS), np.float32)
             tokens = np.zeros(len(params), np.int32)
-            for b, row in enumerate(rows):
-                if masks is not None and words[b, 4] & processing.HAS_STEP_MASK:
-                    tokens[row] = int(np.flatnonzero(allowed(masks[b], self.vocab))[0])
+            if masks is not None:  # the first allowed token of each masked row, all at once
+                masked = np.flatnonzero(words[:, 4] & processing.HAS_STEP_MASK)
+                tokens[np.asarray(rows)[masked]] = first_allowed(masks[masked])
             session.backend.upload(session.memory.buffer(output), 0, tokens.view(np.uint8))
             results.view(np.int32)[:, TOKEN] = tokens[rows]
             return processing.Heard(processing.Ready(results), sources)
@@ -229,6 +238,14 @@ def _idle_processing() -> Idle:
     backend = Idle()
     backend.logits_processor = lambda vocab: IdleProcessor(backend, vocab)
     return backend
+
+
+def first_allowed(masks: np.ndarray) -> np.ndarray:
+    """The lowest token each packed `allow` row lets through (a row lets one through)."""
+    word = np.argmax(masks != 0, axis=1)
+    bits = masks[np.arange(len(masks)), word]
+    low = bits & (~bits + np.uint32(1))  # the lowest set bit alone
+    return (32 * word + np.log2(low.astype(np.float64)).astype(np.int64)).astype(np.int32)
 
 
 def _processing_steps(chain: Chain, extra: dict, count: int) -> list[float]:

@@ -14,10 +14,14 @@ only the rows' parameter words and the grammar masks of the rows that follow a g
 What a processed row's `source` gives (kerncc.serve.logits.Drawer is one):
 * `version`: bumped whenever the host counted a token the device did not;
 * `fill_state(counts, seen, bias, allow)`: its slot's rows as of now;
-* `device_words(step)`: its LOGIT_WORDS (row and slot are filled here);
-* `step_mask(step, row) -> bool`: this step's mask into `row` (False: none this step);
-* `hear(result)`: the step's results row (RESULT_WORDS f32; ints as their bits), when the
-  call's outputs are taken.
+* `device_words(step)`: its LOGIT_WORDS (row and slot are filled here), a sequence this
+  module does not write (a source packs it once);
+* `masks_steps`: whether it may have a mask of its own per step; then its kind's
+  `step_masks(sources, steps, masks) -> rows`: the step masks of several sources of that kind
+  into the rows of `masks` (uint32 [len(sources), words]), the rows that have one;
+* its kind's `hear_all(sources, results)`: the step's results rows (RESULT_WORDS f32; ints as
+  their bits), one a source, all the call's sources of that kind at once, when the call's
+  outputs are taken (a grammar follows its token).
 
 A sequence's slot is given back when its source is garbage-collected.
 """
@@ -29,7 +33,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 import numpy as np
 
 from kerncc.kernels import logits_ref as ref
@@ -40,14 +43,15 @@ THREADS, ACCEPT_THREADS = 1024, 64  # the kernels' blocks (kernels/logits.cu)
 HEARD = "logits_processing"  # the key of a draw's results among a Pending's outputs
 
 
-@attrs.frozen(eq=False)
 class Processed:
     """A row drawn with `native` (kerncc.runtime.sampling.SamplingParams; temperature 0 =
-    the argmax of the processed row) after `source`'s processing, for its token `step`."""
+    the argmax of the processed row) after `source`'s processing, for its token `step`
+    (a plain record, not attrs: a call makes one a sequence)."""
 
-    native: Any
-    source: Any
-    step: int
+    __slots__ = ("native", "source", "step")
+
+    def __init__(self, native: Any, source: Any, step: int) -> None:
+        self.native, self.source, self.step = native, source, step
 
 
 class Heard:
@@ -61,9 +65,21 @@ class Heard:
         if self._done is None:
             raw = np.asarray(self.download.result())
             self._done = raw.view(np.float32).reshape(len(self.sources), RESULT_WORDS)
-            for source, row in zip(self.sources, self._done):
-                source.hear(row)
+            for kind, members in _kinds(self.sources):
+                if len(members) == len(self.sources):
+                    kind.hear_all(self.sources, self._done)
+                else:
+                    kind.hear_all([self.sources[i] for i in members], self._done[members])
         return self._done
+
+
+def _kinds(sources: Sequence[Any]) -> list[tuple[type, list[int]]]:
+    """The sources (None: left out) by kind: each kind's indices, in order."""
+    kinds: dict[type, list[int]] = {}
+    for i, source in enumerate(sources):
+        if source is not None:
+            kinds.setdefault(type(source), []).append(i)
+    return list(kinds.items())
 
 
 class Processor:
@@ -75,6 +91,8 @@ class Processor:
         self.slots: dict[int, list[int]] = {}  # id(source) -> [slot, version written]
         self.free: list[int] = []
         self.capacity = 0
+        self._last_words: tuple[list[Any], np.ndarray] | None = None  # `_words`' last call
+        self._mask_rows: np.ndarray | None = None  # the step masks' buffer (`_masks`)
 
     # ------------------------------------------------------------------------ slots
 
@@ -113,19 +131,45 @@ class Processor:
     def pack(self, params: Sequence[Any]) -> tuple[list[int], np.ndarray, np.ndarray | None,
                                                    list[Any]]:
         """The processed rows of a call: their indices, words, step masks (None: no row has
-        one) and sources."""
+        one) and sources. Each source's words are packed once (`device_words`); per step
+        only the rows, slots and mask flags are written, and the masks go into a buffer of
+        the processor's, reused (valid until the next `pack`)."""
         rows = [i for i, p in enumerate(params) if isinstance(p, Processed)]
-        words = np.zeros((len(rows), LOGIT_WORDS), np.uint32)
+        sources = [params[i].source for i in rows]
+        steps = [params[i].step for i in rows]
+        words = self._words([s.device_words(t) for s, t in zip(sources, steps)])
+        words[:, 0] = rows
+        words[:, 5] = [self.slot(s) for s in sources]
         masks = None
-        for b, i in enumerate(rows):
-            p = params[i]
-            words[b] = p.source.device_words(p.step)
-            words[b, 0], words[b, 5] = i, self.slot(p.source)
-            if masks is None and getattr(p.source, "masks_steps", False):
-                masks = np.zeros((len(rows), self.words_per_mask), np.uint32)
-            if masks is not None and p.source.step_mask(p.step, masks[b]):
-                words[b, 4] |= HAS_STEP_MASK
-        return rows, words, masks, [params[i].source for i in rows]
+        for kind, members in _kinds([s if getattr(s, "masks_steps", False) else None
+                                     for s in sources]):
+            if masks is None:
+                masks = self._masks(len(rows))
+            if len(members) == len(rows):
+                got = kind.step_masks(sources, steps, masks)
+            else:
+                part = masks[members]
+                got = [members[b] for b in kind.step_masks(
+                    [sources[i] for i in members], [steps[i] for i in members], part)]
+                masks[members] = part
+            words[got, 4] |= HAS_STEP_MASK
+        return rows, words, masks, sources
+
+    def _words(self, packed: list[Any]) -> np.ndarray:
+        """The rows' words as `device_words` gave them: the last call's array again when
+        every source gave the same (a decode step's batch is mostly its last one)."""
+        last = self._last_words
+        if last is None or last[0] != packed:
+            array = np.array(packed, np.uint32).reshape(len(packed), LOGIT_WORDS)
+            last = self._last_words = (packed, array)
+        return last[1].copy()
+
+    def _masks(self, n: int) -> np.ndarray:
+        """The step masks' buffer, [n, words_per_mask], reused from call to call."""
+        found = self._mask_rows
+        if found is None or found.shape[0] < n:
+            found = self._mask_rows = np.zeros((max(n, 8), self.words_per_mask), np.uint32)
+        return found[:n]
 
     def draw(self, session: Any, buffer: str, output: str, params: Sequence[Any],
              counters: Sequence[tuple[int, int]], sample: Callable[..., None]) -> Heard:

@@ -4,11 +4,12 @@
 `guided_regex` and `guided_grammar` (Lark) become a `Grammar`; each sequence gets a `Matcher`
 (kerncc.serve.logits.Drawer holds it) that fills the step's token mask (the `allow` rows of
 kernels/logits_ref.py, the bit layout llguidance writes) before the token is picked, and
-follows the token picked; the mask for the next step is computed on a worker thread as soon as
-the token is followed (`Matcher.consume`), so it overlaps the rest of the host's step (the
-engine's bookkeeping, the next call's inputs) and `fill` only copies it. Once the grammar is complete only the tokenizer's eos may come next,
-which ends the sequence. `Grammars` is one server's: its tokenizer as llguidance reads it,
-built once.
+follows the token picked (`Matcher.consume`). A call's masks are computed together when the
+call is packed (`fill_all`, straight into the rows the device reads): through llguidance's
+executor, over the cores, on a machine of 4 or more. (Not ahead on a worker thread: it could
+not start before the engine thread let go of the GIL, which it did only when waiting for the
+mask.) Once the grammar is complete only the tokenizer's eos may come next, which ends the
+sequence. `Grammars` is one server's: its tokenizer as llguidance reads it, built once.
 
 llguidance (the `serve` extra) is the engine: no dependency of its own (xgrammar needs torch
 and transformers), a JSON schema, regex and context-free (Lark) front end, and the mask in the
@@ -18,8 +19,8 @@ and transformers), a JSON schema, regex and context-free (Lark) front end, and t
 from __future__ import annotations
 
 import json
+import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -54,48 +55,46 @@ class Grammar:
         return Matcher(llguidance.LLMatcher(self.tokenizer, self.text))
 
 
-_WORKER: list[ThreadPoolExecutor] = []
-_WORKER_LOCK = threading.Lock()
+_EXECUTOR: list[Any] = []
+_EXECUTOR_LOCK = threading.Lock()
+# llguidance's executor spreads a batch's masks over the cores; on a machine of fewer cores
+# handing them to its threads costs more than it saves, and they are computed one at a time
+PARALLEL = (os.cpu_count() or 1) >= 4
 
 
-def _worker() -> ThreadPoolExecutor:
-    """The one thread that computes masks ahead (llguidance's mask runs outside the GIL)."""
-    with _WORKER_LOCK:
-        if not _WORKER:
-            _WORKER.append(ThreadPoolExecutor(1, thread_name_prefix="kerncc-grammar"))
-        return _WORKER[0]
+def _executor() -> Any:
+    with _EXECUTOR_LOCK:
+        if not _EXECUTOR:
+            _EXECUTOR.append(llguidance.LLExecutor())
+        return _EXECUTOR[0]
 
 
 class Matcher:
+    """One sequence's grammar state (an llguidance matcher)."""
+
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
-        self._next: Future | None = None  # the next mask, being computed into `_mask`
-        self._mask: np.ndarray | None = None
 
     def fill(self, allow: np.ndarray) -> None:
         """Set the bits of the tokens that may come next in `allow` (uint32 [words])."""
-        ahead, self._next = self._next, None
-        if ahead is not None:
-            ahead.result()
-            if self._mask is not None and self._mask.shape == allow.shape:
-                allow[:] = self._mask
-                return
-        self._compute(allow)
-        if self._mask is None or self._mask.shape != allow.shape:
-            self._mask = np.zeros_like(allow)  # the width is known: next masks go ahead
-
-    def _compute(self, allow: np.ndarray) -> None:
-        llnumpy.fill_next_token_bitmask(self.matcher, allow.view(np.int32).reshape(1, -1), 0)
+        fill_all([self], allow.reshape(1, -1), [0])
 
     def consume(self, token: int) -> None:
-        """Follow `token`, then start computing the next mask (once `fill` told its width)."""
-        if self._next is not None:
-            self._next.result()
-            self._next = None
-        self.matcher.consume_token(token)
-        if self._mask is None:
-            return
-        self._next = _worker().submit(self._compute, self._mask)
+        """Follow `token` (a token the mask refused leaves the matcher in error: its masks
+        then let nothing through)."""
+        self.matcher.consume_token(int(token))
+
+
+def fill_all(matchers: list[Matcher], out: np.ndarray, rows: list[int]) -> None:
+    """Matcher i's next mask into row rows[i] of `out` (uint32 [n, words], C-contiguous),
+    all in one batch."""
+    masks = out.view(np.int32)
+    if PARALLEL and len(matchers) > 1:
+        llnumpy.fill_next_token_bitmask_par(
+            _executor(), [(m.matcher, row) for m, row in zip(matchers, rows)], masks)
+        return
+    for matcher, row in zip(matchers, rows):
+        llnumpy.fill_next_token_bitmask(matcher.matcher, masks, row)
 
 
 class Grammars:

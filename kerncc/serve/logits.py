@@ -10,11 +10,11 @@ temperature. Its tokens are drawn one of two ways, with the same numbers:
   of a server with its stages in this process): the Drawer is the `source` of a
   kerncc.runtime.processing.Processed row (sampling_hook.device_draws). Its state lives in the
   session's processor (written once from `fill_state`, then counted on the device from the
-  drawn tokens); each step it gives its words (`device_words`) and, following a grammar, the
-  step's mask (`step_mask`); it hears the step's token, logprob and top tokens when the call's
-  outputs are taken (`hear`). The vocab-wide logits never come back. A grammar's next mask is
-  computed on a worker thread as soon as the token is heard (kerncc.serve.grammar.Matcher),
-  overlapping the rest of the host's step;
+  drawn tokens); each step it gives its words (`device_words`, worked out once per request)
+  and, following a grammar, the step's mask (`step_masks`: a call's grammar masks in one
+  llguidance batch, kerncc.serve.grammar.fill_all); it hears the step's token, logprob and
+  top tokens when the call's outputs are taken (`hear_all`: the call's rows at once), and its
+  grammar follows the token. The vocab-wide logits never come back;
 * on the host (`draw`: a prefill chunk's token, or a runner that cannot draw on the device):
   the call's logits rows of such requests come back and are packed into the same kernels'
   arguments (kernels/logits_ref.py's ABI: the numpy reference runs here), then each row's
@@ -26,19 +26,20 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import numpy as np
+
+from kerncc.serve import grammar as _grammar
 
 from kerncc.kernels.logits_ref import (CHOSEN, HAS_BIAS, HAS_LOGPROBS, HAS_MASK, LOGIT_WORDS,
                                        TOKEN, TOP_IDS, TOP_LOGPROBS, TOP_MAX, f32_bits,
                                        log_softmax, process_logits, top_tokens)
 
 
-@attrs.frozen
-class Heard:
-    """One generated token's logprob and the most likely tokens of its step, best first."""
+class Heard(NamedTuple):
+    """One generated token's logprob and the most likely tokens of its step, best first (a
+    tuple: a step makes one per sequence)."""
 
     token: int
     logprob: float
@@ -55,6 +56,13 @@ class Drawer:
         self.cumulative = 0.0  # sum of the chosen tokens' logprobs (best_of ranks by it)
         self.version = 0  # bumped when the host path counts a token (a device slot is stale)
         self.vocab = 0  # the logits' width, once a device slot is filled
+        # what each device step reads, worked out once: whether the chosen token's logprob is
+        # wanted (logprobs, or best_of's ranking), how many top tokens, the words (by `held`)
+        self.wants = params.logprobs is not None or params.ranked
+        self.masks_steps = matcher is not None  # each step has a mask of its own
+        self._top = min(params.logprobs or 0, TOP_MAX)
+        self._held_until = params.min_tokens if matcher is None and params.suppress else 0
+        self._device = (self._device_words(False), self._device_words(True))
 
     @property
     def greedy(self) -> bool:
@@ -70,28 +78,18 @@ class Drawer:
 
     # ------------------------------------------------------------------------ on the device
 
-    @property
-    def wants(self) -> bool:
-        """Whether the chosen token's logprob is wanted (logprobs, or best_of's ranking)."""
-        return self.params.logprobs is not None or self.params.ranked
+    def device_words(self, step: int) -> tuple[int, ...]:
+        """This step's words for the device kernels (row and slot left 0: the processor
+        fills them): the slot's static mask holds min_tokens' stop ids back, a grammar's is
+        the step's. Packed once per request; not to be written."""
+        return self._device[step < self._held_until]
 
-    @property
-    def masks_steps(self) -> bool:
-        """Whether each step has a mask of its own (a grammar's)."""
-        return self.matcher is not None
-
-    def device_words(self, step: int) -> np.ndarray:
-        """This step's words for the device kernels (row and slot filled by the processor):
-        the slot's static mask holds min_tokens' stop ids back, a grammar's is the step's."""
+    def _device_words(self, held: bool) -> tuple[int, ...]:
         p = self.params
-        held = self.matcher is None and step < p.min_tokens and bool(p.suppress)
         flags = ((HAS_BIAS if p.logit_bias else 0) | (HAS_MASK if held else 0)
                  | (HAS_LOGPROBS if self.wants else 0))
-        out = np.zeros(LOGIT_WORDS, dtype=np.uint32)
-        out[1:5] = [f32_bits(p.presence_penalty), f32_bits(p.frequency_penalty),
-                    f32_bits(p.repetition_penalty), flags]
-        out[6] = min(p.logprobs or 0, TOP_MAX)
-        return out
+        return (0, f32_bits(p.presence_penalty), f32_bits(p.frequency_penalty),
+                f32_bits(p.repetition_penalty), flags, 0, self._top, 0)
 
     def fill_state(self, counts: np.ndarray, seen: np.ndarray, bias: np.ndarray,
                    allow: np.ndarray) -> None:
@@ -102,33 +100,43 @@ class Drawer:
         allow[:] = 0xFFFFFFFF
         self._suppress(allow, counts.shape[0])
 
-    def step_mask(self, step: int, allow: np.ndarray) -> bool:
-        """This step's grammar mask (min_tokens' stop ids held back) into `allow`."""
-        if self.matcher is None:
-            return False
-        self.matcher.fill(allow)
-        if step < self.params.min_tokens:
-            self._suppress(allow, allow.size * 32)
-        return True
+    @staticmethod
+    def step_masks(drawers: Sequence[Drawer], steps: Sequence[int],
+                   masks: np.ndarray) -> list[int]:
+        """This step's grammar masks (min_tokens' stop ids held back) into the rows of
+        `masks` (uint32 [len(drawers), words]); the rows that have one."""
+        rows = [b for b, d in enumerate(drawers) if d.matcher is not None]
+        if not rows:
+            return rows
+        _grammar.fill_all([drawers[b].matcher for b in rows], masks, rows)
+        for b in rows:
+            if steps[b] < drawers[b].params.min_tokens:
+                drawers[b]._suppress(masks[b], masks.shape[1] * 32)
+        return rows
 
-    def hear(self, result: np.ndarray) -> None:
-        """A device step's results row (kernels/logits_ref.py's RESULT_WORDS): the token,
-        its logprob and the top tokens, as `accept` takes them on the host path."""
-        ids = result.view(np.int32)
-        token = int(ids[TOKEN])
-        self.counts[token] += 1
-        if self.matcher is not None:
-            self.matcher.consume(token)
-        if not self.wants:
-            return
-        chosen = float(result[CHOSEN])
-        self.cumulative += chosen
-        if self.params.logprobs is None:
-            return
-        k = min(self.params.logprobs, TOP_MAX, self.vocab)
-        self.heard.append(Heard(token, chosen, tuple(
-            (int(t), float(v)) for t, v in zip(ids[TOP_IDS:TOP_IDS + k],
-                                               result[TOP_LOGPROBS:TOP_LOGPROBS + k]))))
+    @staticmethod
+    def hear_all(drawers: Sequence[Drawer], results: np.ndarray) -> None:
+        """A device step's results rows (kernels/logits_ref.py's RESULT_WORDS), one a
+        drawer: each hears its token, its logprob and the top tokens, as `accept` takes them
+        on the host path, and its grammar follows the token."""
+        ids = results.view(np.int32)
+        tokens = ids[:, TOKEN].tolist()
+        chosen = results[:, CHOSEN].tolist()
+        k = max(min(d._top, d.vocab) for d in drawers)
+        top_ids = ids[:, TOP_IDS:TOP_IDS + k].tolist()
+        top_logprobs = results[:, TOP_LOGPROBS:TOP_LOGPROBS + k].tolist()
+        for d, token, logprob, ids_, logprobs in zip(drawers, tokens, chosen, top_ids,
+                                                     top_logprobs):
+            d.counts[token] += 1
+            if d.matcher is not None:
+                d.matcher.consume(token)
+            if not d.wants:
+                continue
+            d.cumulative += logprob
+            if d.params.logprobs is None:
+                continue
+            n = min(d._top, d.vocab)
+            d.heard.append(Heard(token, logprob, tuple(zip(ids_[:n], logprobs[:n]))))
 
     # ------------------------------------------------------------------------ on the host
 
