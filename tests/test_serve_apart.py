@@ -6,6 +6,7 @@ nonzero exit; a message not of the format is refused and logged, never acted on 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -131,11 +132,12 @@ def test_the_core_sends_what_a_turn_told_before_the_engine_waits_for_work(chain)
     assert watched.stale == 0
 
 
-def start(model, *flags: str) -> tuple[subprocess.Popen, str, int]:
-    """`kerncc serve` on 127.0.0.1 in a process of its own: it, its URL, its core's pid."""
+def start(model, *flags: str, group: bool = False) -> tuple[subprocess.Popen, str, int]:
+    """`kerncc serve` on 127.0.0.1 in a process of its own (`group`: leading a process group
+    of its own, as a shell's job does): it, its URL, its core's pid."""
     command = [sys.executable, "-m", "kerncc", "serve", str(model), "--port", "0",
                "--backend", "cpu", "--api-workers", "1", *flags]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=group,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for _ in range(100):  # bounded: the lines before it are few
         line = proc.stderr.readline()
@@ -147,10 +149,34 @@ def start(model, *flags: str) -> tuple[subprocess.Popen, str, int]:
     raise AssertionError("the server did not start")
 
 
-def end(proc: subprocess.Popen) -> None:
+def end(proc: subprocess.Popen, group: bool = False) -> None:
+    if group:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the core and the front ends too
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+def test_a_sigterm_to_the_whole_group_drains_the_stream_in_flight_and_exits_0(model):
+    """What `kill -TERM -PGID` (or a supervisor stopping the group) does: the core waits for
+    the watcher's order, so the stream in flight ends as asked and the server exits 0."""
+    proc, url, _ = start(model, "--max-seqs", "1", group=True)
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={
+                "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 240, "ignore_eos": True,
+                "stream": True}, timeout=30) as answer:
+            lines = answer.iter_lines()
+            next(lines)
+            os.killpg(proc.pid, signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert proc.wait(30) == 0
+        log = proc.stderr.read()
+    finally:
+        end(proc, group=True)
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert "stopped" in log and "died" not in log
 
 
 def test_kerncc_serve_with_two_api_workers_answers_concurrent_requests_as_alone(model, chain):

@@ -164,12 +164,7 @@ def _serve_apart(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any
             return _watch(args, bundle, codec, sock, inbox, outboxes, core, fronts, fork,
                           signal)
         finally:
-            if core.is_alive():
-                core.terminate()
-                core.join(30)
-            if core.is_alive():
-                core.kill()
-                core.join()
+            _end_core(core)
 
 
 def _started(core: Any, pipe: Any) -> str:
@@ -192,19 +187,25 @@ def _started(core: Any, pipe: Any) -> str:
 
 def _core_main(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any, inbox: str,
                outboxes: list[str], pipe: Any) -> None:
-    """The engine core's process: load the stages, serve the front ends until SIGTERM."""
+    """The engine core's process: load the stages, serve the front ends until the watcher
+    stops it (SIGUSR1; SIGTERM once the watcher is gone)."""
     import os
     import signal
 
     from kerncc.serve.core import Core
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the front ends first
+    watcher = os.getppid()
     code = 0
     try:
         with placement.make(args, bundle, checkpoint=weights) as chain:
             engine = make_engine(args, chain)
             core = Core(engine, inbox, outboxes, codec)
-            signal.signal(signal.SIGTERM, lambda *_: core.stop())
+            # The watcher orders the stop (SIGUSR1, after the front ends drained); a SIGTERM
+            # to the whole process group is its to order too, unless the watcher is gone.
+            signal.signal(signal.SIGUSR1, lambda *_: core.stop())
+            signal.signal(signal.SIGTERM,
+                          lambda *_: None if os.getppid() == watcher else core.stop())
             pipe.send(("ready", engine_line(model_name(args, bundle), chain, engine)))
             core.run()
     except KernccError as err:
@@ -327,9 +328,25 @@ def _stop_all(core: Any, fronts: list[Any], code: int) -> int:
         if front.is_alive():
             front.terminate()
         front.join(10)
-    core.terminate()  # SIGTERM: the core cancels what is left and ends
-    core.join(30)
+    _end_core(core)
     return code
+
+
+def _end_core(core: Any) -> None:
+    """Stop the engine core (SIGUSR1: it cancels what is left and ends), killed if it has
+    not ended within 30 s."""
+    import os
+    import signal
+
+    if core.is_alive():
+        try:
+            os.kill(core.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+        core.join(30)
+    if core.is_alive():
+        core.kill()
+        core.join()
 
 
 def _print_memory(bundle: Any) -> None:
