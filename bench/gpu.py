@@ -175,3 +175,19 @@ def prefill_flops(cfg: dict, tokens: int) -> float:
     per_token = 2 * ((nq + 2 * nk) * hd * h + h * nq * hd + 2 * inter * h + h * inter)
     causal = 2 * 2 * nq * hd * tokens * (tokens + 1) / 2  # QK^T and PV over the causal half
     return cfg["num_hidden_layers"] * (per_token * tokens + causal) + 2 * v * h
+
+
+def torch_ms(run, reps: int) -> float:
+    """GPU ms of `run()`, `reps` back to back between two events (after 3 warm-ups)."""
+    import torch
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        run()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps

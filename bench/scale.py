@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.gpu import batch_step_ms, greedy, prefill_flops, ttft, ttft_fn
+from bench.gpu import batch_step_ms, greedy, prefill_flops, torch_ms, ttft, ttft_fn
 from bench.report import Report
 
 REPORT = Report("scale")
@@ -521,22 +521,6 @@ def static_cache(model, length: int):
     except TypeError:  # transformers before 4.56: batch, device and dtype up front
         return StaticCache(config=model.config, max_batch_size=1, max_cache_len=length,
                            device=model.device, dtype=model.dtype)
-
-
-def torch_ms(run, reps: int) -> float:
-    """GPU ms of `run()`, `reps` back to back between two events (after 3 warm-ups)."""
-    import torch
-
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        run()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
 
 
 def hf_decode_ms(model, prompt: list[int], reps: int = 100) -> float:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from bench.gpu import torch_ms
 from kerncc.example.config import QwenConfig
 from kerncc.checkpoint.safetensors import SafeTensors
 
@@ -271,16 +272,7 @@ def decode_step_ms(ref: TorchQwen, prompt: list[int], reps: int = 100) -> tuple[
 
     def timed(fn: Callable[[], object], n: int) -> float:
         with torch.inference_mode():
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(n):
-                fn()
-            b.record()
-            b.synchronize()
-        return a.elapsed_time(b) / n
+            return torch_ms(fn, n)
 
     eager = timed(step, max(reps // 2, 1))
     side = torch.cuda.Stream()
