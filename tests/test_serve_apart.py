@@ -327,6 +327,20 @@ def test_decode_takes_any_bytes_and_refuses_what_is_not_a_message(raw):
                                                         "step", "stats")
 
 
+@given(st.lists(st.one_of(st.integers(-(1 << 70), 1 << 70), st.booleans(), st.floats()),
+                max_size=12))
+def test_a_list_of_ids_is_taken_as_each_id_would_be(items):
+    """wire's one-pass check of a list of ids answers as its item-by-item check."""
+    each = all(isinstance(t, int) and not isinstance(t, bool) and -wire.INT64 <= t < wire.INT64
+               for t in items)
+    try:
+        wire._ints(items, "ids")
+    except wire.WireError:
+        assert not each
+    else:
+        assert each
+
+
 def test_params_go_over_the_wire_and_back_unchanged():
     from kerncc.serve.sampling_hook import Params
 

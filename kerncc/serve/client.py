@@ -140,7 +140,7 @@ class CoreClient:
         with self._lock:
             request.id = next(self._ids)
             self.requests[request.id] = request
-        self._queue("add", [request.id, [int(t) for t in request.prompt], request.max_new,
+        self._queue("add", [request.id, _plain(request.prompt), request.max_new,
                             wire.params_out(request.params), sorted(request.stop_ids)])
         return request
 
@@ -250,11 +250,15 @@ class CoreClient:
         for h in heard:
             request.sampler.heard.append(Heard(int(h[0]), float(h[1]),
                                                tuple((int(t), float(lp)) for t, lp in h[2])))
-        for token in tokens:
-            request.generated.append(token)
-            request.token_times.append(now)
-            if request.listener is not None:
-                request.listener.token(request, token)
+        if tokens:
+            request.generated.extend(tokens)
+            request.token_times.extend([now] * len(tokens))
+            told = getattr(request.listener, "tokens_at_once", None)
+            if told is not None:  # one call for the step's tokens: one hand-over to the loop
+                told(request, tokens)
+            elif request.listener is not None:
+                for token in tokens:
+                    request.listener.token(request, token)
         if end is not None:
             finish, error, pointer, score = end
             request.sampler.cumulative = float(score)
@@ -276,3 +280,11 @@ class CoreClient:
         for request in list(self.requests.values()):
             self._end(request, "error", f"the engine stopped: {why}")
 
+
+def _plain(prompt: Sequence[int]) -> list[int]:
+    """`prompt` as a list of Python ints (what msgpack packs): as it is when it is one (what
+    JSON gives; a check of builtins, where converting every id took 0.4 ms a 2,100-token
+    prompt), else each converted."""
+    if type(prompt) is list and set(map(type, prompt)) <= {int}:
+        return prompt
+    return [int(t) for t in prompt]

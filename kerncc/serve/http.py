@@ -31,6 +31,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -125,6 +126,15 @@ class Server:
         self.renders = threading.Event()  # set: every chat template render stops (shutdown)
         self.thread = threading.Thread(target=engine.run_forever, name="kerncc-engine",
                                        daemon=True)
+        self._posts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Post] = \
+            weakref.WeakKeyDictionary()
+
+    def post(self, loop: asyncio.AbstractEventLoop) -> _Post:
+        """The engine's thread's way onto `loop` (one for every request it serves)."""
+        post = self._posts.get(loop)
+        if post is None:
+            post = self._posts[loop] = _Post(loop)
+        return post
 
     @property
     def healthy(self) -> bool:
@@ -285,8 +295,7 @@ class Server:
         """A completions request's prompts (a list of texts or of token-id lists is several)
         and their texts."""
         many = isinstance(prompt, list) and bool(prompt) and all(
-            isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p))
-            for p in prompt)
+            isinstance(p, str) or (isinstance(p, list) and p and _ints(p)) for p in prompt)
         given = prompt if many else [prompt]
         if len(given) > fields.MAX_PROMPTS:
             raise ApiError(400, f"{len(given)} prompts: at most {fields.MAX_PROMPTS} are served "
@@ -302,8 +311,8 @@ class Server:
                 raise ApiError(400, "model has no tokenizer: give the prompt as token ids",
                                "prompt", "no_tokenizer")
             return self.text.encode(prompt)
-        if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-            return [int(t) for t in prompt]
+        if isinstance(prompt, list) and _ints(prompt):
+            return list(prompt)
         raise ApiError(400, "`prompt` must be a string or a list of token ids", "prompt")
 
     def _chat_prompt(self, body: dict, plan: tools.Plan | None = None, stop: Any = None
@@ -383,6 +392,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _ints(values: list[Any]) -> bool:
+    """Whether every item is an integer (not a bool): one pass of builtins for what JSON
+    gives, plain ints (a call a token took 0.3 ms of a 2,100-token prompt), else each
+    looked at."""
+    return set(map(type, values)) <= {int} or all(_is_int(t) for t in values)
+
+
 
 
 def _params(body: dict) -> sampling_hook.Params:
@@ -427,25 +443,59 @@ def _finite(name: str, value: float) -> float:
     return number
 
 
+class _Post:
+    """What the engine's thread hands an event loop's queues, delivered in order with one
+    wake-up of the loop for all that waits: one `call_soon_threadsafe` (a write to the loop's
+    self-pipe) a token cost 9 us of the thread that hears the engine, 32 times a step at 32
+    streams; now one a step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[asyncio.Queue, int | None]] = []
+
+    def put(self, queue: asyncio.Queue, items: Sequence[int | None]) -> None:
+        with self._lock:
+            first = not self._waiting
+            self._waiting.extend((queue, item) for item in items)
+        if not first:  # a delivery is on its way: it takes these too
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            with self._lock:
+                self._waiting.clear()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        for queue, item in waiting:
+            queue.put_nowait(item)
+
+
 class _Bridge:
     """A request's listener: tokens from the engine's thread onto the event loop's queue."""
 
     def __init__(self, server: Server, loop: asyncio.AbstractEventLoop) -> None:
         self.server, self.loop = server, loop
+        self.post = server.post(loop)
         self.queue: asyncio.Queue[int | None] = asyncio.Queue()
         # set before the sequence is cancelled for having met a stop string: it finished
         # on `stop` (the engine only saw a cancel)
         self.stopped = False
 
     def _put(self, item: int | None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        self.post.put(self.queue, (item,))
 
     def token(self, request: Request, token: int) -> None:
         self.server.metrics.token(request.arrived, request.token_times)
         self._put(token)
+
+    def tokens_at_once(self, request: Request, tokens: Sequence[int]) -> None:
+        """Several tokens at once (the last of `request.token_times` are theirs): what a
+        step of the engine core brings (kerncc.serve.client)."""
+        self.server.metrics.took(request.arrived, request.token_times, len(tokens))
+        self.post.put(self.queue, tokens)
 
     def done(self, request: Request) -> None:
         self._put(None)
@@ -1007,7 +1057,12 @@ async def _sse(server: Server, ask: Ask, chat: bool, first: tuple[int, _Piece] |
     def event(data: dict[str, Any]) -> bytes:
         return f"data: {json.dumps(data)}\n\n".encode()
 
+    plain = _Plain(head, chat) if not wants and ask.tools is None else None
+
     def chunk(index: int, piece: _Piece) -> bytes:
+        if plain is not None and not (ask.options.echo and index not in offsets):
+            offsets.setdefault(index, 0)
+            return plain.chunk(index, piece)
         choice: dict[str, Any] = {"index": index, "finish_reason": piece.finish,
                                   "token_ids": piece.token_ids}
         if chat:
@@ -1040,6 +1095,29 @@ async def _sse(server: Server, ask: Ask, chat: bool, first: tuple[int, _Piece] |
     except ApiError as err:
         yield event(err.body())
     yield b"data: [DONE]\n\n"
+
+
+class _Plain:
+    """A stream's chunk without logprobs or tools, written from a template made once of its
+    head: the bytes `json.dumps` makes of the chunk's dict (the same keys in the same order,
+    its separators, its escapes), without building and walking a dict a chunk."""
+
+    def __init__(self, head: dict[str, Any], chat: bool) -> None:
+        opened = json.dumps(head)
+        self.before = f'data: {opened[:-1]}, "choices": [{{"index": '
+        self.chat = chat
+
+    def chunk(self, index: int, piece: _Piece) -> bytes:
+        finish = "null" if piece.finish is None else json.dumps(piece.finish)
+        ids = ", ".join(map(str, piece.token_ids))
+        if self.chat:
+            delta = f'{{"content": {json.dumps(piece.text)}}}' \
+                if piece.text or piece.token_ids else "{}"
+            rest = f'"delta": {delta}, "logprobs": null'
+        else:
+            rest = f'"text": {json.dumps(piece.text)}, "logprobs": null'
+        return (f'{self.before}{index}, "finish_reason": {finish}, "token_ids": [{ids}], '
+                f'{rest}}}]}}\n\n').encode()
 
 
 async def _chain(first: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:

@@ -55,6 +55,16 @@ class Metrics:
         elif len(times) > 1:
             self.itl.observe(times[-1] - times[-2])
 
+    def took(self, arrived: float, times: list[float], count: int) -> None:
+        """`count` tokens at once, the last `count` of `times`: as `token` for each."""
+        self.tokens.inc(count)
+        start = len(times) - count
+        for i in range(max(start, 0), len(times)):
+            if i == 0:
+                self.ttft.observe(times[0] - arrived)
+            else:
+                self.itl.observe(times[i] - times[i - 1])
+
     def finished(self, reason: str) -> None:
         self.requests.labels(reason).inc()
 

@@ -86,6 +86,11 @@ def _num(value: Any, what: str) -> float:
 
 def _ints(value: Any, what: str, low: int = -INT64, high: int = INT64 - 1) -> list[int]:
     _need(isinstance(value, list), f"{what}: expected a list")
+    # one pass of builtins for the usual list (a call an item took 1 ms of the core's
+    # receiving thread for a 2,100-token prompt); an odd one is looked at item by item
+    if set(map(type, value)) <= {int} and (not value or low <= min(value)
+                                           and max(value) <= high):
+        return value
     for i, item in enumerate(value):
         _int(item, f"{what}[{i}]", low, high)
     return value
