@@ -40,6 +40,7 @@ the rows measured before the split were) keeps everything in one process, and
   python -m bench.serve --size tiny --backend cpu --levels 1,4 --max-tokens 16
   python -m bench.serve --size small --backend sim --step-ms 2.0        # no GPU
   python -m bench.serve --size small --backend sim --ahead ab           # A/B
+  python -m bench.serve --size small --backend cuda --levels 32 --invariant ab  # determinism's cost
   python -m bench.serve --size small --backend sim --sampled 0.5        # half of them sample
   python -m bench.serve --size small --backend sim --max-seqs 128 --levels 32,128 --split ab
                                                    # front end apart from the core vs one process
@@ -228,9 +229,14 @@ def stop_server(running: Any) -> None:
 
 
 def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: bool,
-          prefix_cache: bool, split: bool = False) -> None:
+          prefix_cache: bool, split: bool = False, invariant: bool = True) -> None:
     """The server's process: load, serve on loopback, answer the bench's questions (`idle`:
-    the simulated device's wait for the host a step, then reset; `stop`) until told to stop."""
+    the simulated device's wait for the host a step, then reset; `stop`) until told to stop.
+    `invariant` False: the cuda backend's batch-shaped GEMMs (KERNCC_INVARIANT=0), for the A/B."""
+    if not invariant:
+        from kerncc.runtime.backends import gemv
+
+        gemv.INVARIANT = False  # read by each CudaBackend as it is made
     bundle = lower_to_bundle(manifest, args.pipeline)
     devices = [int(d) for d in args.devices.split(",")] if args.devices else None
     if args.backend == "sim":
@@ -326,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ahead", choices=("on", "off", "ab"), default="on", help="greedy decode "
                    "steps issued a step ahead by the engine (default on); ab: off and on, "
                    "alternating over two rounds of servers, with the ratios")
+    p.add_argument("--invariant", choices=("on", "off", "ab"), default="on", help="cuda: "
+                   "the batch-invariant GEMMs (on, the default); off: the batch-shaped path "
+                   "(KERNCC_INVARIANT=0); ab: both, alternating over two rounds each")
     p.add_argument("--split", choices=("on", "off", "ab"), default="off", help="on: the "
                    "front end in a process of its own, apart from the engine core (`kerncc "
                    "serve --api-workers 1`, its default); off: one process (`--api-workers "
@@ -356,8 +365,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     REPORT.rows.clear()  # one run's rows (main may run again in one process: the tests)
     REPORT.results.clear()
-    if [args.ahead, args.prefix_cache, args.split].count("ab") > 1:
-        p.error("--ahead ab, --prefix-cache ab, --split ab: one A/B at a time")
+    if [args.ahead, args.prefix_cache, args.split, args.invariant].count("ab") > 1:
+        p.error("--ahead ab, --prefix-cache ab, --split ab, --invariant ab: one A/B at a time")
+    if args.invariant != "on" and args.backend != "cuda":
+        p.error(f"--invariant {args.invariant}: the GEMM paths are the cuda backend's, not "
+                f"{args.backend}'s")
     if args.row_us is not None and args.backend != "sim":
         p.error(f"--row-us is the simulated device's (--backend sim), not {args.backend}'s")
     if args.prefix is not None:
@@ -365,10 +377,12 @@ def main(argv: list[str] | None = None) -> int:
 
     manifest = example(args)
     switch = {"on": [True], "off": [False], "ab": [False, True, False, True]}
-    settings = [(ahead, cache, split) for ahead in switch[args.ahead]
-                for cache in switch[args.prefix_cache] for split in switch[args.split]]
-    runs = [Round(ahead, cache, *served(args, manifest, ahead, cache, split), split=split)
-            for ahead, cache, split in settings]
+    settings = [(ahead, cache, split, inv) for ahead in switch[args.ahead]
+                for cache in switch[args.prefix_cache] for split in switch[args.split]
+                for inv in switch[args.invariant]]
+    runs = [Round(ahead, cache, *served(args, manifest, ahead, cache, split, inv), split=split,
+                  invariant=inv)
+            for ahead, cache, split, inv in settings]
     for run in runs:
         report(args, run)
     if args.ahead == "ab":
@@ -376,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.split == "ab":
         compare([r for r in runs if r.split], [r for r in runs if not r.split],
                 "front end apart from the core against one process", "apart / one process")
+    if args.invariant == "ab":
+        compare([r for r in runs if r.invariant], [r for r in runs if not r.invariant],
+                "batch-invariant GEMMs against batch-shaped", "invariant / batch-shaped")
     if args.prefix_cache == "ab":
         compare_cache([r for r in runs if r.cache], [r for r in runs if not r.cache])
     return REPORT.finish(args, device(args), argv)
@@ -408,6 +425,7 @@ class Round:
     wake_us: float | None  # the simulated device's late wake-up
     hits: dict[str, float]  # the prefix cache's counters over the levels (/metrics)
     split: bool = False  # the front end in a process of its own (kerncc.serve.core)
+    invariant: bool = True  # the cuda backend's batch-invariant GEMMs (the default)
 
 
 def device(args: argparse.Namespace) -> str:
@@ -422,8 +440,12 @@ def device(args: argparse.Namespace) -> str:
     return f"the {args.backend} backend"
 
 
+Levels = list[tuple[int, dict[str, float]]]
+
+
 def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool,
-           split: bool = False) -> tuple[int, list[tuple[int, dict[str, float]]], float | None, dict[str, float]]:
+           split: bool = False, invariant: bool = True
+           ) -> tuple[int, Levels, float | None, dict[str, float]]:
     """One server's levels: (stages, rows, the simulated device's late wake-up, the prefix
     cache's counters over the levels)."""
     # The server in a process of its own, as `kerncc serve` runs: the clients' work here does
@@ -431,7 +453,8 @@ def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool,
     context = multiprocessing.get_context("spawn")
     mine, theirs = context.Pipe()
     # not a daemon: apart, it forks its front end (joined, then terminated, below)
-    child = context.Process(target=serve, args=(theirs, args, manifest, ahead, cache, split))
+    child = context.Process(target=serve, args=(theirs, args, manifest, ahead, cache, split,
+                                                invariant))
     child.start()
     try:
         if not mine.poll(600):
@@ -528,7 +551,9 @@ def report(args: argparse.Namespace, run: Round) -> None:
     base = rows[0][1]["tok_s"]
     label = f"{stages} stage(s), ahead {'on' if ahead else 'off'}" + \
         (f", prefix cache {'on' if run.cache else 'off'}" if args.prefix_cache == "ab" else "") \
-        + (f", {'apart' if run.split else 'one process'}" if args.split == "ab" else "")
+        + (f", {'apart' if run.split else 'one process'}" if args.split == "ab" else "") \
+        + (f", {'invariant' if run.invariant else 'batch-shaped'}" if args.invariant == "ab"
+           else "")
     for conc, r in rows:
         idle = f" {r['idle_us']:.0f} |" if sim else ""
         print(f"| {conc} | {r['requests']} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f} | "
@@ -580,7 +605,8 @@ def compare_cache(on: list[Round], off: list[Round]) -> None:
 def compare(on: list[Round], off: list[Round],
             title: str = "a step ahead against one step at a time",
             label: str = "ahead on / off") -> None:
-    """--ahead ab, --split ab: each measure's median over the rounds, on against off."""
+    """--ahead ab, --split ab, --invariant ab: each measure's median over the rounds, on
+    against off."""
     print(f"{title} (the medians of the rounds, on / off):")
     print("| concurrency | tokens/s | TTFT p50 | ITL p50 | ITL p99 |")
     print("| --- | --- | --- | --- | --- |")
