@@ -200,6 +200,44 @@ def test_kerncc_serve_with_two_api_workers_answers_concurrent_requests_as_alone(
         end(proc)
 
 
+def test_a_server_killed_outright_leaves_no_core_behind(model):
+    """SIGKILL to `kerncc serve` (no handler runs): its engine core and front end end too,
+    rather than live on holding the port."""
+    proc, url, core = start(model)
+    try:
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while _running(core):
+            assert time.monotonic() < deadline, "the engine core outlived its server"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 20
+        while _answers(url):
+            assert time.monotonic() < deadline, "a front end outlived its server"
+            time.sleep(0.05)
+    finally:
+        end(proc)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+    except httpx.TransportError:
+        return False
+    return True
+
+
 def waited_for(url: str, line: str, seconds: float = 10.0) -> None:
     """Until /metrics shows `line` (bounded: the stream must still be running then)."""
     deadline = time.monotonic() + seconds

@@ -196,6 +196,7 @@ def _core_main(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any, 
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the front ends first
     watcher = os.getppid()
+    _end_with(watcher)
     code = 0
     try:
         with placement.make(args, bundle, checkpoint=weights) as chain:
@@ -236,6 +237,7 @@ def _front_main(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.
     from kerncc.serve.http import Server
 
     watcher = os.getppid()
+    _end_with(watcher)
     code = 0
     try:
         client = CoreClient(inbox, outbox, worker,
@@ -251,6 +253,23 @@ def _front_main(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.
         code = 1
     sys.stderr.flush()
     os._exit(code)
+
+
+def _end_with(watcher: int) -> None:
+    """This process is sent SIGTERM when the watcher ends, however it ends (Linux's
+    PR_SET_PDEATHSIG): a watcher killed outright leaves no core or front end behind holding
+    the port. Elsewhere nothing is asked."""
+    import ctypes
+    import os
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        asked = libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if asked and os.getppid() != watcher:  # it ended before the kernel was asked
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _alive(pid: int) -> bool:
