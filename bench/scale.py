@@ -656,7 +656,7 @@ def transformers_rows(folder: Path, chain: Any, prompt_len: int, ttft_tokens: in
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--size", choices=sorted(SIZES), default="8b",
