@@ -63,6 +63,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -262,24 +263,26 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
     stop_server(running)
 
 
-def _milliseconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got `{text}`") from None
-    if not 0 < value < 1e4:
-        raise argparse.ArgumentTypeError(f"expected 0 < milliseconds < 10000, got {text}")
-    return value
+def _number(unit: str, inside: Callable[[float], bool], bounds: str) -> Callable[[str], float]:
+    """An option's parser of a number of `unit`, refused (naming `bounds`) unless `inside`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {unit}, got `{text}`") from None
+        if not inside(value):
+            raise argparse.ArgumentTypeError(f"expected {bounds}, got {text}")
+        return value
+
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a fraction, got `{text}`") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text}")
-    return value
+_milliseconds = _number("milliseconds", lambda v: 0 < v < 1e4, "0 < milliseconds < 10000")
+_fraction = _number("a fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+_ramp = _number("milliseconds", lambda v: 0 <= v <= 6e4, "0 <= milliseconds <= 60000")
+_microseconds = _number("microseconds", lambda v: 0 <= v < 1e5,
+                        "0 <= microseconds < 100000")
 
 
 def _prefix(text: str) -> tuple[int, int]:
@@ -291,26 +294,6 @@ def _prefix(text: str) -> tuple[int, int]:
     if shared < 1 or own < 1:
         raise argparse.ArgumentTypeError(f"expected N,M of at least 1 token each, got {text}")
     return shared, own
-
-
-def _ramp(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got `{text}`") from None
-    if not 0 <= value <= 6e4:
-        raise argparse.ArgumentTypeError(f"expected 0 <= milliseconds <= 60000, got {text}")
-    return value
-
-
-def _microseconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected microseconds, got `{text}`") from None
-    if not 0 <= value < 1e5:
-        raise argparse.ArgumentTypeError(f"expected 0 <= microseconds < 100000, got {text}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
