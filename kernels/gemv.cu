@@ -264,19 +264,7 @@ extern "C" __global__ void __launch_bounds__(256)
     gemv_bf16_tn_mb4_t4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<4, 4, 8, 1>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb4_t4_u2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
   gemv_tile<4, 4, 8, 2>(a, w, c, m, n, k, mode);
-}
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb2_t4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<2, 4, 8, 2>(a, w, c, m, n, k, mode);
 }
 extern "C" __global__ void __launch_bounds__(512)
     gemv_bf16_tn_mb4_w16_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
