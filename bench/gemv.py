@@ -1,13 +1,14 @@
 """The batch-invariant decode GEMMs against cuBLAS, per weight shape and rows, on a GPU.
 
-    python -m bench.gemv [--out DIR] [--doc docs/benchmarks.md]
+    python -m bench.gemv [--every] [--out DIR] [--doc docs/benchmarks.md]
 
 For the `small` example's and an 8B model's (Qwen3-8B) weight shapes, at m = 1, 8, 16, 32 and
 64 rows: the GEMV entry the invariant policy picks (runtime/backends/gemv.py `invariant_entry`)
 against torch.matmul (cuBLAS, free to pick its kernel by m), each timed as 24 launches over four
 copies of W (more than L2 holds) in one CUDA graph, best of five replays; and whether the
 entry's rows equal the same rows launched one at a time, bit for bit (what makes a sequence's
-logits independent of its batch). Needs torch with CUDA.
+logits independent of its batch). `--every` also times every entry of the warp count the
+policy fixes for the shape (what `invariant_entry` is chosen from). Needs torch with CUDA.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def graph_us(torch, stream, launch) -> float:
     return best
 
 
-def measure(torch, site, gemv, label: str, n: int, k: int) -> None:
+def measure(torch, site, gemv, label: str, n: int, k: int, every: bool) -> None:
     from cuda.bindings import driver as cu
 
     stream = torch.cuda.Stream()
@@ -76,12 +77,57 @@ def measure(torch, site, gemv, label: str, n: int, k: int) -> None:
         REPORT.row(label, f"m={m}: invariant ({entry}) / cuBLAS us, ratio; rows equal alone",
                    f"{ours:.1f} / {theirs:.1f}, {ours / theirs:.2f}x; "
                    f"{'bitwise' if same else 'DIFFER'}")
+        if every:
+            REPORT.row(label, f"m={m}: every entry of its warps, us (! rows differ)",
+                       " ".join(every_entry(torch, stream, gemv, (a, ws, c, alone, handle),
+                                            m, n, k)))
+
+
+def every_entry(torch, stream, gemv, operands, m: int, n: int, k: int) -> list[str]:
+    """Each entry of the warp count `invariant_entry` fixes for n, forced, timed and checked."""
+    a, ws, c, alone, handle = operands
+    threads = gemv.ENTRIES[gemv.invariant_entry(1, n)][0]
+    cells = []
+    for entry, (count, _, _) in gemv.ENTRIES.items():
+        if count != threads:
+            continue
+        forced = _Forced(SITE[0], entry)
+        with torch.cuda.stream(stream):
+            forced(a.data_ptr(), ws[0].data_ptr(), c.data_ptr(), m, n, k, handle)
+        torch.cuda.synchronize()
+        same = torch.equal(c[:m], alone[:m])
+        us = graph_us(torch, stream, lambda i: forced(
+            a.data_ptr(), ws[i % COPIES].data_ptr(), c.data_ptr(), m, n, k, handle))
+        cells.append(f"{entry.removeprefix('gemv_bf16_tn_')}={us:.1f}{'' if same else '!'}")
+    return cells
+
+
+SITE: list = []  # the one invariant GemvSite (main)
+
+
+class _Forced:
+    """A GemvSite's launch with its entry forced (bench only: the policy picks per m)."""
+
+    def __init__(self, site, entry: str) -> None:
+        self.site, self.entry = site, entry
+
+    def __call__(self, *args) -> None:
+        from kerncc.runtime.backends import gemv
+
+        picked = gemv.invariant_entry
+        gemv.invariant_entry = lambda m, n: self.entry
+        try:
+            self.site(*args)
+        finally:
+            gemv.invariant_entry = picked
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gemv",
                                      description=__doc__.splitlines()[0])
     REPORT.add_options(parser)
+    parser.add_argument("--every", action="store_true",
+                        help="also time every entry of the shape's warp count")
     args = parser.parse_args(argv)
     try:
         import torch
@@ -96,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.zeros(1, device="cuda")  # the primary context the GEMV module loads into
     site = gemv.Gemv(check).site("cublaslt_bf16_tn", invariant=True)
+    SITE.append(site)
     for label, (n, k) in SHAPES.items():
         with REPORT.section(label):
-            measure(torch, site, gemv, label, n, k)
+            measure(torch, site, gemv, label, n, k, args.every)
         torch.cuda.empty_cache()
     return REPORT.finish(args, torch.cuda.get_device_name(), argv)
 

@@ -44,7 +44,12 @@ template <int MB, int T, int GEMV_WARPS, int GEMV_UNROLL>
 __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16* __restrict__ w,
                                           void* __restrict__ c, int m, int n, int k, int mode) {
   constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
-  __shared__ float partial[GEMV_WARPS][T * MB * 4][32];
+  // The warps' sums meet in shared memory TR tiles at a time (all T where they fit in 48 KB):
+  // the same adds in the same warp order whatever TR, so TR changes no bit.
+  constexpr int TR = (T * MB * GEMV_WARPS * 512 <= 49152) ? T
+                     : (T % 2 == 0 && (T / 2) * MB * GEMV_WARPS * 512 <= 49152) ? T / 2 : 1;
+  static_assert(T % TR == 0, "the tiles a block reduce in whole rounds");
+  __shared__ float partial[GEMV_WARPS][TR * MB * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   // Row groups: m > 8 * MB takes ceil(m / (8 * MB)) blocks per tile, neighbours in launch
@@ -176,29 +181,34 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
   }
 
 #pragma unroll
-  for (int i = 0; i < T; ++i)
+  for (int round = 0; round < T / TR; ++round) {
+    if (round > 0) __syncthreads();  // every thread has read the round before
 #pragma unroll
-    for (int j = 0; j < MB; ++j)
+    for (int ii = 0; ii < TR; ++ii)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) partial[warp][(i * MB + j) * 4 + r][lane] = acc[i][j][r];
-  __syncthreads();
-  for (int e = threadIdx.x; e < T * MB * 4 * 32; e += GEMV_THREADS) {
-    const int s = e >> 5, l = e & 31;
-    float sum = 0.f;
+      for (int j = 0; j < MB; ++j)
 #pragma unroll
-    for (int v = 0; v < GEMV_WARPS; ++v) sum += partial[v][s][l];  // warp order: fixed
-    const int i = s / (MB * 4), j = (s >> 2) % MB, r = s & 3;
-    const int row = row0 + 16 * i + (l >> 2) + (r >= 2 ? 8 : 0);
-    const int col = 8 * j + 2 * (l & 3) + (r & 1);
-    if (row >= n || col >= m) continue;
-    const size_t at = (size_t)(col0 + col) * n + row;
-    if (mode == GEMV_F32) {
-      reinterpret_cast<float*>(c)[at] = sum;
-    } else {
-      bf16* out = reinterpret_cast<bf16*>(c);
-      // one rounding: C + A.W^T in f32, then bf16 (beta = 1 of the _acc extern)
-      if (mode == GEMV_BF16_ACC) sum += __bfloat162float(out[at]);
-      out[at] = __float2bfloat16(sum);
+        for (int r = 0; r < 4; ++r)
+          partial[warp][(ii * MB + j) * 4 + r][lane] = acc[round * TR + ii][j][r];
+    __syncthreads();
+    for (int e = threadIdx.x; e < TR * MB * 4 * 32; e += GEMV_THREADS) {
+      const int s = e >> 5, l = e & 31;
+      float sum = 0.f;
+#pragma unroll
+      for (int v = 0; v < GEMV_WARPS; ++v) sum += partial[v][s][l];  // warp order: fixed
+      const int i = round * TR + s / (MB * 4), j = (s >> 2) % MB, r = s & 3;
+      const int row = row0 + 16 * i + (l >> 2) + (r >= 2 ? 8 : 0);
+      const int col = 8 * j + 2 * (l & 3) + (r & 1);
+      if (row >= n || col >= m) continue;
+      const size_t at = (size_t)(col0 + col) * n + row;
+      if (mode == GEMV_F32) {
+        reinterpret_cast<float*>(c)[at] = sum;
+      } else {
+        bf16* out = reinterpret_cast<bf16*>(c);
+        // one rounding: C + A.W^T in f32, then bf16 (beta = 1 of the _acc extern)
+        if (mode == GEMV_BF16_ACC) sum += __bfloat162float(out[at]);
+        out[at] = __float2bfloat16(sum);
+      }
     }
   }
 }
@@ -249,4 +259,16 @@ extern "C" __global__ void __launch_bounds__(512)
            int m, int n, int k, int mode) {
   pdl_begin();
   gemv_tile<3, 2, 16, 2>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb4_t4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<4, 4, 8, 2>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512)
+    gemv_bf16_tn_mb4_w16_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<4, 2, 16, 1>(a, w, c, m, n, k, mode);
 }

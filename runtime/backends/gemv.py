@@ -52,13 +52,15 @@ MAX_M = config.gemv_max_m()
 CUBLAS_MIN_N = 16384
 WIDE_MAX_TILES = 128
 WIDE_N = 6144  # from here three W tiles a block of 32 A rows fill the SMs well enough
+VOCAB_N = 30000  # an lm_head: four tiles a block at any m past 16
 WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
 NARROW_ENTRY = "gemv_bf16_tn_mb1"
 # entry: (threads, MB: 8-row blocks of A a block, T: 16-row tiles of W a block)
 ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2_t2": (256, 2, 2),
            "gemv_bf16_tn_mb4_t2": (256, 4, 2), "gemv_bf16_tn_mb4_t3": (256, 4, 3),
            "gemv_bf16_tn_mb1_w16": (512, 1, 1), "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2),
-           "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2)}
+           "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2), "gemv_bf16_tn_mb4_t4": (256, 4, 4),
+           "gemv_bf16_tn_mb4_w16_t2": (512, 4, 2)}
 INVARIANT = config.invariant()
 # The most rows a site may launch with and still be served by these kernels when invariant:
 # above it (prefill chunks) the pinned cuBLASLt algorithm of runtime/backends/cublas.py.
@@ -84,15 +86,20 @@ def invariant_usable(n: int, k: int, a: int, w: int, c: int) -> bool:
 def invariant_entry(m: int, n: int) -> str:
     """The kernel of a batch-invariant launch: the warp count from n alone (what fixes a row's
     bits), the blocks' shape from m and n (which does not): the fastest of each warp count's
-    entries at the models' shapes, measured at m = 1 to 64 on an H100 (docs/design-notes.md)."""
+    entries at the models' shapes, measured at m = 1 to 64 on an H100 (`python -m bench.gemv
+    --every`; docs/design-notes.md)."""
     if -(-n // ROWS_PER_BLOCK) <= WIDE_MAX_TILES:  # 16 warps
         if m <= 8:
             return WIDE_ENTRY
-        return "gemv_bf16_tn_mb3_w16_t2" if 16 < m <= 24 or m > 32 else "gemv_bf16_tn_mb2_w16_t2"
+        if m > 32:
+            return "gemv_bf16_tn_mb4_w16_t2"
+        return "gemv_bf16_tn_mb3_w16_t2" if m > 16 and m <= 24 else "gemv_bf16_tn_mb2_w16_t2"
     if m <= 8:
         return NARROW_ENTRY
     if m <= 16:
         return "gemv_bf16_tn_mb2_t2"
+    if m > 32 or n >= VOCAB_N:
+        return "gemv_bf16_tn_mb4_t4"
     return "gemv_bf16_tn_mb4_t3" if n >= WIDE_N else "gemv_bf16_tn_mb4_t2"
 
 
