@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "scale.py"
@@ -112,12 +113,15 @@ def test_bad_counts_are_usage_errors(capsys):
     assert done.value.code == 2 and "--tflops must be positive" in capsys.readouterr().err
 
 
-def test_equal_prefix_counts_the_leading_tokens_two_runs_share():
+def test_agreement_counts_argmax_matches_and_near_ties_apart():
     scale = load()
-    assert scale.equal_prefix([5, 6, 7, 8], [5, 6, 9, 8]) == 2
-    assert scale.equal_prefix([5, 6, 7], [5, 6, 7]) == 3
-    assert scale.equal_prefix([4, 6], [5, 6]) == 0
-    assert scale.equal_prefix([5, 6, 7], [5, 6]) == 2
+    theirs = np.array([[0.1, 2.0, -1.0, 0.5],     # argmax 1: ours 1, equal
+                       [1.0, 0.995, 0.2, -0.3],   # argmax 0, ours 1: a near-tie (gap 0.005)
+                       [-2.0, 0.3, 0.9, 0.4]])    # argmax 2, ours 3: a real flip (gap 0.5)
+    ours = theirs + np.array([[0.0, 0.02, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0],
+                              [0.0, 0.0, 0.0, -0.05]])
+    found = scale.agreement([1, 1, 3], ours, theirs)
+    assert found == {"diff": pytest.approx(0.05 / 2.0), "equal": 1, "ties": 1, "tokens": 3}
 
 
 def test_one_failing_transformers_measure_leaves_the_others():
