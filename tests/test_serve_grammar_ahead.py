@@ -182,7 +182,7 @@ def loads(draw, count: int):
     return made, draw(st.integers(1, 4))
 
 
-@settings(max_examples=examples(12, 150))
+@settings(max_examples=examples(25, 300))
 @given(load=loads(count=8))
 def test_random_mixes_with_grammar_rows_get_the_tokens_of_steps_one_at_a_time(
         chain, shapes, load):
@@ -203,4 +203,27 @@ def test_random_mixes_with_grammar_rows_get_the_tokens_of_steps_one_at_a_time(
         n = len(got.generated)
         assert got.finish in ("cancelled", want.finish)
         assert got.generated == want.generated[:n]
-        assert outcome(got)[1] == outcome(want)[1][:n * len(want.logits[0]) * 4 if n else 0]
+        assert outcome(got)[1] == outcome(want)[1][:n * len(want.logits[0]) * 4]
+        assert outcome(got)[2] == outcome(want)[2][:n], "a dropped row's logprobs not heard"
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_grammar_rows_go_ahead_with_the_bits_of_steps_one_at_a_time(model, shapes):
+    """On cuda the draw issued after the step's forward (the grammar masks uploaded then, the
+    logits cubin's kernels and the sampler on that step's logits) gives the tokens, logits
+    and logprobs of the steps one at a time, and the batch goes ahead."""
+    from bundles import close_chains, cuda_chain
+
+    forms, eos = shapes
+    params = kinds(forms)
+    specs = [([5 + i, 17, 40, 3 * i + 1], 16, params[i], {eos}, 0, None)
+             for i in (2, 4, 5, 7)]
+    chain = cuda_chain(lower_to_bundle(model))
+    try:
+        one, _ = served(chain, specs, ahead=False)
+        ahead, engine = served(chain, specs, ahead=True)
+        assert engine.ahead_steps >= 8, "the batch holding grammar rows went ahead"
+        assert engine.drawn_steps > 0
+        assert [outcome(r) for r in ahead] == [outcome(r) for r in one]
+    finally:
+        close_chains(chain)
