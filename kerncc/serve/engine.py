@@ -444,7 +444,7 @@ class Engine:
                 or not self.model.draws_on_device(forward)):
             return None
         return sampling_hook.device_draws(
-            [r.sampler if r.id in item.emits else None
+            [r.sampler if r.id in item.emits and self.requests.get(r.id) is r else None
              for r in requests],
             [start + 1 - len(r.prompt) for r, (_, start, _) in zip(requests, item.parts)],
             every)
