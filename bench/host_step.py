@@ -17,12 +17,15 @@ checked, the call issued, the outputs taken in).
   nothing, what is timed is the host's half (the words and masks packed and sent, the results
   heard, the grammar followed; `--profile` adds a cProfile of each); `--backend cuda` times
   whole steps on a GPU (the `small` interface's shapes on tiny widths: the processing kernels
-  over a 32000-token vocabulary).
+  over a 32000-token vocabulary). `--step-ms MS` adds, on a simulated device whose decode
+  steps take MS (bench/simulated.py), how long the device waits for the host before each
+  step of each workload, a step at a time (`Config(ahead=False)`) and a step ahead: a
+  grammar's step goes ahead with its draw issued once the masks are ready.
 
 --doc docs/benchmarks.md writes the rows between the file's `host_step` markers.
 
-    python -m bench.host_step [--tokens 400] [--engine] [--processing [--backend cuda]]
-                              [--profile]                    # ~10-60 s, no GPU but with cuda
+    python -m bench.host_step [--tokens 400] [--engine] [--processing [--backend cuda]
+                              [--step-ms 2]] [--profile]     # ~10-60 s, no GPU but with cuda
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -62,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="32 sampled sequences: plain, penalties, logprobs, json_schema")
     parser.add_argument("--backend", choices=("idle", "cuda"), default="idle",
                         help="--processing: launches that do nothing (host work) or a GPU")
+    parser.add_argument("--step-ms", type=float, default=None,
+                        help="--processing: also the device's wait a step on a simulated "
+                        "device whose decode steps take this long, ahead off and on")
     args = parser.parse_args(argv)
     if args.processing:
         processing_steps(args)
@@ -176,7 +183,7 @@ def processing_steps(args) -> None:
     root = Path(tempfile.mkdtemp())
     model, _ = generate(root / "model", "tiny", **{**SHAPE, "max_seqs": 32})
     assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
-    backend = "cuda" if args.backend == "cuda" else _idle_processing()
+    backend = "cuda" if args.backend == "cuda" else _idle_processing(Idle())
     chain = Chain(root / "whole", backend=backend, graphs=True, token_capacity=48 * 1024)
     codec = TextCodec.from_dir(model.parent)
     grammars = grammar.Grammars(codec, SHAPE["vocab"], min(codec.eos_token_ids))
@@ -210,14 +217,37 @@ def processing_steps(args) -> None:
               f"({median / base:.2f}x sampling)")
         REPORT.row("processing", f"32 sampled sequences, {name}: {what}, us (x sampling)",
                    f"{median * 1e6:.0f} ({median / base:.2f}x)")
+    if args.step_ms is not None and args.backend != "cuda":
+        _device_waits(root, workloads, args)
+
+
+def _device_waits(root: Path, workloads: dict[str, dict], args) -> None:
+    """The simulated device's median wait for the host before a decode step of each
+    workload, a step at a time and a step ahead (taking turns, ROUNDS times)."""
+    from bench.simulated import Device
+
+    device = _idle_processing(Device(args.step_ms))
+    chain = Chain(root / "whole", backend=device, graphs=True, token_capacity=48 * 1024)
+    waits: dict[tuple[str, bool], list[float]] = {}
+    for _ in range(ROUNDS):
+        for name, extra in workloads.items():
+            for ahead in (False, True):
+                _processing_steps(chain, extra, min(100, args.tokens), ahead, device)
+                waits.setdefault((name, ahead), []).append(device.idle_us())
+    for name in workloads:
+        off, on = (statistics.median(waits[name, ahead]) for ahead in (False, True))
+        print(f"32 sequences, {name}: the device waits {off:.0f} us a step a step at a time, "
+              f"{on:.0f} us a step ahead ({args.step_ms:g} ms steps, simulated)")
+        REPORT.row("device wait", f"32 sampled sequences, {name}: the device's wait a "
+                   f"{args.step_ms:g} ms step, us, ahead off / on", f"{off:.0f} / {on:.0f}")
 
 
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
              "logit_bias": ((13, 2.0), (17, -5.0))}
 
 
-def _idle_processing() -> Idle:
-    """The do-nothing backend with a processor whose kernels do nothing: each step's host half
+def _idle_processing(backend: Idle) -> Idle:
+    """A do-nothing backend with a processor whose kernels do nothing: each step's host half
     runs (words, slots, masks packed and sent, results heard), and a grammar row's token is
     its mask's first allowed one, so the grammar is followed as on a device."""
     from kerncc.runtime import processing
@@ -235,7 +265,6 @@ def _idle_processing() -> Idle:
             results.view(np.int32)[:, TOKEN] = tokens[rows]
             return processing.Heard(processing.Ready(results), sources)
 
-    backend = Idle()
     backend.logits_processor = lambda vocab: IdleProcessor(backend, vocab)
     return backend
 
@@ -248,17 +277,21 @@ def first_allowed(masks: np.ndarray) -> np.ndarray:
     return (32 * word + np.log2(low.astype(np.float64)).astype(np.int64)).astype(np.int32)
 
 
-def _processing_steps(chain: Chain, extra: dict, count: int) -> list[float]:
-    """Host times of `count` decode steps of 32 sampled sequences with params `extra`."""
+def _processing_steps(chain: Chain, extra: dict, count: int, ahead: bool = True,
+                      device: Any = None) -> list[float]:
+    """Host times of `count` decode steps of 32 sampled sequences with params `extra`
+    (`device`: a simulated one, its waits counted from the steady decode on)."""
     from kerncc.serve.engine import Config, Engine, Request
     from kerncc.serve.sampling_hook import Params
 
-    engine = Engine(chain, Config(max_running=32, chunk=512))
+    engine = Engine(chain, Config(max_running=32, chunk=512, ahead=ahead))
     for s in range(32):
         engine.submit(Request([(i * 7 + s) % 31999 + 1 for i in range(128)], 300,
                               Params(temperature=1.0, seed=s, **extra)))
     while engine.calls.get("decode_batch", 0) < 3:
         engine.tick()  # the prefill and the first steps
+    if device is not None:
+        device.reset()
     steps: list[float] = []
     while engine.requests and len(steps) < count:
         start = time.perf_counter()

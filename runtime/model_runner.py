@@ -24,7 +24,10 @@ it (`check_unsampled`) and merged (the head stages the union of every stage's in
 * draws on the device (`draws_on_device`, `submit(draws=...)`): a call's tokens sampled from
   its logits into its token output (`Session.sample_into`) right after it, so that sampled
   sequences are fed on the device like greedy ones. The sampler picks an index of the logits
-  row, the same range as the argmax it replaces, so the feed's proof still holds.
+  row, the same range as the argmax it replaces, so the feed's proof still holds. A call's
+  draw may also come later than its forward (`submit(drawn_later=True)`, then `draw`), once
+  what it needs is known on the host (a grammar's mask, from the token of the call before):
+  the forward runs meanwhile, and the next call, issued after the draw, is fed its tokens.
 """
 
 from __future__ import annotations
@@ -391,34 +394,48 @@ class ModelRunner:
     # ------------------------------------------------------------------------ calls
 
     def submit(self, forward: proto.Forward, rows: Sequence[Rows], outputs: Collection[str],
-               feed: Feed | None = None, draws: Draws | None = None) -> Any:
+               feed: Feed | None = None, draws: Draws | None = None,
+               drawn_later: bool = False) -> Any:
         """Issue `rows` through `forward` without waiting; the call's pending `outputs`.
         `feed`: the token input is written on the device by `feed(vars)` (the call before
         hands it over, `feeder`), not sent from the host. `draws`: (params, counters), one
         of each per sequence of a decode call: its tokens are drawn on the device into the
-        token output (`draws_on_device` said yes), which comes back among the outputs."""
+        token output (`draws_on_device` said yes), which comes back among the outputs.
+        `drawn_later`: the forward alone, its tokens drawn by `draw` once its draws are
+        known (a grammar's mask needs the token of the call in flight before it); the token
+        output is not among the outputs until then."""
         count = sum(r.n for r in rows)
         inputs = self.inputs(rows, tokens=feed is None)
         vars = self.protocol.vars(len(rows), count, count, max(r.start + r.n for r in rows))
         send = self._unheld(inputs, vars)
+        drawn = draws is not None or drawn_later
         try:
             if feed is not None:
                 feed(vars)
                 self._held.pop(self._token_input, None)  # the device's, not the host's
-            wanted = set(outputs) - {forward.emits} if draws is not None else outputs
+            wanted = set(outputs) - {forward.emits} if drawn else outputs
             if isinstance(self.runner, Chain):
                 pending = self.runner.submit(forward.name, send, vars, rows=count,
                                              outputs=wanted)
             else:
                 pending = self.runner.submit(forward.name, send, vars, outputs=wanted)
             if draws is not None:
-                drawer = self._drawers[forward.name]
-                pending = _Joined(pending, drawer.sample_into(LOGITS, forward.emits, *draws))
+                pending = self.draw(forward, pending, draws)
         except Exception:
             self._held.clear()  # some inputs may be written, others not
             raise
         self._hold(inputs, vars)
         return pending
+
+    def draw(self, forward: proto.Forward, pending: Any, draws: Draws) -> Any:
+        """The tokens of the call `submit(drawn_later=True)` gave `pending` for, drawn on the
+        device by `draws` into its token output (read after the draw, as `submit(draws=...)`
+        reads it); the call's pending outputs with them. That call must be the last one
+        issued: the logits buffer holds its logits (nothing is issued between the two), and
+        a call fed from its token output after the draw reads the drawn tokens (stream
+        order)."""
+        drawer = self._drawers[forward.name]
+        return _Joined(pending, drawer.sample_into(LOGITS, forward.emits, *draws))
 
     def stage_next(self, rows: Sequence[Rows]) -> None:
         """While a decode call of `rows` runs, write the inputs (but the tokens) the same

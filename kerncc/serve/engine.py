@@ -10,13 +10,19 @@ limits, the device feed), collect the oldest item's outputs, turn them into toke
 It keeps up to `depth` items in flight (by default one per stage: a cut pipeline stays full,
 since `Chain.submit` returns once issued) and waits only for the oldest.
 
-Greedy decoding goes a step ahead (`Config.ahead`, on): when the next step is the decode step
-in flight again (every running sequence in it, greedy, none ending on its token by length,
-nobody to admit), the engine issues it before that step's tokens are here, its token input
-written on the device from that step's token output (`ModelRunner.feeder`), so the device goes from step to step without waiting for the host. The scheduler
-hears of it once the step before has landed; a sequence that ends on that step's token (a
-stop token, a cancel) has its row's token dropped. The tokens and logits are a step at a
-time's (tests/test_serve_engine.py, the property tests).
+Decoding goes a step ahead (`Config.ahead`, on): when the next step is the decode step in
+flight again (every running sequence in it, its tokens greedy or drawn on the device, none
+ending on its token by length, nobody to admit), the engine issues it before that step's
+tokens are here, its token input written on the device from that step's token output
+(`ModelRunner.feeder`), so the device goes from step to step without waiting for the host.
+Where a grammar's row is in it, only the forward goes then: the draw (its processing and
+sampling launches) is issued once the step before has landed and each grammar has followed
+its token (`_draw_ahead`), so the model runs while the host computes the masks, and the step
+after, fed from the drawn tokens, is issued after the draw. The scheduler hears of the step
+once the step before has landed; a sequence that ends on that step's token (a stop token, a
+cancel) has its row's token dropped (drawn greedily, when the draw comes later). The tokens
+and logits are a step at a time's (tests/test_serve_engine.py, the property tests,
+tests/test_serve_grammar_ahead.py).
 
 `submit`, `cancel` and `stop` may be called from any thread: they only queue a command; the
 loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
@@ -118,6 +124,7 @@ class _Flight:
     pending: Any
     requests: list[Request]
     drawn: bool = False  # its sampled tokens were drawn on the device into its token output
+    later: bool = False  # issued ahead, its draw still to come (`_draw_ahead`)
 
 
 class Engine:
@@ -302,6 +309,7 @@ class Engine:
                 flight = self.inflight.popleft()
                 self._collect(flight)  # told at the next turn
                 if self._ahead is not None and self._ahead is not flight:
+                    self._draw_ahead()
                     self._adopt_ahead()
                 return True
         except KernccError as err:
@@ -396,20 +404,23 @@ class Engine:
         which pages a release frees when prompts share pages)."""
         self.state = sch.synced(self.state, self.pool.free, self.pool.shared)
 
-    def _submit(self, item: sch.Item, feed: Feed | None = None) -> _Flight:
+    def _submit(self, item: sch.Item, feed: Feed | None = None, later: bool = False
+                ) -> _Flight:
         """Issue `item`; `feed`: its token input is written on the device from the call
-        before it (`_go_ahead`), not sent from the host."""
+        before it (`_go_ahead`), not sent from the host; `later`: its forward alone, its
+        tokens drawn on the device by `_draw_ahead`."""
         requests = [self.requests[seq_id] for seq_id, _, _ in item.parts]
         rows = [Rows(r.id, r.prompt, r.generated, self.pool.held(r.id), start, n)
                 for r, (_, start, n) in zip(requests, item.parts)]
         forward = self.model.forward(item.kind, len(rows))
-        draws = self._draws(item, forward, requests)
+        draws = None if later else self._draws(item, forward, requests)
+        drawn = later or draws is not None
         wanted = {forward.emits} if forward.emits and item.emits else set()
         if (self.keep_logits and (item.emits or self.keep_runs)) or (
-                item.emits and draws is None and any(r.sampler is not None for r in requests)):
+                item.emits and not drawn and any(r.sampler is not None for r in requests)):
             wanted.add(LOGITS)
         try:
-            pending = self.model.submit(forward, rows, wanted, feed, draws)
+            pending = self.model.submit(forward, rows, wanted, feed, draws, later)
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, forward, requests) from None
         if item.kind == "decode":
@@ -417,34 +428,39 @@ class Engine:
         self.calls[forward.name] += 1
         self.rows[forward.name] += sum(r.n for r in rows)
         self.packed += item.kind == "chunk" and len(rows) > 1
-        self.drawn_steps += draws is not None
-        return _Flight(item, forward, pending, requests, draws is not None)
+        self.drawn_steps += drawn
+        return _Flight(item, forward, pending, requests, drawn, later)
 
-    def _draws(self, item: sch.Item, forward: proto.Forward, requests: list[Request]
-               ) -> Any:
+    def _draws(self, item: sch.Item, forward: proto.Forward, requests: list[Request],
+               every: bool = False) -> Any:
         """How a decode item's sampled tokens are drawn on the device (sampling_hook.
-        device_draws), or None: on the host, or all greedy. The counter of the token a row
-        at position `start` draws is its index among the generated ones, start + 1 - prompt,
-        which the host knows before the tokens before it are here."""
+        device_draws), or None: on the host, or all greedy (`every`: drawn all the same). A
+        sequence no longer served (it ended while the item was issued ahead) is drawn
+        greedily: its token is dropped. The counter of the token a row at position `start`
+        draws is its index among the generated ones, start + 1 - prompt, which the host
+        knows before the tokens before it are here."""
         if (item.kind != "decode" or not item.emits or not self.draw_on_device
                 or all(r.sampler is None for r in requests)
                 or not self.model.draws_on_device(forward)):
             return None
         return sampling_hook.device_draws(
-            [r.sampler if r.id in item.emits else None for r in requests],
-            [start + 1 - len(r.prompt) for r, (_, start, _) in zip(requests, item.parts)])
+            [r.sampler if r.id in item.emits and self.requests.get(r.id) is r else None
+             for r in requests],
+            [start + 1 - len(r.prompt) for r, (_, start, _) in zip(requests, item.parts)],
+            every)
 
     # ------------------------------------------------------------------------ a step ahead
 
     def _go_ahead(self) -> bool:
         """Issue the decode step after the one in flight before its tokens are here, each
         sequence's token fed on the device from that step's token output, when that step
-        is all the scheduler would plan next: every running sequence in it, decoding
-        greedily, none that can end on its token by length, nobody it would admit. A
-        sequence whose next row starts a page gets the page now. The scheduler hears of the
-        step once the one before has landed (`_adopt_ahead`); a sequence that ends on that
-        one's token (a stop token, a cancel) has its row's token dropped. False when it
-        cannot go ahead."""
+        is all the scheduler would plan next: every running sequence in it, its tokens
+        greedy or drawn on the device, none that can end on its token by length, nobody it
+        would admit. A sequence whose next row starts a page gets the page now. With a
+        grammar's row, the step's draw waits for the one before to land (`_draw_ahead`). The
+        scheduler hears of the step once the one before has landed (`_adopt_ahead`); a
+        sequence that ends on that one's token (a stop token, a cancel) has its row's token
+        dropped. False when it cannot go ahead."""
         if not self.ahead or self._ahead is not None or len(self.inflight) != 1:
             return False
         flight = self.inflight[0]
@@ -456,8 +472,8 @@ class Engine:
         grants = []
         if not flight.drawn and any(r.sampler is not None for r in requests):
             return False  # some token is drawn on the host: nothing to feed on the device
-        if any(sampling_hook.follows_tokens(r.sampler) for r in requests):
-            return False  # a grammar's next mask needs this step's token on the host
+        # a grammar's next mask needs this step's token on the host: the draw comes later
+        later = any(sampling_hook.follows_tokens(r.sampler) for r in requests)
         for request, (seq_id, start, _) in zip(requests, item.parts):
             if (self.requests.get(seq_id) is not request
                     or len(request.generated) + 2 > request.max_new
@@ -473,10 +489,25 @@ class Engine:
         self.state = sch.apply(self.state, sch.Plan(grants=tuple(grants)))
         nxt = sch.Item("decode", tuple((seq_id, start + 1, 1) for seq_id, start, _ in item.parts),
                        item.emits)
-        self._ahead = self._submit(nxt, feed)
+        self._ahead = self._submit(nxt, feed, later)
         self.inflight.append(self._ahead)
         self.ahead_steps += 1
         return True
+
+    def _draw_ahead(self) -> None:
+        """The step issued ahead of its draw (a grammar's row in it) is drawn now that the
+        step before it has landed: each grammar has followed its token, so its mask for this
+        step can be computed. Nothing was issued since its forward (its logits are the
+        buffer's), and the step after, fed from its token output, is issued after this."""
+        ahead = self._ahead
+        if ahead is None or not ahead.later:
+            return
+        ahead.later = False
+        draws = self._draws(ahead.item, ahead.forward, ahead.requests, every=True)
+        try:
+            ahead.pending = self.model.draw(ahead.forward, ahead.pending, draws)
+        except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
+            raise _item_error(err, ahead.forward, ahead.requests) from None
 
     def _adopt_ahead(self) -> None:
         """The step issued ahead, told to the scheduler now that the step before it has
@@ -552,6 +583,7 @@ class Engine:
         self.pool.release(request.id)
         self.prefix.released(request.id)
         self._sync_pool()
+        sampling_hook.ended(request.sampler)  # a row still in flight hears nothing more
         request.finish, request.error = reason, error
         if request.listener is not None:
             self._told.append((request, None))

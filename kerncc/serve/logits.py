@@ -14,7 +14,9 @@ temperature. Its tokens are drawn one of two ways, with the same numbers:
   and, following a grammar, the step's mask (`step_masks`: a call's grammar masks in one
   llguidance batch, kerncc.serve.grammar.fill_all); it hears the step's token, logprob and
   top tokens when the call's outputs are taken (`hear_all`: the call's rows at once), and its
-  grammar follows the token. The vocab-wide logits never come back;
+  grammar follows the token. The vocab-wide logits never come back. Once its request ended
+  (`close`), a step still in flight (issued ahead, or cancelled under it) hears nothing: that
+  row's token is dropped;
 * on the host (`draw`: a prefill chunk's token, or a runner that cannot draw on the device):
   the call's logits rows of such requests come back and are packed into the same kernels'
   arguments (kernels/logits_ref.py's ABI: the numpy reference runs here), then each row's
@@ -55,6 +57,8 @@ class Drawer:
         self.heard: list[Heard] = []
         self.cumulative = 0.0  # sum of the chosen tokens' logprobs (best_of ranks by it)
         self.version = 0  # bumped when the host path counts a token (a device slot is stale)
+        # its request ended (`close`): a row still in flight hears nothing (its token dropped)
+        self.closed = False
         self.vocab = 0  # the logits' width, once a device slot is filled
         # what each device step reads, worked out once: whether the chosen token's logprob is
         # wanted (logprobs, or best_of's ranking), how many top tokens, the words (by `held`)
@@ -67,6 +71,11 @@ class Drawer:
     @property
     def greedy(self) -> bool:
         return self.params.greedy
+
+    def close(self) -> None:
+        """Its request ended: a step issued before that (ahead, or in flight when it was
+        cancelled) drops its token, so its logprob and top tokens are not heard either."""
+        self.closed = True
 
     def words(self, row: int, step: int) -> np.ndarray:
         p = self.params
@@ -127,6 +136,8 @@ class Drawer:
         top_logprobs = results[:, TOP_LOGPROBS:TOP_LOGPROBS + k].tolist()
         for d, token, logprob, ids_, logprobs in zip(drawers, tokens, chosen, top_ids,
                                                      top_logprobs):
+            if d.closed:
+                continue
             d.counts[token] += 1
             if d.matcher is not None:
                 d.matcher.consume(token)
@@ -176,6 +187,8 @@ class Drawer:
                 allow[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
 
     def accept(self, token: int, logp: np.ndarray | None) -> None:
+        if self.closed:
+            return
         self.counts[token] += 1
         self.version += 1  # counted here, not on the device
         if self.matcher is not None:

@@ -104,14 +104,15 @@ def _matcher(params: Params) -> Any:
     return None if params.grammar is None else params.grammar.matcher()
 
 
-def device_draws(natives: Sequence[Any], steps: Sequence[int]
+def device_draws(natives: Sequence[Any], steps: Sequence[int], every: bool = False
                  ) -> tuple[list[Any], list[tuple[int, int]]] | None:
     """The (params, counters) a decode call's sequences are drawn with on the device
     (kerncc.runtime.model_runner: `submit(draws=...)`), `natives[i]` sequence i's `prepare`d
     params (None: greedy), `steps[i]` the index of the token it draws; None when every one
-    is greedy (the argmax output is the token already). A `Drawer`'s row is processed on the
+    is greedy (the argmax output is the token already), unless `every` (a call whose forward
+    was issued to be drawn: `ModelRunner.draw`). A `Drawer`'s row is processed on the
     device before its draw (kerncc.runtime.processing.Processed)."""
-    if all(n is None for n in natives):
+    if all(n is None for n in natives) and not every:
         return None
     greedy = _sampling.SamplingParams()
     params = [_processing.Processed(n.native or greedy, n, max(0, int(step)))
@@ -122,8 +123,16 @@ def device_draws(natives: Sequence[Any], steps: Sequence[int]
 
 def follows_tokens(native: Any) -> bool:
     """Whether a request's next draw needs its last token on the host first (a grammar's
-    mask): the engine does not go a step ahead of it."""
+    mask): a step issued ahead of that token has its forward issued at once and its draw
+    once the token is here (kerncc.serve.engine's `_draw_ahead`)."""
     return isinstance(native, _logits.Drawer) and native.matcher is not None
+
+
+def ended(native: Any) -> None:
+    """A request's sequence ended: a `Drawer` hears no more (a row of it still in flight
+    has its token dropped, its logprobs with it)."""
+    if isinstance(native, _logits.Drawer):
+        native.close()
 
 
 def tokens(outputs: dict[str, Any], emits: str | None, logits: str, natives: Sequence[Any],
