@@ -441,6 +441,36 @@ def test_on_a_gpu_steps_issued_ahead_give_the_bits_of_steps_one_at_a_time(model,
                                   np.stack(b.logits).view(np.uint32))
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_two_call_steps_issued_ahead_give_the_bits_of_steps_one_at_a_time(
+        model, prompts, tmp_path):
+    """On cuda, six sequences over the four-sequence decode program: each call of a two-call
+    step has its token output kept on the device (Session.keep, cuMemcpyDtoDAsync on the
+    stream) and the same call of the step after is fed from that copy, across the stages of
+    a cut bundle too (one call deep, so that the scheduler does not stagger the calls). The
+    tokens and every logit, bit for bit, of the same steps one at a time."""
+    target = tmp_path / "two"
+    assert main(["lower", str(model), "-p", "cut{at=12},slice-derive,emit", "-o",
+                 str(target)]) == 0
+
+    def serve(chain: Chain, ahead: bool) -> tuple[list[Request], Engine]:
+        engine = Engine(chain, Config(max_running=6, depth=1, logits=True, ahead=ahead))
+        requests = [engine.submit(Request(p, 24)) for p in prompts[:6]]
+        engine.run_until_idle()
+        assert all(r.finish == "length" for r in requests)
+        return requests, engine
+
+    for chain in (Chain(lower_to_bundle(model), backend="cuda"),
+                  Chain(Bundle(target), backend="cuda")):
+        one, _ = serve(chain, False)
+        ahead, engine = serve(chain, True)
+        assert engine.ahead_steps >= 10, "the two-call steps went ahead"
+        for a, b in zip(one, ahead):
+            assert a.generated == b.generated
+            assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                                  np.stack(b.logits).view(np.uint32))
+
+
 @pytest.mark.skipif(not sampling_hook.available(), reason="kerncc.runtime.sampling not merged")
 def test_a_seeded_request_draws_the_same_tokens_whatever_it_is_batched_with(whole, prompts):
     params = sampling_hook.Params(temperature=0.8, top_p=0.9, seed=7)

@@ -13,10 +13,14 @@ since `Chain.submit` returns once issued) and waits only for the oldest.
 Greedy decoding goes a step ahead (`Config.ahead`, on): when the next step is the decode step
 in flight again (every running sequence in it, greedy, none ending on its token by length,
 nobody to admit), the engine issues it before that step's tokens are here, its token input
-written on the device from that step's token output (`ModelRunner.feeder`), so the device goes from step to step without waiting for the host. The scheduler
-hears of it once the step before has landed; a sequence that ends on that step's token (a
-stop token, a cancel) has its row's token dropped. The tokens and logits are a step at a
-time's (tests/test_serve_engine.py, the property tests).
+written on the device from that step's token output (`ModelRunner.feeder`), so the device goes
+from step to step without waiting for the host. A step of several decode calls (more sequences
+than one decode call takes, `Limits.decode_groups`) goes ahead call for call: the calls all
+write one token output, so each one's is copied on the device right after it and its draw
+(`TokenFeed.keep`, `Session.keep`), and the same call of the step after is fed from that copy.
+The scheduler hears of it once the step before has landed; a sequence that ends on that step's
+token (a stop token, a cancel) has its row's token dropped. The tokens and logits are a step
+at a time's (tests/test_serve_engine.py, the property tests).
 
 `submit`, `cancel` and `stop` may be called from any thread: they only queue a command; the
 loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
