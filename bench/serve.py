@@ -42,6 +42,8 @@ the rows measured before the split were) keeps everything in one process, and
   python -m bench.serve --size small --backend sim --ahead ab           # A/B
   python -m bench.serve --size small --backend cuda --levels 32 --invariant ab  # determinism's cost
   python -m bench.serve --size small --backend sim --sampled 0.5        # half of them sample
+  python -m bench.serve --size small --backend sim --max-seqs 32 --max-running 128 \
+      --levels 64,128 --ahead ab             # four decode calls a step, issued ahead or not
   python -m bench.serve --size small --backend sim --max-seqs 128 --levels 32,128 --split ab
                                                    # front end apart from the core vs one process
   python -m bench.serve --size small --backend sim --row-us 10 --prefix --prefix-cache ab \
@@ -246,13 +248,13 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
         backend: Any = Device(args.step_ms, args.row_us)
         chain = (Chain if args.row_us is None else Timed)(
             bundle, backend=backend, graphs=True,
-            token_capacity=args.max_seqs * (args.prompt_len + args.max_tokens + 64))
+            token_capacity=engine_seqs(args) * (args.prompt_len + args.max_tokens + 64))
     else:
         backend = None
         chain = Chain(bundle, backend=args.backend, devices=devices)
     model = bundle.stages[0].manifest.model
     context = request_limits([s.manifest for s in bundle.stages]).context
-    url, running = start_server(chain, args.max_seqs, model, ahead=ahead,
+    url, running = start_server(chain, engine_seqs(args), model, ahead=ahead,
                                 prefix_cache=prefix_cache, split=split)
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
                len(bundle.stages), getattr(backend, "wake_us", None), context))
@@ -301,8 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     REPORT.add_options(p)
     p.add_argument("--size", choices=("tiny", "small"), default="small")
     p.add_argument("--dir", default="/tmp/kerncc-serve-bench", help="example model folder")
-    p.add_argument("--max-seqs", type=int, default=32, help="example's seqs bound and the "
-                   "engine's sequences at once (default 32)")
+    p.add_argument("--max-seqs", type=int, default=32, help="example's seqs bound and, "
+                   "unless --max-running, the engine's sequences at once (default 32)")
+    p.add_argument("--max-running", type=int, default=None, help="the engine's sequences at "
+                   "once (default --max-seqs); more than --max-seqs makes a decode step "
+                   "several calls of the example's decode program")
     p.add_argument("--backend", default="cuda", help="cuda, cpu, or sim (launches that compute "
                    "nothing and decode steps of --step-ms on a simulated device: the host's "
                    "cost, measured on the CPU)")
@@ -355,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.backend}'s")
     if args.row_us is not None and args.backend != "sim":
         p.error(f"--row-us is the simulated device's (--backend sim), not {args.backend}'s")
+    if args.max_running is not None and args.max_running < 1:
+        p.error(f"--max-running {args.max_running}: at least 1 sequence at once")
     if args.prefix is not None:
         args.prompt_len = sum(args.prefix)
 
@@ -379,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix_cache == "ab":
         compare_cache([r for r in runs if r.cache], [r for r in runs if not r.cache])
     return REPORT.finish(args, device(args), argv)
+
+
+def engine_seqs(args: argparse.Namespace) -> int:
+    """The engine's sequences at once: --max-running, else the example's bound."""
+    return args.max_running or args.max_seqs
 
 
 def example(args: argparse.Namespace) -> Path:
@@ -512,7 +524,8 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vo
 def report(args: argparse.Namespace, run: Round) -> None:
     sim, stages, rows, ahead = args.backend == "sim", run.stages, run.rows, run.ahead
     shared = f" ({args.prefix[0]} shared + {args.prefix[1]} own)" if args.prefix else ""
-    print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}), {stages} stage(s) on "
+    at_once = f", {engine_seqs(args)} at once" if engine_seqs(args) != args.max_seqs else ""
+    print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}{at_once}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
           f"{args.prompt_len}{shared}, max_tokens {args.max_tokens}, sampled "
           f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, "

@@ -322,7 +322,7 @@ class ModelRunner:
         self.plain = _plain_inputs(self.sessions) if local else frozenset()
         self._held: dict[str, tuple[tuple, np.ndarray]] = {}
         self._rows: dict[int, tuple[list[int], np.ndarray]] = {}  # page-table rows by sequence
-        self._feeds: dict[tuple[str, int], Feed | None] = {}
+        self._feeds: dict[tuple[str, int, int | None], TokenFeed | None] = {}
         self._drawers: dict[str, Session | None] = {}
 
     @property
@@ -553,20 +553,24 @@ class ModelRunner:
             return None
         return source
 
-    def feeder(self, forward: proto.Forward, groups: int) -> Feed | None:
+    def feeder(self, forward: proto.Forward, groups: int, call: int | None = None
+               ) -> TokenFeed | None:
         """How a decode call of `forward` at `groups` sequences has its token input written
         on the device from the token output of the call of `forward` before it
         (`Session.feed`, row for row), worked out once; None where the stages cannot prove
         the fed values fit that input's domain (`token_range`, `fits_domain`: those bytes
         pass no host check), `forward` hands back no token, or the runner's stages are not
-        in this process."""
-        key = (forward.name, groups)
+        in this process. `call`: the call is the call-th of a step of several decode calls,
+        which all write the one token output: it reads the copy that the same call of the
+        step before kept (`TokenFeed.keep`, right after it and its draw), not the output."""
+        key = (forward.name, groups, call)
         if key not in self._feeds:
             self._feeds[key] = self._feeder(forward, self.protocol.vars(groups, groups,
-                                                                        groups, 1))
+                                                                        groups, 1), call)
         return self._feeds[key]
 
-    def _feeder(self, forward: proto.Forward, vars: dict[str, int]) -> Feed | None:
+    def _feeder(self, forward: proto.Forward, vars: dict[str, int], call: int | None
+                ) -> TokenFeed | None:
         if forward.emits is None or not getattr(self.runner, "in_process", False):
             return None
         names = {f.name for f in self.protocol.fills if f.fill == "token"}
@@ -579,12 +583,33 @@ class ModelRunner:
         if span is None or not targets or not all(
                 t.fits_domain(name, *span, _vars_of(t, vars)) for t in targets):
             return None
+        # a copy kept under the program's name too: only a call of `forward` writes it, so
+        # `span`, proven for `forward`'s output, covers what the feed reads
+        slot = None if call is None else (forward.name, call)
+        return TokenFeed(name, source, forward.emits, targets, slot)
 
-        def feed(vars: dict[str, int]) -> None:
-            for target in targets:
-                target.feed(name, source, forward.emits, _vars_of(target, vars))
 
-        return feed
+class TokenFeed:
+    """A decode call's token input written on the device (`ModelRunner.feeder`): calling it
+    with the call's vars feeds every stage that takes the input, from the token output of the
+    call before, or from the copy of it kept under `slot` (`keep`: after each call of a step
+    of several calls, since the next one writes the output again)."""
+
+    def __init__(self, name: str, source: Session, output: str, targets: Sequence[Session],
+                 slot: tuple[str, int] | None) -> None:
+        self.name, self.source, self.output = name, source, output
+        self.targets, self.slot = list(targets), slot
+
+    def __call__(self, vars: dict[str, int]) -> None:
+        for target in self.targets:
+            target.feed(self.name, self.source, self.output, _vars_of(target, vars),
+                        kept=self.slot)
+
+    def keep(self) -> None:
+        """Keep the token output as the call just issued left it (after its draw, if drawn
+        on the device) for the same call of the step after; nothing without a slot."""
+        if self.slot is not None:
+            self.source.keep(self.output, self.slot)
 
 
 def _vars_of(session: Session, vars: dict[str, int]) -> dict[str, int]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -147,6 +147,8 @@ class Session:
         self._loader: Loader | None = None
         self._sources: dict[str, Target] = {}
         self.load_times: dict[str, float] = {}  # seconds by phase (bench/scale.py shows them)
+        # copies of outputs a feed to come reads (`keep`): (buffer, slot) -> allocation
+        self._kept: dict[tuple[str, Hashable], Any] = {}
         try:
             self._load(interpret)
         finally:
@@ -617,18 +619,45 @@ class Session:
         return None
 
     def feed(self, name: str, source: Session, output: str,
-             vars: Mapping[str, int] | None = None) -> None:
+             vars: Mapping[str, int] | None = None, kept: Hashable | None = None) -> None:
         """Write input `name` at `vars` from `source`'s buffer `output` (this stage or another
         one), device to device, after everything issued so far: a run to come reads it as if
-        the host had written it. The caller has proven the values fit (`token_range`,
-        `fits_domain`): no host check sees them."""
+        the host had written it. `kept`: from the copy of `output` that `source` kept under
+        that slot (`keep`) instead of the buffer itself. The caller has proven the values fit
+        (`token_range`, `fits_domain`): no host check sees them."""
         buf, given = self._buffer(name), source._buffer(output)
+        origin = source.memory.buffer(output) if kept is None else source._kept.get((output,
+                                                                                    kept))
+        if origin is None:
+            raise KernccError.single(f"cannot feed input `{name}` from a copy of `{output}` "
+                                     f"kept under {kept!r}: none was kept")
         nbytes = buf.nbytes(self._vars(vars))
         if buf.kind not in HOST_WRITTEN or given.dtype != buf.dtype or nbytes > int(
-                source.memory.buffer(output).nbytes):
+                origin.nbytes):
             raise KernccError.single(f"cannot feed input `{name}` ({buf.dtype}) from "
                                      f"`{output}` ({given.dtype})")
-        source._copy_to(self, source.memory.buffer(output), self.memory.buffer(name), nbytes)
+        source._copy_to(self, origin, self.memory.buffer(name), nbytes)
+
+    def keep(self, output: str, slot: Hashable) -> None:
+        """Copy buffer `output` whole into a copy kept under `slot`, on the device after
+        everything issued so far, for a feed to come (`feed(kept=slot)`) that must read these
+        bytes after later runs have written `output` again (the several decode calls of one
+        serving step all write one token output). The copy holds what `output` held, so the
+        caller's proof of its values (`token_range`) covers it."""
+        self._buffer(output)
+        allocation = self.memory.buffer(output)
+        nbytes = int(allocation.nbytes)
+        copy = self._kept.get((output, slot))
+        if copy is None:
+            self.backend.activate()
+            try:
+                copy = self.backend.allocate(nbytes)
+            except (MemoryError, BackendError) as err:
+                raise KernccError.single(f"cannot keep a copy of `{output}` ({nbytes} bytes) "
+                                         f"on the {self.backend.name} backend: {err}") from None
+            self._kept[(output, slot)] = copy
+        self.backend.activate()
+        self.backend.copy(allocation, 0, copy, 0, nbytes)
 
     def transfer(self, name: str, target: Session, vars: Mapping[str, int]) -> None:
         """Copy buffer `name`'s bytes at `vars` into the same-named buffer of `target`."""

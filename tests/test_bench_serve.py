@@ -178,6 +178,7 @@ def test_a_model_too_short_for_the_prefix_is_refused_before_any_request(tmp_path
     (["--ramp-ms", "soon"], "expected milliseconds"),
     (["--backend", "sim", "--invariant", "off"], "the cuda backend's, not sim's"),
     (["--backend", "cuda", "--invariant", "ab", "--split", "ab"], "one A/B at a time"),
+    (["--max-running", "0"], "--max-running 0: at least 1 sequence at once"),
 ])
 def test_bad_prefix_flags_are_refused_with_their_reason(flags, message, capsys):
     with pytest.raises(SystemExit):

@@ -61,9 +61,9 @@ def feeds(monkeypatch) -> list:
     made: list = []
     feed = Session.feed
 
-    def counted(self, name, source, output, vars=None):
+    def counted(self, name, source, output, vars=None, kept=None):
         made.append((name, output))
-        return feed(self, name, source, output, vars)
+        return feed(self, name, source, output, vars, kept)
 
     monkeypatch.setattr(Session, "feed", counted)
     return made

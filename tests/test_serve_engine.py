@@ -251,6 +251,57 @@ def test_steps_issued_ahead_give_the_tokens_and_logits_of_steps_one_at_a_time(wh
     engine.pool.check()
 
 
+def test_steps_of_two_decode_calls_go_ahead(whole, prompts, monkeypatch):
+    """Six sequences over the tiny model's four-sequence decode program: a step is two
+    decode calls, which both write the one token output, and it goes ahead call for call,
+    each call fed from the copy of its call's output kept right after it (Session.keep),
+    never from the output the other call overwrote. All six run to the end together, so
+    without that no step would go ahead; the tokens and logits are a step at a time's."""
+    from kerncc.runtime.session import Session
+
+    assert Engine(whole).limits.decode_groups == 4
+    six = prompts[:6]
+    slots: list = []  # what each device feed read: a kept copy's slot, or None
+    real_feed = Session.feed
+
+    def feed(self, name, source, output, vars=None, kept=None):
+        slots.append(kept)
+        return real_feed(self, name, source, output, vars, kept)
+
+    monkeypatch.setattr(Session, "feed", feed)
+    one, _ = serve_prompts(whole, six, 30, logits=True, ahead=False)
+    ahead, engine = serve_prompts(whole, six, 30, logits=True, ahead=True)
+    assert engine.ahead_steps >= 20, "the two-call steady decode went ahead"
+    assert slots and None not in slots, "every feed read a kept copy"
+    assert {call for _, call in slots} == {0, 1}, "both calls of a step were fed"
+    assert all(r.finish == "length" for r in ahead)
+    for a, b in zip(one, ahead):
+        assert a.generated == b.generated
+        assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                              np.stack(b.logits).view(np.uint32))
+
+
+def test_two_call_steps_ahead_drop_the_rows_of_sequences_that_end(whole, prompts):
+    """Six sequences, two calls a step, with sequences ending on a stop token while the step
+    after is already issued (their rows dropped; once four or fewer run, one call a step),
+    crossing into new pages on steps issued ahead, and ending by length: the same tokens
+    and logits, bit for bit, as steps one at a time."""
+    six = prompts[:6]
+    quiet, _ = serve_prompts(whole, six, 40, logits=True, ahead=False)
+    stops = [quiet[0].generated[9], quiet[5].generated[33]]
+    one, _ = serve_prompts(whole, six, 40, logits=True, ahead=False, stop_ids=stops)
+    ahead, engine = serve_prompts(whole, six, 40, logits=True, ahead=True, stop_ids=stops)
+    assert engine.ahead_steps >= 20
+    assert [r.finish for r in one] == [r.finish for r in ahead]
+    assert {r.finish for r in one} == {"stop", "length"}
+    for a, b in zip(one, ahead):
+        assert a.generated == b.generated
+        assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                              np.stack(b.logits).view(np.uint32))
+    assert engine.pool.free == engine.pool.pages
+    engine.pool.check()
+
+
 def test_a_sampled_request_drawn_on_the_host_keeps_the_steps_one_at_a_time(whole, prompts):
     """A sampled token drawn on the host (Config(draw_on_device=False)): nothing can be fed
     on the device, so a batch holding a sampled request does not go ahead (drawn on the
@@ -384,6 +435,36 @@ def test_on_a_gpu_steps_issued_ahead_give_the_bits_of_steps_one_at_a_time(model,
         ahead, engine = serve_prompts(chain, prompts[:4], 24, max_running=4, logits=True,
                                       ahead=True)
         assert engine.ahead_steps > 0
+        for a, b in zip(one, ahead):
+            assert a.generated == b.generated
+            assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                                  np.stack(b.logits).view(np.uint32))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_two_call_steps_issued_ahead_give_the_bits_of_steps_one_at_a_time(
+        model, prompts, tmp_path):
+    """On cuda, six sequences over the four-sequence decode program: each call of a two-call
+    step has its token output kept on the device (Session.keep, cuMemcpyDtoDAsync on the
+    stream) and the same call of the step after is fed from that copy, across the stages of
+    a cut bundle too (one call deep, so that the scheduler does not stagger the calls). The
+    tokens and every logit, bit for bit, of the same steps one at a time."""
+    target = tmp_path / "two"
+    assert main(["lower", str(model), "-p", "cut{at=12},slice-derive,emit", "-o",
+                 str(target)]) == 0
+
+    def serve(chain: Chain, ahead: bool) -> tuple[list[Request], Engine]:
+        engine = Engine(chain, Config(max_running=6, depth=1, logits=True, ahead=ahead))
+        requests = [engine.submit(Request(p, 24)) for p in prompts[:6]]
+        engine.run_until_idle()
+        assert all(r.finish == "length" for r in requests)
+        return requests, engine
+
+    for chain in (Chain(lower_to_bundle(model), backend="cuda"),
+                  Chain(Bundle(target), backend="cuda")):
+        one, _ = serve(chain, False)
+        ahead, engine = serve(chain, True)
+        assert engine.ahead_steps >= 10, "the two-call steps went ahead"
         for a, b in zip(one, ahead):
             assert a.generated == b.generated
             assert np.array_equal(np.stack(a.logits).view(np.uint32),

@@ -215,14 +215,16 @@ def test_on_a_gpu_sampled_tokens_are_drawn_on_the_device(model, prompts):
 @pytest.mark.gpu
 def test_on_a_gpu_a_sampled_batch_goes_ahead(model, prompts):
     """On cuda a mixed batch that one decode step holds (four sequences: the tiny model's
-    `decode_batch` takes four; six would take two calls a step, which never go ahead, greedy
-    or not) is drawn on the device and fed to the next step ahead of its tokens."""
+    `decode_batch` takes four), and one of six that takes two calls a step (each call's
+    drawn tokens kept on the device for the same call of the step after), is drawn on the
+    device and fed to the next step ahead of its tokens."""
     from bundles import close_chains, cuda_chain
 
     chain = cuda_chain(lower_to_bundle(model))
     try:
-        _, engine = served(chain, prompts[:4], mixed(4))
-        assert engine.drawn_steps >= 10, "the sampled decode steps were drawn on the device"
-        assert engine.ahead_steps >= 10, "the sampled batch went ahead"
+        for count in (4, 6):
+            _, engine = served(chain, prompts[:count], mixed(count))
+            assert engine.drawn_steps >= 10, "the sampled decode steps were drawn on the device"
+            assert engine.ahead_steps >= 10, "the sampled batch went ahead"
     finally:
         close_chains(chain)

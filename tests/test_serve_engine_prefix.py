@@ -109,10 +109,10 @@ def engine_starts(chain: Chain, prompts: list[list[int]]) -> list[list[int]]:
     starts: list[list[int]] = []
     real = engine._submit
 
-    def submit(item, feed=None):
+    def submit(item, *args, **kwargs):
         if item.kind == "chunk":
             starts.append([start for _, start, _ in item.parts])
-        return real(item, feed)
+        return real(item, *args, **kwargs)
 
     engine._submit = submit
     for prompt in prompts:

@@ -2,7 +2,8 @@
 hypothesis: random prompts, lengths, chunk sizes, concurrency, pipeline depth, arrival order,
 cancellations at random points (queued, prefilling, decoding), stop tokens, seeded sampling,
 a full queue, a cut bundle, pools too small for every sequence at once, and decode steps
-issued a step ahead or not.
+issued a step ahead or not, steps of several decode calls (more sequences running than one
+decode call takes) among them.
 
 Properties: every request that is not cancelled generates exactly what it generates alone
 (the reference loop on the same chain, tests/reference_loop.py), tokens and logits bit for bit, a cancelled one a prefix of
@@ -41,14 +42,15 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chains(model, tmp_path_factory) -> dict[str, Chain]:
-    """The whole model with the default pool and with pools of 3 and 5 pages of 16 tokens;
+    """The whole model with the default pool and with pools of 3, 5 and 9 pages of 16 tokens;
     two stages (a pipeline two calls deep) with the default pool and with 4 pages."""
     bundle = lower_to_bundle(model)
     target = tmp_path_factory.mktemp("two") / "out"
     assert main(["lower", str(model), "-p", "cut{at=12},slice-derive,emit", "-o",
                  str(target)]) == 0
     return {"whole": Chain(bundle), "3 pages": Chain(bundle, token_capacity=48),
-            "5 pages": Chain(bundle, token_capacity=80), "cut": Chain(Bundle(target)),
+            "5 pages": Chain(bundle, token_capacity=80),
+            "9 pages": Chain(bundle, token_capacity=144), "cut": Chain(Bundle(target)),
             "cut, 4 pages": Chain(Bundle(target), token_capacity=64)}
 
 
@@ -99,6 +101,32 @@ def loads(draw, capacity: int, longest: int = 24, shared: bool = False):
                     chunk=draw(st.integers(1, 64)), depth=draw(st.integers(1, 3)),
                     logits=True, ahead=draw(st.booleans()),
                     prefix_cache=draw(st.booleans()) if not shared else True)
+    return requests, config
+
+
+@st.composite
+def crowds(draw):
+    """5 to 8 requests (as `loads` gives them, but for their sizes) arriving within two
+    ticks, allowed to run more at once than the tiny model's decode program takes (4
+    sequences): steps of two decode calls issued ahead, mostly one pipeline call deep
+    (deeper, the scheduler staggers the calls itself), with stops, cancels, sampling, page
+    crossings and newcomers. Each takes 21 to 48 tokens (2 or 3 pages): in a pool of 9 pages
+    five running sequences preempt one."""
+    requests = []
+    for _ in range(draw(st.integers(5, 8))):
+        length = draw(st.integers(1, 16))
+        prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=length, max_size=length))
+        if not any(prompt):
+            prompt[-1] = 1
+        max_new = draw(st.integers(20, 32))
+        params = draw(st.just(sampling_hook.Params()) | SAMPLED)
+        stop = draw(st.none() | st.none() | st.integers(0, max_new - 1))
+        cancel = draw(st.none() | st.none() | st.integers(0, 40))
+        requests.append((prompt, max_new, params, stop, draw(st.integers(0, 1)), cancel))
+    config = Config(max_running=draw(st.integers(5, 8)), max_queue=8,
+                    chunk=draw(st.integers(1, 64)),
+                    depth=draw(st.just(1) | st.just(1) | st.integers(2, 3)), logits=True,
+                    ahead=True, prefix_cache=draw(st.booleans()))
     return requests, config
 
 
@@ -238,3 +266,17 @@ def test_prompts_sharing_cached_pages_give_each_request_its_tokens_alone(chains,
     check_idle(engine)
     check_tokens(chains[name], admitted, cancelled)
     assert engine.prefix.hit <= engine.prefix.queried
+
+
+@settings(max_examples=examples(25, 300))
+@given(load=crowds(), name=st.sampled_from(["9 pages", "whole", "cut"]))
+def test_more_sequences_than_a_decode_call_takes_go_ahead_with_their_tokens_alone(
+        chains, load, name):
+    """More sequences running than one decode call takes (the tiny model's takes 4): steps
+    of several decode calls go ahead call for call, each fed from the copy of its call's
+    token output; every request still gets its tokens and logits alone, bit for bit, with
+    stop tokens, cancels, sampled requests drawn on the device, ends by length, pages
+    granted at page boundaries, preemption in a small pool and newcomers admitted."""
+    engine, admitted, cancelled = serve(chains[name], load)
+    check_idle(engine)
+    check_tokens(chains[name], admitted, cancelled)

@@ -182,6 +182,24 @@ def loads(draw, count: int):
     return made, draw(st.integers(1, 4))
 
 
+def test_a_grammar_row_in_a_step_of_two_decode_calls_keeps_the_bits_of_steps_one_at_a_time(
+        chain, shapes):
+    """Six sequences over the tiny example's 4-sequence decode program make steps of two
+    calls, which share one logits buffer: a grammar's row keeps such a step a step at a time
+    (its draw cannot wait past the next call), and once the grammar's request ends the
+    greedy rest go ahead again. Either way the bits of steps one at a time."""
+    forms, eos = shapes
+    params = kinds(forms)
+    specs = [([5 + i, 9, 13], 3 if i == 0 else 14, params[4 if i == 0 else 0], (), 0, None)
+             for i in range(6)]
+    alone, _ = served(chain, specs, ahead=False, max_running=6)
+    ahead, engine = served(chain, specs, ahead=True, max_running=6)
+    assert engine.limits.decode_groups < 6
+    assert engine.ahead_steps > 0
+    assert [outcome(r) for r in ahead] == [outcome(r) for r in alone]
+    assert len(ahead[0].generated) == 3 and all(len(r.generated) == 14 for r in ahead[1:])
+
+
 @settings(max_examples=examples(25, 300))
 @given(load=loads(count=8))
 def test_random_mixes_with_grammar_rows_get_the_tokens_of_steps_one_at_a_time(

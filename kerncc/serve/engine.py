@@ -15,14 +15,19 @@ flight again (every running sequence in it, its tokens greedy or drawn on the de
 ending on its token by length, nobody to admit), the engine issues it before that step's
 tokens are here, its token input written on the device from that step's token output
 (`ModelRunner.feeder`), so the device goes from step to step without waiting for the host.
-Where a grammar's row is in it, only the forward goes then: the draw (its processing and
-sampling launches) is issued once the step before has landed and each grammar has followed
-its token (`_draw_ahead`), so the model runs while the host computes the masks, and the step
-after, fed from the drawn tokens, is issued after the draw. The scheduler hears of the step
-once the step before has landed; a sequence that ends on that step's token (a stop token, a
-cancel) has its row's token dropped (drawn greedily, when the draw comes later). The tokens
-and logits are a step at a time's (tests/test_serve_engine.py, the property tests,
-tests/test_serve_grammar_ahead.py).
+A step of several decode calls (more sequences than one decode call takes,
+`Limits.decode_groups`) goes ahead call for call: the calls all write one token output, so
+each one's is copied on the device right after it and its draw (`TokenFeed.keep`,
+`Session.keep`), and the same call of the step after is fed from that copy. Where a grammar's
+row is in a one-call step, only the forward goes then: the draw (its processing and sampling
+launches) is issued once the step before has landed and each grammar has followed its token
+(`_draw_ahead`), so the model runs while the host computes the masks, and the step after, fed
+from the drawn tokens, is issued after the draw; a step of several calls with a grammar's row
+waits (its calls share one logits buffer: a call's draw cannot wait past the next call). The
+scheduler hears of the step once the step before has landed; a sequence that ends on that
+step's token (a stop token, a cancel) has its row's token dropped (drawn greedily, when the
+draw comes later). The tokens and logits are a step at a time's (tests/test_serve_engine.py,
+the property tests, tests/test_serve_grammar_ahead.py).
 
 `submit`, `cancel` and `stop` may be called from any thread: they only queue a command; the
 loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
@@ -124,6 +129,9 @@ class _Flight:
     pending: Any
     requests: list[Request]
     drawn: bool = False  # its sampled tokens were drawn on the device into its token output
+    # the index of the call in a step of several decode calls, whose token output was kept
+    # right after it for the same call of the step after (`_go_ahead`); None: not kept
+    kept: int | None = None
     later: bool = False  # issued ahead, its draw still to come (`_draw_ahead`)
 
 
@@ -155,11 +163,11 @@ class Engine:
         self._stopping = False
         # (request, token, or None for its end) that its listener has not heard yet (`tick`)
         self._told: deque[tuple[Request, int | None]] = deque()
-        # a step ahead (`_go_ahead`): the flight the scheduler has not heard of yet
+        # a step ahead (`_go_ahead`): the calls the scheduler has not heard of yet
         self.ahead = config.ahead and self.model.keeps_inputs
         self.ahead_steps = 0  # decode steps issued ahead (counts: a server runs long)
         self.drawn_steps = 0  # decode steps whose sampled tokens were drawn on the device
-        self._ahead: _Flight | None = None
+        self._ahead: tuple[_Flight, ...] = ()  # its calls, in issue order
 
     # ------------------------------------------------------------------------ limits
 
@@ -308,8 +316,8 @@ class Engine:
             if self.inflight:
                 flight = self.inflight.popleft()
                 self._collect(flight)  # told at the next turn
-                if self._ahead is not None and self._ahead is not flight:
-                    self._draw_ahead()
+                if self._ahead and self.inflight and self.inflight[0] is self._ahead[0]:
+                    self._draw_ahead()  # the last call of the step before it has landed
                     self._adopt_ahead()
                 return True
         except KernccError as err:
@@ -325,7 +333,7 @@ class Engine:
         yet, and fewer items in flight than `depth`, or, when steps go ahead, one more while
         someone waits who can be admitted (steps ahead keep the device a step busier: the
         newcomer's prefill then waits no longer than without them)."""
-        if self._ahead is not None:
+        if self._ahead:
             return False
         if len(self.inflight) < self.depth:
             return True
@@ -378,8 +386,9 @@ class Engine:
                 raise AssertionError("the scheduler granted pages the pool does not have")
         self.state = sch.apply(self.state, plan)
         self._sync_pool()
-        for item in plan.items:
-            self.inflight.append(self._submit(item))
+        kept = self.ahead and len(plan.items) > 1 and all(_full_decode(i) for i in plan.items)
+        for call, item in enumerate(plan.items):
+            self.inflight.append(self._submit(item, call=call if kept else None))
             self.prefix.issued(item, self._prompt_of)
 
     # ------------------------------------------------------------------------ prefix cache
@@ -404,11 +413,14 @@ class Engine:
         which pages a release frees when prompts share pages)."""
         self.state = sch.synced(self.state, self.pool.free, self.pool.shared)
 
-    def _submit(self, item: sch.Item, feed: Feed | None = None, later: bool = False
-                ) -> _Flight:
+    def _submit(self, item: sch.Item, feed: Feed | None = None, call: int | None = None,
+                later: bool = False) -> _Flight:
         """Issue `item`; `feed`: its token input is written on the device from the call
-        before it (`_go_ahead`), not sent from the host; `later`: its forward alone, its
-        tokens drawn on the device by `_draw_ahead`."""
+        before it (`_go_ahead`), not sent from the host. `call`: `item` is that call of a
+        step of several decode calls, whose token output is kept for the same call of the
+        step after (`ModelRunner.feeder`), where the device can feed it. `later`: its
+        forward alone, its tokens drawn on the device by `_draw_ahead` (never with `call`:
+        the copy is taken after the draw)."""
         requests = [self.requests[seq_id] for seq_id, _, _ in item.parts]
         rows = [Rows(r.id, r.prompt, r.generated, self.pool.held(r.id), start, n)
                 for r, (_, start, n) in zip(requests, item.parts)]
@@ -419,8 +431,11 @@ class Engine:
         if (self.keep_logits and (item.emits or self.keep_runs)) or (
                 item.emits and not drawn and any(r.sampler is not None for r in requests)):
             wanted.add(LOGITS)
+        keeper = None if call is None else self.model.feeder(forward, len(rows), call)
         try:
             pending = self.model.submit(forward, rows, wanted, feed, draws, later)
+            if keeper is not None:  # after the call and its draw: its tokens, as they land
+                keeper.keep()
         except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
             raise _item_error(err, forward, requests) from None
         if item.kind == "decode":
@@ -429,7 +444,8 @@ class Engine:
         self.rows[forward.name] += sum(r.n for r in rows)
         self.packed += item.kind == "chunk" and len(rows) > 1
         self.drawn_steps += drawn
-        return _Flight(item, forward, pending, requests, drawn, later)
+        return _Flight(item, forward, pending, requests, drawn,
+                       kept=None if keeper is None else call, later=later)
 
     def _draws(self, item: sch.Item, forward: proto.Forward, requests: list[Request],
                every: bool = False) -> Any:
@@ -456,41 +472,53 @@ class Engine:
         sequence's token fed on the device from that step's token output, when that step
         is all the scheduler would plan next: every running sequence in it, its tokens
         greedy or drawn on the device, none that can end on its token by length, nobody it
-        would admit. A sequence whose next row starts a page gets the page now. With a
-        grammar's row, the step's draw waits for the one before to land (`_draw_ahead`). The
-        scheduler hears of the step once the one before has landed (`_adopt_ahead`); a
-        sequence that ends on that one's token (a stop token, a cancel) has its row's token
-        dropped. False when it cannot go ahead."""
-        if not self.ahead or self._ahead is not None or len(self.inflight) != 1:
+        would admit. A step of several decode calls goes ahead call for call, each fed from
+        the copy of its call's token output kept right after it (`_Flight.kept`: the calls
+        of a step all write one output). A sequence whose next row starts a page gets the
+        page now. With a grammar's row, a one-call step's draw waits for the one before to
+        land (`_draw_ahead`). The scheduler hears of the step once the one before has landed
+        (`_adopt_ahead`); a sequence that ends on that one's token (a stop token, a cancel)
+        has its row's token dropped. False when it cannot go ahead."""
+        if not self.ahead or self._ahead or not self.inflight:
             return False
-        flight = self.inflight[0]
-        item, requests = flight.item, flight.requests
-        if item.kind != "decode" or len(item.emits) != len(item.parts):
+        flights = list(self.inflight)
+        if not _one_step(flights) or not all(_full_decode(f.item) for f in flights):
             return False
-        if len(self.state.running) != len(item.parts) or sch.admits(self.state, self.limits):
+        requests = [r for f in flights for r in f.requests]
+        parts = [p for f in flights for p in f.item.parts]
+        if len(self.state.running) != len(parts) or sch.admits(self.state, self.limits):
             return False  # the scheduler would plan more than this step
         grants = []
-        if not flight.drawn and any(r.sampler is not None for r in requests):
+        if any(not f.drawn and any(r.sampler is not None for r in f.requests)
+               for f in flights):
             return False  # some token is drawn on the host: nothing to feed on the device
-        # a grammar's next mask needs this step's token on the host: the draw comes later
+        # a grammar's next mask needs this step's token on the host: the draw comes later,
+        # in a step of one call that keeps no copy (a copy is taken after the draw, and the
+        # calls of a step share one logits buffer)
         later = any(sampling_hook.follows_tokens(r.sampler) for r in requests)
-        for request, (seq_id, start, _) in zip(requests, item.parts):
+        if later and (len(flights) > 1 or flights[0].kept is not None):
+            return False
+        for request, (seq_id, start, _) in zip(requests, parts):
             if (self.requests.get(seq_id) is not request
                     or len(request.generated) + 2 > request.max_new
                     or (start + 1) // self.stride >= self.limits.pages_per_seq):
                 return False
             if start + 1 >= len(self.pool.held(seq_id)) * self.stride:
                 grants.append((seq_id, 1))
-        feed = self.model.feeder(flight.forward, len(item.parts))
-        if feed is None or len(grants) > self.pool.free:
+        feeds = [self.model.feeder(f.forward, len(f.item.parts), f.kept) for f in flights]
+        if None in feeds or len(grants) > self.pool.free:
             return False
         for seq_id, more in grants:
             self.pool.take(seq_id, more)
         self.state = sch.apply(self.state, sch.Plan(grants=tuple(grants)))
-        nxt = sch.Item("decode", tuple((seq_id, start + 1, 1) for seq_id, start, _ in item.parts),
-                       item.emits)
-        self._ahead = self._submit(nxt, feed, later)
-        self.inflight.append(self._ahead)
+        ahead = []
+        for flight, feed in zip(flights, feeds):
+            nxt = sch.Item("decode", tuple((seq_id, start + 1, 1)
+                                           for seq_id, start, _ in flight.item.parts),
+                           flight.item.emits)
+            ahead.append(self._submit(nxt, feed, flight.kept, later))
+            self.inflight.append(ahead[-1])
+        self._ahead = tuple(ahead)
         self.ahead_steps += 1
         return True
 
@@ -499,25 +527,28 @@ class Engine:
         step before it has landed: each grammar has followed its token, so its mask for this
         step can be computed. Nothing was issued since its forward (its logits are the
         buffer's), and the step after, fed from its token output, is issued after this."""
-        ahead = self._ahead
-        if ahead is None or not ahead.later:
-            return
-        ahead.later = False
-        draws = self._draws(ahead.item, ahead.forward, ahead.requests, every=True)
-        try:
-            ahead.pending = self.model.draw(ahead.forward, ahead.pending, draws)
-        except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
-            raise _item_error(err, ahead.forward, ahead.requests) from None
+        for ahead in self._ahead:
+            if not ahead.later:
+                continue
+            ahead.later = False
+            draws = self._draws(ahead.item, ahead.forward, ahead.requests, every=True)
+            try:
+                ahead.pending = self.model.draw(ahead.forward, ahead.pending, draws)
+            except Exception as err:  # noqa: BLE001 - any failure of a stage fails its requests
+                raise _item_error(err, ahead.forward, ahead.requests) from None
 
     def _adopt_ahead(self) -> None:
         """The step issued ahead, told to the scheduler now that the step before it has
         landed: as if it had planned it, for the sequences still served."""
-        ahead, self._ahead = self._ahead, None
-        parts = tuple(p for p, r in zip(ahead.item.parts, ahead.requests)
-                      if self.requests.get(r.id) is r)
-        if parts:
-            item = sch.Item("decode", parts, tuple(seq_id for seq_id, _, _ in parts))
-            self.state = sch.apply(self.state, sch.Plan(items=(item,)))
+        ahead, self._ahead = self._ahead, ()
+        items = []
+        for flight in ahead:
+            parts = tuple(p for p, r in zip(flight.item.parts, flight.requests)
+                          if self.requests.get(r.id) is r)
+            if parts:
+                items.append(sch.Item("decode", parts, tuple(seq_id for seq_id, _, _ in parts)))
+        if items:
+            self.state = sch.apply(self.state, sch.Plan(items=tuple(items)))
 
     # ------------------------------------------------------------------------ collecting
 
@@ -595,7 +626,21 @@ class Engine:
             why = message if request in touched else f"the engine stopped: {message}"
             self._end(request, "error", why)
         self.inflight.clear()
-        self._ahead = None
+        self._ahead = ()
+
+
+def _full_decode(item: sch.Item) -> bool:
+    """A decode call that hands every sequence in it its next token."""
+    return item.kind == "decode" and len(item.emits) == len(item.parts)
+
+
+def _one_step(flights: Sequence[_Flight]) -> bool:
+    """Whether the device can feed a step after `flights` (all in flight, oldest first) call
+    for call: one call, which wrote the token output last, or calls that each kept their
+    token output under a slot of their own, none overwritten since (a slot is kept only at
+    issue, and every flight issued after them is still in flight)."""
+    kept = [f.kept for f in flights]
+    return len(flights) == 1 or (None not in kept and len(set(kept)) == len(kept))
 
 
 def check_request(request: Request, vocab: int | None, capacity: int,
