@@ -75,18 +75,13 @@ def _serve(args: argparse.Namespace, chain, text, sampling, stop_ids, timeline, 
     from kerncc.serve.sampling_hook import Params
 
     loaded = time.perf_counter()
-    # ids stream as they come; text streams through TextRun; JSON prints once at the end
-    stream = TokenStream(sys.stdout) if text is not None and text.streams_ids else None
     prompts = args.prompt if text is None else [text.prompt]
     params = Params(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
-    try:
+    try:  # one prompt's ids or text stream as they come (TextRun); JSON prints at the end
         requests, engine = serve_prompts(
             chain, prompts, args.max_new, args.chunk, stop_ids=stop_ids, params=params,
-            listener=None if text is None else _Heard(stream, text), runs=text is not None,
-            logits=bool(args.logits))
+            listener=text, runs=text is not None, logits=bool(args.logits))
     except KeyboardInterrupt:  # the streamed line ends before `interrupted` is said
-        if stream is not None:
-            stream.interrupt()
         if text is not None:
             text.interrupt()
         raise
@@ -96,8 +91,6 @@ def _serve(args: argparse.Namespace, chain, text, sampling, stop_ids, timeline, 
         say(f"served {len(prompts)} prompts together in {elapsed:.2f} s: "
             + ", ".join(f"{p} {calls[p]} calls ({rows[p]} rows)" for p in sorted(calls)))
     else:
-        if stream is not None:
-            stream.end()
         text.end_stream()
         steps = [(program, n) for program, n, _ in requests[0].runs]
         say(f"ran {len(steps)} programs in {elapsed:.2f} s: "
@@ -109,26 +102,10 @@ def _serve(args: argparse.Namespace, chain, text, sampling, stop_ids, timeline, 
     if args.logits:
         _save_logits(args.logits, _stacked(requests[0].runs), say)
     if text is not None:
-        text.finish(requests[0].generated, printed=stream is not None)
+        text.finish(requests[0].generated)
     for request in requests if text is None else ():
         print(" ".join(str(t) for t in request.generated), flush=True)
     return 0
-
-
-class _Heard:
-    """The listener of one prompt's run: each token printed (ids) or its text streamed (and
-    an eos id noted) as the engine hands it over."""
-
-    def __init__(self, stream, text) -> None:
-        self.stream, self.text = stream, text
-
-    def token(self, request, token: int) -> None:
-        if self.stream is not None:
-            self.stream(token)
-        self.text.stop(token)  # streams its text; the engine stops at the same eos ids
-
-    def done(self, request) -> None:
-        """Nothing to do: the run's summary follows once the engine is idle."""
 
 
 def _stacked(runs) -> np.ndarray | None:
@@ -242,29 +219,6 @@ def _flag_error(message: str) -> str:
         return message
     name, value, rule = found.groups()
     return f"--{name.replace('_', '-')} {value}: {rule}"
-
-
-class TokenStream:
-    """Prints each token as it comes, on one line: when it ends, that line holds every
-    generated token space separated (what `tail -1` of `kerncc run` has always given)."""
-
-    def __init__(self, out) -> None:
-        self.out = out
-        self.count = 0
-
-    def __call__(self, token: int) -> None:
-        self.out.write(("" if self.count == 0 else " ") + str(token))
-        self.out.flush()
-        self.count += 1
-
-    def end(self) -> None:
-        self.out.write("\n")
-        self.out.flush()
-
-    def interrupt(self) -> None:
-        """End the line if some tokens are on it (else nothing is)."""
-        if self.count:
-            self.end()
 
 
 def summarise_steps(steps: list[tuple[str, int]], verbose: bool = False) -> str:
