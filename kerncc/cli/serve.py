@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,44 +53,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     warn_if_open(args.host, args.api_key or config.api_key())
     # Before the stages start: a port already taken costs no load and leaves nothing to undo.
     sock = _bind(args.host, args.port)
-    try:
-        return _serve(args, bundle, weights, codec, sock)
+    try:  # the engine core and the front ends in processes of their own, or (0) all here
+        serve = _serve_apart if args.api_workers else _serve_here
+        return serve(args, bundle, weights, codec, sock)
     finally:
         sock.close()
-
-
-def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
-           sock: socket.socket) -> int:
-    """Serve on `sock`: the engine core and `--api-workers` front ends in processes of their
-    own (`_serve_apart`), or with `--api-workers 0` everything in this one."""
-    if args.api_workers:
-        return _serve_apart(args, bundle, weights, codec, sock)
-    return _serve_here(args, bundle, weights, codec, sock)
 
 
 def _serve_here(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
                 sock: socket.socket) -> int:
     """Start the stages, the engine and uvicorn on `sock`, in this process; the stages are
     closed however this ends (a failed start left stage processes running)."""
-    from kerncc.serve.http import Server
-
     _print_memory(bundle)
     with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
         engine = make_engine(args, chain)
         model = model_name(args, bundle)
-        server = Server(engine, model, codec, lenient=args.lenient,
-                        api_key=args.api_key or config.api_key(),
-                        body_timeout=args.body_timeout)
-        uv = uvicorn_config(args, server)
-        # Listen before saying so: a client that connects the moment the line appears is
-        # queued until uvicorn accepts, never refused (a bound socket refuses until listen()).
-        sock.listen(uv.backlog)
+        server = _server(args, engine, model, codec)
         print(f"kerncc serve: {engine_line(model, chain, engine)}; tokenizer: "
               f"{'yes' if server.text else 'none'}; {listening(sock)}", file=sys.stderr,
               flush=True)
-        _Uvicorn(uv, server, args.drain_timeout).run(sockets=[sock])
+        run_uvicorn(args, server, sock)
     print("kerncc serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def _server(args: argparse.Namespace, engine: Any, model: str, codec: Any) -> Any:
+    """The HTTP server over `engine` (an Engine, or a front end's CoreClient)."""
+    from kerncc.serve.http import Server
+
+    return Server(engine, model, codec, lenient=args.lenient,
+                  api_key=args.api_key or config.api_key(), body_timeout=args.body_timeout)
 
 
 def make_engine(args: argparse.Namespace, chain: Any) -> Any:
@@ -140,7 +135,6 @@ def _serve_apart(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any
     this process watches them: a front end that dies is restarted, a core that dies ends the
     server (exit 1), SIGTERM drains the front ends, then stops the core."""
     import multiprocessing
-    import signal
     import tempfile
 
     _print_memory(bundle)
@@ -161,16 +155,13 @@ def _serve_apart(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any
                   f"engine core pid {core.pid}, {args.api_workers} API worker(s); "
                   f"{listening(sock)}", file=sys.stderr,
                   flush=True)
-            return _watch(args, bundle, codec, sock, inbox, outboxes, core, fronts, fork,
-                          signal)
+            return _watch(args, bundle, codec, sock, inbox, outboxes, core, fronts, fork)
         finally:
             _end_core(core)
 
 
 def _started(core: Any, pipe: Any) -> str:
     """The core's line once it serves (bounded, and while it lives); its load error raised."""
-    import time
-
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if pipe.poll(0.2):
@@ -189,9 +180,6 @@ def _core_main(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any, 
                outboxes: list[str], pipe: Any) -> None:
     """The engine core's process: load the stages, serve the front ends until the watcher
     stops it (SIGUSR1; SIGTERM once the watcher is gone)."""
-    import os
-    import signal
-
     from kerncc.serve.core import Core
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the front ends first
@@ -231,10 +219,7 @@ def _front(fork: Any, args: argparse.Namespace, bundle: Any, codec: Any, sock: s
 def _front_main(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socket,
                 inbox: str, outbox: str, worker: int, core_pid: int) -> None:
     """A front end's process: uvicorn on the shared socket over a CoreClient."""
-    import os
-
     from kerncc.serve.client import CoreClient
-    from kerncc.serve.http import Server
 
     watcher = os.getppid()
     _end_with(watcher)
@@ -242,9 +227,7 @@ def _front_main(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.
     try:
         client = CoreClient(inbox, outbox, worker,
                             alive=lambda: _alive(core_pid) and os.getppid() == watcher)
-        server = Server(client, model_name(args, bundle), codec, lenient=args.lenient,
-                        api_key=args.api_key or config.api_key(),
-                        body_timeout=args.body_timeout)
+        server = _server(args, client, model_name(args, bundle), codec)
         run_uvicorn(args, server, sock)
         code = 1 if client.fault is not None and not server.draining else 0
     except KernccError as err:
@@ -260,8 +243,6 @@ def _end_with(watcher: int) -> None:
     PR_SET_PDEATHSIG): a watcher killed outright leaves no core or front end behind holding
     the port. Elsewhere nothing is asked."""
     import ctypes
-    import os
-    import signal
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -275,8 +256,6 @@ def _end_with(watcher: int) -> None:
 def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, ended and not yet reaped, does not); a check
     that cannot be made (no file descriptor left to read /proc) says it runs."""
-    import os
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -293,11 +272,8 @@ def _alive(pid: int) -> bool:
 
 
 def _watch(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socket,
-           inbox: str, outboxes: list[str], core: Any, fronts: list[Any], fork: Any,
-           signal: Any) -> int:
+           inbox: str, outboxes: list[str], core: Any, fronts: list[Any], fork: Any) -> int:
     """Watch the processes until the server ends; its exit code."""
-    import os
-    import time
     from multiprocessing.connection import wait
 
     stopping: list[int] = []
@@ -354,9 +330,6 @@ def _stop_all(core: Any, fronts: list[Any], code: int) -> int:
 def _end_core(core: Any) -> None:
     """Stop the engine core (SIGUSR1: it cancels what is left and ends), killed if it has
     not ended within 30 s."""
-    import os
-    import signal
-
     if core.is_alive():
         try:
             os.kill(core.pid, signal.SIGUSR1)
@@ -388,7 +361,6 @@ def warn_if_open(host: str, key: str | None) -> bool:
 
 class _Stderr(logging.StreamHandler):
     """The server's own lines (warnings, the access log) on whatever sys.stderr is now."""
-
     def __init__(self) -> None:
         super().__init__()
         self.setFormatter(logging.Formatter("kerncc serve: %(message)s"))
@@ -444,7 +416,6 @@ class _Uvicorn:
     """uvicorn's server, told to stop admitting the moment a signal arrives, which drains
     (Server.drain) before uvicorn's own shutdown closes the listening socket: during the
     drain a new request is answered 503, not refused a connection."""
-
     def __new__(cls, uv, server, drain_timeout: float):  # made lazily: uvicorn is optional
         import uvicorn
 
