@@ -32,29 +32,12 @@ from kerncc import manifest as m
 from kerncc import source
 from kerncc.bundle import reader
 from kerncc.files import FileRefused, read_regular
-from kerncc.bundle.format import HEADLINE
 from kerncc.bundle.reader import Index, StageFiles, read_index, stage_files
 from kerncc.diagnostics import KernccError, Location
 from kerncc.symbolic import Proof, check_stages
 
-__all__ = ["HEADLINE", "check_bundle", "input_manifest", "read_index", "stage_files",
-           "stage_manifest", "stage_manifests", "stage_plan"]
-
-
 def stage_manifest(files: StageFiles) -> m.Manifest:
     return reader.stage_manifest(files)[0]
-
-
-def stage_plan(index: Index, files: StageFiles, man: m.Manifest) -> dict[str, Any]:
-    """The stage's plan.json and its code, checked as the runtime's loader checks them: what
-    check and report pass, the runtime loads."""
-    read = reader.read_stage(index, files)
-    return read.plan
-
-
-def stage_manifests(index: Index) -> list[m.Manifest]:
-    """Each stage's manifest, after its files and modules hash to what bundle.json says."""
-    return [stage_manifest(files) for files in stage_files(index)]
 
 
 def input_manifest(index: Index, whole: str | Path | None) -> m.Manifest:

@@ -24,7 +24,7 @@ from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 from kerncc.cli.args import limit_flags, no_stdin, non_negative, open_run_target, port, \
     positive, seconds
-from kerncc.cli.hf import tokenizer_pins
+from kerncc.cli.hf import check_run_args, tokenizer_pins
 from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for
 from kerncc.serve import access, guard
 
@@ -41,8 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise KernccError.single("`kerncc serve` needs the serve extra: "
                                  "pip install 'kerncc[serve]'") from None
-    if args.tokenizer and not Path(args.tokenizer).is_dir():
-        raise KernccError.single(f"--tokenizer {args.tokenizer}: no such folder")
+    check_run_args(args)  # --tokenizer, a folder that is there
     bundle = open_run_target(args.target, args.pipeline)
     check_chunk(args.chunk, bundle)
     weights = checkpoint_for(args, bundle)
