@@ -32,6 +32,8 @@ from typing import Any
 
 import attrs
 
+from kerncc.serve.fields import FieldError
+
 QWEN3, LLAMA3 = "qwen3", "llama3"
 MAX_TOOLS = 128
 MAX_KWARGS = 32  # chat_template_kwargs entries
@@ -49,10 +51,7 @@ SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 _BETWEEN = re.compile(r"\s*;?\s*")  # whitespace and one `;` between two Llama 3 calls
 
 
-class ToolError(Exception):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param, self.message = param, message
+ToolError = FieldError  # a tool field refused: answered as any other field (a 400 naming it)
 
 
 # ---------------------------------------------------------------------------------------------
