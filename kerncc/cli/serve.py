@@ -68,11 +68,10 @@ def _serve_here(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
         engine = make_engine(args, chain)
         model = model_name(args, bundle)
         server = _server(args, engine, model, codec)
-        print(f"kerncc serve: {engine_line(model, chain, engine)}; tokenizer: "
-              f"{'yes' if server.text else 'none'}; {listening(sock)}", file=sys.stderr,
-              flush=True)
+        _say(f"{engine_line(model, chain, engine)}; tokenizer: "
+             f"{'yes' if server.text else 'none'}; {listening(sock)}")
         run_uvicorn(args, server, sock)
-    print("kerncc serve: stopped", file=sys.stderr, flush=True)
+    _say("stopped")
     return 0
 
 
@@ -150,10 +149,8 @@ def _serve_apart(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any
             said = _started(core, theirs)
             fronts = [_front(fork, args, bundle, codec, sock, inbox, outboxes, i, core.pid)
                       for i in range(args.api_workers)]
-            print(f"kerncc serve: {said}; tokenizer: {'yes' if codec else 'none'}; "
-                  f"engine core pid {core.pid}, {args.api_workers} API worker(s); "
-                  f"{listening(sock)}", file=sys.stderr,
-                  flush=True)
+            _say(f"{said}; tokenizer: {'yes' if codec else 'none'}; engine core pid "
+                 f"{core.pid}, {args.api_workers} API worker(s); {listening(sock)}")
             return _watch(args, bundle, codec, sock, inbox, outboxes, core, fronts, fork)
         finally:
             _end_core(core)
@@ -230,8 +227,7 @@ def _front_main(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.
         run_uvicorn(args, server, sock)
         code = 1 if client.fault is not None and not server.draining else 0
     except KernccError as err:
-        print(f"kerncc serve: API worker {worker}: {err.headline}", file=sys.stderr,
-              flush=True)
+        _say(f"API worker {worker}: {err.headline}")
         code = 1
     sys.stderr.flush()
     os._exit(code)
@@ -292,8 +288,8 @@ def _watch(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socke
         if not core.is_alive():
             why = (f"signal {-core.exitcode}" if core.exitcode and core.exitcode < 0
                    else f"exit code {core.exitcode}")
-            print(f"kerncc serve: the engine core died ({why}): every request in flight "
-                  "was answered 500; the server stops", file=sys.stderr, flush=True)
+            _say(f"the engine core died ({why}): every request in flight was answered 500; "
+                 "the server stops")
             time.sleep(LOST_GRACE)  # the front ends answer their requests, then end
             for front in fronts:
                 front.terminate()
@@ -305,15 +301,14 @@ def _watch(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socke
             now = time.monotonic()
             restarts = [t for t in restarts if now - t < RESTART_WINDOW] + [now]
             if len(restarts) > RESTARTS:
-                print(f"kerncc serve: API worker {i} keeps ending (exit code "
-                      f"{front.exitcode}): the server stops", file=sys.stderr, flush=True)
+                _say(f"API worker {i} keeps ending (exit code {front.exitcode}): the server "
+                     "stops")
                 return _stop_all(core, fronts, 1)
-            print(f"kerncc serve: API worker {i} ended (exit code {front.exitcode}): "
-                  "restarted", file=sys.stderr, flush=True)
+            _say(f"API worker {i} ended (exit code {front.exitcode}): restarted")
             fronts[i] = _front(fork, args, bundle, codec, sock, inbox, outboxes, i, core.pid)
         if stopping and not any(f.is_alive() for f in fronts):
             code = _stop_all(core, fronts, 0)
-            print("kerncc serve: stopped", file=sys.stderr, flush=True)
+            _say("stopped")
             return code
 
 
@@ -340,13 +335,17 @@ def _end_core(core: Any) -> None:
         core.join()
 
 
+def _say(line: str) -> None:
+    print(f"kerncc serve: {line}", file=sys.stderr, flush=True)
+
+
 def _print_memory(bundle: Any) -> None:
     """The planned device memory of every stage, before any weight moves (a load that does
     not fit is refused then, naming what to lower)."""
     from kerncc.runtime.footprint import bundle_footprints, summary
 
     for f in bundle_footprints([(s.manifest, s.plan) for s in bundle.stages]):
-        print(f"kerncc serve: {summary(f)}", file=sys.stderr, flush=True)
+        _say(summary(f))
 
 
 def warn_if_open(host: str, key: str | None) -> bool:
