@@ -33,7 +33,7 @@ from kerncc import source
 from kerncc.bundle import reader
 from kerncc.files import FileRefused, read_regular
 from kerncc.bundle.reader import Index, StageFiles, read_index, stage_files
-from kerncc.diagnostics import KernccError, Location
+from kerncc.diagnostics import KernccError, Location, placed
 from kerncc.symbolic import Proof, check_stages
 
 def stage_manifest(files: StageFiles) -> m.Manifest:
@@ -107,10 +107,8 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proo
     files = stage_files(index)
     stages = [stage_manifest(f) for f in files]
     whole_manifest, locate = _input(index, whole)
-    try:
+    with placed(locate):  # its pointers are the whole manifest's calls
         proof = check_stages(whole_manifest, stages)
-    except KernccError as err:  # its pointers are the whole manifest's calls
-        raise err.located(locate) from None
     # What was proved is what runs: each plan.json fits its stage as the runtime checks it,
     # and each stage.py is kerncc's rendering of that plan.
     read = [reader.read_stage(index, f) for f in files]
@@ -160,13 +158,11 @@ def derive(index: Index, whole: m.Manifest, path: Path, locate: Callable[[str], 
         raise index.error(f"the recorded pipeline `{pipeline}` does not end in its one `emit`",
                           "/pipeline")
     emit = attrs.evolve(passes[-1], out=str(index.dir))
-    try:
+    with placed(locate):  # its pointers are the input manifest's
         verify(whole)
         ir = attrs.evolve(IR.from_manifest(whole, source=str(path)), pipeline=pipeline)
         ir = run_pipeline(ir, passes[:-1], input_name=str(path))
         files, _, _ = build_bundle(ir, emit)
-    except KernccError as err:  # its pointers are the input manifest's
-        raise err.located(locate) from None
     return {name: json.loads(data) for name, data in files.items() if name.endswith(".json")}
 
 

@@ -29,7 +29,7 @@ from kerncc.files import FileRefused, inside, read_regular
 from kerncc.bundle.format import FORMAT, HEADLINE, STAGE_FILES, TOKENIZER_FILES
 from kerncc.bundle.index import index_problems
 from kerncc.bundle.plan_check import MalformedPlan, check_plan
-from kerncc.diagnostics import Diagnostic, KernccError, Location
+from kerncc.diagnostics import Diagnostic, KernccError, Location, placed
 from kerncc.manifest.jsonsource import PositionIndex, parse_json
 from kerncc.verify import verify
 
@@ -243,10 +243,8 @@ def stage_manifest(files: StageFiles) -> tuple[m.Manifest, Locate]:
 def verified_manifest(files: StageFiles) -> tuple[m.Manifest, Locate]:
     """The stage's manifest, verified: what runs must verify, whatever wrote the file."""
     man, locate = stage_manifest(files)
-    try:
+    with placed(locate):
         verify(man)
-    except KernccError as err:
-        raise err.located(locate) from None
     return man, locate
 
 
