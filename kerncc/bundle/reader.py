@@ -96,12 +96,7 @@ def read_index(bundle: str | Path) -> Index:
         raise refusal(f"`{bundle}` is not a directory (a bundle is one: kerncc lower FILE "
                       "-p emit -o DIR)")
     path = bundle / "bundle.json"
-    try:
-        data = read_regular(inside(bundle, "bundle.json", "the bundle index"),
-                            "the bundle index")
-    except FileRefused as err:
-        raise at_file(path, err.message) from None
-    value, text = json_of(data, path)
+    value, text = json_of(_read(bundle, "bundle.json", "the bundle index"), path)
     index = Index(bundle, value, text) if isinstance(value, dict) else None
     if index is None or value.get("format") != FORMAT:
         found = value.get("format") if isinstance(value, dict) else None
