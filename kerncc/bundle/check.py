@@ -36,10 +36,6 @@ from kerncc.bundle.reader import Index, StageFiles, read_index, stage_files
 from kerncc.diagnostics import KernccError, Location, placed
 from kerncc.symbolic import Proof, check_stages
 
-def stage_manifest(files: StageFiles) -> m.Manifest:
-    return reader.stage_manifest(files)[0]
-
-
 def input_manifest(index: Index, whole: str | Path | None) -> m.Manifest:
     """The whole manifest the bundle was lowered from, checked against its recorded sha256."""
     return _input(index, whole)[0]
@@ -102,7 +98,7 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proo
     """
     index = read_index(directory)
     files = stage_files(index)
-    stages = [stage_manifest(f) for f in files]
+    stages = [reader.stage_manifest(f)[0] for f in files]
     whole_manifest, locate = _input(index, whole)
     with placed(locate):  # its pointers are the whole manifest's calls
         proof = check_stages(whole_manifest, stages)
