@@ -46,7 +46,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     check_run_args(args)
     several = args.prompt is not None and len(args.prompt) > 1
-    say = _say if args.verbosity >= 0 else _silent
+    say = _say if args.verbosity >= 0 else lambda message: None  # --quiet: errors only
     sampling = _check_flags(args, say)
     started = time.perf_counter()
     bundle = open_run_target(args.target, args.pipeline)
@@ -242,10 +242,6 @@ def _program_runs(program: str, rows: list[int]) -> str:
         return f"{program} {plural(len(rows), 'run')} of {plural(rows[0], 'row')}"
     return (f"{program} {plural(len(rows), 'run')}, {plural(sum(rows), 'row')} "
             f"({min(rows)}..{max(rows)} a run)")
-
-
-def _silent(message: str) -> None:
-    """`--quiet`: no progress lines (errors still print)."""
 
 
 def check_chunk(chunk: int | None, bundle) -> None:
