@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kerncc import config
 from kerncc.atomic import write_atomic
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
