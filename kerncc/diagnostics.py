@@ -11,6 +11,7 @@ line, a caret).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -127,6 +128,16 @@ class KernccError(Exception):
         diags = [attrs.evolve(d, location=_merge(d.location, locate(d.location.pointer)))
                  for d in self.diagnostics]
         return type(self)(self.headline, diags)
+
+
+@contextlib.contextmanager
+def placed(locate: Callable[[str], Location]) -> Iterator[None]:
+    """A KernccError raised inside, its pointers placed in a file by `locate` (the file they
+    point into: the input manifest, a stage's manifest.json)."""
+    try:
+        yield
+    except KernccError as err:
+        raise err.located(locate) from None
 
 
 def _merge(old: Location, new: Location) -> Location:

@@ -4,18 +4,22 @@ Every file a bundle names (a stage folder, its manifest, plan, stage.py and modu
 module `source` a manifest names is resolved by `inside`: a relative path without `..` whose
 real path (symlinks followed) stays under the folder it is relative to. `read_regular` opens
 without blocking, refuses anything but a regular file (a FIFO would hang, a device never end)
-and reads at most `limit` bytes. A refusal names the path, never the file's bytes.
+and reads at most `limit` bytes; `read_json` reads a JSON file so (config.json, a shard index),
+whatever its parser refuses an error naming the file. A refusal names the path, never the
+file's bytes.
 A path the user gives on the command line is not checked by `inside`: it is theirs to choose.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from kerncc.bundle.format import MAX_FILE_SIZE
-from kerncc.diagnostics import KernccError
+from kerncc.diagnostics import Diagnostic, KernccError, Location
 
 # The limit `read_regular` applies by default; `--max-file-size` sets it for one command.
 _limit = [MAX_FILE_SIZE]
@@ -116,3 +120,36 @@ def check_regular(path: Path, what: str) -> None:
         raise FileRefused(f"cannot read {what} `{path}`: {err.strerror or err}") from None
     if not stat.S_ISREG(mode):
         raise FileRefused(f"{what} `{path}` is {kind_of(mode)}, not a regular file")
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file's value; unreadable or malformed is a KernccError naming the file.
+
+    Read as untrusted: a regular file only (a FIFO would block, /dev/zero never end), at most
+    `--max-file-size` bytes, and whatever the parser refuses (nesting past the recursion limit,
+    an integer of more digits than Python converts) is an error, not a traceback."""
+    if not path.exists() and not path.is_symlink():
+        raise KernccError.single(f"{path}: no {what} (expected {path.name})")
+    try:
+        text = read_regular(path, what).decode("utf-8")
+    except FileRefused as err:
+        raise KernccError(f"{path}: cannot read {what}", [Diagnostic(
+            err.headline, Location("", file=str(path)))]) from None
+    except UnicodeDecodeError as err:
+        raise KernccError.single(f"{path}: cannot read {what}: {err}") from None
+    return parse_json(path, text, what)
+
+
+def parse_json(path: Path, text: str, what: str) -> Any:
+    """The value of JSON `text` read from `path`; a refusal names the file (and the line)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        diag = Diagnostic(f"not JSON: {err.msg}", Location("", file=str(path), line=err.lineno,
+                                                           column=err.colno))
+    except RecursionError:
+        diag = Diagnostic("not JSON kerncc reads: nested too deeply", Location("", file=str(path)))
+    except ValueError as err:  # an integer of more digits than Python converts
+        diag = Diagnostic(f"not JSON kerncc reads: {str(err).split(';')[0]}",
+                          Location("", file=str(path)))
+    raise KernccError(f"{path}: bad {what}", [diag]) from None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import attrs
 
-from kerncc.diagnostics import KernccError
+from kerncc.diagnostics import KernccError, placed
 from kerncc.ir import IR
 from kerncc.pipeline import (Instrument, Pass, PassSpec, PipelineSpec, ScheduledPass, pass_spec,
                              resolve_pipeline, run_pipeline, schedule_passes)
@@ -61,7 +61,7 @@ def with_output(passes: Sequence[Pass], out: str | Path, *, replace: bool = Fals
 def lower(path: str | Path, pipeline: str, out: str | Path) -> None:
     """`kerncc lower PATH -p PIPELINE -o OUT`, in process; the pipeline must end in `emit`."""
     manifest, locate = load_with_locator(path)
-    try:
+    with placed(locate):
         verify(manifest)
         passes = resolve_pipeline(pipeline)
         if not passes or passes[-1].name != "emit":
@@ -69,8 +69,6 @@ def lower(path: str | Path, pipeline: str, out: str | Path) -> None:
                                          "bundle")
         run_lowering(IR.from_manifest(manifest, source=str(path)),
                      with_output(passes, out, replace=True), input_name=str(path))
-    except KernccError as err:
-        raise err.located(locate) from None
 
 
 def lower_to_bundle(path: str | Path, pipeline: str = "emit") -> Bundle:

@@ -191,9 +191,20 @@ class Chain:
 def _stage_backends(backend: str | Backend, devices: Sequence[int] | None,
                     stages: int) -> list[Backend]:
     """The backend of every stage: one shared, or one per GPU of `devices`."""
-    if not devices:
+    placed = stage_devices(backend, devices, stages)
+    if placed is None:
         shared = open_backend(backend)
         return [shared] * stages
+    by_device = {d: make_backend("cuda", device=d) for d in dict.fromkeys(placed)}
+    return [by_device[d] for d in placed]
+
+
+def stage_devices(backend: str | Backend, devices: Sequence[int] | None, stages: int
+                  ) -> list[int] | None:
+    """The GPU of every stage, `devices` spread over the stages in order (several stages may
+    share one); None when no devices are given. A Chain and the stage processes alike."""
+    if not devices:
+        return None
     if not isinstance(backend, str) or backend != "cuda":
         raise KernccError.single("--devices needs the cuda backend")
     if len(set(devices)) != len(devices):
@@ -201,14 +212,7 @@ def _stage_backends(backend: str | Backend, devices: Sequence[int] | None,
     if len(devices) > stages:
         raise KernccError.single(f"{len(devices)} devices for {stages} stage(s): each device "
                                  "runs at least one stage")
-    by_device: dict[int, Backend] = {}
-    out = []
-    for k in range(stages):
-        device = devices[k * len(devices) // stages]
-        if device not in by_device:
-            by_device[device] = make_backend("cuda", device=device)
-        out.append(by_device[device])
-    return out
+    return [devices[k * len(devices) // stages] for k in range(stages)]
 
 
 def _check_devices(bundle: Bundle, backends: Sequence[Backend], token_capacity: int) -> None:

@@ -14,10 +14,10 @@ jobs (a run of rows of one segment, at most `job_bytes`) that a pool of threads 
   The host waits for the device only for a staging buffer to reuse and at `close`;
 * on any other backend each job is filled into host memory and uploaded.
 Each job checks the bytes it copies for NaN and infinity while they are in cache (bit tests on
-the dtype's integer view, `has_nonfinite`) unless the load allows them. As `assemble_buffer`
-checks every tensor it takes whole, a tensor that no segment takes whole (a row or column
-range) is checked by jobs of its own, once per load. A refusal carries `assemble_buffer`'s
-words for the first bad segment in load order, and comes after every thread has stopped.
+the dtype's integer view, `has_nonfinite`) unless the load allows them. Every tensor a buffer
+reads is checked whole: one that no segment takes whole (a row or column range) is checked by
+jobs of its own, once per load. A refusal carries `weights.nonfinite_error`'s words for the
+first bad segment in load order, and comes after every thread has stopped.
 """
 
 from __future__ import annotations

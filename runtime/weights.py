@@ -32,7 +32,7 @@ Tensors = Callable[[str], np.ndarray]
 
 
 class _SegmentError(Exception):
-    """A problem with one segment; `assemble_buffer` turns these into located diagnostics."""
+    """A problem with one segment; `plan_buffer` turns these into located diagnostics."""
 
 
 @attrs.frozen
@@ -106,16 +106,10 @@ def _nonfinite_text(name: str, array: np.ndarray) -> str | None:
             f"{more}: weights must be finite (--allow-nonfinite loads them anyway)")
 
 
-def _check_finite(name: str, array: np.ndarray) -> None:
-    text = _nonfinite_text(name, array)
-    if text is not None:
-        raise _SegmentError(text)
-
-
 def nonfinite_error(pieces: Sequence[Piece], tensors: Tensors, where: str
                     ) -> KernccError | None:
-    """The refusal `assemble_buffer` gives for a buffer of `pieces` whose tensors hold a NaN or
-    an infinity (each tensor searched whole, so the words are the same); None if none does."""
+    """The refusal of a buffer of `pieces` whose tensors hold a NaN or an infinity (each tensor
+    searched whole, so the words do not depend on how its bytes were read); None if none does."""
     diagnostics = []
     for piece in pieces:
         for name in piece.names:
@@ -125,16 +119,6 @@ def nonfinite_error(pieces: Sequence[Piece], tensors: Tensors, where: str
                                               Location(f"{where}/{piece.segment}")))
                 break
     return KernccError(_headline(where), diagnostics) if diagnostics else None
-
-
-def _finite(tensors: Tensors) -> Tensors:
-    """`tensors`, each one checked finite as it is taken (a refusal names it)."""
-    def get(name: str) -> np.ndarray | None:
-        array = tensors(name)
-        if array is not None:
-            _check_finite(name, np.asarray(array))
-        return array
-    return get
 
 
 def _load(tensors: Tensors, name: str, dtype: np.dtype) -> np.ndarray:
@@ -212,22 +196,6 @@ def _piece(seg: Any, offset: int, tensors: Tensors, dtype: np.dtype, rank: int,
                   names=(name,), entire=matrix.size == array.size)
 
 
-# ---------------------------------------------------------------------------------------------
-# Laying pieces into the buffer
-
-
-def _write(out: np.ndarray, piece: Piece, dtype: np.dtype) -> None:
-    target = out[piece.offset:piece.offset + piece.nbytes].view(dtype)
-    if piece.whole is not None:
-        target.reshape(piece.whole.shape)[...] = piece.whole
-        return
-    a, b = piece.pair
-    blocks = a.shape[0] // piece.block
-    view = target.reshape(blocks, 2, piece.block, a.shape[1])
-    view[:, 0] = a.reshape(blocks, piece.block, a.shape[1])
-    view[:, 1] = b.reshape(blocks, piece.block, b.shape[1])
-
-
 def _buffer_name(where: str) -> str:
     tokens = split_pointer(where)
     if len(tokens) >= 2 and tokens[0] == "buffers":
@@ -251,32 +219,9 @@ def _plan(segments: Sequence[Any], tensors: Tensors, dtype: np.dtype, rank: int,
     return pieces, diagnostics
 
 
-def assemble_buffer(
-    segments: Sequence[Any],
-    tensors: Tensors,
-    dtype: np.dtype,
-    nbytes: int,
-    rank: int = 0,
-    where: str = "",
-    finite: bool = True,
-) -> np.ndarray:
-    """The buffer's `nbytes` bytes (uint8) assembled from `segments` at `rank`.
-
-    `tensors(name)` returns a checkpoint tensor (None or KeyError when absent); `where` is the
-    bind's JSON pointer (`/buffers/w_qkv/bind`), which errors extend with the segment index.
-    With `finite`, a tensor holding a NaN or an infinity is refused at its segment.
-    """
-    tensors = _finite(tensors) if finite else tensors
-    pieces = plan_buffer(segments, tensors, dtype, nbytes, rank, where)
-    out = np.empty(nbytes, dtype=np.uint8)
-    for piece in pieces:
-        _write(out, piece, np.dtype(dtype))
-    return out
-
-
 def plan_buffer(segments: Sequence[Any], tensors: Tensors, dtype: np.dtype, nbytes: int,
                 rank: int = 0, where: str = "") -> list[Piece]:
-    """The pieces `assemble_buffer` lays out, every segment checked (tensors present, dtypes,
+    """The pieces a buffer's bytes are laid from, every segment checked (tensors present, dtypes,
     ranges, shapes, the total) from the tensors' headers alone: no weight byte is read here
     unless `tensors` reads it (the loader checks finiteness as it streams the bytes)."""
     dtype = np.dtype(dtype)
@@ -301,7 +246,7 @@ def _headline(where: str) -> str:
 class Checkpoint:
     """Tensors by name across one or more safetensors files (a sharded checkpoint).
 
-    Callable as the `tensors` argument of `assemble_buffer`: unknown names raise KeyError.
+    Callable as the `tensors` argument of `plan_buffer`: unknown names raise KeyError.
     """
 
     def __init__(self, paths: Iterable[str | os.PathLike]) -> None:

@@ -84,7 +84,7 @@ class Operands:
 def decode_launcher(backend, name: str, n: int, k: int):
     from kerncc.runtime.backends import gemv
 
-    site = backend._gemv_invariant_site(name)
+    site = backend._gemv_site(name, invariant=True)
     assert site is not None, "the GEMV kernels did not load"
 
     def launch(a, w, c, m):

@@ -29,11 +29,12 @@ from kerncc.runtime.backends.cpu import CpuBackend
 from kerncc.runtime.memory import numpy_dtype
 from kerncc.runtime.session import Session
 from kerncc.runtime import weights
-from kerncc.runtime.weights import assemble_buffer, plan_buffer
+from kerncc.runtime.weights import plan_buffer
 
 from hf.fp8_models import write_fp8
 from hf.models import write_model
 from test_weights import Interleave, Ranked, Segment
+from weights_oracle import assemble_buffer
 
 LIMITS = {"max_tokens": 32, "max_seqs": 2, "max_context": 128}
 # q, k and v rows whole 128-row scale blocks (an FP8 checkpoint's layout needs them)

@@ -13,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kerncc.diagnostics import KernccError
-from kerncc.runtime.weights import Checkpoint, assemble_buffer
+from kerncc.runtime.weights import Checkpoint
 from kerncc.checkpoint.safetensors import save_file
+
+from weights_oracle import assemble_buffer
 
 WHERE = "/buffers/w_qkv/bind"
 

@@ -72,12 +72,6 @@ def written_before(accesses: Sequence[CallAccess]) -> list[frozenset[str]]:
     return out
 
 
-def crossings(accesses: Sequence[CallAccess]) -> list[frozenset[str]]:
-    """kern's crossing sets (spec §3.3) at every index a in 0..n."""
-    ins, written = live_ins(accesses), written_before(accesses)
-    return [ins[a] & written[a] for a in range(len(accesses) + 1)]
-
-
 @per_manifest
 def analyze_program(man: m.Manifest, name: str) -> ProgramLiveness:
     program = man.programs[name]

@@ -32,30 +32,9 @@ from kerncc import manifest as m
 from kerncc import source
 from kerncc.bundle import reader
 from kerncc.files import FileRefused, read_regular
-from kerncc.bundle.format import HEADLINE
 from kerncc.bundle.reader import Index, StageFiles, read_index, stage_files
-from kerncc.diagnostics import KernccError, Location
+from kerncc.diagnostics import KernccError, Location, placed
 from kerncc.symbolic import Proof, check_stages
-
-__all__ = ["HEADLINE", "check_bundle", "input_manifest", "read_index", "stage_files",
-           "stage_manifest", "stage_manifests", "stage_plan"]
-
-
-def stage_manifest(files: StageFiles) -> m.Manifest:
-    return reader.stage_manifest(files)[0]
-
-
-def stage_plan(index: Index, files: StageFiles, man: m.Manifest) -> dict[str, Any]:
-    """The stage's plan.json and its code, checked as the runtime's loader checks them: what
-    check and report pass, the runtime loads."""
-    read = reader.read_stage(index, files)
-    return read.plan
-
-
-def stage_manifests(index: Index) -> list[m.Manifest]:
-    """Each stage's manifest, after its files and modules hash to what bundle.json says."""
-    return [stage_manifest(files) for files in stage_files(index)]
-
 
 def input_manifest(index: Index, whole: str | Path | None) -> m.Manifest:
     """The whole manifest the bundle was lowered from, checked against its recorded sha256."""
@@ -71,10 +50,7 @@ def input_path(index: Index, whole: str | Path | None) -> Path:
         raise index.error("the bundle records no input manifest (it was emitted from memory); "
                           "name the whole manifest to check it against: kerncc check BUNDLE "
                           "WHOLE", "/input/path")
-    if not reader.is_recorded_path(recorded):
-        raise index.error(f"input path `{recorded}` is not a relative path: a bundle names its "
-                          "input relative to its folder", "/input/path")
-    return index.dir / recorded
+    return index.dir / recorded  # read_index refused a path that is not relative
 
 
 def _input(index: Index, whole: str | Path | None
@@ -122,12 +98,10 @@ def check_bundle(directory: str | Path, whole: str | Path | None = None) -> Proo
     """
     index = read_index(directory)
     files = stage_files(index)
-    stages = [stage_manifest(f) for f in files]
+    stages = [reader.stage_manifest(f)[0] for f in files]
     whole_manifest, locate = _input(index, whole)
-    try:
+    with placed(locate):  # its pointers are the whole manifest's calls
         proof = check_stages(whole_manifest, stages)
-    except KernccError as err:  # its pointers are the whole manifest's calls
-        raise err.located(locate) from None
     # What was proved is what runs: each plan.json fits its stage as the runtime checks it,
     # and each stage.py is kerncc's rendering of that plan.
     read = [reader.read_stage(index, f) for f in files]
@@ -177,13 +151,11 @@ def derive(index: Index, whole: m.Manifest, path: Path, locate: Callable[[str], 
         raise index.error(f"the recorded pipeline `{pipeline}` does not end in its one `emit`",
                           "/pipeline")
     emit = attrs.evolve(passes[-1], out=str(index.dir))
-    try:
+    with placed(locate):  # its pointers are the input manifest's
         verify(whole)
         ir = attrs.evolve(IR.from_manifest(whole, source=str(path)), pipeline=pipeline)
         ir = run_pipeline(ir, passes[:-1], input_name=str(path))
         files, _, _ = build_bundle(ir, emit)
-    except KernccError as err:  # its pointers are the input manifest's
-        raise err.located(locate) from None
     return {name: json.loads(data) for name, data in files.items() if name.endswith(".json")}
 
 

@@ -34,11 +34,8 @@ class ListOf:
         self.item = item
 
 
-class MapOf:
-    """An object whose keys are names and whose values are all `value`."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
+class MapOf(ListOf):
+    """An object whose keys are names and whose values are all `item`."""
 
 
 class Obj:
@@ -112,7 +109,7 @@ def _inside(folder: str) -> bool:
 
 
 def _check(value: Any, spec: Any, ptr: str) -> Iterator[Problem]:
-    if isinstance(spec, tuple) and any(isinstance(s, (Obj, ListOf, MapOf)) for s in spec):
+    if isinstance(spec, tuple) and any(isinstance(s, (Obj, ListOf)) for s in spec):
         # a shape or a plain type (`cut`: an object or null): the first that fits
         plain = tuple(s for s in spec if isinstance(s, type))
         if _fits(value, plain):
@@ -130,19 +127,13 @@ def _check(value: Any, spec: Any, ptr: str) -> Iterator[Problem]:
             elif required:
                 yield ptr + pointer(name), f"the required field `{name}` is missing"
         return
-    if isinstance(spec, ListOf):
-        if not isinstance(value, list):
-            yield ptr, f"expected a list, found {_json_type(value)}"
+    if isinstance(spec, ListOf):  # or a MapOf
+        kind = dict if isinstance(spec, MapOf) else list
+        if not isinstance(value, kind):
+            yield ptr, f"expected {_WORDS[kind]}, found {_json_type(value)}"
             return
-        for i, item in enumerate(value):
-            yield from _check(item, spec.item, ptr + pointer(i))
-        return
-    if isinstance(spec, MapOf):
-        if not isinstance(value, dict):
-            yield ptr, f"expected an object, found {_json_type(value)}"
-            return
-        for key, item in value.items():
-            yield from _check(item, spec.value, ptr + pointer(key))
+        for key, item in value.items() if kind is dict else enumerate(value):
+            yield from _check(item, spec.item, ptr + pointer(key))
         return
     kinds = spec if isinstance(spec, tuple) else (spec,)
     if not _fits(value, kinds):

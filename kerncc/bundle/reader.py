@@ -29,7 +29,7 @@ from kerncc.files import FileRefused, inside, read_regular
 from kerncc.bundle.format import FORMAT, HEADLINE, STAGE_FILES, TOKENIZER_FILES
 from kerncc.bundle.index import index_problems
 from kerncc.bundle.plan_check import MalformedPlan, check_plan
-from kerncc.diagnostics import Diagnostic, KernccError, Location
+from kerncc.diagnostics import Diagnostic, KernccError, Location, placed
 from kerncc.manifest.jsonsource import PositionIndex, parse_json
 from kerncc.verify import verify
 
@@ -96,12 +96,7 @@ def read_index(bundle: str | Path) -> Index:
         raise refusal(f"`{bundle}` is not a directory (a bundle is one: kerncc lower FILE "
                       "-p emit -o DIR)")
     path = bundle / "bundle.json"
-    try:
-        data = read_regular(inside(bundle, "bundle.json", "the bundle index"),
-                            "the bundle index")
-    except FileRefused as err:
-        raise at_file(path, err.message) from None
-    value, text = json_of(data, path)
+    value, text = json_of(_read(bundle, "bundle.json", "the bundle index"), path)
     index = Index(bundle, value, text) if isinstance(value, dict) else None
     if index is None or value.get("format") != FORMAT:
         found = value.get("format") if isinstance(value, dict) else None
@@ -243,10 +238,8 @@ def stage_manifest(files: StageFiles) -> tuple[m.Manifest, Locate]:
 def verified_manifest(files: StageFiles) -> tuple[m.Manifest, Locate]:
     """The stage's manifest, verified: what runs must verify, whatever wrote the file."""
     man, locate = stage_manifest(files)
-    try:
+    with placed(locate):
         verify(man)
-    except KernccError as err:
-        raise err.located(locate) from None
     return man, locate
 
 

@@ -206,10 +206,13 @@ def _parse_entry(path: str | os.PathLike, name: str, entry: Any) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
 
 
-def _check_extent(path: str | os.PathLike, info: TensorInfo, data_size: int) -> None:
-    if info.begin > info.end or info.end > data_size:
+def _check_extent(path: str | os.PathLike, info: TensorInfo, data_size: int | None) -> None:
+    """The tensor's bytes lie in the data section (`data_size` bytes; None: a section not read,
+    as a header-only file has none) and are as many as its shape needs."""
+    if info.begin > info.end or data_size is not None and info.end > data_size:
+        size = "" if data_size is None else f"{data_size}-byte "
         raise _error(path, f"data_offsets [{info.begin}, {info.end}] fall outside the "
-                     f"{data_size}-byte data section", info.name)
+                     f"{size}data section", info.name)
     expected = int(np.prod(info.shape, dtype=object)) * info.dtype.itemsize
     if expected != info.end - info.begin:
         raise _error(path, f"shape {list(info.shape)} of {_NAMES[info.dtype.newbyteorder('=')]} "
@@ -235,16 +238,17 @@ def _parse_metadata(path: str | os.PathLike, value: Any) -> dict[str, str]:
 
 
 def parse_header(
-    path: str | os.PathLike, prefix: bytes, file_size: int
+    path: str | os.PathLike, prefix: bytes, file_size: int, data: bool = True
 ) -> tuple[int, dict[str, TensorInfo], dict[str, str]]:
-    """(data start, tensors by name, metadata) from the file's first bytes; checks everything.
+    """(data start, tensors by name, metadata) from the file's first bytes; checks everything
+    (but, without `data`, that the data section holds the tensors: a header-only file).
 
     `prefix` must hold at least the 8-byte length and the header (callers read that much).
     """
     n = _header_length(path, prefix, file_size)
     header = _parse_json(path, prefix[8:8 + n])
     metadata = _parse_metadata(path, header.pop(_METADATA_KEY, None))
-    data_size = file_size - 8 - n
+    data_size = file_size - 8 - n if data else None
     infos = {name: _parse_entry(path, name, entry) for name, entry in header.items()}
     for info in infos.values():
         _check_extent(path, info, data_size)
@@ -257,7 +261,8 @@ def _view(buffer: np.ndarray, start: int, info: TensorInfo) -> np.ndarray:
     return raw.view(info.dtype).reshape(info.shape)
 
 
-def _read_prefix(path: str | os.PathLike) -> tuple[bytes, int]:
+def read_prefix(path: str | os.PathLike) -> tuple[bytes, int]:
+    """The file's 8-byte header length and as much of the header as the file holds; its size."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -287,7 +292,7 @@ class SafeTensors:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
-        prefix, size = _read_prefix(path)
+        prefix, size = read_prefix(path)
         self._start, self._infos, self.metadata = parse_header(path, prefix, size)
         try:
             self._data: np.ndarray | None = np.memmap(self.path, dtype=np.uint8, mode="r")

@@ -32,30 +32,13 @@ def _index_error(path: Path, message: str, where: str = "") -> KernccError:
                                                                                  file=str(path)))])
 
 
-def _read_index(path: Path) -> object:
-    """The index's JSON value, read as untrusted: a regular file of at most --max-file-size
-    bytes, and what the parser refuses (too deep, an integer of too many digits) is an error."""
-    from kerncc.files import FileRefused, read_regular
-
-    try:
-        return json.loads(read_regular(path, "shard index").decode("utf-8"))
-    except FileRefused as err:
-        raise _index_error(path, err.headline) from None
-    except UnicodeDecodeError as err:
-        raise _index_error(path, f"cannot read: {err}") from None
-    except json.JSONDecodeError as err:
-        raise _index_error(path, f"not JSON: {err.msg} at line {err.lineno}") from None
-    except RecursionError:
-        raise _index_error(path, "not JSON kerncc reads: nested too deeply") from None
-    except ValueError as err:  # an integer of more digits than Python converts
-        raise _index_error(path, f"not JSON kerncc reads: {str(err).split(';')[0]}") from None
-
-
 def shard_map(index: str | os.PathLike) -> dict[str, Path]:
     """{tensor: shard path} of a shard index; shards are plain file names beside the index
     and must exist (an index never reaches outside its directory)."""
+    from kerncc.files import read_json
+
     path = Path(index)
-    raw = _read_index(path)
+    raw = read_json(path, "shard index")
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise _index_error(path, "`weight_map` must be a non-empty object of tensor -> shard",

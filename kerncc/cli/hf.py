@@ -4,8 +4,9 @@
 `--chat`, `--ignore-eos`, `--format json`, `--tokenizer DIR`; `--prompt` becomes one of the
 three prompt forms). `TextRun.of(args, bundle)` is what `run` calls around generation: the
 prompt ids (given, or encoded from text / a chat message), a `stop` that ends at an eos id
-and streams decoded text to stdout as it comes, `end_stream()` that ends the streamed line, and
-`finish(tokens)` that prints the last line (ids, or one JSON object with ids and text).
+and streams the ids or the decoded text to stdout as they come (it is the engine's listener),
+`end_stream()` that ends the streamed line, and `finish(tokens)` that prints the JSON object
+of `--format json`.
 
 The tokenizer of a bundle is the model folder of the manifest it was lowered from (bundle.json
 `input.path`, kept relative to the bundle): emit copies nothing, so a bundle never carries
@@ -142,24 +143,40 @@ class TextRun:
         return cls(list(prompt), tuple(eos), codec, stream, as_json)
 
     def stop(self, token: int) -> bool:
-        """True at an eos id (not printed); otherwise streams the token's text."""
+        """True at an eos id. The token streams to stdout as it comes: its id (an eos id too)
+        when ids stream, else its text (an eos id's none)."""
+        if self.streams_ids:
+            self._write(f"{' ' if self.streamed else ''}{token}")
         if token in self.eos:
             self.stopped = True
             return True
         if self.stream is not None:
-            piece = self.stream.push(token)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-            self.streamed = self.streamed or bool(piece)
+            self._write(self.stream.push(token))
         return False
 
+    def _write(self, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        self.streamed = self.streamed or bool(piece)
+
+    def token(self, request: Any, token: int) -> None:
+        """The engine's listener: each token as the engine hands it over (it stops at the
+        same eos ids)."""
+        self.stop(token)
+
+    def done(self, request: Any) -> None:
+        """Nothing to do: the run's summary follows once the engine is idle."""
+
     def end_stream(self) -> None:
-        """Streamed text ends its line as generation ends (before the progress lines)."""
+        """The streamed line (text or ids) ends as generation ends (before the progress
+        lines)."""
         if self.stream is not None:
             print(self.stream.flush(), flush=True)
+        elif self.streams_ids:
+            print(flush=True)
 
     def interrupt(self) -> None:
-        """Ctrl-C: end the streamed text's line, if some is on it."""
+        """Ctrl-C: end the streamed line, if something is on it."""
         if self.streamed:
             self.end_stream()
 
@@ -168,17 +185,15 @@ class TextRun:
         """Whether the ids print as they come (no text stream, no JSON at the end)."""
         return self.stream is None and not self.json
 
-    def finish(self, tokens: list[int], printed: bool = False) -> None:
-        """The last line on stdout: the ids (unless `printed` as they came) or the JSON object
-        (streamed text has ended)."""
+    def finish(self, tokens: list[int]) -> None:
+        """With --format json, the last line on stdout: one JSON object (the ids and text
+        streamed already otherwise)."""
         if self.json:
             text = None if self.codec is None else self.codec.decode(
                 tokens[:-1] if self.stopped else tokens)
             print(json.dumps({"prompt_ids": self.prompt, "ids": tokens, "text": text,
                               "stop": "eos" if self.stopped else "length"},
                              ensure_ascii=False), flush=True)
-        elif self.stream is None and not printed:
-            print(" ".join(str(t) for t in tokens), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from kerncc import config
-from kerncc.diagnostics import KernccError
+from kerncc.diagnostics import KernccError, placed
 from kerncc.cli.args import limit_flags, no_stdin
 
 
@@ -194,11 +194,9 @@ def _verify_file(path: str, unsampled: bool):
     from kerncc.verify import verify
 
     manifest, locate = _load(path)
-    try:
+    with placed(locate):
         verified = verify(manifest)
         return verified, _protocol_of(verified, unsampled)
-    except KernccError as err:
-        raise err.located(locate) from None
 
 
 def _protocol_of(verified, unsampled: bool):
@@ -342,21 +340,17 @@ def _lower(args: argparse.Namespace, spec: str | None, upto: str | None = None,
         getattr(args, "print_ir_after", None), getattr(args, "print_ir_after_all", False),
         getattr(args, "print_ir_after_change", False), getattr(args, "time_passes", False),
         getattr(args, "dump_dir", None), sys.stderr)
-    try:
+    with placed(locate):
         return run_lowering(ir, with_output(passes, out) if out else passes, instruments,
                             verify=not getattr(args, "no_verify", False), input_name=args.file)
-    except KernccError as err:
-        raise err.located(locate) from None
 
 
 def _verified(ir, locate: Callable):
     """Verify the input once before any pass: a pipeline only takes a valid manifest."""
     from kerncc.verify import verify
 
-    try:
+    with placed(locate):
         verify(ir.whole)
-    except KernccError as err:
-        raise err.located(locate) from None
     return ir
 
 
@@ -387,10 +381,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                                      "STAGE0 STAGE1 ...")
         whole, locate = load_with_locator(paths[0])
         stages = [source.load(p) for p in paths[1:]]
-        try:
+        with placed(locate):  # its pointers are the whole manifest's calls
             proof = check_stages(whole, stages)
-        except KernccError as err:  # its pointers are the whole manifest's calls
-            raise err.located(locate) from None
     if args.diag_format == "json":
         print(json.dumps({"ok": True, "programs": len(proof.programs), "outputs": proof.outputs,
                           "carries": proof.carries, "regions": proof.regions}, indent=2))

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kerncc import config
 from kerncc.atomic import write_atomic
 from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
@@ -46,7 +45,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     check_run_args(args)
     several = args.prompt is not None and len(args.prompt) > 1
-    say = _say if args.verbosity >= 0 else _silent
+    say = _say if args.verbosity >= 0 else lambda message: None  # --quiet: errors only
     sampling = _check_flags(args, say)
     started = time.perf_counter()
     bundle = open_run_target(args.target, args.pipeline)
@@ -75,18 +74,13 @@ def _serve(args: argparse.Namespace, chain, text, sampling, stop_ids, timeline, 
     from kerncc.serve.sampling_hook import Params
 
     loaded = time.perf_counter()
-    # ids stream as they come; text streams through TextRun; JSON prints once at the end
-    stream = TokenStream(sys.stdout) if text is not None and text.streams_ids else None
     prompts = args.prompt if text is None else [text.prompt]
     params = Params(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed)
-    try:
+    try:  # one prompt's ids or text stream as they come (TextRun); JSON prints at the end
         requests, engine = serve_prompts(
             chain, prompts, args.max_new, args.chunk, stop_ids=stop_ids, params=params,
-            listener=None if text is None else _Heard(stream, text), runs=text is not None,
-            logits=bool(args.logits))
+            listener=text, runs=text is not None, logits=bool(args.logits))
     except KeyboardInterrupt:  # the streamed line ends before `interrupted` is said
-        if stream is not None:
-            stream.interrupt()
         if text is not None:
             text.interrupt()
         raise
@@ -96,8 +90,6 @@ def _serve(args: argparse.Namespace, chain, text, sampling, stop_ids, timeline, 
         say(f"served {len(prompts)} prompts together in {elapsed:.2f} s: "
             + ", ".join(f"{p} {calls[p]} calls ({rows[p]} rows)" for p in sorted(calls)))
     else:
-        if stream is not None:
-            stream.end()
         text.end_stream()
         steps = [(program, n) for program, n, _ in requests[0].runs]
         say(f"ran {len(steps)} programs in {elapsed:.2f} s: "
@@ -109,26 +101,10 @@ def _serve(args: argparse.Namespace, chain, text, sampling, stop_ids, timeline, 
     if args.logits:
         _save_logits(args.logits, _stacked(requests[0].runs), say)
     if text is not None:
-        text.finish(requests[0].generated, printed=stream is not None)
+        text.finish(requests[0].generated)
     for request in requests if text is None else ():
         print(" ".join(str(t) for t in request.generated), flush=True)
     return 0
-
-
-class _Heard:
-    """The listener of one prompt's run: each token printed (ids) or its text streamed (and
-    an eos id noted) as the engine hands it over."""
-
-    def __init__(self, stream, text) -> None:
-        self.stream, self.text = stream, text
-
-    def token(self, request, token: int) -> None:
-        if self.stream is not None:
-            self.stream(token)
-        self.text.stop(token)  # streams its text; the engine stops at the same eos ids
-
-    def done(self, request) -> None:
-        """Nothing to do: the run's summary follows once the engine is idle."""
 
 
 def _stacked(runs) -> np.ndarray | None:
@@ -244,29 +220,6 @@ def _flag_error(message: str) -> str:
     return f"--{name.replace('_', '-')} {value}: {rule}"
 
 
-class TokenStream:
-    """Prints each token as it comes, on one line: when it ends, that line holds every
-    generated token space separated (what `tail -1` of `kerncc run` has always given)."""
-
-    def __init__(self, out) -> None:
-        self.out = out
-        self.count = 0
-
-    def __call__(self, token: int) -> None:
-        self.out.write(("" if self.count == 0 else " ") + str(token))
-        self.out.flush()
-        self.count += 1
-
-    def end(self) -> None:
-        self.out.write("\n")
-        self.out.flush()
-
-    def interrupt(self) -> None:
-        """End the line if some tokens are on it (else nothing is)."""
-        if self.count:
-            self.end()
-
-
 def summarise_steps(steps: list[tuple[str, int]], verbose: bool = False) -> str:
     """Runs per program and the rows they took (a row: one token of one sequence), e.g.
     `prefill 1 run of 2 rows, decode 254 runs of 1 row`; verbose adds every run in order."""
@@ -288,10 +241,6 @@ def _program_runs(program: str, rows: list[int]) -> str:
         return f"{program} {plural(len(rows), 'run')} of {plural(rows[0], 'row')}"
     return (f"{program} {plural(len(rows), 'run')}, {plural(sum(rows), 'row')} "
             f"({min(rows)}..{max(rows)} a run)")
-
-
-def _silent(message: str) -> None:
-    """`--quiet`: no progress lines (errors still print)."""
 
 
 def check_chunk(chunk: int | None, bundle) -> None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from kerncc.cli import placement
 from kerncc.diagnostics import KernccError
 from kerncc.cli.args import limit_flags, no_stdin, non_negative, open_run_target, port, \
     positive, seconds
-from kerncc.cli.hf import tokenizer_pins
+from kerncc.cli.hf import check_run_args, tokenizer_pins
 from kerncc.cli.run import TARGET_NOT_STDIN, check_chunk, checkpoint_for
 from kerncc.serve import access, guard
 
@@ -38,8 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise KernccError.single("`kerncc serve` needs the serve extra: "
                                  "pip install 'kerncc[serve]'") from None
-    if args.tokenizer and not Path(args.tokenizer).is_dir():
-        raise KernccError.single(f"--tokenizer {args.tokenizer}: no such folder")
+    check_run_args(args)  # --tokenizer, a folder that is there
     bundle = open_run_target(args.target, args.pipeline)
     check_chunk(args.chunk, bundle)
     weights = checkpoint_for(args, bundle)
@@ -50,44 +52,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     warn_if_open(args.host, args.api_key or config.api_key())
     # Before the stages start: a port already taken costs no load and leaves nothing to undo.
     sock = _bind(args.host, args.port)
-    try:
-        return _serve(args, bundle, weights, codec, sock)
+    try:  # the engine core and the front ends in processes of their own, or (0) all here
+        serve = _serve_apart if args.api_workers else _serve_here
+        return serve(args, bundle, weights, codec, sock)
     finally:
         sock.close()
-
-
-def _serve(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
-           sock: socket.socket) -> int:
-    """Serve on `sock`: the engine core and `--api-workers` front ends in processes of their
-    own (`_serve_apart`), or with `--api-workers 0` everything in this one."""
-    if args.api_workers:
-        return _serve_apart(args, bundle, weights, codec, sock)
-    return _serve_here(args, bundle, weights, codec, sock)
 
 
 def _serve_here(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
                 sock: socket.socket) -> int:
     """Start the stages, the engine and uvicorn on `sock`, in this process; the stages are
     closed however this ends (a failed start left stage processes running)."""
-    from kerncc.serve.http import Server
-
     _print_memory(bundle)
     with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
         engine = make_engine(args, chain)
         model = model_name(args, bundle)
-        server = Server(engine, model, codec, lenient=args.lenient,
-                        api_key=args.api_key or config.api_key(),
-                        body_timeout=args.body_timeout)
-        uv = uvicorn_config(args, server)
-        # Listen before saying so: a client that connects the moment the line appears is
-        # queued until uvicorn accepts, never refused (a bound socket refuses until listen()).
-        sock.listen(uv.backlog)
-        print(f"kerncc serve: {engine_line(model, chain, engine)}; tokenizer: "
-              f"{'yes' if server.text else 'none'}; {listening(sock)}", file=sys.stderr,
-              flush=True)
-        _Uvicorn(uv, server, args.drain_timeout).run(sockets=[sock])
-    print("kerncc serve: stopped", file=sys.stderr, flush=True)
+        server = _server(args, engine, model, codec)
+        _say(f"{engine_line(model, chain, engine)}; tokenizer: "
+             f"{'yes' if server.text else 'none'}; {listening(sock)}")
+        run_uvicorn(args, server, sock)
+    _say("stopped")
     return 0
+
+
+def _server(args: argparse.Namespace, engine: Any, model: str, codec: Any) -> Any:
+    """The HTTP server over `engine` (an Engine, or a front end's CoreClient)."""
+    from kerncc.serve.http import Server
+
+    return Server(engine, model, codec, lenient=args.lenient,
+                  api_key=args.api_key or config.api_key(), body_timeout=args.body_timeout)
 
 
 def make_engine(args: argparse.Namespace, chain: Any) -> Any:
@@ -140,7 +133,6 @@ def _serve_apart(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any
     this process watches them: a front end that dies is restarted, a core that dies ends the
     server (exit 1), SIGTERM drains the front ends, then stops the core."""
     import multiprocessing
-    import signal
     import tempfile
 
     _print_memory(bundle)
@@ -157,20 +149,15 @@ def _serve_apart(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any
             said = _started(core, theirs)
             fronts = [_front(fork, args, bundle, codec, sock, inbox, outboxes, i, core.pid)
                       for i in range(args.api_workers)]
-            print(f"kerncc serve: {said}; tokenizer: {'yes' if codec else 'none'}; "
-                  f"engine core pid {core.pid}, {args.api_workers} API worker(s); "
-                  f"{listening(sock)}", file=sys.stderr,
-                  flush=True)
-            return _watch(args, bundle, codec, sock, inbox, outboxes, core, fronts, fork,
-                          signal)
+            _say(f"{said}; tokenizer: {'yes' if codec else 'none'}; engine core pid "
+                 f"{core.pid}, {args.api_workers} API worker(s); {listening(sock)}")
+            return _watch(args, bundle, codec, sock, inbox, outboxes, core, fronts, fork)
         finally:
             _end_core(core)
 
 
 def _started(core: Any, pipe: Any) -> str:
     """The core's line once it serves (bounded, and while it lives); its load error raised."""
-    import time
-
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if pipe.poll(0.2):
@@ -189,9 +176,6 @@ def _core_main(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any, 
                outboxes: list[str], pipe: Any) -> None:
     """The engine core's process: load the stages, serve the front ends until the watcher
     stops it (SIGUSR1; SIGTERM once the watcher is gone)."""
-    import os
-    import signal
-
     from kerncc.serve.core import Core
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the front ends first
@@ -231,10 +215,7 @@ def _front(fork: Any, args: argparse.Namespace, bundle: Any, codec: Any, sock: s
 def _front_main(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socket,
                 inbox: str, outbox: str, worker: int, core_pid: int) -> None:
     """A front end's process: uvicorn on the shared socket over a CoreClient."""
-    import os
-
     from kerncc.serve.client import CoreClient
-    from kerncc.serve.http import Server
 
     watcher = os.getppid()
     _end_with(watcher)
@@ -242,14 +223,11 @@ def _front_main(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.
     try:
         client = CoreClient(inbox, outbox, worker,
                             alive=lambda: _alive(core_pid) and os.getppid() == watcher)
-        server = Server(client, model_name(args, bundle), codec, lenient=args.lenient,
-                        api_key=args.api_key or config.api_key(),
-                        body_timeout=args.body_timeout)
+        server = _server(args, client, model_name(args, bundle), codec)
         run_uvicorn(args, server, sock)
         code = 1 if client.fault is not None and not server.draining else 0
     except KernccError as err:
-        print(f"kerncc serve: API worker {worker}: {err.headline}", file=sys.stderr,
-              flush=True)
+        _say(f"API worker {worker}: {err.headline}")
         code = 1
     sys.stderr.flush()
     os._exit(code)
@@ -260,8 +238,6 @@ def _end_with(watcher: int) -> None:
     PR_SET_PDEATHSIG): a watcher killed outright leaves no core or front end behind holding
     the port. Elsewhere nothing is asked."""
     import ctypes
-    import os
-    import signal
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -275,8 +251,6 @@ def _end_with(watcher: int) -> None:
 def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, ended and not yet reaped, does not); a check
     that cannot be made (no file descriptor left to read /proc) says it runs."""
-    import os
-
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -293,11 +267,8 @@ def _alive(pid: int) -> bool:
 
 
 def _watch(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socket,
-           inbox: str, outboxes: list[str], core: Any, fronts: list[Any], fork: Any,
-           signal: Any) -> int:
+           inbox: str, outboxes: list[str], core: Any, fronts: list[Any], fork: Any) -> int:
     """Watch the processes until the server ends; its exit code."""
-    import os
-    import time
     from multiprocessing.connection import wait
 
     stopping: list[int] = []
@@ -317,8 +288,8 @@ def _watch(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socke
         if not core.is_alive():
             why = (f"signal {-core.exitcode}" if core.exitcode and core.exitcode < 0
                    else f"exit code {core.exitcode}")
-            print(f"kerncc serve: the engine core died ({why}): every request in flight "
-                  "was answered 500; the server stops", file=sys.stderr, flush=True)
+            _say(f"the engine core died ({why}): every request in flight was answered 500; "
+                 "the server stops")
             time.sleep(LOST_GRACE)  # the front ends answer their requests, then end
             for front in fronts:
                 front.terminate()
@@ -330,15 +301,14 @@ def _watch(args: argparse.Namespace, bundle: Any, codec: Any, sock: socket.socke
             now = time.monotonic()
             restarts = [t for t in restarts if now - t < RESTART_WINDOW] + [now]
             if len(restarts) > RESTARTS:
-                print(f"kerncc serve: API worker {i} keeps ending (exit code "
-                      f"{front.exitcode}): the server stops", file=sys.stderr, flush=True)
+                _say(f"API worker {i} keeps ending (exit code {front.exitcode}): the server "
+                     "stops")
                 return _stop_all(core, fronts, 1)
-            print(f"kerncc serve: API worker {i} ended (exit code {front.exitcode}): "
-                  "restarted", file=sys.stderr, flush=True)
+            _say(f"API worker {i} ended (exit code {front.exitcode}): restarted")
             fronts[i] = _front(fork, args, bundle, codec, sock, inbox, outboxes, i, core.pid)
         if stopping and not any(f.is_alive() for f in fronts):
             code = _stop_all(core, fronts, 0)
-            print("kerncc serve: stopped", file=sys.stderr, flush=True)
+            _say("stopped")
             return code
 
 
@@ -354,9 +324,6 @@ def _stop_all(core: Any, fronts: list[Any], code: int) -> int:
 def _end_core(core: Any) -> None:
     """Stop the engine core (SIGUSR1: it cancels what is left and ends), killed if it has
     not ended within 30 s."""
-    import os
-    import signal
-
     if core.is_alive():
         try:
             os.kill(core.pid, signal.SIGUSR1)
@@ -368,13 +335,17 @@ def _end_core(core: Any) -> None:
         core.join()
 
 
+def _say(line: str) -> None:
+    print(f"kerncc serve: {line}", file=sys.stderr, flush=True)
+
+
 def _print_memory(bundle: Any) -> None:
     """The planned device memory of every stage, before any weight moves (a load that does
     not fit is refused then, naming what to lower)."""
     from kerncc.runtime.footprint import bundle_footprints, summary
 
     for f in bundle_footprints([(s.manifest, s.plan) for s in bundle.stages]):
-        print(f"kerncc serve: {summary(f)}", file=sys.stderr, flush=True)
+        _say(summary(f))
 
 
 def warn_if_open(host: str, key: str | None) -> bool:
@@ -388,7 +359,6 @@ def warn_if_open(host: str, key: str | None) -> bool:
 
 class _Stderr(logging.StreamHandler):
     """The server's own lines (warnings, the access log) on whatever sys.stderr is now."""
-
     def __init__(self) -> None:
         super().__init__()
         self.setFormatter(logging.Formatter("kerncc serve: %(message)s"))
@@ -444,7 +414,6 @@ class _Uvicorn:
     """uvicorn's server, told to stop admitting the moment a signal arrives, which drains
     (Server.drain) before uvicorn's own shutdown closes the listening socket: during the
     drain a new request is answered 503, not refused a connection."""
-
     def __new__(cls, uv, server, drain_timeout: float):  # made lazily: uvicorn is optional
         import uvicorn
 

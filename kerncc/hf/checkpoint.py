@@ -12,22 +12,12 @@ a tensor the index names but its shard lacks is an error naming the index and th
 from __future__ import annotations
 
 import os
-import struct
 from pathlib import Path
 
 import attrs
 
 from kerncc.diagnostics import KernccError
-from kerncc.checkpoint.safetensors import (
-    _MAX_HEADER,
-    TensorInfo,
-    _check_overlaps,
-    _error,
-    _parse_entry,
-    _parse_json,
-    _parse_metadata,
-    dtype_name,
-)
+from kerncc.checkpoint.safetensors import TensorInfo, dtype_name, parse_header, read_prefix
 from kerncc.checkpoint.shards import CHECKPOINT_FILE, SHARD_INDEX, checkpoint_beside, shard_map
 
 KERN_DTYPES = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
@@ -54,34 +44,8 @@ class Table:
 
 def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """The tensor table of a safetensors file from its header alone."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _error(path, f"file is {len(head)} bytes, too short for the header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER:
-                raise _error(path, f"header length {n} is past the {_MAX_HEADER}-byte limit")
-            size = os.fstat(f.fileno()).st_size
-            if 8 + n > size:  # checked before reading: a length that lies must not size a buffer
-                raise _error(path, f"header length {n} exceeds the file ({size} bytes)")
-            raw = f.read(n)
-    except OSError as exc:
-        raise _error(path, f"cannot read: {exc.strerror or exc}") from None
-    if len(raw) < n:
-        raise _error(path, f"header length {n} exceeds the file ({8 + len(raw)} bytes)")
-    header = _parse_json(path, raw)
-    _parse_metadata(path, header.pop("__metadata__", None))
-    infos = {name: _parse_entry(path, name, entry) for name, entry in header.items()}
-    for info in infos.values():
-        expected = info.dtype.itemsize
-        for d in info.shape:
-            expected *= d
-        if info.begin > info.end or info.end - info.begin != expected:
-            raise _error(path, f"data_offsets [{info.begin}, {info.end}] do not hold shape "
-                         f"{list(info.shape)}", info.name)
-    _check_overlaps(path, list(infos.values()))
-    return infos
+    prefix, size = read_prefix(path)
+    return parse_header(path, prefix, size, data=False)[1]
 
 
 def _tensors(path: Path, names: set[str] | None = None) -> dict[str, Tensor]:

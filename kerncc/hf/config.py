@@ -25,6 +25,7 @@ import attrs
 
 from kerncc.diagnostics import Diagnostic, KernccError, Location, pointer
 from kerncc.example.config import PAGE, QwenConfig
+from kerncc.files import read_json
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                  "MistralForCausalLM": "mistral"}
@@ -187,41 +188,6 @@ def _is(kind: str, value: Any) -> bool:
         "list": isinstance(value, list),
     }
     return checks[kind]
-
-
-def read_json(path: Path, what: str) -> Any:
-    """A JSON file's value; unreadable or malformed is a KernccError naming the file.
-
-    Read as untrusted: a regular file only (a FIFO would block, /dev/zero never end), at most
-    `--max-file-size` bytes, and whatever the parser refuses (nesting past the recursion limit,
-    an integer of more digits than Python converts) is an error, not a traceback."""
-    from kerncc.files import FileRefused, read_regular
-
-    if not path.exists() and not path.is_symlink():
-        raise KernccError.single(f"{path}: no {what} (expected {path.name})")
-    try:
-        text = read_regular(path, what).decode("utf-8")
-    except FileRefused as err:
-        raise KernccError(f"{path}: cannot read {what}", [Diagnostic(
-            err.headline, Location("", file=str(path)))]) from None
-    except UnicodeDecodeError as err:
-        raise KernccError.single(f"{path}: cannot read {what}: {err}") from None
-    return parse_json(path, text, what)
-
-
-def parse_json(path: Path, text: str, what: str) -> Any:
-    """The value of JSON `text` read from `path`; a refusal names the file (and the line)."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        diag = Diagnostic(f"not JSON: {err.msg}", Location("", file=str(path), line=err.lineno,
-                                                           column=err.colno))
-    except RecursionError:
-        diag = Diagnostic("not JSON kerncc reads: nested too deeply", Location("", file=str(path)))
-    except ValueError as err:  # an integer of more digits than Python converts
-        diag = Diagnostic(f"not JSON kerncc reads: {str(err).split(';')[0]}",
-                          Location("", file=str(path)))
-    raise KernccError(f"{path}: bad {what}", [diag]) from None
 
 
 def token_ids(value: Any) -> tuple[int, ...]:

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from kerncc.diagnostics import Diagnostic, KernccError, Location
-from kerncc.hf.config import parse_json, read_json, token_ids
+from kerncc.files import parse_json, read_json
+from kerncc.hf.config import token_ids
 
 INSTALL = "pip install 'kerncc[hf]'"
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"

@@ -21,6 +21,8 @@ from kerncc.manifest.jsonsource import TOO_DEEP
 from kerncc.manifest.reader import parse_param_type
 
 KIND_WORDS = "`buf`, `state`, `var`, `expr`, `i32`, `i64`, `f32`, `u8` or `rank`"
+# The declarations that are a name and `key=value` attributes, and their manifest section.
+ATTR_SECTIONS = {"var": "vars", "state": "states", "module": "modules"}
 
 Position = tuple[int, int]
 
@@ -130,6 +132,8 @@ class _Build:
         for decl in tree.children:
             if decl.data == "program":
                 programs.append(decl)  # calls read op interfaces: every op first
+            elif decl.data in ATTR_SECTIONS:
+                self.entry_of_attrs(ATTR_SECTIONS[decl.data], decl)
             else:
                 getattr(self, f"decl_{decl.data}")(decl)
         for decl in programs:
@@ -154,15 +158,6 @@ class _Build:
 
     def decl_cut(self, node: lark.Tree) -> None:
         self.put(self.raw, "cut", "", node, lambda p: self.attrs(node.children[0], p))
-
-    def decl_var(self, node: lark.Tree) -> None:
-        self.entry_of_attrs("vars", node)
-
-    def decl_state(self, node: lark.Tree) -> None:
-        self.entry_of_attrs("states", node)
-
-    def decl_module(self, node: lark.Tree) -> None:
-        self.entry_of_attrs("modules", node)
 
     def entry_of_attrs(self, section: str, node: lark.Tree) -> None:
         """`var`, `state`, `module`: a name and `key=value` attributes, nothing else."""

@@ -202,6 +202,17 @@ def to_raw(man: m.Manifest, call_json: Callable[[m.Call], Any] | None = None) ->
     return out
 
 
+def _given(out: dict, **fields: Any) -> dict:
+    """`out` with each of `fields` that is not None, in order: a field at its default (passed
+    as None) is not written."""
+    out.update((k, v) for k, v in fields.items() if v is not None)
+    return out
+
+
+def _opt(convert: Callable[[Any], Any], value: Any) -> Any:
+    return None if value is None else convert(value)
+
+
 def expr(e: m.Expr) -> Any:
     if isinstance(e, (int, float, str)):
         return e
@@ -213,55 +224,26 @@ def expr(e: m.Expr) -> Any:
 
 
 def var(v: m.Var) -> dict:
-    out: dict[str, Any] = {"max": v.max}
-    if v.axis is not None:
-        out["axis"] = v.axis
-    return out
+    return _given({"max": v.max}, axis=v.axis)
 
 
 def state(s: m.State) -> dict:
-    out: dict[str, Any] = {}
-    for key in ("bytes_per_token", "bytes", "bytes_per_seq"):
-        if getattr(s, key):
-            out[key] = getattr(s, key)
-    if s.host is not None:
-        out["host"] = {"dtype": s.host.dtype, "shape": list(s.host.shape),
-                       "strides": list(s.host.strides)}
-    return out
+    host = _opt(lambda h: {"dtype": h.dtype, "shape": list(h.shape), "strides": list(h.strides)},
+                s.host)
+    return _given({}, bytes_per_token=s.bytes_per_token or None, bytes=s.bytes or None,
+                  bytes_per_seq=s.bytes_per_seq or None, host=host)
 
 
 def buffer(b: m.Buffer) -> dict:
-    out: dict[str, Any] = {"dtype": b.dtype, "shape": list(b.shape), "kind": b.kind}
-    if b.placement != "device":
-        out["placement"] = b.placement
-    if b.fill is not None:
-        out["fill"] = b.fill
-    if b.domain is not None:
-        out["domain"] = domain(b.domain)
-    if b.export:
-        out["export"] = True
-    if b.of is not None:
-        out["of"] = b.of
-    if b.group is not None:
-        out["group"] = b.group
-    if b.bind:
-        out["bind"] = [segment(s) for s in b.bind]
-    return out
+    return _given({"dtype": b.dtype, "shape": list(b.shape), "kind": b.kind},
+                  placement=None if b.placement == "device" else b.placement, fill=b.fill,
+                  domain=_opt(domain, b.domain), export=b.export or None, of=b.of,
+                  group=b.group, bind=[segment(s) for s in b.bind] or None)
 
 
 def domain(d: m.Domain) -> dict:
-    out: dict[str, Any] = {}
-    if d.min is not None:
-        out["min"] = expr(d.min)
-    if d.max is not None:
-        out["max"] = expr(d.max)
-    if d.index_into is not None:
-        out["index_into"] = d.index_into
-    if d.stride != 1:
-        out["stride"] = d.stride
-    if d.monotone:
-        out["monotone"] = True
-    return out
+    return _given({}, min=_opt(expr, d.min), max=_opt(expr, d.max), index_into=d.index_into,
+                  stride=None if d.stride == 1 else d.stride, monotone=d.monotone or None)
 
 
 def tensor_source(t: m.TensorSource) -> Any:
@@ -277,15 +259,9 @@ def ranges(r: m.Ranges) -> Any:
 
 
 def segment(s: m.Segment) -> dict:
-    out: dict[str, Any] = {"tensor": tensor_source(s.tensor)}
-    if s.rows is not None:
-        out["rows"] = ranges(s.rows)
-    if s.cols is not None:
-        out["cols"] = ranges(s.cols)
-    if s.interleave is not None:
-        out["interleave"] = {"with": tensor_source(s.interleave.with_),
-                             "rows": s.interleave.rows}
-    return out
+    interleave = _opt(lambda i: {"with": tensor_source(i.with_), "rows": i.rows}, s.interleave)
+    return _given({"tensor": tensor_source(s.tensor)}, rows=_opt(ranges, s.rows),
+                  cols=_opt(ranges, s.cols), interleave=interleave)
 
 
 def op(o: m.Op) -> dict:
@@ -298,48 +274,19 @@ def op(o: m.Op) -> dict:
 
 
 def launch(x: m.Launch) -> dict:
+    params = _opt(lambda ps: [str(p) for p in ps], x.params)
+    args = _opt(lambda xs: [launch_arg(a) for a in xs], x.args)
     if isinstance(x, m.ExternLaunch):
-        out: dict[str, Any] = {"entry": x.entry}
-        _params(out, x.params)
-        if x.when is not None:
-            out["when"] = when(x.when)
-        if x.algo is not None:
-            out["algo"] = {k: getattr(x.algo, k) for k in m.ALGO_FIELDS}
-        _args(out, x.args)
-        return out
-    out = {"module": x.module, "entry": x.entry}
-    _params(out, x.params)
-    out["block"] = list(x.block)
-    out["grid"] = [expr(g) for g in x.grid]
-    if x.shared_mem is not None:
-        out["shared_mem"] = expr(x.shared_mem)
-    if x.cluster is not None:
-        out["cluster"] = list(x.cluster)
-    if x.pdl is not None:
-        out["pdl"] = x.pdl
-    if x.when is not None:
-        out["when"] = when(x.when)
-    _args(out, x.args)
-    return out
-
-
-def _params(out: dict, params) -> None:
-    if params is not None:
-        out["params"] = [str(p) for p in params]
-
-
-def _args(out: dict, args) -> None:
-    if args is not None:
-        out["args"] = [launch_arg(a) for a in args]
+        algo = _opt(lambda a: {k: getattr(a, k) for k in m.ALGO_FIELDS}, x.algo)
+        return _given({"entry": x.entry}, params=params, when=_opt(when, x.when), algo=algo,
+                      args=args)
+    return _given({"module": x.module, "entry": x.entry}, params=params, block=list(x.block),
+                  grid=[expr(g) for g in x.grid], shared_mem=_opt(expr, x.shared_mem),
+                  cluster=_opt(list, x.cluster), pdl=x.pdl, when=_opt(when, x.when), args=args)
 
 
 def when(w: m.When) -> dict:
-    out: dict[str, Any] = {"var": w.var}
-    if w.min is not None:
-        out["min"] = w.min
-    if w.max is not None:
-        out["max"] = w.max
-    return out
+    return _given({"var": w.var}, min=w.min, max=w.max)
 
 
 def literal(lit: m.Literal) -> dict:
@@ -359,11 +306,7 @@ def launch_arg(a: m.LaunchArg) -> dict:
 
 
 def field(f: m.Field) -> dict:
-    out: dict[str, Any] = {"at": f.at}
-    if f.width is not None:
-        out["width"] = f.width
-    out.update(field_source(f.source))
-    return out
+    return _given({"at": f.at}, width=f.width) | field_source(f.source)
 
 
 def field_source(s: m.FieldSource) -> dict:
@@ -377,51 +320,31 @@ def field_source(s: m.FieldSource) -> dict:
 
 
 def tensormap(t: m.TensorMap) -> dict:
-    out: dict[str, Any] = {"param": t.param, "dtype": t.dtype, "dims": list(t.dims)}
-    if t.strides:
-        out["strides"] = list(t.strides)
-    out["box"] = list(t.box)
-    for key, default in (("swizzle", 0), ("l2_promotion", 0), ("oob_nan", False),
-                         ("wrap", False)):
-        if getattr(t, key) != default:
-            out[key] = getattr(t, key)
-    return out
+    return _given({"param": t.param, "dtype": t.dtype, "dims": list(t.dims)},
+                  strides=list(t.strides) or None, box=list(t.box), swizzle=t.swizzle or None,
+                  l2_promotion=t.l2_promotion or None, oob_nan=t.oob_nan or None,
+                  wrap=t.wrap or None)
 
 
 def program(p: m.Program, call_json: Callable[[m.Call], Any] | None = None) -> dict:
-    out: dict[str, Any] = {}
-    if p.batch is not None:
-        out["batch"] = batch(p.batch)
-    for flag in ("once", "derive", "graph"):
-        if getattr(p, flag):
-            out[flag] = True
-    out["calls"] = [(call_json or call)(c) for c in p.calls]
-    return out
+    return _given({}, batch=_opt(batch, p.batch), once=p.once or None,
+                  derive=p.derive or None, graph=p.graph or None,
+                  calls=[(call_json or call)(c) for c in p.calls])
 
 
 def batch(b: m.Batch) -> dict:
-    out: dict[str, Any] = {"groups": b.groups, "rows": b.rows}
-    if b.span is not None:
-        out["span"] = b.span
-    if b.context is not None:
-        out["context"] = b.context
-    return out
+    return _given({"groups": b.groups, "rows": b.rows}, span=b.span, context=b.context)
 
 
 def call(c: m.Call) -> dict:
-    out: dict[str, Any] = {}
-    if c.label is not None:
-        out["label"] = c.label
-    out["op"] = c.op
-    out["args"] = [call_arg(a) for a in c.args]
-    return out
+    return _given({}, label=c.label, op=c.op, args=[call_arg(a) for a in c.args])
 
 
 def call_arg(a: m.CallArg) -> dict:
     if isinstance(a, m.BufArg):
-        return _offset({"buf": a.name}, a.offset)
+        return _given({"buf": a.name}, offset=a.offset)
     if isinstance(a, m.StateArg):
-        return _offset({"state": a.name}, a.offset)
+        return _given({"state": a.name}, offset=a.offset)
     if isinstance(a, m.VarArg):
         return {"var": a.name}
     if isinstance(a, m.ExprArg):
@@ -429,9 +352,3 @@ def call_arg(a: m.CallArg) -> dict:
     if isinstance(a, m.Literal):
         return literal(a)
     return {"rank": a.group}
-
-
-def _offset(out: dict, offset: int | None) -> dict:
-    if offset is not None:
-        out["offset"] = offset
-    return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any
 
 import attrs
 

@@ -56,10 +56,6 @@ _INT_WORD = re.compile(r"-?[0-9]+")
 _WORD = re.compile(r"[A-Za-z0-9_.\/:+@~-]+")
 
 
-def _word_pattern() -> re.Pattern[str]:
-    return _WORD
-
-
 def _classify_word(word: str) -> Scalar:
     """A bare word's value: an integer, true/false, or the word itself."""
     if _INT_WORD.fullmatch(word):
@@ -74,7 +70,7 @@ def _format_scalar(value: Scalar) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
-    if _word_pattern().fullmatch(value) and _classify_word(value) == value:
+    if _WORD.fullmatch(value) and _classify_word(value) == value:
         return value
     return json.dumps(value, ensure_ascii=False)
 
@@ -100,7 +96,7 @@ def _normalize_options(options: Iterable[tuple[str, Value]]) -> tuple[tuple[str,
 
 
 def _check_word(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    if not _word_pattern().fullmatch(value):
+    if not _WORD.fullmatch(value):
         raise ValueError(f"`{value}` cannot be a pass name or option key")
 
 

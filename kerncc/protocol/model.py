@@ -21,8 +21,6 @@ from typing import Final
 
 import attrs
 
-from kerncc import manifest as m
-from kerncc.diagnostics import Diagnostics
 
 HEADLINE: Final = "manifest does not fit the serving protocol:"
 

@@ -1,10 +1,8 @@
-"""The tokenizer behind the server, through `kerncc.hf.tokenizer.TextCodec` when it exists.
+"""The tokenizer behind the server: `kerncc.hf.tokenizer.TextCodec` (the Hugging Face
+`tokenizers` library; its API is that module's docstring), when it exists.
 
-`TextCodec` (kerncc/hf/tokenizer.py, the Hugging Face `tokenizers` library) reads a model
-folder's tokenizer files: `from_dir(path) -> TextCodec | None`, `encode`, `decode`,
-`eos_token_ids`, `has_chat_template`, `apply_chat_template(messages, add_generation_prompt=True)`.
-This module is the one place of the server that knows it: `load(folders)` gives a codec or None (token-id prompts only; a text prompt is then
-refused with "model has no tokenizer").
+This module is the one place of the server that knows it: `load(folders)` gives a codec or
+None (token-id prompts only; a text prompt is then refused with "model has no tokenizer").
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ from typing import Any
 
 import attrs
 
+from kerncc.serve.fields import FieldError
+
 QWEN3, LLAMA3 = "qwen3", "llama3"
 MAX_TOOLS = 128
 MAX_KWARGS = 32  # chat_template_kwargs entries
@@ -46,12 +48,10 @@ PYTHON_TAG = "<|python_tag|>"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The arguments as json.dumps and the templates' `tojson` write them.
 SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_BETWEEN = re.compile(r"\s*;?\s*")  # whitespace and one `;` between two Llama 3 calls
 
 
-class ToolError(Exception):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param, self.message = param, message
+ToolError = FieldError  # a tool field refused: answered as any other field (a 400 naming it)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,19 +324,8 @@ def parse_llama3(text: str) -> tuple[str | None, list[dict[str, Any]]]:
         if found is None:
             return text, []
         calls.append(found)
-        at = _skip(body, at)
+        at = _BETWEEN.match(body, at).end()
     return (None, calls) if calls else (text, [])
-
-
-def _skip(text: str, at: int) -> int:
-    """Past whitespace and one `;` between two calls."""
-    while at < len(text) and text[at].isspace():
-        at += 1
-    if at < len(text) and text[at] == ";":
-        at += 1
-    while at < len(text) and text[at].isspace():
-        at += 1
-    return at
 
 
 def limited(plan: Plan, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

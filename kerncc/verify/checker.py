@@ -17,7 +17,7 @@ from __future__ import annotations
 import attrs
 
 from kerncc import manifest as m
-from kerncc.diagnostics import Diagnostics, KernccError, pointer
+from kerncc.diagnostics import Diagnostics, pointer
 
 HEADLINE = "manifest failed verification:"
 

@@ -21,9 +21,6 @@ def make_backend(name: str, **options: Any) -> Backend:
         raise KernccError.single(f"unknown backend `{name}` (known: {', '.join(BACKENDS)})")
     try:
         from kerncc.runtime.backends import cuda
-    except ImportError as err:
-        raise KernccError.single(f"the cuda backend is not available: {err}") from None
-    try:
         return cuda.CudaBackend(**options)
-    except BackendError as err:
+    except (ImportError, BackendError) as err:  # no CUDA libraries, or no usable device
         raise KernccError.single(f"the cuda backend is not available: {err}") from None

@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import functools
 import glob
+from collections.abc import Callable
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUDA_R_32F, CUDA_R_16BF = 0, 14
@@ -46,22 +47,27 @@ class CublasError(Exception):
 @functools.cache
 def library() -> ctypes.CDLL:
     """libcublas, loaded once per process."""
+    return _load("cublas", _bind)
+
+
+def _load(name: str, bind: Callable[[ctypes.CDLL], ctypes.CDLL]) -> ctypes.CDLL:
+    """lib`name` through cuda-pathfinder, else the system's or a CUDA toolkit's, bound."""
     tried: list[str] = []
     try:
         from cuda.pathfinder import load_nvidia_dynamic_lib
-        path = load_nvidia_dynamic_lib("cublas").abs_path
+        path = load_nvidia_dynamic_lib(name).abs_path
         if path:
-            return _bind(ctypes.CDLL(path))
+            return bind(ctypes.CDLL(path))
     except Exception as err:  # noqa: BLE001 - any failure here means: try the next place
         tried.append(f"cuda-pathfinder: {err}")
-    candidates = [ctypes.util.find_library("cublas")]
-    candidates += sorted(glob.glob("/usr/local/cuda*/lib64/libcublas.so*"), reverse=True)
+    candidates = [ctypes.util.find_library(name)]
+    candidates += sorted(glob.glob(f"/usr/local/cuda*/lib64/lib{name}.so*"), reverse=True)
     for path in filter(None, candidates):
         try:
-            return _bind(ctypes.CDLL(path))
+            return bind(ctypes.CDLL(path))
         except OSError as err:
             tried.append(f"{path}: {err}")
-    raise CublasError("cannot load libcublas (" + "; ".join(tried or ["not found"]) + ")")
+    raise CublasError(f"cannot load lib{name} (" + "; ".join(tried or ["not found"]) + ")")
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -138,22 +144,7 @@ LT_CANDIDATES = 16
 @functools.cache
 def lt_library() -> ctypes.CDLL:
     """libcublasLt, loaded once per process (found as libcublas is)."""
-    tried: list[str] = []
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-        path = load_nvidia_dynamic_lib("cublasLt").abs_path
-        if path:
-            return _bind_lt(ctypes.CDLL(path))
-    except Exception as err:  # noqa: BLE001 - any failure here means: try the next place
-        tried.append(f"cuda-pathfinder: {err}")
-    candidates = [ctypes.util.find_library("cublasLt")]
-    candidates += sorted(glob.glob("/usr/local/cuda*/lib64/libcublasLt.so*"), reverse=True)
-    for path in filter(None, candidates):
-        try:
-            return _bind_lt(ctypes.CDLL(path))
-        except OSError as err:
-            tried.append(f"{path}: {err}")
-    raise CublasError("cannot load libcublasLt (" + "; ".join(tried or ["not found"]) + ")")
+    return _load("cublasLt", _bind_lt)
 
 
 def lt_version() -> int:

@@ -621,7 +621,7 @@ class CudaBackend(Backend):
         a, w, c, _, n, k = fixed
         max_m = _max_value(fixed[3], bounds)
         shaped = not any(isinstance(v, VarScalar) for v in (a, w, c, n, k))
-        small = self._gemv_invariant_site(name)
+        small = self._gemv_site(name, invariant=True)
         if not shaped or small is None or not gemv.invariant_usable(n, k, a, w, c):
             self.gemm_paths[site.number] = "cublas"
             return self._prepare_extern(site)
@@ -645,18 +645,6 @@ class CudaBackend(Backend):
 
         return launch
 
-    def _gemv_invariant_site(self, name: str) -> gemv.GemvSite | None:
-        """The GEMV kernels' batch-invariant launcher for extern `name` (whatever
-        KERNCC_GEMV_MAX_M says), or None when their cubin is missing."""
-        if name not in gemv.MODES:
-            return None
-        if self._gemv is None:
-            try:
-                self._gemv = gemv.Gemv(check)
-            except (BackendError, OSError, KeyError):
-                self._gemv = False
-        return self._gemv.site(name, invariant=True) if self._gemv else None
-
     def _pinned_gemm(self, name: str, n: int, k: int, max_m: int, align: int) -> Any:
         """The pinned cuBLASLt GEMM of (name, n, k, max_m), or None where cuBLASLt has none."""
         try:
@@ -674,17 +662,18 @@ class CudaBackend(Backend):
         launch._allow_shared(shared)
         return launch
 
-    def _gemv_site(self, name: str) -> gemv.GemvSite | None:
-        """The GEMV kernels' launcher for extern `name`, or None when they are off or their
-        cubin is missing (cuBLAS then takes every shape)."""
-        if gemv.MAX_M <= 0 or name not in gemv.MODES:
+    def _gemv_site(self, name: str, invariant: bool = False) -> gemv.GemvSite | None:
+        """The GEMV kernels' launcher for extern `name`, or None when their cubin is missing
+        or, for the batch-shaped one (not `invariant`), KERNCC_GEMV_MAX_M turns them off:
+        cuBLAS then takes every shape."""
+        if name not in gemv.MODES or (gemv.MAX_M <= 0 and not invariant):
             return None
         if self._gemv is None:
             try:
                 self._gemv = gemv.Gemv(check)
             except (BackendError, OSError, KeyError):
                 self._gemv = False
-        return self._gemv.site(name) if self._gemv else None
+        return self._gemv.site(name, invariant=invariant) if self._gemv else None
 
     def launch_kernel(self, geometry: Geometry, args: Sequence[Any]) -> None:
         raise BackendError("the cuda backend launches prepared sites only (Backend.prepare)")

@@ -5,8 +5,8 @@ chosen by name: `thread` (the in-process `Chain`: every stage a Session of this 
 default), `process` (`ProcessChain`: every stage its own OS process on this host, one GPU each,
 crossing buffers over pipes or NCCL) or `ray` (`RayChain`: every stage a Ray actor placed by a
 placement group, one GPU each, on any host of the cluster). Every runner is a `Chain` to its
-callers (`submit` / `result`, `run`, `sync`, `sessions`), so the Generator and the serving
-engine take any of them unchanged. docs/runtime.md ("Placements") says more.
+callers (`submit` / `result`, `run`, `sync`, `sessions`), so the serving engine takes any of
+them unchanged. docs/runtime.md ("Placements") says more.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ import numpy as np
 
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.bundle import Bundle, Stage
-from kerncc.runtime.chain import Chain
+from kerncc.runtime.chain import Chain, stage_devices
 from kerncc.runtime.memory import default_token_capacity
 from kerncc.runtime.placement.transport import link_kind
 from kerncc.runtime.placement.worker import (ITEM, LINK_LOST, STOP, TABLE, StageSpec,
@@ -517,20 +517,10 @@ def running_stages(sessions: Sequence[StageView], program: str, programs: list[s
 
 def _stage_devices(backend: str, devices: Sequence[int] | None, stages: int
                    ) -> list[int | None]:
-    """The GPU of every stage process: devices in order as a Chain spreads them (several
-    stages may share one GPU, each in its own process); None on the cpu backend."""
-    if backend != "cuda":
-        if devices:
-            raise KernccError.single("--devices needs the cuda backend")
-        return [None] * stages
-    if not devices:
-        return [0] * stages
-    if len(set(devices)) != len(devices):
-        raise KernccError.single(f"devices {list(devices)} repeat a device")
-    if len(devices) > stages:
-        raise KernccError.single(f"{len(devices)} devices for {stages} stage(s): each device "
-                                 "runs at least one stage")
-    return [devices[k * len(devices) // stages] for k in range(stages)]
+    """The GPU of every stage process, as a Chain spreads them (each stage in its own process;
+    device 0 without --devices); None on the cpu backend."""
+    placed = stage_devices(backend, devices, stages)
+    return placed if placed is not None else [0 if backend == "cuda" else None] * stages
 
 
 def picklable(checkpoint: CheckpointLike) -> Any:

@@ -12,12 +12,14 @@ from __future__ import annotations
 from kerncc import manifest as m
 from kerncc.analysis.access import Region, call_access, program_access
 from kerncc.analysis.dataflow import execution_order
-from kerncc.analysis.liveness import crossings
+from kerncc.analysis.liveness import live_ins, written_before
 
 
 def scan_crossings(whole: m.Manifest, program: str) -> list[frozenset[str]]:
     """kern's crossing set at every call index (live into calls[a:], written by calls[:a])."""
-    return crossings(list(program_access(whole, whole.programs[program])))
+    accesses = list(program_access(whole, whole.programs[program]))
+    ins, written = live_ins(accesses), written_before(accesses)
+    return [ins[a] & written[a] for a in range(len(accesses) + 1)]
 
 
 def scan_region_conflicts(whole: m.Manifest, points: dict[str, tuple[int, ...]]
