@@ -137,9 +137,13 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
     results: list[tuple[float, list[float], int]] = []
 
     async def run(number: int, prompt: list[int]) -> None:
-        if number < concurrency and ramp > 0:
-            await asyncio.sleep(number * ramp / concurrency)
+        # the place first, then the ramp's wait: the tasks take their places in order, so the
+        # first `concurrency` hold them while they wait (waiting for the ramp first left the
+        # places free, and the requests after the first `concurrency` took them at once: all
+        # of a level's first wave started together, ramp or not)
         async with gate:
+            if number < concurrency and ramp > 0:
+                await asyncio.sleep(number * ramp / concurrency)
             if time.perf_counter() < deadline:
                 results.append(await one(url, model, prompt, max_tokens,
                                          _sampling(number, sampled)))

@@ -8,6 +8,7 @@ writes its rounds and ratios, its "on" rounds taking the shared prefix from the 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import time
@@ -58,6 +59,29 @@ def test_a_ramp_starts_the_first_requests_apart(served):
     row = asyncio.run(level(url, model, 3, prompts, 2, budget=60, ramp=0.6))
     assert row["requests"] == 3 and row["tokens"] == 6
     assert time.perf_counter() - started >= 0.4  # the third began 0.4 s in
+
+
+def test_a_ramp_spreads_the_first_wave_when_more_requests_wait_behind_it(monkeypatch):
+    """The first `concurrency` requests start over the ramp even with more behind them (these
+    took the places the ramped ones left free while they waited, and the whole first wave
+    started at once); the rest start as places free."""
+    import bench.serve as bench_serve
+
+    started: dict[int, float] = {}
+
+    async def fake(url, model, prompt, max_tokens, sampled=None):
+        started[prompt[0]] = time.perf_counter()
+        await asyncio.sleep(0.05)
+        return 0.01, [], 1
+
+    monkeypatch.setattr(bench_serve, "one", fake)
+    begun = time.perf_counter()
+    row = asyncio.run(level("url", "model", 4, [[i] for i in range(8)], 1, budget=60,
+                            ramp=0.4))
+    assert row["requests"] == 8
+    first = [started[i] - begun for i in range(4)]
+    assert first[0] < 0.05 and all(b - a >= 0.08 for a, b in itertools.pairwise(first))
+    assert min(started[i] for i in range(4, 8)) - begun >= 0.05  # they wait for a place
 
 
 def test_a_refused_request_is_an_error_not_a_silent_zero(served):
