@@ -27,6 +27,16 @@ once. All at once (the default), requests of one prompt and answer length stay i
 whole level arrives, prefills and finishes together, wave after wave, which the prefix cache
 meets at its worst (without it, a 2,100-token prefill a request pulls the streams apart).
 
+`--trace FILE` stamps each request's way to its first token, stage by stage (HTTP read, parse,
+the wire both ways, admission, the prefill chunk, the first token, the SSE write: see
+bench/serve_trace.py), and prints after each level each stage's median time from the one
+before and the prefill rows of the engine's steps meanwhile. Off by default: nothing is
+stamped, the server's code is unchanged (the stamps wrap its functions in the bench's
+processes only).
+
+The server speaks HTTP through the protocol `kerncc serve` uses (kerncc.serve.guard's h11 with
+its guards), not whichever parser uvicorn would pick where httptools is installed.
+
 `--split on` runs the front end apart from the engine core (`kerncc serve --api-workers 1`): a
 forked process of its own serving HTTP over a kerncc.serve.client, the core on a thread of the
 server's process, as `kerncc serve` runs by default; `--split off` (the default here, as
@@ -72,11 +82,13 @@ import attrs
 import numpy as np
 import uvicorn
 
+from bench import serve_trace
 from bench.report import Report
 from kerncc.example import generate, make_config
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
 from kerncc.runtime.model_runner import request_limits
+from kerncc.serve import guard
 from kerncc.serve.engine import Config, Engine
 from kerncc.serve.http import Server, create_app
 
@@ -104,6 +116,7 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int,
                  b"application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
                  % (host.encode(), len(body)) + body)
     times: list[float] = []
+    serve_trace.stamp("sent", prompt, started)
     try:
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
@@ -124,6 +137,7 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int,
         writer.close()
     if not times:
         raise RuntimeError("a request returned no token")
+    serve_trace.stamp("first", prompt, times[0])
     return times[0] - started, [b - a for a, b in itertools.pairwise(times)], len(times)
 
 
@@ -181,7 +195,7 @@ def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
     if split:
         return url, _start_apart(chain, config, model, sock, url)
     server = Server(Engine(chain, config), model)
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
+    uv = uvicorn.Server(_uvicorn_config(server))
     threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True).start()
     for _ in range(500):
         if uv.started:
@@ -219,8 +233,15 @@ def _front(sock: socket.socket, inbox: str, outbox: str, model: str, parent: int
     from kerncc.serve.client import CoreClient
 
     client = CoreClient(inbox, outbox, 0, alive=lambda: os.getppid() == parent)
-    uv = uvicorn.Server(uvicorn.Config(create_app(Server(client, model)), log_level="warning"))
+    uv = uvicorn.Server(_uvicorn_config(Server(client, model)))
     uv.run(sockets=[sock])
+
+
+def _uvicorn_config(server: Server) -> uvicorn.Config:
+    """uvicorn serving `server` over the HTTP protocol `kerncc serve` runs (kerncc.serve.guard's
+    h11 with its guards), not uvicorn's pick: with httptools installed that is another parser,
+    whose costs `kerncc serve` does not have."""
+    return uvicorn.Config(create_app(server), log_level="warning", http=guard.protocol())
 
 
 def stop_server(running: Any) -> None:
@@ -242,6 +263,8 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
         from kerncc.runtime.backends import gemv
 
         gemv.INVARIANT = False  # read by each CudaBackend as it is made
+    if args.trace:
+        serve_trace.install(args.trace)
     bundle = lower_to_bundle(manifest, args.pipeline)
     devices = [int(d) for d in args.devices.split(",")] if args.devices else None
     if args.backend == "sim":
@@ -346,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                    "free (default 0: all at once; with prompts and answers of one length the "
                    "streams then stay in step, and each wave of `concurrency` requests arrives "
                    "at once)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="stamp each request's way "
+                   "to its first token (bench/serve_trace.py) into FILE (appended) and print "
+                   "where the TTFT goes after each level; default: nothing stamped")
     p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
                    "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
                    "greedy)")
@@ -502,13 +528,19 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vo
     conn.recv()
     before = scrape(url)
     rows = []
+    if args.trace:
+        serve_trace.open_trace(args.trace)
     for conc in levels:
         prompts = [prompt() for _ in range(conc * args.requests_per_level)]
+        since = time.perf_counter()
         row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget,
                                 args.sampled, args.ramp_ms / 1e3))
         conn.send("idle")
         row["idle_us"] = conn.recv()
         rows.append((conc, row))
+        if args.trace:
+            print(f"trace, concurrency {conc}:\n{serve_trace.report(args.trace, since)}")
+    serve_trace.close_trace()
     after = scrape(url)
     return rows, {name: after[name] - before[name] for name in after}
 

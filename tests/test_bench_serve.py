@@ -207,3 +207,41 @@ def test_bad_prefix_flags_are_refused_with_their_reason(flags, message, capsys):
     with pytest.raises(SystemExit):
         main(flags)
     assert message in capsys.readouterr().err
+
+
+def test_a_trace_report_times_each_stage_from_the_one_before(tmp_path):
+    """bench/serve_trace.py: stamps joined by the prompt, each stage's median gap from the
+    stage before, requests sent before `since` left out, and the prefill steps listed."""
+    from bench import serve_trace
+
+    path = tmp_path / "trace.jsonl"
+    serve_trace.open_trace(str(path))
+    try:
+        for prompt, base in (([1, 2, 3], 10.0), ([4, 5, 6], 20.0), ([7, 8, 9], 1.0)):
+            for stage, after in (("sent", 0.0), ("app", 0.002), ("admitted", 0.005),
+                                 ("token", 0.015), ("first", 0.020)):
+                serve_trace.stamp(stage, prompt, base + after)
+        serve_trace.stamp("step", None, 10.006, chunk=300, decode=0, waiting=0, admitted=1,
+                          calls=1)
+    finally:
+        serve_trace.close_trace()
+    text = serve_trace.report(str(path), since=5.0)
+    assert text.startswith("2 requests;")
+    assert "| app | 2.00 | 2.00 | 2.00 |" in text
+    assert "| token | 10.00 | 10.00 | 15.00 |" in text
+    assert "| first | 5.00 | 5.00 | 20.00 |" in text
+    assert "rows a step: 300" in text
+
+
+def test_a_traced_run_prints_where_the_first_token_s_time_goes(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    code = main(["--size", "tiny", "--backend", "sim", "--step-ms", "0.5", "--levels", "2",
+                 "--requests-per-level", "1", "--max-tokens", "3", "--max-seqs", "4",
+                 "--budget", "20", "--split", "on", "--dir", str(tmp_path / "models"),
+                 "--trace", str(trace)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "trace, concurrency 2:\n2 requests;" in printed
+    for stage in ("app", "parsed", "out", "in", "admitted", "chunked", "token", "told",
+                  "heard", "written", "first"):
+        assert re.search(rf"^\| {stage} \| [\d.-]+ \| [\d.-]+ \| [\d.-]+ \|$", printed,
+                         re.MULTILINE), stage
