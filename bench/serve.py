@@ -23,9 +23,17 @@ evictions over the levels. On `--backend sim`, `--row-us` makes a prefill chunk 
 (bench/simulated.py's cost model), so that prefill the cache skips shows in the TTFT.
 
 `--ramp-ms T` starts a level's first `concurrency` requests evenly over T ms rather than all at
-once. All at once (the default), requests of one prompt and answer length stay in step: the
-whole level arrives, prefills and finishes together, wave after wave, which the prefix cache
-meets at its worst (without it, a 2,100-token prefill a request pulls the streams apart).
+once; each client then sends its next request when its last one ends. All at once (the
+default, as the rows measured before), requests of one prompt and answer length stay in step:
+the whole level arrives, prefills and finishes together, wave after wave, which the prefix
+cache meets at its worst (without it, a 2,100-token prefill a request pulls the streams
+apart). That is the load generator's doing, not the clients' of the issue's workload (32
+users of one system prompt, each starting a turn when its last one ends, none in step with
+another): spread over about one request's life, as such clients settle (`--ramp-ms 150` for
+64 tokens at a 2 ms step), the levels measure that workload. Measured on the sim (`--row-us
+10 --prefix --prefix-cache on --split on`, docs/serving.md): TTFT p50 about 100 ms all at
+once, 17-41 ms spread, each wave's 32 prompts waiting for each other in the front end and in
+the engine's prefill steps.
 
 `--trace FILE` stamps each request's way to its first token, stage by stage (HTTP read, parse,
 the wire both ways, admission, the prefill chunk, the first token, the SSE write: see
@@ -56,6 +64,8 @@ the rows measured before the split were) keeps everything in one process, and
                                                    # front end apart from the core vs one process
   python -m bench.serve --size small --backend sim --row-us 10 --prefix --prefix-cache ab \
       --levels 32                                                       # prefix cache A/B
+  python -m bench.serve --size small --backend cuda --prefix --prefix-cache ab --levels 32 \
+      --split on --ramp-ms 150 --trace /tmp/trace.jsonl   # the issue's workload, its TTFT's stages
 """
 
 from __future__ import annotations
@@ -368,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                    "requests of a level start evenly over this many ms, the rest as places "
                    "free (default 0: all at once; with prompts and answers of one length the "
                    "streams then stay in step, and each wave of `concurrency` requests arrives "
-                   "at once)")
+                   "at once, which no independent clients do; about one request's life, e.g. "
+                   "150, spreads them as such clients are)")
     p.add_argument("--trace", default=None, metavar="FILE", help="stamp each request's way "
                    "to its first token (bench/serve_trace.py) into FILE (appended) and print "
                    "where the TTFT goes after each level; default: nothing stamped")
