@@ -32,7 +32,7 @@ users of one system prompt, each starting a turn when its last one ends, none in
 another): spread over about one request's life, as such clients settle (`--ramp-ms 150` for
 64 tokens at a 2 ms step), the levels measure that workload. Measured on the sim (`--row-us
 10 --prefix --prefix-cache on --split on`, docs/serving.md): TTFT p50 about 100 ms all at
-once, 17-41 ms spread, each wave's 32 prompts waiting for each other in the front end and in
+once, 12-41 ms spread, each wave's 32 prompts waiting for each other in the front end and in
 the engine's prefill steps.
 
 `--trace FILE` stamps each request's way to its first token, stage by stage (HTTP read, parse,
