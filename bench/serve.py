@@ -23,9 +23,27 @@ evictions over the levels. On `--backend sim`, `--row-us` makes a prefill chunk 
 (bench/simulated.py's cost model), so that prefill the cache skips shows in the TTFT.
 
 `--ramp-ms T` starts a level's first `concurrency` requests evenly over T ms rather than all at
-once. All at once (the default), requests of one prompt and answer length stay in step: the
-whole level arrives, prefills and finishes together, wave after wave, which the prefix cache
-meets at its worst (without it, a 2,100-token prefill a request pulls the streams apart).
+once; each client then sends its next request when its last one ends. All at once (the
+default, as the rows measured before), requests of one prompt and answer length stay in step:
+the whole level arrives, prefills and finishes together, wave after wave, which the prefix
+cache meets at its worst (without it, a 2,100-token prefill a request pulls the streams
+apart). That is the load generator's doing, not the clients' of the issue's workload (32
+users of one system prompt, each starting a turn when its last one ends, none in step with
+another): spread over about one request's life, as such clients settle (`--ramp-ms 150` for
+64 tokens at a 2 ms step), the levels measure that workload. Measured on the sim (`--row-us
+10 --prefix --prefix-cache on --split on`, docs/serving.md): TTFT p50 about 100 ms all at
+once, 12-41 ms spread, each wave's 32 prompts waiting for each other in the front end and in
+the engine's prefill steps.
+
+`--trace FILE` stamps each request's way to its first token, stage by stage (HTTP read, parse,
+the wire both ways, admission, the prefill chunk, the first token, the SSE write: see
+bench/serve_trace.py), and prints after each level each stage's median time from the one
+before and the prefill rows of the engine's steps meanwhile. Off by default: nothing is
+stamped, the server's code is unchanged (the stamps wrap its functions in the bench's
+processes only).
+
+The server speaks HTTP through the protocol `kerncc serve` uses (kerncc.serve.guard's h11 with
+its guards), not whichever parser uvicorn would pick where httptools is installed.
 
 `--split on` runs the front end apart from the engine core (`kerncc serve --api-workers 1`): a
 forked process of its own serving HTTP over a kerncc.serve.client, the core on a thread of the
@@ -48,6 +66,8 @@ the rows measured before the split were) keeps everything in one process, and
                                                    # front end apart from the core vs one process
   python -m bench.serve --size small --backend sim --row-us 10 --prefix --prefix-cache ab \
       --levels 32                                                       # prefix cache A/B
+  python -m bench.serve --size small --backend cuda --prefix --prefix-cache ab --levels 32 \
+      --split on --ramp-ms 150 --trace /tmp/trace.jsonl   # the issue's workload, its TTFT's stages
 """
 
 from __future__ import annotations
@@ -74,11 +94,13 @@ import attrs
 import numpy as np
 import uvicorn
 
+from bench import serve_trace
 from bench.report import Report
 from kerncc.example import generate, make_config
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
 from kerncc.runtime.model_runner import request_limits
+from kerncc.serve import guard
 from kerncc.serve.engine import Config, Engine
 from kerncc.serve.http import Server, create_app
 
@@ -106,6 +128,7 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int,
                  b"application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
                  % (host.encode(), len(body)) + body)
     times: list[float] = []
+    serve_trace.stamp("sent", prompt, started)
     try:
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
@@ -126,6 +149,7 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int,
         writer.close()
     if not times:
         raise RuntimeError("a request returned no token")
+    serve_trace.stamp("first", prompt, times[0])
     return times[0] - started, [b - a for a, b in itertools.pairwise(times)], len(times)
 
 
@@ -139,9 +163,13 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
     results: list[tuple[float, list[float], int]] = []
 
     async def run(number: int, prompt: list[int]) -> None:
-        if number < concurrency and ramp > 0:
-            await asyncio.sleep(number * ramp / concurrency)
+        # the place first, then the ramp's wait: the tasks take their places in order, so the
+        # first `concurrency` hold them while they wait (waiting for the ramp first left the
+        # places free, and the requests after the first `concurrency` took them at once: all
+        # of a level's first wave started together, ramp or not)
         async with gate:
+            if number < concurrency and ramp > 0:
+                await asyncio.sleep(number * ramp / concurrency)
             if time.perf_counter() < deadline:
                 results.append(await one(url, model, prompt, max_tokens,
                                          _sampling(number, sampled)))
@@ -179,7 +207,7 @@ def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
     if split:
         return url, _start_apart(chain, config, model, sock, url)
     server = Server(Engine(chain, config), model)
-    uv = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning"))
+    uv = uvicorn.Server(_uvicorn_config(server))
     threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True).start()
     for _ in range(500):
         if uv.started:
@@ -217,8 +245,15 @@ def _front(sock: socket.socket, inbox: str, outbox: str, model: str, parent: int
     from kerncc.serve.client import CoreClient
 
     client = CoreClient(inbox, outbox, 0, alive=lambda: os.getppid() == parent)
-    uv = uvicorn.Server(uvicorn.Config(create_app(Server(client, model)), log_level="warning"))
+    uv = uvicorn.Server(_uvicorn_config(Server(client, model)))
     uv.run(sockets=[sock])
+
+
+def _uvicorn_config(server: Server) -> uvicorn.Config:
+    """uvicorn serving `server` over the HTTP protocol `kerncc serve` runs (kerncc.serve.guard's
+    h11 with its guards), not uvicorn's pick: with httptools installed that is another parser,
+    whose costs `kerncc serve` does not have."""
+    return uvicorn.Config(create_app(server), log_level="warning", http=guard.protocol())
 
 
 def stop_server(running: Any) -> None:
@@ -240,6 +275,8 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
         from kerncc.runtime.backends import gemv
 
         gemv.INVARIANT = False  # read by each CudaBackend as it is made
+    if args.trace:
+        serve_trace.install(args.trace)
     bundle = lower_to_bundle(manifest, args.pipeline)
     devices = [int(d) for d in args.devices.split(",")] if args.devices else None
     if args.backend == "sim":
@@ -346,7 +383,11 @@ def main(argv: list[str] | None = None) -> int:
                    "requests of a level start evenly over this many ms, the rest as places "
                    "free (default 0: all at once; with prompts and answers of one length the "
                    "streams then stay in step, and each wave of `concurrency` requests arrives "
-                   "at once)")
+                   "at once, which no independent clients do; about one request's life, e.g. "
+                   "150, spreads them as such clients are)")
+    p.add_argument("--trace", default=None, metavar="FILE", help="stamp each request's way "
+                   "to its first token (bench/serve_trace.py) into FILE (appended) and print "
+                   "where the TTFT goes after each level; default: nothing stamped")
     p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
                    "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
                    "greedy)")
@@ -510,13 +551,19 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vo
     conn.recv()
     before = scrape(url)
     rows = []
+    if args.trace:
+        serve_trace.open_trace(args.trace)
     for conc in levels:
         prompts = [prompt() for _ in range(conc * args.requests_per_level)]
+        since = time.perf_counter()
         row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget,
                                 args.sampled, args.ramp_ms / 1e3))
         conn.send("idle")
         row["idle_us"] = conn.recv()
         rows.append((conc, row))
+        if args.trace:
+            print(f"trace, concurrency {conc}:\n{serve_trace.report(args.trace, since)}")
+    serve_trace.close_trace()
     after = scrape(url)
     return rows, {name: after[name] - before[name] for name in after}
 

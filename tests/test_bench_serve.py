@@ -8,6 +8,7 @@ writes its rounds and ratios, its "on" rounds taking the shared prefix from the 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import re
 import time
@@ -58,6 +59,29 @@ def test_a_ramp_starts_the_first_requests_apart(served):
     row = asyncio.run(level(url, model, 3, prompts, 2, budget=60, ramp=0.6))
     assert row["requests"] == 3 and row["tokens"] == 6
     assert time.perf_counter() - started >= 0.4  # the third began 0.4 s in
+
+
+def test_a_ramp_spreads_the_first_wave_when_more_requests_wait_behind_it(monkeypatch):
+    """The first `concurrency` requests start over the ramp even with more behind them (these
+    took the places the ramped ones left free while they waited, and the whole first wave
+    started at once); the rest start as places free."""
+    import bench.serve as bench_serve
+
+    started: dict[int, float] = {}
+
+    async def fake(url, model, prompt, max_tokens, sampled=None):
+        started[prompt[0]] = time.perf_counter()
+        await asyncio.sleep(0.05)
+        return 0.01, [], 1
+
+    monkeypatch.setattr(bench_serve, "one", fake)
+    begun = time.perf_counter()
+    row = asyncio.run(level("url", "model", 4, [[i] for i in range(8)], 1, budget=60,
+                            ramp=0.4))
+    assert row["requests"] == 8
+    first = [started[i] - begun for i in range(4)]
+    assert first[0] < 0.05 and all(b - a >= 0.08 for a, b in itertools.pairwise(first))
+    assert min(started[i] for i in range(4, 8)) - begun >= 0.05  # they wait for a place
 
 
 def test_a_refused_request_is_an_error_not_a_silent_zero(served):
@@ -184,3 +208,41 @@ def test_bad_prefix_flags_are_refused_with_their_reason(flags, message, capsys):
     with pytest.raises(SystemExit):
         main(flags)
     assert message in capsys.readouterr().err
+
+
+def test_a_trace_report_times_each_stage_from_the_one_before(tmp_path):
+    """bench/serve_trace.py: stamps joined by the prompt, each stage's median gap from the
+    stage before, requests sent before `since` left out, and the prefill steps listed."""
+    from bench import serve_trace
+
+    path = tmp_path / "trace.jsonl"
+    serve_trace.open_trace(str(path))
+    try:
+        for prompt, base in (([1, 2, 3], 10.0), ([4, 5, 6], 20.0), ([7, 8, 9], 1.0)):
+            for stage, after in (("sent", 0.0), ("app", 0.002), ("admitted", 0.005),
+                                 ("token", 0.015), ("first", 0.020)):
+                serve_trace.stamp(stage, prompt, base + after)
+        serve_trace.stamp("step", None, 10.006, chunk=300, decode=0, waiting=0, admitted=1,
+                          calls=1)
+    finally:
+        serve_trace.close_trace()
+    text = serve_trace.report(str(path), since=5.0)
+    assert text.startswith("2 requests;")
+    assert "| app | 2.00 | 2.00 | 2.00 |" in text
+    assert "| token | 10.00 | 10.00 | 15.00 |" in text
+    assert "| first | 5.00 | 5.00 | 20.00 |" in text
+    assert "rows a step: 300" in text
+
+
+def test_a_traced_run_prints_where_the_first_token_s_time_goes(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    code = main(["--size", "tiny", "--backend", "sim", "--step-ms", "0.5", "--levels", "2",
+                 "--requests-per-level", "1", "--max-tokens", "3", "--max-seqs", "4",
+                 "--budget", "20", "--split", "on", "--dir", str(tmp_path / "models"),
+                 "--trace", str(trace)])
+    printed = capsys.readouterr().out
+    assert code == 0 and "trace, concurrency 2:\n2 requests;" in printed
+    for stage in ("app", "parsed", "out", "in", "admitted", "chunked", "token", "told",
+                  "heard", "written", "first"):
+        assert re.search(rf"^\| {stage} \| [\d.-]+ \| [\d.-]+ \| [\d.-]+ \|$", printed,
+                         re.MULTILINE), stage

@@ -881,3 +881,59 @@ def test_half_sent_requests_do_not_starve_the_others(model):
         for raw in held:
             raw.close()
         end_server(proc)
+
+
+def test_token_id_completions_are_parsed_on_the_loop_and_the_rest_on_a_thread(
+        chain, monkeypatch):
+    """A small completions request of token ids is parsed on the event loop (the hop to a
+    thread and back cost more than its parse when 32 came at once); one that asks for the
+    prompt's text (`echo`) or is chat still goes to a thread, and both answer alike."""
+    from kerncc.serve import http as served
+
+    where: list[tuple[bool, bool]] = []  # (chat, on the event loop's thread)
+    parse = served.Server.parse
+
+    def parse_here(self, body, chat, stop=None):
+        try:
+            asyncio.get_running_loop()
+            on_loop = True
+        except RuntimeError:
+            on_loop = False
+        where.append((chat, on_loop))
+        return parse(self, body, chat, stop)
+
+    monkeypatch.setattr(served.Server, "parse", parse_here)
+    with serving(chain, text=Letters()) as (url, _):
+        asked = {"model": MODEL, "prompt": [3, 1, 4, 1, 5], "max_tokens": 3}
+        quick = httpx.post(f"{url}/v1/completions", timeout=30, json=asked)
+        echoed = httpx.post(f"{url}/v1/completions", timeout=30, json={**asked, "echo": True})
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        bad = httpx.post(f"{url}/v1/completions", timeout=30, content=b'{"prompt": [1,')
+    assert [r.status_code for r in (quick, echoed, chat)] == [200, 200, 200]
+    assert where == [(False, True), (False, False), (True, False)]
+    ids = quick.json()["choices"][0]["token_ids"]
+    assert ids == echoed.json()["choices"][0]["token_ids"] and len(ids) == 3
+    assert echoed.json()["choices"][0]["text"].startswith(Letters().decode([3, 1, 4, 1, 5]))
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+
+
+def test_a_token_id_prompt_is_decoded_only_for_echo(chain):
+    """The prompt's text is decoded for `echo` alone (else the tokenizer ran over every
+    prompt on the front end for nothing)."""
+    from kerncc.serve.engine import Config, Engine
+    from kerncc.serve.http import Server
+    from kerncc.serve.text import Text
+
+    decoded: list[list[int]] = []
+
+    class Counting(Letters):
+        def decode(self, ids) -> str:
+            decoded.append(list(ids))
+            return super().decode(ids)
+
+    server = Server(Engine(chain, Config()), MODEL, Text(Counting()))
+    plain = server.parse({"model": MODEL, "prompt": [7, 8, 9]}, chat=False)
+    assert plain.texts == ("",) and decoded == []
+    echoed = server.parse({"model": MODEL, "prompt": [7, 8, 9], "echo": True}, chat=False)
+    assert echoed.texts == (Letters().decode([7, 8, 9]),) and decoded == [[7, 8, 9]]
