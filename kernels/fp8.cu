@@ -80,28 +80,8 @@ extern "C" __global__ void fp8_dequantize_bf16(const uint8_t* __restrict__ q,
 // output is the f32 sum over 128-wide k blocks of S[row / 128, block] times the block's
 // f32 products a * w, in a fixed order (lane by lane 16 consecutive k, then the warp's
 // butterfly), no atomics. A warp per row of W (one block of 8 warps per 8 rows of W), each
-// lane streaming 16 bytes of W at a time, GEMV_FP8_BATCH of them loaded before any is used
-// (a row of W is only k bytes: without loads in flight its warp waits on each one); rows of
-// A in groups of 4. Needs k % 16 == 0 and A, W 16-byte aligned. Grid: ceil(n / 8) blocks of
-// 256 threads.
-#define GEMV_FP8_BATCH 4
-
-__device__ __forceinline__ void fp8x16_to_float(const uint4& packed, float (&wf)[16]) {
-  const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {  // two e4m3 -> two f16 (exact) at a time, low byte first
-    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(words[j] & 0xffffu), __NV_E4M3);
-    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(words[j] >> 16), __NV_E4M3);
-    const float2 a = __half22float2(__half2(lo)), b = __half22float2(__half2(hi));
-    wf[4 * j] = a.x;
-    wf[4 * j + 1] = a.y;
-    wf[4 * j + 2] = b.x;
-    wf[4 * j + 3] = b.y;
-  }
-}
-
+// lane streaming 16 bytes of W at a time; rows of A in groups of 4. Needs k % 16 == 0 and A,
+// W 16-byte aligned. Grid: ceil(n / 8) blocks of 256 threads.
 extern "C" __global__ void gemv_fp8_bf16(const bf16* __restrict__ a, const uint8_t* __restrict__ w,
                                          const float* __restrict__ s, void* __restrict__ c,
                                          int m, int n, int k, int mode) {
@@ -114,36 +94,28 @@ extern "C" __global__ void gemv_fp8_bf16(const bf16* __restrict__ a, const uint8
   const uint8_t* wrow = w + (size_t)row * k;
   for (int r0 = 0; r0 < m; r0 += GEMV_FP8_ROWS) {
     float acc[GEMV_FP8_ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int k0 = lane * 16; k0 < k; k0 += GEMV_FP8_BATCH * 32 * 16) {
-      uint4 packed[GEMV_FP8_BATCH];
+#pragma unroll 2
+    for (int kk = lane * 16; kk < k; kk += 32 * 16) {
+      const uint4 packed = __ldg(reinterpret_cast<const uint4*>(wrow + kk));
+      const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
+      float wf[16];
 #pragma unroll
-      for (int u = 0; u < GEMV_FP8_BATCH; ++u) {
-        const int kk = k0 + u * 32 * 16;
-        packed[u] = kk < k ? __ldg(reinterpret_cast<const uint4*>(wrow + kk))
-                           : make_uint4(0u, 0u, 0u, 0u);
-      }
+      for (int j = 0; j < 16; ++j) wf[j] = fp8_to_float(bytes[j]);
+      const float scale = srow[kk / FP8_BLOCK];
 #pragma unroll
-      for (int u = 0; u < GEMV_FP8_BATCH; ++u) {
-        const int kk = k0 + u * 32 * 16;
-        if (kk >= k) break;
-        float wf[16];
-        fp8x16_to_float(packed[u], wf);
-        const float scale = srow[kk / FP8_BLOCK];
+      for (int r = 0; r < GEMV_FP8_ROWS; ++r) {
+        if (r0 + r >= m) break;
+        const uint4* ap = reinterpret_cast<const uint4*>(a + (size_t)(r0 + r) * k + kk);
+        const uint4 lo = __ldg(ap), hi = __ldg(ap + 1);
+        const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+        float dot = 0.0f;
 #pragma unroll
-        for (int r = 0; r < GEMV_FP8_ROWS; ++r) {
-          if (r0 + r >= m) break;
-          const uint4* ap = reinterpret_cast<const uint4*>(a + (size_t)(r0 + r) * k + kk);
-          const uint4 lo = __ldg(ap), hi = __ldg(ap + 1);
-          const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-          float dot = 0.0f;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float2 x = unpack_bf16x2(words[j]);
-            dot = fmaf(x.x, wf[2 * j], dot);
-            dot = fmaf(x.y, wf[2 * j + 1], dot);
-          }
-          acc[r] = fmaf(scale, dot, acc[r]);
+        for (int j = 0; j < 8; ++j) {
+          const float2 x = unpack_bf16x2(words[j]);
+          dot = fmaf(x.x, wf[2 * j], dot);
+          dot = fmaf(x.y, wf[2 * j + 1], dot);
         }
+        acc[r] = fmaf(scale, dot, acc[r]);
       }
     }
 #pragma unroll
