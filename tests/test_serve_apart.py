@@ -132,6 +132,34 @@ def test_the_core_sends_what_a_turn_told_before_the_engine_waits_for_work(chain)
     assert watched.stale == 0
 
 
+def test_the_core_sends_what_a_turn_told_before_the_engine_waits_for_the_device(chain):
+    """Tokens told in a turn whose next move is to wait for the step in flight leave the core
+    before that wait, not a step later: at every collect the core holds no news unsent."""
+    engine = Engine(chain, Config(max_running=4))
+    collect, stale, collects = engine._collect, [], []
+
+    def watched(flight):
+        collects.append(1)
+        if apart.core._news:
+            stale.append(len(collects))
+        return collect(flight)
+
+    engine._collect = watched
+    with core_apart(engine) as apart:
+        client = apart.clients[0]
+        thread = threading.Thread(target=client.run_forever, daemon=True)
+        thread.start()
+        asks = prompts(4, seed=8)
+        heard = [_Heard() for _ in asks]
+        served = [client.submit(Request(p, 9, listener=h)) for p, h in zip(asks, heard)]
+        for h in heard:
+            assert h.ended.wait(30), "every request ends"
+        client.stop()
+        thread.join(10)
+    assert [r.generated for r in served] == [reference(chain, p, 9).tokens for p in asks]
+    assert len(collects) > 8 and not stale, f"collects begun with news unsent: {stale}"
+
+
 def start(model, *flags: str, group: bool = False) -> tuple[subprocess.Popen, str, int]:
     """`kerncc serve` on 127.0.0.1 in a process of its own (`group`: leading a process group
     of its own, as a shell's job does): it, its URL, its core's pid."""
