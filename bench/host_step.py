@@ -17,7 +17,9 @@ checked, the call issued, the outputs taken in).
   nothing, what is timed is the host's half (the words and masks packed and sent, the results
   heard, the grammar followed; `--profile` adds a cProfile of each); `--backend cuda` times
   whole steps on a GPU (the `small` interface's shapes on tiny widths: the processing kernels
-  over a 32000-token vocabulary). `--step-ms MS` adds, on a simulated device whose decode
+  over a 32000-token vocabulary, the host's cost standing out; `--widths small`: the `small`
+  example whole, so each workload's cost is against a real 32-sequence step, as a server pays
+  it). `--step-ms MS` adds, on a simulated device whose decode
   steps take MS (bench/simulated.py), how long the device waits for the host before each
   step of each workload, a step at a time (`Config(ahead=False)`) and a step ahead: a
   grammar's step goes ahead with its draw issued once the masks are ready.
@@ -25,7 +27,7 @@ checked, the call issued, the outputs taken in).
 --doc docs/benchmarks.md writes the rows between the file's `host_step` markers.
 
     python -m bench.host_step [--tokens 400] [--engine] [--processing [--backend cuda]
-                              [--step-ms 2]] [--profile]     # ~10-60 s, no GPU but with cuda
+                              [--widths small] [--step-ms 2]] [--profile]  # ~10-60 s
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="32 sampled sequences: plain, penalties, logprobs, json_schema")
     parser.add_argument("--backend", choices=("idle", "cuda"), default="idle",
                         help="--processing: launches that do nothing (host work) or a GPU")
+    parser.add_argument("--widths", choices=("narrow", "small"), default="narrow",
+                        help="--processing: the `small` interface on tiny widths (narrow: the "
+                        "host's cost stands out) or the `small` example whole (a GPU: the "
+                        "cost against a real step of 32 sequences)")
     parser.add_argument("--step-ms", type=float, default=None,
                         help="--processing: also the device's wait a step on a simulated "
                         "device whose decode steps take this long, ahead off and on")
@@ -181,7 +187,10 @@ def processing_steps(args) -> None:
         raise SystemExit("bench.host_step --processing: the grammar rows need llguidance "
                          "(pip install 'kerncc[serve]')")
     root = Path(tempfile.mkdtemp())
-    model, _ = generate(root / "model", "tiny", **{**SHAPE, "max_seqs": 32})
+    if args.widths == "small":
+        model, _ = generate(root / "model", "small", max_seqs=32)
+    else:
+        model, _ = generate(root / "model", "tiny", **{**SHAPE, "max_seqs": 32})
     assert kerncc(["lower", str(model), "-p", "emit", "-o", str(root / "whole")]) == 0
     backend = "cuda" if args.backend == "cuda" else _idle_processing(Idle())
     chain = Chain(root / "whole", backend=backend, graphs=True, token_capacity=48 * 1024)
