@@ -154,10 +154,12 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int,
 
 
 async def level(url: str, model: str, concurrency: int, prompts: list[list[int]],
-                max_tokens: int, budget: float, sampled: float = 0.0, ramp: float = 0.0
-                ) -> dict[str, float]:
+                max_tokens: int, budget: float, sampled: float = 0.0, ramp: float = 0.0,
+                newcomers: Newcomers | None = None) -> dict[str, float]:
     """One level's measures; `ramp` seconds: the first `concurrency` requests start evenly
-    over it (request i at i x ramp / concurrency), the rest as places free (see --ramp-ms)."""
+    over it (request i at i x ramp / concurrency), the rest as places free (see --ramp-ms);
+    `newcomers`: their prompts arrive beside the streams, their TTFTs measured apart (`new_`
+    keys: count, p50, p99), not in the streams' TTFT."""
     gate = asyncio.Semaphore(concurrency)
     deadline = time.perf_counter() + budget
     results: list[tuple[float, list[float], int]] = []
@@ -175,14 +177,46 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
                                          _sampling(number, sampled)))
 
     started = time.perf_counter()
-    await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
+    streams = asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
+    came = [] if newcomers is None else \
+        await _newcomers(url, model, newcomers, streams, deadline)
+    await streams
     wall = time.perf_counter() - started
     ttft = [r[0] for r in results]
     itl = [x for r in results for x in r[1]]
     tokens = sum(r[2] for r in results)
-    return {"requests": len(results), "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
-            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99)}
+    row = {"requests": len(results), "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
+           "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+           "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99)}
+    if newcomers is not None:
+        row.update(newcomers=len(came), new_ttft_p50=percentile(came, 50),
+                   new_ttft_p99=percentile(came, 99))
+    return row
+
+
+async def _newcomers(url: str, model: str, newcomers: Newcomers, streams: Any,
+                     deadline: float) -> list[float]:
+    """The TTFTs of newcomers sent every `newcomers.every` seconds while `streams` run (each
+    its own prompt of `newcomers.tokens` random ids, one token asked: its TTFT is the
+    measure), at most `newcomers.most`, none past `deadline`; every one sent is awaited."""
+    rng = np.random.default_rng(1)
+    sent: list[asyncio.Task] = []
+    while not streams.done() and len(sent) < newcomers.most \
+            and time.perf_counter() < deadline:
+        prompt = rng.integers(0, newcomers.vocab, newcomers.tokens).tolist()
+        sent.append(asyncio.ensure_future(one(url, model, prompt, 1)))
+        await asyncio.wait([streams], timeout=newcomers.every)
+    return [r[0] for r in await asyncio.gather(*sent)]
+
+
+@attrs.frozen
+class Newcomers:
+    """`--newcomers N,MS`: an N-token prompt every MS ms beside the running streams."""
+
+    tokens: int
+    every: float  # seconds
+    vocab: int
+    most: int = 1000  # a level's newcomers at most (bounded)
 
 
 def _sampling(number: int, fraction: float) -> dict[str, Any] | None:
@@ -195,15 +229,18 @@ def _sampling(number: int, fraction: float) -> dict[str, Any] | None:
 
 
 def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
-                 prefix_cache: bool = True, split: bool = False) -> tuple[str, Any]:
+                 prefix_cache: bool = True, split: bool = False,
+                 step_tokens: int | None = None) -> tuple[str, Any]:
     """The server on a free port of loopback; its URL and what `stop_server` stops. `split`:
     the front end in a process of its own over a kerncc.serve.core Core in this one, as
-    `kerncc serve` runs them (--api-workers 1); else everything here (--api-workers 0)."""
+    `kerncc serve` runs them (--api-workers 1); else everything here (--api-workers 0).
+    `step_tokens`: the engine's step budget (Config.step_tokens; None: its default)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    budget = {} if step_tokens is None else {"step_tokens": step_tokens}
     config = Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
-                    prefix_cache=prefix_cache)
+                    prefix_cache=prefix_cache, **budget)
     if split:
         return url, _start_apart(chain, config, model, sock, url)
     server = Server(Engine(chain, config), model)
@@ -285,14 +322,18 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
         backend: Any = Device(args.step_ms, args.row_us)
         chain = (Chain if args.row_us is None else Timed)(
             bundle, backend=backend, graphs=True,
-            token_capacity=engine_seqs(args) * (args.prompt_len + args.max_tokens + 64))
+            token_capacity=engine_seqs(args) * (args.prompt_len + args.max_tokens + 64)
+            + newcomer_len(args))
     else:
         backend = None
         chain = Chain(bundle, backend=args.backend, devices=devices)
     model = bundle.stages[0].manifest.model
     context = request_limits([s.manifest for s in bundle.stages]).context
-    url, running = start_server(chain, engine_seqs(args), model, ahead=ahead,
-                                prefix_cache=prefix_cache, split=split)
+    # a newcomer takes a place of its own beside the streams (it is answered by its chunk's
+    # token and leaves: it never decodes), else it would wait for a stream to end
+    seats = engine_seqs(args) + (args.newcomers is not None)
+    url, running = start_server(chain, seats, model, ahead=ahead, prefix_cache=prefix_cache,
+                                split=split, step_tokens=args.step_tokens)
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
                len(bundle.stages), getattr(backend, "wake_us", None), context))
     while (asked := conn.recv()) != "stop":
@@ -322,6 +363,20 @@ _fraction = _number("a fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 _ramp = _number("milliseconds", lambda v: 0 <= v <= 6e4, "0 <= milliseconds <= 60000")
 _microseconds = _number("microseconds", lambda v: 0 <= v < 1e5,
                         "0 <= microseconds < 100000")
+
+
+def _newcomers_flag(text: str) -> tuple[int, float]:
+    try:
+        tokens, every = int(text.split(",")[0]), float(text.split(",")[1])
+        if text.count(",") != 1:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected N,MS (a newcomer's prompt tokens, ms "
+                                         f"between newcomers), got `{text}`") from None
+    if tokens < 1 or not 1 <= every <= 6e4:
+        raise argparse.ArgumentTypeError(f"expected N >= 1 tokens and 1 <= MS <= 60000, got "
+                                         f"{text}")
+    return tokens, every
 
 
 def _prefix(text: str) -> tuple[int, int]:
@@ -388,6 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", default=None, metavar="FILE", help="stamp each request's way "
                    "to its first token (bench/serve_trace.py) into FILE (appended) and print "
                    "where the TTFT goes after each level; default: nothing stamped")
+    p.add_argument("--newcomers", type=_newcomers_flag, nargs="?", const=(2000, 100.0),
+                   default=None, metavar="N,MS", help="beside each level's streams, an N-token "
+                   "prompt (one token asked) every MS ms; prints their TTFT p50/p99 against "
+                   "the same prompt length's TTFT alone (measured before the level) and the "
+                   "streams' ITL p50/p99 against --step-ms (bare: 2000,100, issue 40's goal)")
+    p.add_argument("--step-tokens", type=int, default=None, help="the engine's step budget "
+                   "(Config.step_tokens: decode and prefill rows a step; default: the "
+                   "engine's)")
     p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
                    "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
                    "greedy)")
@@ -401,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.backend}'s")
     if args.row_us is not None and args.backend != "sim":
         p.error(f"--row-us is the simulated device's (--backend sim), not {args.backend}'s")
+    if args.step_tokens is not None and args.step_tokens < 1:
+        p.error(f"--step-tokens {args.step_tokens}: at least 1 row a step")
     if args.max_running is not None and args.max_running < 1:
         p.error(f"--max-running {args.max_running}: at least 1 sequence at once")
     if args.prefix is not None:
@@ -429,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     return REPORT.finish(args, device(args), argv)
 
 
+def newcomer_len(args: argparse.Namespace) -> int:
+    """A newcomer's tokens (its prompt and the one asked; 0 without --newcomers)."""
+    newcomers = getattr(args, "newcomers", None)  # callers' namespaces may lack the flag
+    return 0 if newcomers is None else newcomers[0] + 1
+
+
 def engine_seqs(args: argparse.Namespace) -> int:
     """The engine's sequences at once: --max-running, else the example's bound."""
     return args.max_running or args.max_seqs
@@ -439,7 +510,7 @@ def example(args: argparse.Namespace) -> Path:
     prompt and --max-tokens (a multiple of the page, 16), in a folder named by it when it is
     longer than the size's own."""
     own = make_config(args.size).max_context
-    needed = -(-(args.prompt_len + args.max_tokens) // 16) * 16
+    needed = -(-max(args.prompt_len + args.max_tokens, newcomer_len(args)) // 16) * 16
     name = f"{args.size}-{args.max_seqs}"
     overrides: dict[str, int] = {"max_seqs": args.max_seqs}
     if needed > own:
@@ -496,7 +567,8 @@ def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool,
         if not mine.poll(600):
             raise SystemExit("bench.serve: the server did not start in 600 s")
         url, model, vocab, stages, wake_us, limit = mine.recv()
-        if limit is not None and args.prompt_len + args.max_tokens > limit:
+        if limit is not None and max(args.prompt_len + args.max_tokens,
+                                     newcomer_len(args)) > limit:
             mine.send("stop")
             raise SystemExit(f"bench.serve: {manifest}: a sequence holds at most {limit} "
                              f"tokens, fewer than a prompt of {args.prompt_len} and "
@@ -553,11 +625,16 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vo
     rows = []
     if args.trace:
         serve_trace.open_trace(args.trace)
+    newcomers = None if args.newcomers is None else \
+        Newcomers(args.newcomers[0], args.newcomers[1] / 1e3, vocab)
     for conc in levels:
         prompts = [prompt() for _ in range(conc * args.requests_per_level)]
+        alone = None if newcomers is None else asyncio.run(ttft_alone(url, model, newcomers))
         since = time.perf_counter()
         row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget,
-                                args.sampled, args.ramp_ms / 1e3))
+                                args.sampled, args.ramp_ms / 1e3, newcomers))
+        if alone is not None:
+            row["new_alone"] = alone
         conn.send("idle")
         row["idle_us"] = conn.recv()
         rows.append((conc, row))
@@ -566,6 +643,44 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vo
     serve_trace.close_trace()
     after = scrape(url)
     return rows, {name: after[name] - before[name] for name in after}
+
+
+ALONE = 5  # newcomers timed alone before each level: their TTFT alone is the median
+
+
+async def ttft_alone(url: str, model: str, newcomers: Newcomers) -> float:
+    """The median TTFT of `ALONE` newcomer prompts sent one after another on an idle server
+    (each its own random prompt, as during the level: none is in the prefix cache)."""
+    rng = np.random.default_rng(2)
+    times = []
+    for _ in range(ALONE):
+        prompt = rng.integers(0, newcomers.vocab, newcomers.tokens).tolist()
+        times.append((await one(url, model, prompt, 1))[0])
+    return statistics.median(times)
+
+
+def report_newcomers(args: argparse.Namespace, rows: Levels) -> None:
+    """--newcomers: their TTFT p50 / p99 under the level's load against their TTFT alone
+    (the same run), and the running streams' ITL p50 / p99 against --step-ms."""
+    tokens, every = args.newcomers
+    step = args.step_ms
+    print(f"newcomers: a {tokens}-token prompt every {every:g} ms beside the streams; their "
+          f"TTFT against alone, the streams' ITL against --step-ms ({step:g} ms)")
+    print("| concurrency | newcomers | TTFT alone ms | TTFT p50 ms | x alone | TTFT p99 ms "
+          "| x alone | ITL p50 x step | ITL p99 x step |")
+    print("| --- " * 9 + "|")
+    for conc, r in rows:
+        alone = r["new_alone"]
+        cells = [f"{r['newcomers']}", f"{alone * 1e3:.1f}",
+                 f"{r['new_ttft_p50'] * 1e3:.1f}", f"{r['new_ttft_p50'] / alone:.2f}x",
+                 f"{r['new_ttft_p99'] * 1e3:.1f}", f"{r['new_ttft_p99'] / alone:.2f}x",
+                 f"{r['itl_p50'] * 1e3 / step:.2f}x", f"{r['itl_p99'] * 1e3 / step:.2f}x"]
+        print(f"| {conc} | {' | '.join(cells)} |")
+        REPORT.row("newcomers", f"concurrency {conc}, a {tokens}-token prompt every {every:g} "
+                   "ms: newcomers; TTFT alone ms; TTFT p50, p99 ms (x alone); streams' ITL "
+                   "p50, p99 (x --step-ms)",
+                   f"{cells[0]}; {cells[1]}; {cells[2]} ({cells[3]}), {cells[4]} ({cells[5]}); "
+                   f"{cells[6]}, {cells[7]}")
 
 
 def report(args: argparse.Namespace, run: Round) -> None:
@@ -611,6 +726,8 @@ def report(args: argparse.Namespace, run: Round) -> None:
     if hits:
         REPORT.row(label, "prefix cache over the levels: hit rate, hit / queried tokens, "
                    "evictions", hit_line(run.hits))
+    if args.newcomers is not None:
+        report_newcomers(args, rows)
     REPORT.results.setdefault("runs", []).append({"ahead": ahead, "prefix_cache": run.cache,
                                                   "split": run.split,
                                                   "stages": stages, "rows": rows,

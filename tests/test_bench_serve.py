@@ -203,6 +203,11 @@ def test_a_model_too_short_for_the_prefix_is_refused_before_any_request(tmp_path
     (["--backend", "sim", "--invariant", "off"], "the cuda backend's, not sim's"),
     (["--backend", "cuda", "--invariant", "ab", "--split", "ab"], "one A/B at a time"),
     (["--max-running", "0"], "--max-running 0: at least 1 sequence at once"),
+    (["--newcomers", "2000"], "expected N,MS"),
+    (["--newcomers", "2000,100,3"], "expected N,MS"),
+    (["--newcomers", "0,100"], "expected N >= 1 tokens and 1 <= MS <= 60000"),
+    (["--newcomers", "20,0"], "expected N >= 1 tokens and 1 <= MS <= 60000"),
+    (["--step-tokens", "0"], "--step-tokens 0: at least 1 row a step"),
 ])
 def test_bad_prefix_flags_are_refused_with_their_reason(flags, message, capsys):
     with pytest.raises(SystemExit):
@@ -246,3 +251,26 @@ def test_a_traced_run_prints_where_the_first_token_s_time_goes(tmp_path, capsys)
                   "heard", "written", "first"):
         assert re.search(rf"^\| {stage} \| [\d.-]+ \| [\d.-]+ \| [\d.-]+ \|$", printed,
                          re.MULTILINE), stage
+
+
+def test_newcomers_beside_the_streams_are_timed_against_their_ttft_alone(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["--size", "tiny", "--backend", "sim", "--step-ms", "0.5", "--row-us", "5",
+                 "--levels", "2", "--requests-per-level", "2", "--max-tokens", "8",
+                 "--max-seqs", "4", "--budget", "20", "--newcomers", "40,5",
+                 "--step-tokens", "16", "--dir", str(tmp_path / "models"), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "a 40-token prompt every 5 ms beside the streams" in printed
+    found = re.search(r"^\| 2 \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \| "
+                      r"([\d.]+)x \| ([\d.]+)x \| ([\d.]+)x \|$", printed, re.MULTILINE)
+    assert found, printed
+    newcomers, alone, p50, x50, p99 = (float(found.group(i)) for i in range(1, 6))
+    # the streams' 4 requests of 8 tokens at 0.5 ms a step take several ms: newcomers came
+    assert 1 <= newcomers <= 1000 and alone > 0 and p99 >= p50 > 0
+    assert x50 == pytest.approx(p50 / alone, rel=0.05, abs=0.01)
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    (conc, row), = run["rows"]
+    # the newcomers' tokens and TTFTs are theirs: the streams' row counts the streams only
+    assert conc == 2 and row["requests"] == 4 and row["tokens"] == 32
+    assert row["newcomers"] == newcomers and row["new_alone"] > 0
