@@ -160,6 +160,37 @@ def test_the_core_sends_what_a_turn_told_before_the_engine_waits_for_the_device(
     assert len(collects) > 8 and not stale, f"collects begun with news unsent: {stale}"
 
 
+def test_with_the_core_apart_tokens_leave_before_the_next_step_is_planned(chain):
+    """Apart, telling is cheap (the core batches what its listeners hear into one message),
+    so the tokens a turn collects go out in that turn: the next turn's plan, whose host work
+    grows with the prompts it admits, never holds tokens back."""
+    engine = Engine(chain, Config(max_running=4))
+    held, cores = [], []
+
+    def watch(method):
+        def watched(*args):
+            if engine._told or (cores and cores[0]._news):
+                held.append(method.__name__)
+            return method(*args)
+        return watched
+
+    engine._issue, engine._go_ahead = watch(engine._issue), watch(engine._go_ahead)
+    with core_apart(engine) as apart:
+        cores.append(apart.core)  # before any request: nothing told yet
+        client = apart.clients[0]
+        thread = threading.Thread(target=client.run_forever, daemon=True)
+        thread.start()
+        asks = prompts(6, seed=9)
+        heard = [_Heard() for _ in asks]
+        served = [client.submit(Request(p, 7, listener=h)) for p, h in zip(asks, heard)]
+        for h in heard:
+            assert h.ended.wait(30), "every request ends"
+        client.stop()
+        thread.join(10)
+    assert [r.generated for r in served] == [reference(chain, p, 7).tokens for p in asks]
+    assert not held, f"plans begun with tokens held back: {held[:5]}"
+
+
 def start(model, *flags: str, group: bool = False) -> tuple[subprocess.Popen, str, int]:
     """`kerncc serve` on 127.0.0.1 in a process of its own (`group`: leading a process group
     of its own, as a shell's job does): it, its URL, its core's pid."""

@@ -300,7 +300,10 @@ class Engine:
         """One turn of the loop; False when there was nothing to do. Listeners hear what
         happened before the turn ends, but the tokens a collect lands are told only after the
         next turn has issued the next step (`_notify`): the device is not kept waiting for
-        the listeners (at 32 sequences, 32 calls into the HTTP layer a step)."""
+        the listeners (at 32 sequences, 32 calls into the HTTP layer a step). With the core
+        apart (`run_forever(after=...)`) telling is one message, so they are told at once:
+        the next turn's plan (its host work grows with the prompts it admits: 4 ms a step
+        measured with 2,100-token prompts) no longer holds them back."""
         self._apply_commands()
         if self.fault is not None:
             self._notify()
@@ -321,10 +324,12 @@ class Engine:
                 if self._before_wait is not None:  # what was told goes out before the wait
                     self._before_wait()
                 flight = self.inflight.popleft()
-                self._collect(flight)  # told at the next turn
+                self._collect(flight)  # told at the next turn, or now with the core apart
                 if self._ahead and self.inflight and self.inflight[0] is self._ahead[0]:
                     self._draw_ahead()  # the last call of the step before it has landed
                     self._adopt_ahead()
+                if self._before_wait is not None:  # telling is one message: no cost to wait
+                    self._notify()
                 return True
         except KernccError as err:
             self._fail(str(err), getattr(err, "requests", []))
