@@ -221,13 +221,21 @@ def test_limits_are_checked_before_the_weights_load(tiny, tmp_path, capsys) -> N
 def test_check_request_names_what_the_caller_calls_things(tiny) -> None:
     from kerncc.diagnostics import KernccError
     from kerncc.lower import lower_to_bundle
-    from kerncc.runtime.model_runner import check_request, request_limits
+    from kerncc.runtime.model_runner import FIELDS, FLAGS, check_request, request_limits
 
     limits = request_limits([s.manifest for s in lower_to_bundle(tiny).stages])
     assert limits.context == 256 and limits.token_high == 255
     check_request(limits, [1] * 200, 57)  # 256 positions: fits exactly
-    with pytest.raises(KernccError, match="max_tokens 58: .* need 257 positions"):
-        check_request(limits, [1] * 200, 58, max_new_name="max_tokens")
+    with pytest.raises(KernccError, match="max_tokens 58: .* need 257 positions") as err:
+        check_request(limits, [1] * 200, 58, FIELDS)
+    assert err.value.diagnostics[0].location.pointer == "/max_tokens"
+    with pytest.raises(KernccError, match=r"prompt position 2: token id -1 is outside 0\.\.255"
+                       ) as err:
+        check_request(limits, [1, 2, -1], 3, FIELDS)
+    assert err.value.diagnostics[0].location.pointer == "/prompt/2"
+    with pytest.raises(KernccError, match="--max-new 0: generate at least 1 token") as err:
+        check_request(limits, [1, 2], 0, FLAGS)
+    assert err.value.diagnostics[0].location.pointer == ""  # flags have no JSON pointer
     with pytest.raises(KernccError, match="the prompt is empty"):
         check_request(limits, [], 1)
 

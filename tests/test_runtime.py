@@ -328,7 +328,8 @@ def test_generation_limits(bundle_dir):
     with pytest.raises(KernccError, match="need 259 positions, but a sequence holds at most 256"):
         check_request(limits, list(range(200)), 60)
     engine = Engine(chain, Config(chunk=64))
-    with pytest.raises(KernccError, match="make 260, past the context: a sequence holds at most"):
+    with pytest.raises(KernccError, match="max_tokens 60: the prompt's 200 tokens and 60 new "
+                       "ones need 259 positions, but a sequence holds at most 256"):
         engine.submit(Request(list(range(200)), 60))
     assert engine.pool.free == engine.pool.pages and engine.waiting == 0
 

@@ -24,6 +24,7 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kerncc.diagnostics import KernccError
 from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
@@ -370,6 +371,27 @@ def test_a_garbled_message_to_the_core_is_refused_and_it_serves_on(chain, caplog
         thread.join(10)
     assert request.generated == reference(chain, [5, 6, 7], 4).tokens
     assert "refused a message from a front end" in caplog.text
+
+
+@pytest.mark.parametrize("prompt, max_new, pointer", [
+    ([1, 256, 3], 3, "/prompt/1"), ([4, -2], 3, "/prompt/1"), ([1.5], 3, "/prompt/0"),
+    ([1] * 200, 100, "/max_tokens"), ([1, 2], 0, "/max_tokens"), ([], 3, "/prompt")])
+def test_a_front_end_refuses_what_the_engine_refuses_in_its_words(chain, prompt, max_new,
+                                                                  pointer):
+    """The front end checks by the limits the core sent (no weights of its own): the same
+    rule, message and pointer as the engine's own check, before anything is sent."""
+    engine = Engine(chain, Config(max_running=4))
+    with pytest.raises(KernccError) as alone:
+        engine.check(Request(prompt, max_new))
+    with core_apart(engine) as apart:
+        client = apart.clients[0]
+        assert client.limits == engine.model.limits and client.limits.token_high == 255
+        with pytest.raises(KernccError) as apart_err:
+            client.submit(Request(prompt, max_new))
+        assert not client.requests
+    assert apart_err.value.headline == alone.value.headline
+    assert apart_err.value.diagnostics[0].location.pointer == pointer
+    assert pointer.split("/")[1] in alone.value.headline
 
 
 def test_a_request_with_bad_params_is_refused_by_the_core_with_the_field(chain):

@@ -169,18 +169,19 @@ def test_bad_requests_are_refused_before_any_work(whole):
     engine = Engine(whole)
     with pytest.raises(KernccError, match="empty"):
         engine.submit(Request([], 3))
-    with pytest.raises(KernccError, match=r"prompt token 1 is 256, past the vocabulary"):
+    with pytest.raises(KernccError, match=r"prompt position 1: token id 256 is outside 0\.\.255 .*the vocabulary"):
         engine.submit(Request([1, 256], 3))
-    with pytest.raises(KernccError, match="context"):
+    with pytest.raises(KernccError, match="max_tokens 100: the prompt's 200 tokens and 100 new "
+                       "ones need 299 positions, but a sequence holds at most 256"):
         engine.submit(Request([1] * 200, 100))
-    with pytest.raises(KernccError, match=r"prompt token 1 is 1.5, not a whole number"):
+    with pytest.raises(KernccError, match=r"prompt position 1: 1.5 is not a whole number"):
         engine.submit(Request([3, 1.5], 3))  # ran as token 1
-    with pytest.raises(KernccError, match=r"2.5 new tokens: expected a whole number"):
+    with pytest.raises(KernccError, match=r"max_tokens 2.5: expected a whole number"):
         engine.submit(Request([3, 1], 2.5))  # gave 3 tokens
     # the one-pass checks of plain ints find the same token the scans name
-    with pytest.raises(KernccError, match=r"prompt token 2 is True, not a whole number"):
+    with pytest.raises(KernccError, match=r"prompt position 2: True is not a whole number"):
         engine.submit(Request([3, 1, True], 3))
-    with pytest.raises(KernccError, match=r"prompt token 2 is -1, past the vocabulary"):
+    with pytest.raises(KernccError, match=r"prompt position 2: token id -1 is outside 0\.\.255"):
         engine.submit(Request([3, 1, -1, 7], 3))
     assert not engine.requests and engine.waiting == 0
     assert engine.submit(Request([np.int64(3), 1], 3)).id >= 0  # numpy ints are whole too

@@ -38,7 +38,7 @@ def _say(message: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from kerncc.runtime.model_runner import check_request, request_limits
+    from kerncc.runtime.model_runner import FLAGS, check_request, request_limits
     from kerncc.runtime.trace import Timeline
 
     from kerncc.cli.hf import TextRun, check_run_args, prompt_eos
@@ -52,7 +52,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     text = None if several else TextRun.of(args, bundle)  # ids, eos ids, streamed text
     if text is not None:  # before any weight loads: a request that cannot finish is refused
         check_request(request_limits([s.manifest for s in bundle.stages]), text.prompt,
-                      args.max_new, max_new_name="--max-new", prompt_name="--prompt")
+                      args.max_new, FLAGS)
     check_chunk(args.chunk, bundle)
     weights = checkpoint_for(args, bundle)
     timeline = Timeline() if args.trace else None

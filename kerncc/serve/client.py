@@ -8,8 +8,8 @@ listener its tokens and end, as the engine's thread does in one process. The req
 front end's own `Request`s: the client fills their `generated`, `token_times`, `finish`,
 `error`, and a `sampler` that holds what the core's drawer heard (logprobs, the score).
 
-Requests are checked here (kerncc.serve.engine.check_request, against the model's bounds the
-core sent) before they leave, so a bad one is refused at once; the core checks again and may
+Requests are checked here (kerncc.serve.engine.check_request, against the model runner's
+limits the core sent) before they leave, so a bad one is refused at once; the core checks again and may
 refuse one (queue full, stopping): that request ends with finish `refused` and its reason in
 `refusal(request)`. Adds and cancels made in one turn of the event loop leave as one message.
 
@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 
 from kerncc.diagnostics import KernccError
+from kerncc.runtime.model_runner import Limits
 from kerncc.serve import wire
 from kerncc.serve.engine import Request, Stopped, check_request
 from kerncc.serve.logits import Heard
@@ -94,7 +95,7 @@ class CoreClient:
                 self.capacity, self.stride = info["capacity"], info["stride"]
                 self.model = types.SimpleNamespace(vocab=info["vocab"])
                 self.fingerprint = info["fingerprint"]  # the core's system (system_fingerprint)
-                self._bounds = info["token_bounds"]
+                self.limits = Limits(**info["limits"])  # what the core checks requests by
                 self._take_stats(info["stats"])
                 return
         self.close()
@@ -121,14 +122,7 @@ class CoreClient:
         return int(self._stats.get("ahead_steps", 0))
 
     def check(self, request: Request) -> None:
-        check_request(request, self.model.vocab, self.capacity, self._check_tokens)
-
-    def _check_tokens(self, prompt: Sequence[int]) -> None:
-        for name, dtype, low, high in self._bounds:
-            if not low <= min(prompt) or not max(prompt) <= high:
-                bad = next(int(t) for t in prompt if not low <= int(t) <= high)
-                raise KernccError.single(f"token id {bad} does not fit `{name}` "
-                                         f"({dtype}: {low}..{high})")
+        check_request(request, self.limits)
 
     def submit(self, request: Request) -> Request:
         """Check `request` and send it (with the others of this turn); raises KernccError, or

@@ -24,12 +24,11 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
+import attrs
 import zmq
 
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.backends.fingerprint import of_runner
-from kerncc.runtime.memory import numpy_dtype
 from kerncc.serve import grammar, wire
 from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
 
@@ -127,13 +126,9 @@ class Core:
     def info(self) -> dict[str, Any]:
         """What a front end checks requests against before it sends them."""
         model = self.engine.model
-        bounds = []
-        for f in model.protocol.fills:
-            if f.fill == "token":
-                limits = np.iinfo(numpy_dtype(f.dtype))
-                bounds.append([f.name, str(f.dtype), int(limits.min), int(limits.max)])
         return {"capacity": self.engine.capacity, "stride": self.engine.stride,
-                "vocab": model.vocab, "token_bounds": bounds, "stats": self.stats(),
+                "vocab": model.vocab, "limits": attrs.asdict(model.limits),
+                "stats": self.stats(),
                 "fingerprint": of_runner(model.runner)}
 
     def _flush(self) -> None:

@@ -56,7 +56,9 @@ from kerncc.diagnostics import KernccError
 from kerncc.runtime.backends.fingerprint import of_runner
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.domains import is_whole
-from kerncc.runtime.model_runner import LOGITS, Feed, ModelRunner, Rows, check_whole, token_ids
+from kerncc.runtime.model_runner import (FIELDS, FLAGS, LOGITS, Feed, Limits, ModelRunner, Names,
+                                         Rows, check_whole, token_ids)
+from kerncc.runtime.model_runner import check_request as check_limits
 from kerncc.runtime.session import Session
 from kerncc.serve import sampling_hook
 from kerncc.serve import scheduler as sch
@@ -214,10 +216,10 @@ class Engine:
 
     # ------------------------------------------------------------------------ commands
 
-    def check(self, request: Request) -> None:
-        """Refuse a request the engine could never serve (a KernccError naming the field),
-        and fix its sampler (its seed, for the whole sequence)."""
-        check_request(request, self.model.vocab, self.capacity, self.model.check_tokens)
+    def check(self, request: Request, names: Names = FIELDS) -> None:
+        """Refuse a request the engine could never serve (a KernccError naming the field as
+        `names` says), and fix its sampler (its seed, for the whole sequence)."""
+        check_request(request, self.model.limits, names)
 
     def submit(self, request: Request) -> Request:
         """Queue `request` (checked first); raises KernccError, QueueFull or Stopped."""
@@ -654,42 +656,12 @@ def _one_step(flights: Sequence[_Flight]) -> bool:
     return len(flights) == 1 or (None not in kept and len(set(kept)) == len(kept))
 
 
-def check_request(request: Request, vocab: int | None, capacity: int,
-                  check_tokens: Callable[[Sequence[int]], None]) -> None:
-    """Refuse a request an engine of this `vocab` and `capacity` could never serve (a
-    KernccError naming the field; `check_tokens` refuses ids the token buffers cannot carry),
-    and fix its sampler (its seed, for the whole sequence): the engine's check, and a front
-    end's before it sends the request to the core (kerncc.serve.client)."""
-    if not request.prompt:
-        raise KernccError.single("the prompt is empty", "/prompt")
-    # Python ints (what JSON gives) checked in one pass of builtins first: the scan below
-    # took 0.5 ms a 2,100-token prompt, on the thread that serves HTTP, 32 times a wave
-    plain = set(map(type, request.prompt)) <= {int}
-    odd = None if plain else next((i for i, t in enumerate(request.prompt)
-                                   if not is_whole(t)), None)
-    if odd is not None:  # 1.5 ran as token 1
-        raise KernccError.single(f"prompt token {odd} is {request.prompt[odd]!r}, not a "
-                                 "whole number (a token id)", f"/prompt/{odd}")
-    if not is_whole(request.max_new):  # 2.5 gave 3 tokens
-        raise KernccError.single(f"{request.max_new!r} new tokens: expected a whole number",
-                                 "/max_tokens")
-    if request.max_new < 1:
-        raise KernccError.single(f"{request.max_new} new tokens: at least 1 is needed",
-                                 "/max_tokens")
-    inside = vocab is None or (0 <= min(request.prompt) and max(request.prompt) < vocab)
-    bad = None if inside else next((i for i, t in enumerate(request.prompt)
-                                    if vocab is not None and not 0 <= t < vocab), None)
-    if bad is not None:
-        raise KernccError.single(f"prompt token {bad} is {request.prompt[bad]}, past the "
-                                 f"vocabulary (ids 0..{vocab - 1})", f"/prompt/{bad}")
-    check_tokens(request.prompt)
-    needed = len(request.prompt) + request.max_new - 1  # the last token is never fed
-    if needed > capacity:
-        total = len(request.prompt) + request.max_new
-        raise KernccError.single(
-            f"the prompt ({len(request.prompt)} tokens) and {request.max_new} new tokens "
-            f"make {total}, past the context: a sequence holds at most "
-            f"{capacity + 1} (its last token is never fed back)", "/max_tokens")
+def check_request(request: Request, limits: Limits, names: Names = FIELDS) -> None:
+    """Refuse a request an engine of these `limits` could never serve (model_runner's rules,
+    naming fields as `names` says: the HTTP API's, with pointers, by default), and fix its
+    sampler (its seed, for the whole sequence): the engine's check, and a front end's before
+    it sends the request to the core (kerncc.serve.client)."""
+    check_limits(limits, request.prompt, request.max_new, names)
     request.sampler = sampling_hook.prepare(request.params)
 
 
@@ -723,10 +695,10 @@ def serve_prompts(runner: Session | Chain, prompts: Sequence[Sequence[int]], max
     requests = [Request(token_ids(p), max_new, params, stops, listener) for p in prompts]
     for number, request in enumerate(requests, 1):
         try:
-            engine.check(request)
+            engine.check(request, FLAGS)
         except KernccError as err:  # said in the command line's words
-            raise KernccError.single(f"--prompt {number} (of {len(prompts)}), --max-new "
-                                     f"{max_new}: {err.headline}") from None
+            raise KernccError.single(f"--prompt {number} (of {len(prompts)}): "
+                                     f"{err.headline}") from None
     for request in requests:
         engine.submit(request)
     engine.run_until_idle()

@@ -38,6 +38,7 @@ FINISHES = ("stop", "length", "cancelled", "error", *REFUSALS)
 STATS = ("running", "waiting", "free", "pages", "ahead_steps", "cached", "hit_rate", "queried",
          "hit", "evictions")
 INT64 = 1 << 63
+LIMITS = {"context", "context_why", "kv_tokens", "token_low", "token_high", "token_why"}
 
 
 class WireError(Exception):
@@ -141,10 +142,15 @@ def _info(message: list[Any]) -> None:
     _int(info.get("stride"), "info.stride", 1)
     _need(info.get("vocab") is None or isinstance(info["vocab"], int), "info.vocab")
     _need(isinstance(info.get("fingerprint"), str), "info.fingerprint: expected a string")
-    _need(isinstance(info.get("token_bounds"), list), "info.token_bounds: expected a list")
-    for bound in info["token_bounds"]:
-        _need(isinstance(bound, list) and len(bound) == 4, "info.token_bounds: [name, dtype, "
-              "low, high]")
+    limits = info.get("limits")
+    _need(isinstance(limits, dict) and set(limits) == LIMITS, "info.limits: expected a map "
+          f"of {', '.join(sorted(LIMITS))}")
+    for name in ("context", "kv_tokens", "token_high"):
+        if limits[name] is not None:
+            _int(limits[name], f"info.limits.{name}")
+    _int(limits["token_low"], "info.limits.token_low")
+    _need(isinstance(limits["context_why"], str) and isinstance(limits["token_why"], str),
+          "info.limits: the reasons are text")
     _stats(info.get("stats"), "info.stats")
 
 
