@@ -217,13 +217,14 @@ def prompts(count: int, seed: int) -> list[list[int]]:
     return [rng.integers(3, WIDE["vocab"], int(n)).tolist() for n in lengths]
 
 
-def served(chain, batch, chunk: int = 512, max_running: int | None = None, params=None):
+def served(chain, batch, chunk: int = 512, max_running: int | None = None, params=None,
+           prefix_cache: bool = True):
     """(tokens, stacked logits) of each prompt served together through the engine."""
     from kerncc.serve.engine import serve_prompts
     from kerncc.serve.sampling_hook import Params
 
     done, _ = serve_prompts(chain, batch, MAX_NEW, chunk=chunk, max_running=max_running,
-                            logits=True, params=params or Params())
+                            logits=True, params=params or Params(), prefix_cache=prefix_cache)
     return [(r.generated, np.stack(r.logits)) for r in done]
 
 
@@ -268,3 +269,20 @@ def test_seeded_sampling_served_together_equals_alone(chains):
     batch = prompts(8, seed=4)
     alone = [served(chains["whole"], [p], params=params)[0] for p in batch]
     same(served(chains["whole"], batch, params=params), alone)
+
+
+def test_the_prefix_cache_does_not_change_the_bits(chains):
+    """Prompts sharing a 600-token prefix, arriving as others finish (so later ones find its
+    pages cached and prefill only the rest): the bits of the cache off, prompt by prompt."""
+    rng = np.random.default_rng(5)
+    shared = rng.integers(3, WIDE["vocab"], 600).tolist()
+    batch = [shared + rng.integers(3, WIDE["vocab"], int(n)).tolist()
+             for n in rng.integers(1, 90, 8)]
+    from kerncc.serve.engine import serve_prompts
+
+    for cut in ("whole", "two"):
+        done, engine = serve_prompts(chains[cut], batch, MAX_NEW, chunk=512, max_running=2,
+                                     logits=True)
+        assert engine.prefix.hit >= 600 * 5, "later prompts found the shared pages"
+        same([(r.generated, np.stack(r.logits)) for r in done],
+             served(chains[cut], batch, max_running=2, prefix_cache=False))
