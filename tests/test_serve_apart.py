@@ -133,32 +133,22 @@ def test_the_core_sends_what_a_turn_told_before_the_engine_waits_for_work(chain)
     assert watched.stale == 0
 
 
-def test_the_core_sends_what_a_turn_told_before_the_engine_waits_for_the_device(chain):
-    """Tokens told in a turn whose next move is to wait for the step in flight leave the core
-    before that wait, not a step later: at every collect the core holds no news unsent."""
-    engine = Engine(chain, Config(max_running=4))
-    collect, stale, collects = engine._collect, [], []
-
-    def watched(flight):
-        collects.append(1)
-        if apart.core._news:
-            stale.append(len(collects))
-        return collect(flight)
-
-    engine._collect = watched
+def served_apart(engine: Engine, asks: list[list[int]], max_new: int, cores: list
+                 ) -> list[Request]:
+    """`asks` served through `engine` in a core apart with one front end, every request
+    ended; `cores` gets the core before any request is sent."""
     with core_apart(engine) as apart:
+        cores.append(apart.core)
         client = apart.clients[0]
         thread = threading.Thread(target=client.run_forever, daemon=True)
         thread.start()
-        asks = prompts(4, seed=8)
         heard = [_Heard() for _ in asks]
-        served = [client.submit(Request(p, 9, listener=h)) for p, h in zip(asks, heard)]
+        served = [client.submit(Request(p, max_new, listener=h)) for p, h in zip(asks, heard)]
         for h in heard:
             assert h.ended.wait(30), "every request ends"
         client.stop()
         thread.join(10)
-    assert [r.generated for r in served] == [reference(chain, p, 9).tokens for p in asks]
-    assert len(collects) > 8 and not stale, f"collects begun with news unsent: {stale}"
+    return served
 
 
 def test_with_the_core_apart_tokens_leave_before_the_next_step_is_planned(chain):
@@ -176,18 +166,8 @@ def test_with_the_core_apart_tokens_leave_before_the_next_step_is_planned(chain)
         return watched
 
     engine._issue, engine._go_ahead = watch(engine._issue), watch(engine._go_ahead)
-    with core_apart(engine) as apart:
-        cores.append(apart.core)  # before any request: nothing told yet
-        client = apart.clients[0]
-        thread = threading.Thread(target=client.run_forever, daemon=True)
-        thread.start()
-        asks = prompts(6, seed=9)
-        heard = [_Heard() for _ in asks]
-        served = [client.submit(Request(p, 7, listener=h)) for p, h in zip(asks, heard)]
-        for h in heard:
-            assert h.ended.wait(30), "every request ends"
-        client.stop()
-        thread.join(10)
+    asks = prompts(6, seed=9)
+    served = served_apart(engine, asks, 7, cores)
     assert [r.generated for r in served] == [reference(chain, p, 7).tokens for p in asks]
     assert not held, f"plans begun with tokens held back: {held[:5]}"
 

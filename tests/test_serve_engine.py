@@ -43,6 +43,15 @@ def alone(whole, prompts) -> list[list[int]]:
     return [reference(whole, p, MAX_NEW).tokens for p in prompts]
 
 
+def same_bits(one: list[Request], ahead: list[Request]) -> None:
+    """Each request got the same tokens and logits, bit for bit, in both runs."""
+    assert len(one) == len(ahead)
+    for a, b in zip(one, ahead):
+        assert a.generated == b.generated
+        assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                              np.stack(b.logits).view(np.uint32))
+
+
 @pytest.mark.parametrize("chunk, running", [(8, 3), (5, 8), (64, 1)])
 def test_prompts_served_together_give_each_prompt_alone(whole, prompts, alone, chunk, running):
     requests, engine = serve_prompts(whole, prompts, MAX_NEW, chunk=chunk, max_running=running)
@@ -244,10 +253,7 @@ def test_steps_issued_ahead_give_the_tokens_and_logits_of_steps_one_at_a_time(wh
     assert engine.ahead_steps >= 20, "the steady decode went ahead"
     assert [r.finish for r in one] == [r.finish for r in ahead]
     assert {r.finish for r in one} == {"stop", "length"}
-    for a, b in zip(one, ahead):
-        assert a.generated == b.generated
-        assert np.array_equal(np.stack(a.logits).view(np.uint32),
-                              np.stack(b.logits).view(np.uint32))
+    same_bits(one, ahead)
     assert engine.pool.free == engine.pool.pages
     engine.pool.check()
 
@@ -276,10 +282,7 @@ def test_steps_of_two_decode_calls_go_ahead(whole, prompts, monkeypatch):
     assert slots and None not in slots, "every feed read a kept copy"
     assert {call for _, call in slots} == {0, 1}, "both calls of a step were fed"
     assert all(r.finish == "length" for r in ahead)
-    for a, b in zip(one, ahead):
-        assert a.generated == b.generated
-        assert np.array_equal(np.stack(a.logits).view(np.uint32),
-                              np.stack(b.logits).view(np.uint32))
+    same_bits(one, ahead)
 
 
 def test_two_call_steps_ahead_drop_the_rows_of_sequences_that_end(whole, prompts):
@@ -295,10 +298,7 @@ def test_two_call_steps_ahead_drop_the_rows_of_sequences_that_end(whole, prompts
     assert engine.ahead_steps >= 20
     assert [r.finish for r in one] == [r.finish for r in ahead]
     assert {r.finish for r in one} == {"stop", "length"}
-    for a, b in zip(one, ahead):
-        assert a.generated == b.generated
-        assert np.array_equal(np.stack(a.logits).view(np.uint32),
-                              np.stack(b.logits).view(np.uint32))
+    same_bits(one, ahead)
     assert engine.pool.free == engine.pool.pages
     engine.pool.check()
 
@@ -436,10 +436,7 @@ def test_on_a_gpu_steps_issued_ahead_give_the_bits_of_steps_one_at_a_time(model,
         ahead, engine = serve_prompts(chain, prompts[:4], 24, max_running=4, logits=True,
                                       ahead=True)
         assert engine.ahead_steps > 0
-        for a, b in zip(one, ahead):
-            assert a.generated == b.generated
-            assert np.array_equal(np.stack(a.logits).view(np.uint32),
-                                  np.stack(b.logits).view(np.uint32))
+        same_bits(one, ahead)
 
 
 @pytest.mark.gpu
@@ -466,10 +463,7 @@ def test_on_a_gpu_two_call_steps_issued_ahead_give_the_bits_of_steps_one_at_a_ti
         one, _ = serve(chain, False)
         ahead, engine = serve(chain, True)
         assert engine.ahead_steps >= 10, "the two-call steps went ahead"
-        for a, b in zip(one, ahead):
-            assert a.generated == b.generated
-            assert np.array_equal(np.stack(a.logits).view(np.uint32),
-                                  np.stack(b.logits).view(np.uint32))
+        same_bits(one, ahead)
 
 
 @pytest.mark.skipif(not sampling_hook.available(), reason="kerncc.runtime.sampling not merged")

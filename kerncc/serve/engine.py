@@ -170,7 +170,7 @@ class Engine:
         self.ahead_steps = 0  # decode steps issued ahead (counts: a server runs long)
         self.drawn_steps = 0  # decode steps whose sampled tokens were drawn on the device
         self._ahead: tuple[_Flight, ...] = ()  # its calls, in issue order
-        self._before_wait: Callable[[], None] | None = None  # run_forever's `after`
+        self._after: Callable[[], None] | None = None  # run_forever's
 
     # ------------------------------------------------------------------------ limits
 
@@ -265,12 +265,12 @@ class Engine:
     def run_forever(self, idle: float = 0.05, after: Callable[[], None] | None = None
                     ) -> None:
         """Serve until `stop` (or a fault, after which every request has been failed);
-        `after` is called after every turn, before any wait for work, and before a turn waits
-        for the device (kerncc.serve.core sends what the listeners heard as one message: a
-        token told before a step's wait would otherwise leave a step late)."""
+        `after` is called after every turn, before any wait for work (kerncc.serve.core sends
+        what the listeners heard in the turn as one message); with it, a turn's tokens are
+        told in that turn (`tick`)."""
         self.model.reset()  # the runner may have run other work since the engine last served
         self.prefix.forget()  # and written the pages it keeps
-        self._before_wait = after
+        self._after = after
         while not self._stopping or self.requests:
             self._wake.clear()  # before the tick: a command queued during it wakes the wait
             busy = self.tick()
@@ -284,7 +284,7 @@ class Engine:
                 self._cancel_all()
         self._apply_commands()  # requests queued just before `stop` end too (cancelled)
         self._notify()
-        self._before_wait = None
+        self._after = None
         if after is not None:
             after()
 
@@ -323,14 +323,12 @@ class Engine:
                 return True
             self._notify()
             if self.inflight:
-                if self._before_wait is not None:  # what was told goes out before the wait
-                    self._before_wait()
                 flight = self.inflight.popleft()
                 self._collect(flight)  # told at the next turn, or now with the core apart
                 if self._ahead and self.inflight and self.inflight[0] is self._ahead[0]:
                     self._draw_ahead()  # the last call of the step before it has landed
                     self._adopt_ahead()
-                if self._before_wait is not None:  # telling is one message: no cost to wait
+                if self._after is not None:  # apart, telling is one message: tell at once
                     self._notify()
                 return True
         except KernccError as err:
