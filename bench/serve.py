@@ -468,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--step-tokens {args.step_tokens}: at least 1 row a step")
     if args.max_running is not None and args.max_running < 1:
         p.error(f"--max-running {args.max_running}: at least 1 sequence at once")
+    if args.trace:  # refused before any server starts, not as a traceback mid-run
+        try:
+            with open(args.trace, "a"):
+                pass
+        except OSError as err:
+            p.error(f"--trace {args.trace}: cannot append to it ({err.strerror})")
     if args.prefix is not None:
         args.prompt_len = sum(args.prefix)
 

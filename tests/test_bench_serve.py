@@ -208,6 +208,8 @@ def test_a_model_too_short_for_the_prefix_is_refused_before_any_request(tmp_path
     (["--newcomers", "0,100"], "expected N >= 1 tokens and 1 <= MS <= 60000"),
     (["--newcomers", "20,0"], "expected N >= 1 tokens and 1 <= MS <= 60000"),
     (["--step-tokens", "0"], "--step-tokens 0: at least 1 row a step"),
+    (["--trace", "/nonexistent-folder/trace.jsonl"], "--trace /nonexistent-folder/trace.jsonl: "
+                                                      "cannot append to it"),
 ])
 def test_bad_prefix_flags_are_refused_with_their_reason(flags, message, capsys):
     with pytest.raises(SystemExit):
