@@ -105,3 +105,27 @@ def test_grammar_tokens_drawn_on_the_device_equal_the_host_path(model, grammars,
     assert drawn > 0 and host_drawn == 0
     assert device == host
     assert all(len(tokens) > 1 for tokens, _ in device)
+
+
+def test_the_tokenizer_callback_encodes_each_string_once_and_as_the_codec_does(model):
+    """llguidance asks the example's tokenizer (a decoder it cannot read natively) for the
+    same forced strings over and over while it computes masks: each distinct string is
+    encoded once, and every answer is the codec's own."""
+    from kerncc.hf.tokenizer import TextCodec
+
+    codec = TextCodec.from_dir(model.parent)
+    seen: list[str] = []
+    encode = codec.encode
+
+    def counted(text, add_special_tokens=True):
+        seen.append(text)
+        return encode(text, add_special_tokens=add_special_tokens)
+
+    codec.encode = counted
+    tokens = grammar._Tokens(codec, 256, min(codec.eos_token_ids))
+    texts = ['{"n":', ', "ok": true}', "the end", '{"n":', "the end", '{"n":']
+    answers = [tokens(text) for text in texts]
+    assert answers == [encode(text, add_special_tokens=False) for text in texts]
+    assert all(answers) and sorted(seen) == sorted(set(texts))
+    answers[0].append(-1)  # a caller's list is its own: the next answer is unchanged
+    assert tokens('{"n":') == encode('{"n":', add_special_tokens=False)

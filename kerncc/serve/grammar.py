@@ -18,6 +18,7 @@ and transformers), a JSON schema, regex and context-free (Lark) front end, and t
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -60,6 +61,7 @@ _EXECUTOR_LOCK = threading.Lock()
 # llguidance's executor spreads a batch's masks over the cores; on a machine of fewer cores
 # handing them to its threads costs more than it saves, and they are computed one at a time
 PARALLEL = (os.cpu_count() or 1) >= 4
+ENCODED = 4096  # strings a server's tokenizer callback remembers (_Tokens)
 
 
 def _executor() -> Any:
@@ -193,7 +195,12 @@ class _Tokens:
                        for i in range(size)] + [b""] * (vocab - size)
         self.special_token_ids = sorted(i for i in tokenizer.get_added_tokens_decoder()
                                         if i < vocab)
-        self.codec = codec
+        # llguidance asks for the same few forced strings (a schema's keys and punctuation)
+        # while it computes masks, from its worker threads, each call taking the GIL: at 32
+        # rows of an array of small objects those calls made a step's masks 1.1-1.8 ms on a
+        # 16-core H100 host, against 0.3 ms for a grammar that asks for none
+        self._encode = functools.lru_cache(maxsize=ENCODED)(
+            lambda text: tuple(codec.encode(text, add_special_tokens=False)))
 
     def __call__(self, text: str) -> list[int]:
-        return self.codec.encode(text, add_special_tokens=False)
+        return list(self._encode(text))
