@@ -72,7 +72,7 @@ RESULTS = REPORT.results
 row = REPORT.row
 HBM_TBS = 4.0  # the ceiling measured in `copy` replaces this when that section runs
 TC_TFLOPS = 800.0  # bf16 dense, as measured on H200s (769-798 TFLOP/s on random data)
-CAPACITY = 32 * 1024  # tokens of KV per chain: 32 sequences of 1024, or one 8k prompt
+CAPACITY = 64 * 1024  # tokens of KV per chain: 64 sequences of 1024, or one 8k prompt
 CONTEXT = 512
 
 
@@ -886,6 +886,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         epilog="sections: " + " ".join(SECTIONS) + " (and ablate with --ablate)")
     REPORT.add_options(parser)
     parser.add_argument("--layers", type=int, default=0, help="override the layer count")
+    parser.add_argument("--max-seqs", type=int, default=0, metavar="N",
+                        help="sequences a call takes (default: the example's 32; 64 adds the "
+                        "64-sequence rows of `invariant`)")
     parser.add_argument("--skip", default="", help="sections to leave out, comma-separated")
     parser.add_argument("--only", default="", help="the only sections to run, comma-separated")
     parser.add_argument("--defaults-only", action="store_true",
@@ -899,6 +902,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown sections: {', '.join(sorted(unknown))} (known: "
                      f"{', '.join(SECTIONS)})")
     args.sections = chosen - set(args.skip.split(","))
+    if args.max_seqs < 0 or args.layers < 0:
+        parser.error("--max-seqs and --layers take a positive count (0: the example's)")
     return args
 
 
@@ -911,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         with REPORT.section("build small"):
-            model = build(work, "small", args.layers)
+            model = build(work, "small", args.layers, args.max_seqs)
         say(f"  built in {time.perf_counter() - started:.1f} s")
         cfg = config(model)
         gpus = device_count()

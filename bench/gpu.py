@@ -21,12 +21,15 @@ from kerncc.example import generate
 SMALL_CONTEXT = 8448  # 8192-token prompts plus decode steps; a multiple of the 16-token page
 
 
-def build(root: Path, size: str, layers: int = 0) -> dict:
-    """Generate the example model and lower it whole and cut at the middle layer."""
-    model_dir = root / size
+def build(root: Path, size: str, layers: int = 0, max_seqs: int = 0) -> dict:
+    """Generate the example model (`max_seqs`: sequences a call takes, 0: the size's) and
+    lower it whole and cut at the middle layer."""
+    model_dir = root / (f"{size}-seqs{max_seqs}" if max_seqs else size)
     overrides = {"max_context": SMALL_CONTEXT} if size == "small" else {}
     if layers:
         overrides["layers"] = layers
+    if max_seqs:
+        overrides["max_seqs"] = max_seqs
     manifest, weights = generate(model_dir, size, **overrides)
     layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     out = {"manifest": manifest, "weights": weights, "layers": layers, "dir": model_dir}
