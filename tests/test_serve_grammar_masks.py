@@ -61,6 +61,7 @@ def test_batched_masks_are_those_of_one_matcher_at_a_time(grammars, form, parall
                                                            monkeypatch):
     monkeypatch.setattr(grammar, "PARALLEL", parallel)
     built, vocab = grammars
+    monkeypatch.setattr(built, "threads", parallel)  # the example's tokenizer alone has none
     words = mask_words(vocab)
     shape = built.of(form)
     n, rng = 5, np.random.default_rng(7)
@@ -88,6 +89,7 @@ def test_grammar_tokens_drawn_on_the_device_equal_the_host_path(model, grammars,
                                                                  monkeypatch):
     monkeypatch.setattr(grammar, "PARALLEL", parallel)
     built, _ = grammars
+    monkeypatch.setattr(built, "threads", parallel)
     chain = Chain(lower_to_bundle(model))
     params = [Params(temperature=0.9, seed=s, grammar=built.of(FORMS[s % 2]),
                      **({"logprobs": 2} if s == 1 else {})) for s in range(4)]
@@ -129,3 +131,23 @@ def test_the_tokenizer_callback_encodes_each_string_once_and_as_the_codec_does(m
     assert all(answers) and sorted(seen) == sorted(set(texts))
     answers[0].append(-1)  # a caller's list is its own: the next answer is unchanged
     assert tokens('{"n":') == encode('{"n":', add_special_tokens=False)
+
+
+def test_masks_go_to_the_executor_only_with_a_tokenizer_llguidance_reads_natively(grammars):
+    """A byte-level BPE tokenizer is read natively: its matchers may share llguidance's
+    threads. The example's (a decoder llguidance does not know) calls back into Python, and
+    its matchers' masks are computed one at a time."""
+    from types import SimpleNamespace
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    built, _ = grammars
+    assert built.threads is False and built.of(FORMS[1]).matcher().threads is False
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    native = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    native.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    native.decoder = decoders.ByteLevel()
+    native.add_special_tokens([AddedToken("<|end|>", special=True)])
+    size = native.get_vocab_size(with_added_tokens=True)
+    threaded = grammar.Grammars(SimpleNamespace(tokenizer=native), size, size - 1)
+    assert threaded.threads is True and threaded.of(FORMS[1]).matcher().threads is True

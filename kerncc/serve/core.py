@@ -238,4 +238,4 @@ class Core:
                 raise wire.WireError("params.grammar: this core has no tokenizer for grammars")
             self._grammars = grammar.Grammars(codec, self.engine.model.vocab,
                                               min(self.text.eos))
-        return grammar.Grammar(self._grammars.tokenizer, text)
+        return self._grammars.grammar(text)

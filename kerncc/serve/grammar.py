@@ -6,7 +6,8 @@
 kernels/logits_ref.py, the bit layout llguidance writes) before the token is picked, and
 follows the token picked (`Matcher.consume`). A call's masks are computed together when the
 call is packed (`fill_all`, straight into the rows the device reads): through llguidance's
-executor, over the cores, on a machine of 4 or more. (Not ahead on a worker thread: it could
+executor, over the cores, on a machine of 4 or more whose tokenizer llguidance reads natively,
+else one after another. (Not ahead on a worker thread: it could
 not start before the engine thread let go of the GIL, which it did only when waiting for the
 mask.) Once the grammar is complete only the tokenizer's eos may come next, which ends the
 sequence. `Grammars` is one server's: its tokenizer as llguidance reads it, built once.
@@ -49,17 +50,20 @@ def available() -> bool:
 class Grammar:
     """A checked grammar, for a tokenizer: `matcher()` gives one sequence's."""
 
-    def __init__(self, tokenizer: Any, text: str) -> None:
-        self.tokenizer, self.text = tokenizer, text
+    def __init__(self, tokenizer: Any, text: str, threads: bool) -> None:
+        self.tokenizer, self.text, self.threads = tokenizer, text, threads
 
     def matcher(self) -> Matcher:
-        return Matcher(llguidance.LLMatcher(self.tokenizer, self.text))
+        return Matcher(llguidance.LLMatcher(self.tokenizer, self.text), self.threads)
 
 
 _EXECUTOR: list[Any] = []
 _EXECUTOR_LOCK = threading.Lock()
 # llguidance's executor spreads a batch's masks over the cores; on a machine of fewer cores
-# handing them to its threads costs more than it saves, and they are computed one at a time
+# handing them to its threads costs more than it saves, and they are computed one at a time.
+# Nor with a tokenizer it calls back into Python for (`Grammars.threads`): its threads then
+# queue for the GIL, and on a 16-core H100 host an array of small objects cost 1.86x a plain
+# 32-sequence step through the executor, 1.05x one at a time (bench.host_step --processing)
 PARALLEL = (os.cpu_count() or 1) >= 4
 ENCODED = 4096  # strings a server's tokenizer callback remembers (_Tokens)
 
@@ -74,8 +78,9 @@ def _executor() -> Any:
 class Matcher:
     """One sequence's grammar state (an llguidance matcher)."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, threads: bool = False) -> None:
         self.matcher = matcher
+        self.threads = threads  # its masks may be computed on llguidance's threads
 
     def fill(self, allow: np.ndarray) -> None:
         """Set the bits of the tokens that may come next in `allow` (uint32 [words])."""
@@ -91,7 +96,7 @@ def fill_all(matchers: list[Matcher], out: np.ndarray, rows: list[int]) -> None:
     """Matcher i's next mask into row rows[i] of `out` (uint32 [n, words], C-contiguous),
     all in one batch."""
     masks = out.view(np.int32)
-    if PARALLEL and len(matchers) > 1:
+    if PARALLEL and len(matchers) > 1 and all(m.threads for m in matchers):
         llnumpy.fill_next_token_bitmask_par(
             _executor(), [(m.matcher, row) for m, row in zip(matchers, rows)], masks)
         return
@@ -108,10 +113,16 @@ class Grammars:
         try:  # the tokenizer.json as llguidance reads it (byte-level BPE, SentencePiece)
             self.tokenizer = llguidance.LLTokenizer(codec.tokenizer.to_str(), n_vocab=vocab,
                                                     eos_token=eos)
+            self.threads = True
         except ValueError:  # a decoder it does not know (the example's Fuse): token by token
             self.tokenizer = llguidance.LLTokenizer(
                 llguidance.TokenizerWrapper(_Tokens(codec, vocab, eos)), n_vocab=vocab,
                 eos_token=eos)
+            self.threads = False  # it calls back into Python (_Tokens) for forced strings
+
+    def grammar(self, text: str) -> Grammar:
+        """A grammar's text (checked already) for this tokenizer."""
+        return Grammar(self.tokenizer, text, self.threads)
 
 
     def of(self, body: dict) -> Grammar | None:
@@ -140,7 +151,7 @@ class Grammars:
             message = str(err) or type(err).__name__
         if message:
             raise GrammarError(name, f"`{name}`: {message}")
-        return Grammar(self.tokenizer, text)
+        return self.grammar(text)
 
 
 def _grammar_text(name: str, value: Any) -> str:
