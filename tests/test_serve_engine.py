@@ -499,3 +499,19 @@ def test_a_chunk_past_the_rows_bound_is_refused_as_one_prompt_refuses_it(whole, 
         assert main(["run", str(model), *prompts, "--chunk", str(rows + 1)]) == 1
         out, err = capsys.readouterr()
         assert f"chunk {rows + 1} is outside [1, {rows}]" in err and out == ""
+
+
+def test_the_server_runs_as_many_sequences_as_the_decode_step_takes_unless_told(whole):
+    """`kerncc serve` without --max-seqs (Config.max_running None) runs as many sequences
+    at once as one decode call takes (the tiny example: 4), where it once ran 8 whatever the
+    bundle; a number given is kept, past the decode bound too (several calls a step)."""
+    import argparse
+
+    from kerncc.cli.serve import make_engine
+
+    decode = ModelRunner(whole).protocol.max_groups(1)
+    assert decode == 4
+    engine = make_engine(argparse.Namespace(max_seqs=None, max_queue=8, chunk=None,
+                                            prefix_cache=True), whole)
+    assert engine.limits.max_running == decode
+    assert Engine(whole, Config(max_running=6)).limits.max_running == 6

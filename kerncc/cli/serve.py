@@ -444,8 +444,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="port (default 8000; 0: any free)")
     p.add_argument("--max-queue", type=positive, default=256, metavar="N",
                    help="requests waiting for admission before new ones get 429 (default 256)")
-    p.add_argument("--max-seqs", type=positive, default=8, metavar="N",
-                   help="sequences served at once (default 8)")
+    p.add_argument("--max-seqs", type=positive, metavar="N",
+                   help="sequences served at once (default: as many as the bundle's decode "
+                   "step takes, 32 for the small example)")
     p.add_argument("--chunk", type=positive, metavar="N",
                    help="prefill rows per step (default: the rows bound)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

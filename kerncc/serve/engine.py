@@ -108,7 +108,9 @@ class Stopped(Exception):
 
 @attrs.frozen
 class Config:
-    max_running: int = 8  # sequences decoded together (bounded by the decode forward too)
+    # sequences decoded together (None: as many as one call of the decode forward takes;
+    # more go in several calls a step)
+    max_running: int | None = 8
     max_queue: int = 256  # requests waiting for admission before new ones are refused
     chunk: int | None = None  # prefill rows per step; default: the rows bound
     # most rows a step feeds, decodes and prefill chunks together (scheduler.Limits): None,
@@ -196,7 +198,7 @@ class Engine:
         return sch.Limits(stride=model.stride, pages_per_seq=model.width or self.pool.pages,
                           decode_groups=decode_groups,
                           chunk=Bounds(chunk_rows, seqs, context),
-                          max_running=max(1, config.max_running),
+                          max_running=max(1, config.max_running or decode_groups),
                           chunk_emits=model.chunk_emits, step_tokens=config.step_tokens)
 
     @property
