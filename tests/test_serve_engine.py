@@ -512,6 +512,21 @@ def test_the_server_runs_as_many_sequences_as_the_decode_step_takes_unless_told(
     decode = ModelRunner(whole).protocol.max_groups(1)
     assert decode == 4
     engine = make_engine(argparse.Namespace(max_seqs=None, max_queue=8, chunk=None,
-                                            prefix_cache=True), whole)
-    assert engine.limits.max_running == decode
+                                            prefix_cache=True, step_tokens=None), whole)
+    assert engine.limits.max_running == decode and engine.limits.step_tokens is None
     assert Engine(whole, Config(max_running=6)).limits.max_running == 6
+
+
+def test_the_command_line_step_budget_reaches_the_scheduler(whole):
+    """`kerncc serve --step-tokens N` bounds the rows a step feeds: with 3 decodes running a
+    budget of 20 leaves 17 rows of prefill, never fewer than a page."""
+    import argparse
+
+    from kerncc.cli.serve import make_engine
+
+    engine = make_engine(argparse.Namespace(max_seqs=4, max_queue=8, chunk=None,
+                                            prefix_cache=True, step_tokens=20), whole)
+    limits = engine.limits
+    assert limits.step_tokens == 20 and limits.prefill_rows(3) == 17
+    assert limits.prefill_rows(19) == limits.prefill_floor == min(limits.chunk.rows,
+                                                                 limits.stride)

@@ -87,7 +87,8 @@ def make_engine(args: argparse.Namespace, chain: Any) -> Any:
     from kerncc.serve.engine import Config, Engine
 
     return Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
-                                chunk=args.chunk, prefix_cache=args.prefix_cache))
+                                chunk=args.chunk, prefix_cache=args.prefix_cache,
+                                step_tokens=args.step_tokens))
 
 
 def model_name(args: argparse.Namespace, bundle: Any) -> str:
@@ -449,6 +450,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "step takes, 32 for the small example)")
     p.add_argument("--chunk", type=positive, metavar="N",
                    help="prefill rows per step (default: the rows bound)")
+    p.add_argument("--step-tokens", type=positive, metavar="N",
+                   help="rows a step feeds, decode and prefill together: the running "
+                   "sequences' decode rows first, prefill the rest, a page's worth at least "
+                   "(default: no budget, a whole chunk of prefill beside every decode step)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt from its first token (default: full prompt "
                    "pages are kept and shared by later prompts that begin alike)")
