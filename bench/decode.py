@@ -66,6 +66,7 @@ import numpy as np
 from bench.gpu import (Busy, batch_inputs, batch_step_ms, build, decode_step_s, device_count,
                        device_name, greedy, kerncc, prefill_flops, replay_ms, ttft)
 from bench.report import Report, say
+from kerncc.example.config import make_config
 
 REPORT = Report("decode")
 RESULTS = REPORT.results
@@ -904,6 +905,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.sections = chosen - set(args.skip.split(","))
     if args.max_seqs < 0 or args.layers < 0:
         parser.error("--max-seqs and --layers take a positive count (0: the example's)")
+    try:  # the example's own checks, before any file is written
+        make_config("small", **{k: v for k, v in (("layers", args.layers),
+                                                   ("max_seqs", args.max_seqs)) if v})
+    except ValueError as err:
+        parser.error(f"--max-seqs {args.max_seqs} / --layers {args.layers}: {err}")
     return args
 
 

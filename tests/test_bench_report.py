@@ -105,6 +105,21 @@ def test_every_bench_answers_help_on_the_cpu_with_the_shared_options(name, capsy
     assert f"python -m bench.{name}" in shown and "--doc" in shown and "--out" in shown
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--max-seqs", "5000"], "max_seqs must not exceed max_tokens"),
+    (["--max-seqs", "-3"], "positive count"),
+])
+def test_bench_decode_refuses_an_example_it_cannot_build_before_writing_anything(
+        argv, says, capsys, tmp_path, monkeypatch):
+    from bench import decode
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with pytest.raises(SystemExit) as exit:
+        decode.main([*argv, "--only", "copy"])
+    assert exit.value.code == 2 and says in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_the_results_page_holds_one_table_of_every_bench_and_stays_short():
     page = (Path(__file__).parent.parent / "docs" / "benchmarks.md").read_text()
     for name in ("lower", "decode", "serve", "host_step", "hf_fidelity", "placement"):
