@@ -7,9 +7,8 @@ kernels/logits_ref.py, the bit layout llguidance writes) before the token is pic
 follows the token picked (`Matcher.consume`). A call's masks are computed together when the
 call is packed (`fill_all`, straight into the rows the device reads): through llguidance's
 executor, over the cores, on a machine of 4 or more whose tokenizer llguidance reads natively,
-else one after another. (Not ahead on a worker thread: it could
-not start before the engine thread let go of the GIL, which it did only when waiting for the
-mask.) Once the grammar is complete only the tokenizer's eos may come next, which ends the
+else one after another. (Not ahead on a worker thread: it could not start before the engine
+thread let go of the GIL, which it did only when waiting for the mask.) Once the grammar is complete only the tokenizer's eos may come next, which ends the
 sequence. `Grammars` is one server's: its tokenizer as llguidance reads it, built once.
 
 llguidance (the `serve` extra) is the engine: no dependency of its own (xgrammar needs torch
@@ -124,7 +123,6 @@ class Grammars:
         """A grammar's text (checked already) for this tokenizer."""
         return Grammar(self.tokenizer, text, self.threads)
 
-
     def of(self, body: dict) -> Grammar | None:
         """The grammar a request's fields ask for (None: none), checked; a GrammarError
         names the field."""
@@ -207,9 +205,8 @@ class _Tokens:
         self.special_token_ids = sorted(i for i in tokenizer.get_added_tokens_decoder()
                                         if i < vocab)
         # llguidance asks for the same few forced strings (a schema's keys and punctuation)
-        # while it computes masks, from its worker threads, each call taking the GIL: at 32
-        # rows of an array of small objects those calls made a step's masks 1.1-1.8 ms on a
-        # 16-core H100 host, against 0.3 ms for a grammar that asks for none
+        # while it computes masks: an array of small objects at 32 rows asked 2,084 times in
+        # 80 steps for 29 strings; remembered, a step's masks took 177 us against 272
         self._encode = functools.lru_cache(maxsize=ENCODED)(
             lambda text: tuple(codec.encode(text, add_special_tokens=False)))
 
