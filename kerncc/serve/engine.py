@@ -499,9 +499,10 @@ class Engine:
         calls goes ahead call for call, each fed from the copy of its call's token output
         kept right after it (`_Flight.kept`: the calls of a step all write one output). A
         sequence whose next row starts a page gets the page now. With a grammar's row, a
-        one-call step's draw waits for the one before to land (`_draw_ahead`). The scheduler hears of the step once the one before has landed
-        (`_adopt_ahead`); a sequence that ends on that one's token (a stop token, a cancel)
-        has its row's token dropped. False when it cannot go ahead."""
+        one-call step's draw waits for the one before to land (`_draw_ahead`). The
+        scheduler hears of the step once the one before has landed (`_adopt_ahead`); a
+        sequence that ends on that one's token (a stop token, a cancel) has its row's token
+        dropped. False when it cannot go ahead."""
         if not self.ahead or self._ahead or not self.inflight:
             return False
         flights = list(self.inflight)
