@@ -126,6 +126,8 @@ def check_request(rows: Sequence[int], params: Sequence[SamplingParams],
     if not (len(rows) == len(params) == len(counters)):
         raise KernccError.single(f"sample: {len(rows)} rows, {len(params)} params and "
                                  f"{len(counters)} counters; give one of each per row")
+    if _plain(rows, params, counters, available):
+        return
     for row in rows:
         if not _is_int(row) or not 0 <= row < available:
             raise KernccError.single(f"sample: row {row!r} is outside buffer `{buffer}`'s "
@@ -141,6 +143,23 @@ def check_request(rows: Sequence[int], params: Sequence[SamplingParams],
         if not ok:
             raise KernccError.single(f"sample: counter {counter!r} is not a (sequence, step) "
                                      "pair of whole numbers in 0..2**64-1")
+
+
+def _plain(rows: Sequence[Any], params: Sequence[Any], counters: Sequence[Any],
+           available: int) -> bool:
+    """Whether a request is plainly right, checked in a few passes of builtins: plain int
+    rows in range, SamplingParams, (int, int) counters in range. A decode step of 128 rows
+    drawn on the device spent 0.5 ms in the per-value checks below, which name the value
+    at fault and run only when this says no."""
+    if not rows:
+        return True
+    pairs = set(map(type, counters)) == {tuple} and set(map(len, counters)) == {2}
+    if not pairs or set(map(type, params)) != {SamplingParams}:
+        return False
+    flat = [c for counter in counters for c in counter]
+    return (set(map(type, rows)) == {int} and set(map(type, flat)) == {int}
+            and 0 <= min(rows) and max(rows) < available
+            and 0 <= min(flat) and max(flat) <= U64_MAX)
 
 
 def sample_logits(logits: np.ndarray, rows: Sequence[int], params: Sequence[SamplingParams],

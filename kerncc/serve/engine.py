@@ -11,10 +11,12 @@ It keeps up to `depth` items in flight (by default one per stage: a cut pipeline
 since `Chain.submit` returns once issued) and waits only for the oldest.
 
 Decoding goes a step ahead (`Config.ahead`, on): when the next step is the decode step in
-flight again (every running sequence in it, its tokens greedy or drawn on the device, none
-ending on its token by length, nobody to admit), the engine issues it before that step's
-tokens are here, its token input written on the device from that step's token output
-(`ModelRunner.feeder`), so the device goes from step to step without waiting for the host.
+flight again (every running sequence in it, its tokens greedy or drawn on the device, no row
+past what its sequence may hold, nobody to admit; one that ends by length on that step's
+token rides along beside one that does not, its row's token dropped), the engine issues it
+before that step's tokens are here, its token input written on the device from that step's
+token output (`ModelRunner.feeder`), so the device goes from step to step without waiting
+for the host.
 A step of several decode calls (more sequences than one decode call takes,
 `Limits.decode_groups`) goes ahead call for call: the calls all write one token output, so
 each one's is copied on the device right after it and its draw (`TokenFeed.keep`,
@@ -147,6 +149,9 @@ class Engine:
         self.pool = KVPool(self.model.pages)
         self.prefix = PrefixCache(self.pool, self.model.stride, config.prefix_cache)
         self.limits = self._limits(config)
+        # positions a sequence may hold: a row issued ahead past them cannot be fed
+        self._reach = min(b for b in (self.capacity, self.model.limits.context,
+                                      self.limits.pages_per_seq * self.stride) if b)
         self.depth = config.depth or len(self.model.sessions)
         self.max_queue = config.max_queue
         self.keep_logits, self.keep_runs = config.logits, config.runs
@@ -170,6 +175,9 @@ class Engine:
         # a step ahead (`_go_ahead`): the calls the scheduler has not heard of yet
         self.ahead = config.ahead and self.model.keeps_inputs
         self.ahead_steps = 0  # decode steps issued ahead (counts: a server runs long)
+        # rows issued ahead for a sequence that ended before they landed (by length, a stop
+        # token, a cancel): fed, their tokens dropped
+        self.dropped = 0
         self.drawn_steps = 0  # decode steps whose sampled tokens were drawn on the device
         self._ahead: tuple[_Flight, ...] = ()  # its calls, in issue order
         self._after: Callable[[], None] | None = None  # run_forever's
@@ -472,8 +480,9 @@ class Engine:
                 or all(r.sampler is None for r in requests)
                 or not self.model.draws_on_device(forward)):
             return None
+        emits, served = _emits(item), self.requests
         return sampling_hook.device_draws(
-            [r.sampler if r.id in item.emits and self.requests.get(r.id) is r else None
+            [r.sampler if r.id in emits and served.get(r.id) is r else None
              for r in requests],
             [start + 1 - len(r.prompt) for r, (_, start, _) in zip(requests, item.parts)],
             every)
@@ -484,14 +493,16 @@ class Engine:
         """Issue the decode step after the one in flight before its tokens are here, each
         sequence's token fed on the device from that step's token output, when that step
         is all the scheduler would plan next: every running sequence in it, its tokens
-        greedy or drawn on the device, none that can end on its token by length, nobody it
-        would admit. A step of several decode calls goes ahead call for call, each fed from
-        the copy of its call's token output kept right after it (`_Flight.kept`: the calls
-        of a step all write one output). A sequence whose next row starts a page gets the
-        page now. With a grammar's row, a one-call step's draw waits for the one before to
-        land (`_draw_ahead`). The scheduler hears of the step once the one before has landed
-        (`_adopt_ahead`); a sequence that ends on that one's token (a stop token, a cancel)
-        has its row's token dropped. False when it cannot go ahead."""
+        greedy or drawn on the device, no row past what its sequence may hold, nobody it
+        would admit (a sequence that ends by length on that step's token rides along beside
+        one that does not, its row's token dropped, as below). A step of several decode
+        calls goes ahead call for call, each fed from the copy of its call's token output
+        kept right after it (`_Flight.kept`: the calls of a step all write one output). A
+        sequence whose next row starts a page gets the page now. With a grammar's row, a
+        one-call step's draw waits for the one before to land (`_draw_ahead`). The
+        scheduler hears of the step once the one before has landed (`_adopt_ahead`); a
+        sequence that ends on that one's token (a stop token, a cancel) has its row's token
+        dropped. False when it cannot go ahead."""
         if not self.ahead or self._ahead or not self.inflight:
             return False
         flights = list(self.inflight)
@@ -511,12 +522,19 @@ class Engine:
         later = any(sampling_hook.follows_tokens(r.sampler) for r in requests)
         if later and (len(flights) > 1 or flights[0].kept is not None):
             return False
+        # A sequence that ends by length on the step in flight rides along: its row's token
+        # is dropped, as a stop token's is (refusing made every step of a batch whose
+        # sequences end at different steps wait for the host); only a row past what a
+        # sequence may hold cannot be fed, and a step whose every sequence ends is not worth
+        # a step of the device.
+        served, reach, stride = self.requests, self._reach, self.stride
+        held = self.pool.held
+        if all(len(r.generated) + 2 > r.max_new for r in requests):
+            return False
         for request, (seq_id, start, _) in zip(requests, parts):
-            if (self.requests.get(seq_id) is not request
-                    or len(request.generated) + 2 > request.max_new
-                    or (start + 1) // self.stride >= self.limits.pages_per_seq):
+            if served.get(seq_id) is not request or start + 2 > reach:
                 return False
-            if start + 1 >= len(self.pool.held(seq_id)) * self.stride:
+            if start + 1 >= len(held(seq_id)) * stride:
                 grants.append((seq_id, 1))
         feeds = [self.model.feeder(f.forward, len(f.item.parts), f.kept) for f in flights]
         if None in feeds or len(grants) > self.pool.free:
@@ -558,6 +576,7 @@ class Engine:
         for flight in ahead:
             parts = tuple(p for p, r in zip(flight.item.parts, flight.requests)
                           if self.requests.get(r.id) is r)
+            self.dropped += len(flight.item.parts) - len(parts)
             if parts:
                 items.append(sch.Item("decode", parts, tuple(seq_id for seq_id, _, _ in parts)))
         if items:
@@ -573,14 +592,16 @@ class Engine:
         item = flight.item
         if self.keep_runs:
             self._record(flight, outputs)
+        emits = _emits(item)
+        served = self.requests
         self.state = sch.landed_all(self.state, {  # the chunk parts that hand back no token
             r.id: False for r in flight.requests
-            if r.id not in item.emits and self.requests.get(r.id) is r})
-        if not item.emits:
+            if r.id not in emits and served.get(r.id) is r})
+        if not emits:
             return
         # a row of the outputs per sequence of the call (a chunk's: its last row's token)
         drawn = sampling_hook.tokens(outputs, flight.forward.emits, LOGITS,
-                                     [r.sampler if r.id in item.emits and not flight.drawn
+                                     [r.sampler if r.id in emits and not flight.drawn
                                       else None for r in flight.requests],
                                      [len(r.generated) for r in flight.requests])
         now = time.perf_counter()
@@ -588,7 +609,7 @@ class Engine:
             if self.keep_logits and LOGITS in outputs else None
         # cancelled while in flight, or a chunk part short of its last token: no token
         given = [(i, r) for i, r in enumerate(flight.requests)
-                 if self.requests.get(r.id) is r and r.id in item.emits]
+                 if served.get(r.id) is r and r.id in emits]
         self.state = sch.landed_all(self.state, {r.id: True for _, r in given})
         for i, request in given:
             if rows is not None:
@@ -640,6 +661,12 @@ class Engine:
             self._end(request, "error", why)
         self.inflight.clear()
         self._ahead = ()
+
+
+def _emits(item: sch.Item) -> frozenset[int]:
+    """The sequences `item` hands a token to, as a set: a 128-sequence step asked the tuple
+    once per sequence (16k comparisons a step)."""
+    return frozenset(item.emits)
 
 
 def _full_decode(item: sch.Item) -> bool:
