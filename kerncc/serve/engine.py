@@ -178,7 +178,7 @@ class Engine:
         # rows issued ahead for a sequence that ended before they landed (by length, a stop
         # token, a cancel): fed, their tokens dropped
         self.dropped = 0
-        self.drawn_steps = 0  # decode steps whose sampled tokens were drawn on the device
+        self.drawn_steps = 0  # calls whose sampled tokens were drawn on the device
         self._ahead: tuple[_Flight, ...] = ()  # its calls, in issue order
         self._after: Callable[[], None] | None = None  # run_forever's
 
@@ -470,13 +470,14 @@ class Engine:
 
     def _draws(self, item: sch.Item, forward: proto.Forward, requests: list[Request],
                every: bool = False) -> Any:
-        """How a decode item's sampled tokens are drawn on the device (sampling_hook.
-        device_draws), or None: on the host, or all greedy (`every`: drawn all the same). A
-        sequence no longer served (it ended while the item was issued ahead) is drawn
-        greedily: its token is dropped. The counter of the token a row at position `start`
-        draws is its index among the generated ones, start + 1 - prompt, which the host
-        knows before the tokens before it are here."""
-        if (item.kind != "decode" or not item.emits or not self.draw_on_device
+        """How an item's sampled tokens are drawn on the device (sampling_hook.device_draws),
+        or None: on the host, or all greedy (`every`: drawn all the same). A decode step's
+        rows and a chunk's first tokens alike (a chunk part short of its last prompt token,
+        or a sequence no longer served because it ended while the item was issued ahead, is
+        drawn greedily: its token is dropped). The counter of the token a part's last row
+        (at start + n - 1) draws is its index among the generated ones, start + n - prompt,
+        which the host knows before the tokens before it are here."""
+        if (not item.emits or not self.draw_on_device
                 or all(r.sampler is None for r in requests)
                 or not self.model.draws_on_device(forward)):
             return None
@@ -484,7 +485,7 @@ class Engine:
         return sampling_hook.device_draws(
             [r.sampler if r.id in emits and served.get(r.id) is r else None
              for r in requests],
-            [start + 1 - len(r.prompt) for r, (_, start, _) in zip(requests, item.parts)],
+            [start + n - len(r.prompt) for r, (_, start, n) in zip(requests, item.parts)],
             every)
 
     # ------------------------------------------------------------------------ a step ahead
