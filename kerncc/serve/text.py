@@ -1,5 +1,5 @@
 """The tokenizer behind the server: `kerncc.hf.tokenizer.TextCodec` (the Hugging Face
-`tokenizers` library; its API is that module's docstring).
+`tokenizers` library; its API is docs/hf-import.md's).
 
 This module is the one place of the server that knows it: `load(folders)` gives a codec or
 None (token-id prompts only; a text prompt is then refused with "model has no tokenizer").
