@@ -221,13 +221,10 @@ def _bound_scalar(site: Site, arg: VarScalar, value: int) -> np.generic:
 # ---------------------------------------------------------------------------------- parsing
 
 
-def parse_sites(plan: dict, resolve: Resolver, programs: Sequence[str] | None = None
-                ) -> dict[str, list[Site]]:
+def parse_sites(plan: dict, resolve: Resolver) -> dict[str, list[Site]]:
     """Every program's sites in launch order (call order, then launch order)."""
     out: dict[str, list[Site]] = {}
     for name, program in plan["programs"].items():
-        if programs is not None and name not in programs:
-            continue
         sites: list[Site] = []
         for c, call in enumerate(program.get("calls", [])):
             for j, record in enumerate(call.get("launches", [])):

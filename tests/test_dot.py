@@ -40,8 +40,8 @@ def test_dot_of_a_cut_program() -> None:
     assert text.startswith('digraph "decode" {') and text.rstrip().endswith("}")
     nodes, edges = _parse(text)
     graph = dataflow_graph(man, ["decode"])
-    assert len(nodes) == graph.number_of_nodes()
-    assert len(edges) == graph.number_of_edges()
+    assert len(nodes) == len(graph.nodes)
+    assert len(edges) == len(graph.edges())
     assert all(a in nodes and b in nodes for a, b in edges)
     assert text.count("subgraph cluster_stage") == 2
     crossing = [attrs for attrs in nodes.values() if "crosses 0->1" in attrs]

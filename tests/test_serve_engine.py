@@ -466,7 +466,6 @@ def test_on_a_gpu_two_call_steps_issued_ahead_give_the_bits_of_steps_one_at_a_ti
         same_bits(one, ahead)
 
 
-@pytest.mark.skipif(not sampling_hook.available(), reason="kerncc.runtime.sampling not merged")
 def test_a_seeded_request_draws_the_same_tokens_whatever_it_is_batched_with(whole, prompts):
     params = sampling_hook.Params(temperature=0.8, top_p=0.9, seed=7)
 

@@ -27,7 +27,6 @@ from kerncc.example import generate
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
 from reference_loop import reference
-from kerncc.serve import sampling_hook
 from serving import serving as serve_on_loopback
 
 MODEL = "kerncc-qwen3-tiny"
@@ -535,7 +534,6 @@ def test_a_stage_fault_answers_500_and_stops_admission(chain):
         assert complete(url, prompt=[1, 2], max_tokens=2).status_code == 503
 
 
-@pytest.mark.skipif(not sampling_hook.available(), reason="kerncc.runtime.sampling not merged")
 def test_seeded_sampling_is_reproducible(base):
     ask = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 8, "temperature": 0.9, "top_p": 0.95,
            "seed": 1234}

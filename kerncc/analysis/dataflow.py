@@ -80,12 +80,6 @@ class Dataflow:
         """Every edge (source, target, data), sources in insertion order."""
         return [(src, dst, data) for src, out in self._succ.items() for dst, data in out]
 
-    def number_of_nodes(self) -> int:
-        return len(self.nodes)
-
-    def number_of_edges(self) -> int:
-        return sum(len(out) for out in self._succ.values())
-
     def to_networkx(self) -> nx.MultiDiGraph:
         import networkx as nx
 

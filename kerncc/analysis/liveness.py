@@ -45,14 +45,14 @@ class Liveness:
     programs: dict[str, ProgramLiveness]
 
 
-def live_ins(accesses: Sequence[CallAccess], live_at_end: frozenset[str] = frozenset(),
-             within: frozenset[str] | None = None) -> list[frozenset[str]]:
-    """live_in[i] for every call i, and live_in[n] = live_at_end, by one reverse scan.
+def live_ins(accesses: Sequence[CallAccess], within: frozenset[str] | None = None
+             ) -> list[frozenset[str]]:
+    """live_in[i] for every call i, and live_in[n] = {} (after the last call), by one scan back.
 
     `within`: only those buffers (each buffer's liveness is its own, so this is every set
     intersected with `within`, without building the whole sets first).
     """
-    live = set(live_at_end if within is None else live_at_end & within)
+    live: set[str] = set()
     out = [frozenset(live)]
     for acc in reversed(accesses):
         live -= acc.buffer_kills

@@ -389,9 +389,6 @@ def _tokenizer(folders: list[Path | None], given: str | None, pins: Any = None) 
     found = text.load(folders, pins)
     if found is not None or not given:
         return found
-    if text.TextCodec is None:
-        raise KernccError.single(f"--tokenizer {given}: text needs the Hugging Face "
-                                 "`tokenizers` library: pip install 'kerncc[hf]'")
     raise KernccError.single(f"--tokenizer {given}: no tokenizer.json in that folder")
 
 

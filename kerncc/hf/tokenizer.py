@@ -2,30 +2,13 @@
 
 `TextCodec.from_dir(dir)` reads `tokenizer.json` with the Hugging Face `tokenizers` library
 (an optional dependency: `pip install 'kerncc[hf]'`; without it text features fail with that
-command), the chat template (`chat_template.jinja`, else `tokenizer_config.json`'s
-`chat_template`) and the eos ids (`generation_config.json`'s `eos_token_id`, then
-`config.json`'s, then the tokenizer config's `eos_token`). It returns None when the folder has
-no tokenizer.json. The API, used by `kerncc run` and the serving engine:
-
-    codec.encode(text, add_special_tokens=True) -> list[int]
-                                             ids as transformers' tokenizer(text) gives them;
-                                             False for apply_chat_template's output
-    codec.decode(ids, skip_special_tokens=False) -> str
-    codec.stream() -> TextStream             incremental: stream.push(id) -> new text
-    codec.apply_chat_template(messages, add_generation_prompt=True, **variables) -> str
-    codec.eos_token_ids, codec.has_chat_template, codec.vocab_size
-
-Chat templates render as transformers renders them: jinja2's immutable sandbox with
-trim_blocks and lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that keeps
-non-ASCII, and `bos_token` / `eos_token` (and the other special tokens) as variables. Nothing
-in a model folder is executed beyond the sandboxed template, and a render is bounded (steps:
-every loop iteration, call, filter and operation; the sizes of what it builds, one value and
-all of them; wall-clock time; a caller's stop: MAX_STEPS, MAX_TEXT, MAX_ITEMS, MAX_WORK,
-RENDER_SECONDS), so a hostile template is an error within seconds, not a hang or a process
-out of memory. tokenizer.json and chat_template.jinja are read bounded (TOKENIZER_LIMIT,
-TEMPLATE_LIMIT, or `--max-file-size` when given). Every problem (a tokenizer.json
-or template that does not parse, ids past the model's vocabulary) is a KernccError naming the
-file.
+command), the chat template and the eos ids; it returns None when the folder has no
+tokenizer.json. Its API, used by `kerncc run` and the serving engine, and how templates render
+are docs/hf-import.md's. Nothing in a model folder is executed beyond the sandboxed template,
+and a render is bounded (MAX_STEPS, MAX_TEXT, MAX_ITEMS, MAX_WORK, RENDER_SECONDS, and a
+caller's stop), so a hostile template is an error within seconds, not a hang or a process out
+of memory. tokenizer.json and chat_template.jinja are read bounded (TOKENIZER_LIMIT,
+TEMPLATE_LIMIT, or `--max-file-size` when given). Every problem is a KernccError naming the file.
 """
 
 from __future__ import annotations

@@ -667,18 +667,16 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 # Routes
 
 
-def create_app(server: Server, manage: bool = True) -> Starlette:
-    """The ASGI app; with `manage` its lifespan starts and stops the engine's thread."""
+def create_app(server: Server) -> Starlette:
+    """The ASGI app; its lifespan starts and stops the engine's thread."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if manage:
-            server.start()
+        server.start()
         try:
             yield
         finally:
-            if manage:
-                await asyncio.to_thread(server.stop)
+            await asyncio.to_thread(server.stop)
 
     async def completions(http: HttpRequest) -> Response:
         return await _generate(server, http, chat=False)

@@ -1,26 +1,12 @@
-"""Automatic prefix caching: full pages of prompt KV kept for later prompts that begin alike.
+"""Automatic prefix caching: full pages of prompt KV kept for later prompts that begin alike
+(what is kept, when a prompt takes it and how pages are evicted: docs/serving.md).
 
-A full page of a prompt's KV is kept under a key of its tokens and everything before them:
-vLLM's hash chain, page i's key being (the serial of page i-1's entry, page i's tokens). The
-key itself is the dict key, not a digest of it, and a serial is never reused (a freed entry's
-children can no longer be reached, and no new entry takes its serial), so two keys are equal
-only when their whole prefixes are: no collision can hand a prompt another prompt's KV. A
-radix tree (SGLang) matches at any token, but the pool's unit is a page and a page is shared
-whole (a partial one would need copying on write), so a hash chain over pages does all a tree
-would here, with one dict lookup a page and no tree to keep balanced on eviction.
-
-What is kept is exactly what a new prompt would have computed: only pages its chunks fed
-(the chunk program's KV; a generated token's, written by the one-row program, may differ in
-its low bits), registered once the call that writes them is issued (calls run in issue order
-on every stage, so a later call that reads them finds them written). A prompt takes the
-longest run of kept pages, never its last token's page (at least one token is computed, so
-there are logits to sample from), and prefills the rest from there: the chunk program reads
-earlier positions only through the KV pages, so the rows are those a whole prefill gives
-(tests/test_serve_prefix.py, bit for bit on the cpu backend).
-
-A waiting prompt whose next page a running sequence is about to compute (two requests with
-one prompt, arriving together) is held back until that page's call is issued, then shares it.
-Page ids go to every stage with the items, so a kept page is kept in every stage at once.
+A page's key is vLLM's hash chain: (the serial of page i-1's entry, page i's tokens), kept as
+the dict key itself, not a digest, and a serial is never reused, so two keys are equal only
+when their whole prefixes are: no collision can hand a prompt another prompt's KV. A radix tree
+(SGLang) matches at any token, but the pool's unit is a page and a page is shared whole (a
+partial one would need copying on write), so a hash chain over pages does all a tree would
+here, with one dict lookup a page and no tree to keep balanced on eviction.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """How the engine turns a call's outputs into tokens: greedy, or per-request sampling.
 
-The one place that knows about `kerncc.runtime.sampling` (the sampling branch:
-`SamplingParams(temperature=0.0, top_k=0, top_p=1.0, seed=None)`, Philox draws keyed by the
-seed with a (sequence, step) counter, and `sample_logits`, the numpy reference over host logits
-rows). Greedy rows take the manifest's argmax output (the forward's `emits`, e.g.
-`next_tokens`), which is what the argmax of the logits gives. A call that holds a sampling
-request brings its logits back and samples them on the host: the engine keeps several calls in
-flight, and the logits buffer on the device already holds a later call's by the time the oldest
-is collected. The counter of a request's token t is (0, t), so a seeded request draws the same
-tokens whatever it is batched with and whichever request it is.
+The one place that knows about `kerncc.runtime.sampling` (`SamplingParams(temperature=0.0,
+top_k=0, top_p=1.0, seed=None)`, Philox draws keyed by the seed with a (sequence, step) counter,
+and `sample_logits`, the numpy reference over host logits rows). Greedy rows take the
+manifest's argmax output (the forward's `emits`, e.g. `next_tokens`), which is what the argmax
+of the logits gives. A call that holds a sampling request brings its logits back and samples
+them on the host: the engine keeps several calls in flight, and the logits buffer on the device
+already holds a later call's by the time the oldest is collected. The counter of a request's
+token t is (0, t), so a seeded request draws the same tokens whatever it is batched with and
+whichever request it is.
 
 Where the model runner can (`ModelRunner.draws_on_device`), a decode call's plain sampled
 requests are drawn on the device instead (`device_draws`: the same reference, the same
@@ -22,9 +22,6 @@ drawn on the device its row is a `kerncc.runtime.processing.Processed` one (proc
 drawn there, its results heard by the Drawer when the call's outputs are taken); elsewhere its
 rows come back, are processed, then picked (`logits.draw`). A request that asks for none of it
 takes exactly the path above: its bits are those of a server without processors.
-
-Until kerncc.runtime.sampling exists every request is greedy and temperature > 0 is refused
-with a clear message.
 """
 
 from __future__ import annotations
@@ -36,13 +33,9 @@ import attrs
 import numpy as np
 
 from kerncc.diagnostics import KernccError
+from kerncc.runtime import processing as _processing
+from kerncc.runtime import sampling as _sampling
 from kerncc.serve import logits as _logits
-
-try:  # the sampling branch
-    from kerncc.runtime import processing as _processing
-    from kerncc.runtime import sampling as _sampling  # type: ignore[attr-defined]
-except ImportError:
-    _sampling = _processing = None
 
 
 @attrs.frozen
@@ -77,11 +70,6 @@ class Params:
                 and not self.ranked and self.grammar is None)
 
 
-def available() -> bool:
-    """Whether requests may sample (temperature > 0)."""
-    return _sampling is not None and hasattr(_sampling, "sample_logits")
-
-
 def prepare(params: Params) -> Any:
     """The sampler's own params for one request, checked, its seed fixed for the whole
     sequence (a fresh random one when none is given); None for a greedy request."""
@@ -89,10 +77,6 @@ def prepare(params: Params) -> Any:
         return None
     if params.greedy:
         return _logits.Drawer(params, None, _matcher(params))
-    if not available():
-        raise KernccError.single("temperature > 0 needs kerncc.runtime.sampling, which this "
-                                 "kerncc does not have yet: only greedy decoding (temperature "
-                                 "0) is served", "/temperature")
     native = _sampling.SamplingParams(temperature=params.temperature, top_k=params.top_k,
                                       top_p=params.top_p, seed=params.seed)
     if params.plain:

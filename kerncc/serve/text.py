@@ -1,5 +1,5 @@
 """The tokenizer behind the server: `kerncc.hf.tokenizer.TextCodec` (the Hugging Face
-`tokenizers` library; its API is that module's docstring), when it exists.
+`tokenizers` library; its API is docs/hf-import.md's).
 
 This module is the one place of the server that knows it: `load(folders)` gives a codec or
 None (token-id prompts only; a text prompt is then refused with "model has no tokenizer").
@@ -11,10 +11,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-try:  # needs the `tokenizers` library (the hf extra)
-    from kerncc.hf.tokenizer import TextCodec, TextStream
-except ImportError:
-    TextCodec = TextStream = None
+from kerncc.hf.tokenizer import TextCodec, TextStream
 
 
 class Text:
@@ -67,8 +64,6 @@ class Text:
 def load(folders: Iterable[Path | None], pins: Any = None) -> Text | None:
     """The first folder's tokenizer that TextCodec can read, or None; `pins`: the tokenizer
     files the bundle was lowered with, which the files read must be (TextCodec.from_dir)."""
-    if TextCodec is None:
-        return None
     for folder in folders:
         if folder is None or not Path(folder).is_dir():
             continue

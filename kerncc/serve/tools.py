@@ -2,25 +2,10 @@
 messages of its history, the grammar that forces a call, and the model's answer parsed back
 into OpenAI's `tool_calls`.
 
-The tools reach the model through its own chat template, as Hugging Face's
-`apply_chat_template(messages, tools=...)` passes them; the call comes back in the format that
-template teaches, which is read off the template's text (`template_format`):
-
-* `qwen3` (Qwen2.5, Qwen3, Hermes): the template writes `<tool_call>`; a call is
-  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several in a row.
-* `llama3` (Llama 3.1, 3.2): the template writes `<|python_tag|>` or `"parameters"`; a call is
-  the JSON object `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several
-  separated by `;`.
-
-A template that never reads `tools` cannot tell the model about them, and one of neither format
-gives answers this module cannot parse: both refuse `tools` with a 400 saying so.
-
-`tool_choice`: `none` renders no tools and parses nothing; `auto` (the default with tools)
-renders them and parses a call when the model writes one, else the text is the content;
-`required` and a named function also force the call's syntax through the grammar engine
-(kerncc.serve.grammar: a Lark grammar whose arguments follow the function's JSON-schema
-`parameters`): a named function once, `required` one call or (Qwen3) several.
-`parallel_tool_calls` false allows one call (the grammar's, or the first parsed).
+The tools reach the model through its own chat template, and the call comes back in the format
+that template teaches, read off the template's text (`template_format`: `qwen3` or `llama3`).
+docs/serving.md ("Tools") gives both formats and every `tool_choice`; a forced call's syntax
+goes through kerncc.serve.grammar, its arguments following the function's JSON schema.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The batched decode's split attention pipelined across each block's splits (kernels/attention.cu
-`attn_decode_split_pipe_tc_bf16`), on the cuda backend.
-
-A launch of `attn_decode_split_tc_bf16` with grid (seqs, nk, Z) gives each (sequence, kv head)
-Z blocks, block z taking splits z, z + Z, ...; each split is a serial chain in its block
-(page-table entries, K and V loads, the mma's, the partial's stores), so the KV stream idles
-between a block's splits, and with few blocks a multiprocessor it idles often. The pipelined
-kernel has the same ABI and grid meaning and writes the same partials bit for bit, for any Z
-(the same operations in the same order; tests/test_attention_pipe_cuda.py compares them), but
-each warp brings the K and V tiles of the block's next splits into a ring in shared memory by
-cp.async while it computes the current one. So it can run with a small Z, down to one block a
-(sequence, kv head) walking all its splits, and keep the stream busy.
+`attn_decode_split_pipe_tc_bf16`), on the cuda backend: the same ABI, grid meaning and partials
+bit for bit as `attn_decode_split_tc_bf16`, but each warp brings the K and V tiles of its
+block's next splits into shared memory while it computes the current one (docs/runtime.md,
+"The batched decode attention pipelined", says why and what it measured).
 
 Which launches. At load, `sites` finds every launch of `attn_decode_split_tc_bf16` from the
 library's attention cubin with a block of 256 (gated or not: each goes out alone). At each
@@ -18,14 +11,9 @@ over splits: the batched `decode_batch`; the `decode` program's block per split 
 kernel, which has nothing to overlap there), the head dim is one the kernel takes (32, 64, 96,
 128) and nq / nk is 1, 2, 4 or 8; else as prepared. The pipelined launch keeps the split's
 arguments and grid x, y, takes `blocks` (the Z rule) for grid z and `shared_bytes(hd, G)` of
-dynamic shared memory, whose limit the backend raises once at load.
-
-On by default; off with `KERNCC_PIPE_ATTENTION=0`, or `CudaBackend.pipe_attention = False`
-before a Session loads. Measured on an H200 (docs/benchmarks.md, commit 2e4b997; `python -m
-bench.decode`'s `pipe` section compares it with the split kernel at batch 1, 8 and 32 sequences): at 32
-sequences the step saves 2.8-3.0 us a layer. Below `columns` (sequences x kv heads under the
-multiprocessor count) it keeps the split kernel: at 8 sequences the step measured slower with
-it. `CudaBackend.pipe_columns` lowers that threshold (the GPU tests do, for their small models).
+dynamic shared memory, whose limit the backend raises once at load. Below `columns` (sequences
+x kv heads under the multiprocessor count) it keeps the split kernel, measured faster there;
+`CudaBackend.pipe_columns` lowers that threshold (the GPU tests do, for their small models).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The cuda backend: one NVIDIA GPU, its memory, cubin launches, cuBLAS GEMMs, CUDA graphs.
 
-What lives where (gpu/NOTES.md has the measurements behind each choice):
+What lives where (docs/runtime.md, "The cuda backend", has the measurements behind it):
 * cuda.core: the device (`Device(i).set_current()`, properties, peer capability), the stream
   and the events, and graph capture (`Stream.create_graph_builder`).
 * cuda.bindings (the driver API): plain `cuMemAlloc` allocations (peer copies need plain
@@ -11,17 +11,8 @@ What lives where (gpu/NOTES.md has the measurements behind each choice):
 * cuBLAS through ctypes (`kerncc.runtime.backends.cublas`) for the GEMM externs, and
   kerncc's own GEMV kernels (`kerncc.runtime.backends.gemv`) for their decode shapes (m <= 8).
 
-Programmatic dependent launch (PDL): a kernel of kerncc's own library (its module's sha256 is
-one `kernels/cubins.json` marks `"waits"`: every entry begins with `griddepcontrol.wait`) is
-launched with programmatic stream serialization while a CUDA graph is captured, when the
-operation just before it on the stream is a kernel this backend launched: in the graph its
-launch and its blocks' start overlap that kernel's drain (a decode step: 1.45 -> 1.32 ms,
-docs/benchmarks.md). After anything else on the stream (a copy, an event, cuBLAS, another
-library, the start of a run or of a capture) the next launch is a plain one: the overlap is
-asked for only where the wait is known to cover it. Launches issued one by one stay plain:
-there `cuLaunchKernelEx` cost more host time than the overlap gave back (serving at 32
-sequences, 4.0-4.3 against 5.0 thousand tokens/s). Numerics do not change (the same kernels
-in the same order). `KERNCC_PDL=0` turns it off.
+Programmatic dependent launch (PDL) in captured graphs, after a kernel of this backend only, and
+what it measured: docs/runtime.md ("Overlapping launches"). `KERNCC_PDL=0` turns it off.
 
 Every driver call is checked (cuda.bindings returns its CUresult; it does not raise) and a
 failure is a `BackendError` naming the call; the Session adds program, call, op and launch.

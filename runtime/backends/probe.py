@@ -1,9 +1,9 @@
 """Whether this machine can run the cuda backend, asked without touching a GPU in-process.
 
-`cuda.core.Device()` in a process without a working driver raises, and was once seen to hang
-(gpu/NOTES.md), so the question goes to a short-lived child process: it imports cuda.core and
-counts the devices. The answer is cached for the life of the process. Nothing here imports
-cuda: the tests' gpu marker and `kerncc run --backend cuda` ask it first.
+`cuda.core.Device()` in a process without a working driver raises, and was once seen to hang,
+so the question goes to a short-lived child process: it imports cuda.core and counts the
+devices. The answer is cached for the life of the process. Nothing here imports cuda: the
+tests' gpu marker and `kerncc run --backend cuda` ask it first.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Process placement: every stage of a bundle in its own OS process, driven by the head.
 
-`ProcessChain` is a `Chain` to its callers (the Generator, the serving engine): `submit`,
-`run`, `sync`, `sessions` (one `StageView` per stage: manifest, stage, token capacity) and
-`programs`. The head is the process that made it; it keeps the scheduler and the only pool, as
-kern's head does (spec §6.1), and runs no stage itself. Each stage process is spawned
-(multiprocessing, spawn start method: no fork of a process that holds a GPU) with a control
-channel of its own (a pipe); neighbouring stages get a data link of their own
-(kerncc.runtime.placement.transport), so crossing buffers never pass through the head.
-
-Set-up follows kern's Hello / Table: each stage loads, says `hello` (pid, programs, token
-capacity, the NCCL ids of its outgoing links); the head answers every stage a `table` (the ids
-of its incoming links); each stage opens its links and says `ready`. Then `submit` sends every
-stage the item (program, vars, and the host inputs it takes by name: fills and page tables) in
-issue order and returns at once; a `RemotePending` waits for the outputs of the last stage that
-runs the program.
-
-Faults: a receiver thread reads every channel and watches every process. A stage that dies
-fails every in-flight item at once, with an error naming the stage, its pid and how it ended; a
-stage that says nothing for `timeout` seconds (no heartbeat: frozen), or that has an item it
-could work on and makes no progress on it for `timeout` seconds (a hung device), fails them
-once the timeout passes. After a fault the chain is down: every stage process is killed and
-reaped (no orphans), every later `submit` raises. `close()` stops the stages cleanly.
+`ProcessChain` is a `Chain` to its callers (the serving engine): `submit`, `run`, `sync`,
+`sessions` (one `StageView` per stage: manifest, stage, token capacity) and `programs`. The
+head keeps the scheduler and the only pool, as kern's head does (spec §6.1), and runs no stage.
+Each stage process is spawned (no fork of a process that holds a GPU) with a control pipe of its
+own; neighbouring stages get a data link (kerncc.runtime.placement.transport). The set-up
+(hello, table, ready), the items and the faults (a receiver thread reads every channel and
+watches every process) are docs/runtime.md's "Placements".
 """
 
 from __future__ import annotations

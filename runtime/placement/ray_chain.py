@@ -1,24 +1,13 @@
 """Ray placement: every stage of a bundle a Ray actor, placed by a placement group on a cluster.
 
-`RayChain` is a `Chain` to its callers, like ProcessChain. `ray.init(address)` joins the
-cluster (`--ray-address`; none: the one Ray finds, or a local one); a placement group reserves
-one bundle per stage (one CPU, and one GPU on the cuda backend), packed onto as few hosts as
-fit (`strategy`, Ray's PACK by default; SPREAD puts each stage on its own host when it can),
-and stage k's actor is created in bundle k. Every actor opens the bundle directory by its path:
-the bundle (and the checkpoint) must be where every host sees it (a shared file system), and
-kerncc must be installed on every host.
-
-Items go to every actor in issue order (Ray runs one caller's calls on an actor in the order
-they were made). A stage hands its crossing buffers to the stages after it as the value of its
-call, which Ray gives the receiving call as an argument: straight from actor to actor, never
-through the head. With `transport="host"` (and on the cpu backend) the value is the bytes,
-through Ray's object store; with `nccl` (on cuda, and `auto` when nccl4py imports) it is only
-the byte count: the bytes go by NCCL send/recv on the two actors' streams (a two-rank
-communicator per link, set up once all actors are placed), as in process placement. A stage
-that fails an item raises; the calls that take its crossing buffers then fail before they run,
-so the stages after a failure never see the item, as in the in-process chain. A dead actor fails the items at once; an item with no answer within
-`timeout` seconds fails naming the first stage that did not answer. After a fault the chain is
-down and its actors are killed.
+`RayChain` is a `Chain` to its callers, like ProcessChain; docs/runtime.md ("Placements") says
+where the actors go, what every host must see and how faults end the chain. Items go to every
+actor in issue order (Ray runs one caller's calls on an actor in the order they were made). A
+stage hands its crossing buffers to the stages after it as the value of its call, which Ray
+gives the receiving call as an argument: straight from actor to actor, never through the head;
+with `nccl` that value is only the byte count and the bytes go by NCCL on the two actors'
+streams. A stage that fails an item raises; the calls that take its crossing buffers then fail
+before they run, so the stages after a failure never see the item.
 
 Ray is the optional extra `ray` (`pip install 'kerncc[ray]'`), imported only here.
 """
