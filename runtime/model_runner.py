@@ -473,7 +473,8 @@ class ModelRunner:
         differs."""
         if not self.plain or any(r.start + r.n >= len(r.pages) * self.stride for r in rows):
             return
-        nxt = [r._replace(start=r.start + r.n, n=1) for r in rows]
+        # Rows(...) rather than `_replace`: a fifth of its cost, 128 of them a step
+        nxt = [Rows(r.seq, r.prompt, r.generated, r.pages, r.start + r.n, 1) for r in rows]
         vars = self.protocol.vars(len(nxt), len(nxt), len(nxt), max(r.start + 1 for r in nxt))
         staged = {name: array for name, array in self.inputs(nxt, tokens=False).items()
                   if name in self.plain}
