@@ -529,3 +529,24 @@ def test_the_command_line_step_budget_reaches_the_scheduler(whole):
     assert limits.step_tokens == 20 and limits.prefill_rows(3) == 17
     assert limits.prefill_rows(19) == limits.prefill_floor == min(limits.chunk.rows,
                                                                  limits.stride)
+
+
+def test_a_page_table_follows_pages_that_grow_in_place_and_is_never_written_in_place(whole):
+    """The runner hands back the last page-table matrix itself while the same sequences hold
+    the same pages (no stacking, no comparing with the device's copy), a new one as soon as a
+    sequence's page list grows (the pool appends to it in place), and never changes an array
+    it handed back: the device's copy is compared against it."""
+    from kerncc.runtime.model_runner import Rows
+
+    runner = ModelRunner(whole)
+    table = runner.protocol.page_tables[0].name
+    pages = [[3, 1], [2]]
+    rows = [Rows(0, [7] * 20, [], pages[0], 4, 1), Rows(1, [9] * 20, [], pages[1], 2, 1)]
+    first = runner.inputs(rows)[table]
+    assert runner.inputs(rows)[table] is first
+    pages[1].append(5)
+    grown = runner.inputs(rows)[table]
+    assert grown is not first
+    assert grown[1, :2].tolist() == [2, 5] and grown[0, :2].tolist() == [3, 1]
+    assert first[1, :2].tolist() == [2, 0], "the array handed back before is unchanged"
+    assert not grown[:, 2:].any()

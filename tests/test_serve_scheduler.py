@@ -146,10 +146,10 @@ def test_a_full_pool_preempts_the_newest_and_recomputes_it():
     a = sch.Seq(0, tokens=8, cached=7, pages=2)
     b = sch.Seq(1, tokens=12, cached=11, pages=3)
     state = sch.State((), (a, b), free=0)
-    plan = sch.schedule(sch.State((), (attrs_evolve(a, tokens=9, cached=8), b), 0), limits)
+    plan = sch.schedule(sch.State((), (a.but(tokens=9, cached=8), b), 0), limits)
     assert plan.preempted == (1,)
     assert plan.grants == ((0, 1),)
-    after = sch.apply(sch.State((), (attrs_evolve(a, tokens=9, cached=8), b), 0), plan)
+    after = sch.apply(sch.State((), (a.but(tokens=9, cached=8), b), 0), plan)
     assert after.waiting == (sch.Seq(1, 12),) and after.free == 2
     assert [p for item in plan.items for p in item.parts] == [(0, 8, 1)]
     assert state.free == 0

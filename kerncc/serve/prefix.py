@@ -59,7 +59,7 @@ class PrefixCache:
             self._hits[seq.id] = (pages, serials)
             reuse = len(pages) * self.stride
             if (seq.reuse, seq.fresh, seq.held) != (reuse, fresh, held):
-                waiting[index] = attrs.evolve(seq, reuse=reuse, fresh=fresh, held=held)
+                waiting[index] = seq.matched(reuse, fresh, held)
             if held:
                 break  # admission stops here: the ones behind it are not looked at
             ahead.append(waiting[index].admitted(self.stride))
