@@ -272,3 +272,11 @@ extern "C" __global__ void __launch_bounds__(512)
   pdl_begin();
   gemv_tile<4, 2, 16, 1>(a, w, c, m, n, k, mode);
 }
+// 64 rows of A a block, one W tile, one chunk in flight (126 registers): past 32 rows on the
+// 8-warp shapes each W tile is read once where mb4_t4 reads it twice (bench.gemv --every).
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_mb8(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+           int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_tile<8, 1, 8, 1>(a, w, c, m, n, k, mode);
+}

@@ -60,7 +60,7 @@ ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2_t2": (256, 2, 2),
            "gemv_bf16_tn_mb4_t2": (256, 4, 2), "gemv_bf16_tn_mb4_t3": (256, 4, 3),
            "gemv_bf16_tn_mb1_w16": (512, 1, 1), "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2),
            "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2), "gemv_bf16_tn_mb4_t4": (256, 4, 4),
-           "gemv_bf16_tn_mb4_w16_t2": (512, 4, 2)}
+           "gemv_bf16_tn_mb4_w16_t2": (512, 4, 2), "gemv_bf16_tn_mb8": (256, 8, 1)}
 INVARIANT = config.invariant()
 # The most rows a site may launch with and still be served by these kernels when invariant:
 # above it (prefill chunks) the pinned cuBLASLt algorithm of runtime/backends/cublas.py.
@@ -98,7 +98,9 @@ def invariant_entry(m: int, n: int) -> str:
         return NARROW_ENTRY
     if m <= 16:
         return "gemv_bf16_tn_mb2_t2"
-    if m > 32 or n >= VOCAB_N:
+    if m > 32:
+        return "gemv_bf16_tn_mb8"
+    if n >= VOCAB_N:
         return "gemv_bf16_tn_mb4_t4"
     return "gemv_bf16_tn_mb4_t3" if n >= WIDE_N else "gemv_bf16_tn_mb4_t2"
 
