@@ -10,6 +10,9 @@ What lives where (gpu/NOTES.md has the measurements behind each choice):
   once, and only the var-dependent slots are rewritten before each launch.
 * cuBLAS through ctypes (`kerncc.runtime.backends.cublas`) for the GEMM externs, and
   kerncc's own GEMV kernels (`kerncc.runtime.backends.gemv`) for their decode shapes (m <= 8).
+* The FP8 decode GEMV `gemv_fp8_bf16` launched as its tensor-core form `gemv_fp8_bf16_tc`
+  (the same function and arguments, its own block and grid) where the site allows it
+  (`kerncc.runtime.backends.fp8_gemv`, one switch).
 
 Programmatic dependent launch (PDL): a kernel of kerncc's own library (its module's sha256 is
 one `kernels/cubins.json` marks `"waits"`: every entry begins with `griddepcontrol.wait`) is
