@@ -566,3 +566,6 @@ def cast_bf16_f32(launch: Any, x, y, n) -> None:
 KERNELS.update({fn.__name__: _int_scalars(fn)
                 for fn in (fp8_quantize_bf16, fp8_dequantize_bf16, gemv_fp8_bf16,
                            cast_bf16_f32)})
+# The tensor-core FP8 GEMVs (8 and 16 warps) compute gemv_fp8_bf16's function, summed in
+# another fixed order (kernels/fp8.cu): the same reference.
+KERNELS["gemv_fp8_bf16_tc"] = KERNELS["gemv_fp8_bf16_tc_w16"] = KERNELS["gemv_fp8_bf16"]

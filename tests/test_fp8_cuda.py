@@ -3,9 +3,13 @@
 
 Quantize and dequantize compute each value alone with the references' roundings (f32 division,
 e4m3 round to nearest even with saturation; one bf16 rounding), so they must give the
-references' bits. The GEMV sums the same f32 products in another fixed order: within f32
-rounding of the reference, plus one bf16 rounding in the bf16 modes. An FP8-quantized model
-gives the cpu backend's greedy tokens on cuda.
+references' bits. The GEMVs (`gemv_fp8_bf16` and its tensor-core forms `gemv_fp8_bf16_tc`,
+`..._tc_w16`) sum the same f32 products in other fixed orders: within f32 rounding of the
+reference, plus one bf16 rounding in the bf16 modes. The tensor-core forms are also checked at
+the 8B model's shapes and at odd ones, on raw e4m3 bytes (every finite code, subnormals
+included) with scales that differ block by block, for the same bits on every grid and launch,
+and for a row of C whose bits do not depend on m or on its place in the batch. An
+FP8-quantized model gives the cpu backend's greedy tokens on cuda, with either FP8 GEMV.
 """
 
 from __future__ import annotations
@@ -74,19 +78,33 @@ def test_bf16_scales_widen_to_the_reference_bits(gpu):
     assert np.array_equal(gpu.download(out, np.zeros(5000, np.float32)), x.astype(np.float32))
 
 
+GEMVS = ("gemv_fp8_bf16", "gemv_fp8_bf16_tc", "gemv_fp8_bf16_tc_w16")
+TC_THREADS = {"gemv_fp8_bf16_tc": 256, "gemv_fp8_bf16_tc_w16": 512}
+
+
+def gemv_launch(gpu, entry: str, m: int, n: int, args: list, grid: int | None = None) -> None:
+    """One launch of an FP8 GEMV on its own geometry (the old kernel: a warp per row of W; the
+    tensor-core ones: a block per 16-row tile and 8 rows of A, unless `grid` says otherwise)."""
+    if entry == "gemv_fp8_bf16":
+        gpu.launch("fp8", entry, -(-n // 8), 256, args)
+        return
+    blocks = grid if grid is not None else max(1, -(-n // 16) * -(-m // 8))
+    gpu.launch("fp8", entry, blocks, TC_THREADS[entry], args)
+
+
+@pytest.mark.parametrize("entry", GEMVS)
 @pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("m, n, k", [(1, 4096, 4096), (3, 1024, 4112), (8, 384, 12288),
                                      (33, 136, 512)])
-def test_gemv_matches_the_reference(gpu, mode, m, n, k):
+def test_gemv_matches_the_reference(gpu, entry, mode, m, n, k):
     q, s = fp8_quantize(weight(n, k, 2))
     rng = np.random.default_rng(3)
     a = rng.standard_normal((m, k)).astype(np.float32).astype(BF16)
     c0 = rng.standard_normal((m, n)).astype(np.float32)
     c0 = c0 if mode == 2 else c0.astype(BF16)
     dc = gpu.upload(c0)
-    gpu.launch("fp8", "gemv_fp8_bf16", -(-n // 8), 256,
-               [gpu.upload(a), gpu.upload(q), gpu.upload(s), dc, i32(m), i32(n), i32(k),
-                i32(mode)])
+    gemv_launch(gpu, entry, m, n, [gpu.upload(a), gpu.upload(q), gpu.upload(s), dc, i32(m),
+                                   i32(n), i32(k), i32(mode)])
     got = gpu.download(dc, c0).astype(np.float32)
     want = c0.copy()
     KERNELS["gemv_fp8_bf16"](None, a.view(np.uint8).reshape(-1), q.view(np.uint8).reshape(-1),
@@ -100,7 +118,118 @@ def test_gemv_matches_the_reference(gpu, mode, m, n, k):
     assert np.isfinite(got).all() and scale > 0
 
 
-def test_an_fp8_model_gives_the_cpu_tokens_on_cuda(tmp_path):
+def raw_fp8(n: int, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random e4m3 bytes (every finite code, subnormals and both zeros included) and f32 block
+    scales spread over 2^-6 .. 2^6, so a chunk scaled by its neighbour's block shows."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x38  # no NaN codes: 1.0 instead
+    bn, bk = -(-n // 128), -(-k // 128)
+    s = np.exp2(rng.uniform(-6, 6, (bn, bk))).astype(np.float32)
+    return q, s
+
+
+def activations(m: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)) * np.exp(rng.uniform(-2, 2, (m, 1)))
+    a[a == 0] = 1.0
+    return a.astype(np.float32).astype(BF16)
+
+
+def run_tc(gpu, entry, a, q, s, c0, mode, grid=None) -> np.ndarray:
+    """C after one launch of `entry`, checked to leave the 64 bytes past C untouched."""
+    m, k = a.shape
+    n = q.shape[0]
+    guard = np.full(64, 0xA5, np.uint8)
+    dc = gpu.upload(np.concatenate([c0.view(np.uint8).reshape(-1), guard]))
+    gemv_launch(gpu, entry, m, n, [gpu.upload(a), gpu.upload(q), gpu.upload(s), dc, i32(m),
+                                   i32(n), i32(k), i32(mode)], grid)
+    out = gpu.download(dc, np.zeros(c0.nbytes + 64, np.uint8))
+    assert np.array_equal(out[c0.nbytes:], guard), "a store past C"
+    return out[:c0.nbytes].view(c0.dtype).reshape(c0.shape)
+
+
+def assert_near_reference(a, q, s, c0, got, mode) -> None:
+    """Within f32 reordering of the reference (relative to the sum of |products| of each
+    output, which a wrong pairing of k, a missed chunk or a wrong scale exceed by far), plus
+    one bf16 rounding in the bf16 modes."""
+    m, k = a.shape
+    n = q.shape[0]
+    want = c0.copy()
+    KERNELS["gemv_fp8_bf16_tc"](None, a.view(np.uint8).reshape(-1), q.reshape(-1),
+                                s.view(np.uint8).reshape(-1), want.view(np.uint8).reshape(-1),
+                                m, n, k, mode)
+    want = want.astype(np.float32)
+    wdq = np.abs(q.view(FP8).astype(np.float32))
+    wdq *= np.repeat(np.repeat(s, 128, axis=0), 128, axis=1)[:n, :k]
+    magnitude = np.abs(a.astype(np.float32)) @ wdq.T
+    bound = magnitude * 2.0 ** -14 + (np.abs(want) * 2.0 ** -7 if mode != 2 else 0)
+    got = got.astype(np.float32)
+    assert np.isfinite(got).all() and (magnitude > 0).all()
+    worst = np.unravel_index(np.argmax(np.abs(got - want) - bound), got.shape)
+    assert (np.abs(got - want) <= bound).all(), (worst, got[worst], want[worst])
+
+
+def start_c(m: int, n: int, mode: int, seed: int) -> np.ndarray:
+    c0 = np.random.default_rng(seed).standard_normal((m, n)).astype(np.float32)
+    return c0 if mode == 2 else c0.astype(BF16)
+
+
+EIGHT_B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]  # qkv, o, gate_up, down
+
+
+@pytest.mark.parametrize("entry", TC_THREADS)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n, k", EIGHT_B)
+def test_tc_gemv_matches_the_reference_at_the_8b_shapes(gpu, entry, m, n, k):
+    q, s = raw_fp8(n, k, n + k)
+    a = activations(m, k, m)
+    for mode in (0, 1, 2):
+        c0 = start_c(m, n, mode, mode)
+        assert_near_reference(a, q, s, c0, run_tc(gpu, entry, a, q, s, c0, mode), mode)
+
+
+@pytest.mark.parametrize("entry", TC_THREADS)
+def test_tc_gemv_matches_the_reference_at_the_8b_lm_head(gpu, entry):
+    n, k = 151936, 4096
+    q, s = raw_fp8(n, k, 7)
+    a = activations(1, k, 8)
+    c0 = start_c(1, n, 0, 9)
+    assert_near_reference(a, q, s, c0, run_tc(gpu, entry, a, q, s, c0, 0), 0)
+
+
+@pytest.mark.parametrize("entry", TC_THREADS)
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("m, n, k", [(1, 16, 16), (2, 17, 48), (5, 40, 144), (8, 129, 272),
+                                     (7, 300, 4112), (9, 24, 2064), (1, 1, 64), (20, 72, 1040)])
+def test_tc_gemv_matches_the_reference_at_odd_shapes(gpu, entry, mode, m, n, k):
+    q, s = raw_fp8(n, k, n)
+    a = activations(m, k, k)
+    c0 = start_c(m, n, mode, m)
+    assert_near_reference(a, q, s, c0, run_tc(gpu, entry, a, q, s, c0, mode), mode)
+
+
+@pytest.mark.parametrize("entry", TC_THREADS)
+@pytest.mark.parametrize("n, k", [(4096, 4096), (136, 2064)])
+def test_tc_gemv_rows_do_not_depend_on_m_place_or_grid(gpu, entry, n, k):
+    """A row of C gets the same bits alone (m = 1), in a batch of 20 at any place, on every
+    grid and on a second launch: the kernel's claim that decode results are batch-invariant."""
+    q, s = raw_fp8(n, k, 11)
+    a = activations(20, k, 12)
+    c0 = np.zeros((20, n), np.float32)
+    batch = run_tc(gpu, entry, a, q, s, c0, 2)
+    assert np.array_equal(run_tc(gpu, entry, a, q, s, c0, 2), batch)
+    for grid in (1, 7):
+        assert np.array_equal(run_tc(gpu, entry, a, q, s, c0, 2, grid), batch)
+    for i in (0, 5, 13, 19):
+        alone = run_tc(gpu, entry, a[i:i + 1], q, s, c0[:1], 2)
+        assert np.array_equal(alone[0], batch[i]), i
+    moved = np.roll(a, 3, axis=0)  # row i now sits at i + 3 of its group of 8 (or the next)
+    assert np.array_equal(run_tc(gpu, entry, moved, q, s, c0, 2), np.roll(batch, 3, axis=0))
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_an_fp8_model_gives_the_cpu_tokens_on_cuda(tmp_path, monkeypatch, tensor_cores):
     from hf.fp8_models import write_fp8
     from hf.models import write_model
     from kerncc.hf.importer import import_model
@@ -108,6 +237,9 @@ def test_an_fp8_model_gives_the_cpu_tokens_on_cuda(tmp_path):
     from kerncc.runtime import Chain
     from reference_loop import alone
 
+    from kerncc.runtime.backends import fp8_gemv
+
+    monkeypatch.setattr(fp8_gemv, "TENSOR_CORES", tensor_cores)
     sizes = {"hidden": 256, "heads": 2, "kv_heads": 1, "head_dim": 128, "intermediate": 512,
              "vocab": 300, "layers": 2}
     bf16 = write_model(tmp_path / "bf16", "qwen3", seed=9, **sizes)

@@ -349,7 +349,8 @@ def bound(b: Binding, base: str, shape: list[int], bind: list[dict]) -> dict[str
 # `<base>.s` f32 [ceil(n/128), ceil(k/128)] to their `weight_scale_inv` tensors (the layout of
 # block-wise FP8 checkpoints); with `Binding.quantize` a bf16 linear binds a source `<base>.src`
 # that the derive program quantizes into those two carries (kernels/fp8.cu). Decode runs
-# gemv_fp8_bf16 on them; prefill dequantizes into op scratch and runs the bf16 GEMM.
+# gemv_fp8_bf16 on them (the cuda backend launches its tensor-core form where it can:
+# runtime/backends/fp8_gemv.py); prefill dequantizes into op scratch and runs the bf16 GEMM.
 
 LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 FP8 = "fp8e4m3"

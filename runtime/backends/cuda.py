@@ -10,6 +10,9 @@ What lives where (docs/runtime.md, "The cuda backend", has the measurements behi
   once, and only the var-dependent slots are rewritten before each launch.
 * cuBLAS through ctypes (`kerncc.runtime.backends.cublas`) for the GEMM externs, and
   kerncc's own GEMV kernels (`kerncc.runtime.backends.gemv`) for their decode shapes (m <= 8).
+* The FP8 decode GEMV `gemv_fp8_bf16` launched as its tensor-core form `gemv_fp8_bf16_tc`
+  (the same function and arguments, its own block and grid) where the site allows it
+  (`kerncc.runtime.backends.fp8_gemv`, one switch).
 
 Programmatic dependent launch (PDL) in captured graphs, after a kernel of this backend only, and
 what it measured: docs/runtime.md ("Overlapping launches"). `KERNCC_PDL=0` turns it off.
@@ -48,7 +51,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without the ext
 from kerncc import config
 from kerncc.diagnostics import KernccError
 from kerncc.kernels import library
-from kerncc.runtime.backends import attention_pipe, gemv
+from kerncc.runtime.backends import attention_pipe, fp8_gemv, gemv
 from kerncc.runtime.backends.cublas import GEMMS, Blas, CublasError, Lt, lt_version
 from kerncc.runtime.backends.probe import cuda_devices
 from kerncc.runtime.launch import Pack, Site, VarScalar, evaluate
@@ -549,7 +552,40 @@ class CudaBackend(Backend):
     def prepare(self, site: Site) -> Callable[[tuple[int, int, int], int, Sequence[int]], None]:
         if site.kind == "extern":
             return self._prepare_extern(site)
+        if site.entry == fp8_gemv.ENTRY and fp8_gemv.TENSOR_CORES:
+            tensor_cores = self._fp8_tensor_cores(site)
+            if tensor_cores is not None:
+                return tensor_cores
         return _KernelLaunch(self, site, self._function(site.entry, site.module))
+
+    def _fp8_tensor_cores(self, site: Site) -> Callable | None:
+        """A `gemv_fp8_bf16` site on its tensor-core form (runtime/backends/fp8_gemv.py): the
+        same arguments, its own block and a grid from m; None where the site's shape or
+        pointers are not fixed or not usable, or its module predates the entry (the site then
+        runs as the manifest names it)."""
+        if len(site.args) != 8:
+            return None
+        a, w, s, c, m_at, n, k, _ = site.args
+        if any(isinstance(v, (VarScalar, Pack)) for v in (a, w, s, c, n, k)):
+            return None
+        n, k = int(n), int(k)
+        if not fp8_gemv.usable(n, k, int(a), int(w)):
+            return None
+        entry = fp8_gemv.TC_ENTRY
+        try:
+            fn = self._function(entry, site.module)
+        except BackendError:
+            return None
+        block = (fp8_gemv.TC_THREADS[entry], 1, 1)
+        launch = _KernelLaunch(self, attrs.evolve(site, entry=entry, block=block), fn)
+        m_var = isinstance(m_at, VarScalar)  # m is then the site's first var-dependent scalar
+
+        def run(grid: tuple[int, int, int], shared: int, scalars: Sequence[int]) -> None:
+            m = int(scalars[0]) if m_var else int(m_at)
+            blocks = fp8_gemv.grid(m, n) if grid[0] > 0 else 0  # the manifest's "nothing to do"
+            launch((blocks, 1, 1), shared, scalars)
+
+        return run
 
     def _prepare_extern(self, site: Site) -> Callable:
         name = site.extern_name
