@@ -568,4 +568,4 @@ KERNELS.update({fn.__name__: _int_scalars(fn)
                            cast_bf16_f32)})
 # The tensor-core FP8 GEMVs (8 and 16 warps) compute gemv_fp8_bf16's function, summed in
 # another fixed order (kernels/fp8.cu): the same reference.
-KERNELS["gemv_fp8_bf16_tc"] = KERNELS["gemv_fp8_bf16_tc_w16"] = KERNELS["gemv_fp8_bf16"]
+KERNELS["gemv_fp8_bf16_tc"] = KERNELS["gemv_fp8_bf16"]

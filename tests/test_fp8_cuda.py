@@ -3,9 +3,9 @@
 
 Quantize and dequantize compute each value alone with the references' roundings (f32 division,
 e4m3 round to nearest even with saturation; one bf16 rounding), so they must give the
-references' bits. The GEMVs (`gemv_fp8_bf16` and its tensor-core forms `gemv_fp8_bf16_tc`,
-`..._tc_w16`) sum the same f32 products in other fixed orders: within f32 rounding of the
-reference, plus one bf16 rounding in the bf16 modes. The tensor-core forms are also checked at
+references' bits. The GEMVs (`gemv_fp8_bf16` and its tensor-core form `gemv_fp8_bf16_tc`) sum the same f32
+products in other fixed orders: within f32 rounding of the reference, plus one bf16 rounding
+in the bf16 modes. The tensor-core form is also checked at
 the 8B model's shapes and at odd ones, on raw e4m3 bytes (every finite code, subnormals
 included) with scales that differ block by block, for the same bits on every grid and launch,
 and for a row of C whose bits do not depend on m or on its place in the batch. An
@@ -78,8 +78,8 @@ def test_bf16_scales_widen_to_the_reference_bits(gpu):
     assert np.array_equal(gpu.download(out, np.zeros(5000, np.float32)), x.astype(np.float32))
 
 
-GEMVS = ("gemv_fp8_bf16", "gemv_fp8_bf16_tc", "gemv_fp8_bf16_tc_w16")
-TC_THREADS = {"gemv_fp8_bf16_tc": 256, "gemv_fp8_bf16_tc_w16": 512}
+GEMVS = ("gemv_fp8_bf16", "gemv_fp8_bf16_tc")
+TC_THREADS = {"gemv_fp8_bf16_tc": 256}
 
 
 def gemv_launch(gpu, entry: str, m: int, n: int, args: list, grid: int | None = None) -> None:

@@ -23,7 +23,7 @@ TENSOR_CORES = True
 ENTRY = "gemv_fp8_bf16"
 TC_ENTRY = "gemv_fp8_bf16_tc"
 # tensor-core entry: threads a block (32 per warp; the warp count fixes the order of the sums)
-TC_THREADS = {"gemv_fp8_bf16_tc": 256, "gemv_fp8_bf16_tc_w16": 512}
+TC_THREADS = {"gemv_fp8_bf16_tc": 256}
 TILE_ROWS = 16  # rows of W a job (one mma tile)
 JOB_COLS = 8  # rows of A a job (one mma "B" operand)
 
