@@ -248,3 +248,67 @@ def test_on_a_gpu_a_sampled_batch_goes_ahead(model, prompts):
             assert engine.ahead_steps >= 10, "the sampled batch went ahead"
     finally:
         close_chains(chain)
+
+
+@pytest.fixture(scope="module")
+def long_prompts() -> list[list[int]]:
+    """Prompts of several chunks of 8, two sharing their first 16 tokens (the prefix cache)."""
+    rng = np.random.default_rng(41)
+    found = [rng.integers(0, 256, n).tolist() for n in (40, 23, 33, 5, 28, 19)]
+    found[4][:16] = found[0][:16]
+    return found
+
+
+def same_bits(one, other) -> None:
+    assert [r.finish for r in one] == [r.finish for r in other]
+    for a, b in zip(one, other):
+        assert a.generated == b.generated
+        assert np.array_equal(np.stack(a.logits).view(np.uint32),
+                              np.stack(b.logits).view(np.uint32))
+
+
+@pytest.mark.parametrize("chunk, step_tokens, early", [(8, None, True), (8, 1000, True),
+                                                       (32, 32, False)])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_prefill_chunks_go_ahead_with_the_bits_of_steps_one_at_a_time(
+        whole, long_prompts, chunk, step_tokens, early, prefix_cache):
+    """The next step's prefill chunks are issued while the step before runs (`_chunk_ahead`):
+    greedy and sampled rows, stop tokens, prefix caching; the tokens and logits of the steps
+    one at a time, bit for bit. A step budget that leaves a chunk fewer rows beside more
+    decodes keeps them a step at a time (32 rows and a budget of 32: planned early beside no
+    decode, a chunk would take more rows than beside the six that follow)."""
+    params = mixed(len(long_prompts))
+    config = dict(chunk=chunk, step_tokens=step_tokens, prefix_cache=prefix_cache)
+    one, _ = served(whole, long_prompts, params, ahead=False, draw_on_device=False, **config)
+    stops = [one[1].generated[5], one[2].generated[9]]
+    one, _ = served(whole, long_prompts, params, stops=stops, ahead=False,
+                    draw_on_device=False, **config)
+    ahead, engine = served(whole, long_prompts, params, stops=stops, **config)
+    same_bits(one, ahead)
+    assert (engine.early_steps > 0) == early, engine.early_steps
+    assert any(r.finish == "stop" for r in ahead)
+
+
+def test_a_request_cancelled_while_its_early_chunk_runs_leaves_the_others_bits(
+        whole, long_prompts):
+    """A request cancelled once a chunk of its prompt was issued early: its pages come back,
+    it hears nothing more, and every other request has the tokens and logits of the steps
+    one at a time."""
+    params = mixed(len(long_prompts))
+    one, _ = served(whole, long_prompts, params, chunk=8, ahead=False, draw_on_device=False)
+    engine = Engine(whole, Config(max_running=len(long_prompts), logits=True, chunk=8))
+    requests = [engine.submit(Request(p, 24, q)) for p, q in zip(long_prompts, params)]
+    victim = None
+    for _ in range(2000):  # far more ticks than this load needs
+        if victim is None and engine.early_steps:
+            early = [f for f in engine.inflight if f.early]
+            victim = early[-1].requests[-1]
+            engine.cancel(victim)
+        if not engine.tick() and not engine.requests:
+            break
+    else:
+        raise AssertionError("the engine did not drain")
+    assert victim is not None and victim.finish == "cancelled"
+    assert engine.pool.free == engine.pool.pages
+    kept = [(a, b) for a, b in zip(one, requests) if b is not victim]
+    same_bits([a for a, _ in kept], [b for _, b in kept])

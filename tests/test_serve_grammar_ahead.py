@@ -132,6 +132,20 @@ def test_a_batch_with_grammar_rows_goes_ahead_with_the_bits_of_steps_one_at_a_ti
     assert max(len(r.generated) for r in ahead) == 16
 
 
+def test_grammar_rows_prefilled_in_chunks_planned_early_keep_the_bits(chain, shapes):
+    """Prompts of several chunks of 64: the next step's chunks go while the step before runs
+    (`Engine._chunk_ahead`), a grammar's first token drawn under its first mask as it is a
+    step at a time; every outcome is the steps one at a time's."""
+    forms, eos = shapes
+    params = kinds(forms)
+    specs = [([(7 * j + i) % 200 + 1 for j in range(n)], 12, params[i], {eos}, 0, None)
+             for i, n in zip((4, 5, 1, 6, 7, 2), (150, 90, 130, 70, 140, 100))]
+    one, _ = served(chain, specs, ahead=False)
+    ahead, engine = served(chain, specs, ahead=True)
+    assert engine.early_steps > 0, "prefill chunks were planned while a step ran"
+    assert [outcome(r) for r in ahead] == [outcome(r) for r in one]
+
+
 def test_a_complete_grammar_without_an_eos_stop_runs_on_as_a_step_at_a_time(chain, shapes):
     """Its eos is no stop token: the grammar done, its masks let nothing more through; the
     request runs to its length, the same tokens ahead or not (never a hang)."""

@@ -139,6 +139,7 @@ class _Flight:
     # right after it for the same call of the step after (`_go_ahead`); None: not kept
     kept: int | None = None
     later: bool = False  # issued ahead, its draw still to come (`_draw_ahead`)
+    early: bool = False  # prefill chunks planned while the step before ran (`_chunk_ahead`)
 
 
 class Engine:
@@ -180,6 +181,12 @@ class Engine:
         self.dropped = 0
         self.drawn_steps = 0  # calls whose sampled tokens were drawn on the device
         self._ahead: tuple[_Flight, ...] = ()  # its calls, in issue order
+        # prefill chunks planned while the step before runs (`_chunk_ahead`): only where a
+        # step's budget leaves them the same rows however many decodes ride beside them
+        self._early_chunks = self.ahead and (self.limits.prefill_rows(0)
+                                             == self.limits.prefill_rows(self.limits.max_running))
+        self._early = 0  # such chunk calls in flight
+        self.early_steps = 0  # chunk steps planned so (counts: a server runs long)
         self._after: Callable[[], None] | None = None  # run_forever's
 
     # ------------------------------------------------------------------------ limits
@@ -328,12 +335,13 @@ class Engine:
                     self._issue(plan)
                     self._notify()
                     return True
-            if self._go_ahead():
+            if self._go_ahead() or self._chunk_ahead():
                 self._notify()
                 return True
             self._notify()
             if self.inflight:
                 flight = self.inflight.popleft()
+                self._early -= flight.early
                 self._collect(flight)  # told at the next turn, or now with the core apart
                 if self._ahead and self.inflight and self.inflight[0] is self._ahead[0]:
                     self._draw_ahead()  # the last call of the step before it has landed
@@ -356,9 +364,10 @@ class Engine:
         newcomer's prefill then waits no longer than without them)."""
         if self._ahead:
             return False
-        if len(self.inflight) < self.depth:
+        busy = len(self.inflight) - self._early  # chunks planned early are the next step's
+        if busy < self.depth:
             return True
-        return (self.ahead and len(self.inflight) == self.depth
+        return (self.ahead and busy == self.depth
                 and sch.admits(self.state, self.limits))
 
     def _notify(self) -> None:
@@ -554,6 +563,36 @@ class Engine:
         self.ahead_steps += 1
         return True
 
+    def _chunk_ahead(self) -> bool:
+        """Issue the next step's prefill chunks while the step in flight runs, when they are
+        all the scheduler would plan now: their rows are prompt tokens, known on the host, so
+        the device goes from this step to them without waiting, and the host plans the rest
+        of the next step (the decodes, fed the tokens of the step before) while they run.
+        They are the chunks `sch.schedule` would plan now (`sch.chunks`), applied at once (the
+        scheduler knows them as issued), cut where the steps one at a time would cut them
+        (the rows a step's budget leaves them do not depend on the decodes beside them:
+        `_early_chunks`). Not while someone waits (an admission would change the packing), a
+        chunk planned so is in flight (one step ahead at most), the chunks would preempt, or
+        their pages would leave fewer free than a page a running sequence (the decodes of
+        the step after must not be starved of theirs). False when none go."""
+        state = self.state
+        if (not self._early_chunks or self._early or self._ahead or not self.inflight
+                or state.waiting):
+            return False
+        emits = self.limits.chunk_emits
+        if not any(s.prefill_left(emits) for s in state.running):
+            return False
+        plan = sch.chunks(state, self.limits)
+        if (not plan.items or plan.preempted
+                or sum(n for _, n in plan.grants) + len(state.running) > state.free):
+            return False
+        self._issue(plan)  # its signature kept: bench/serve_trace.py wraps it
+        for flight in itertools.islice(reversed(self.inflight), len(plan.items)):
+            flight.early = True
+        self._early = len(plan.items)
+        self.early_steps += 1
+        return True
+
     def _draw_ahead(self) -> None:
         """The step issued ahead of its draw (a grammar's row in it) is drawn now that the
         step before it has landed: each grammar has followed its token, so its mask for this
@@ -662,6 +701,7 @@ class Engine:
             self._end(request, "error", why)
         self.inflight.clear()
         self._ahead = ()
+        self._early = 0
 
 
 def _emits(item: sch.Item) -> frozenset[int]:

@@ -270,6 +270,19 @@ def schedule(state: State, limits: Limits) -> Plan:
                 tuple(items), tuple(draft.reused))
 
 
+def chunks(state: State, limits: Limits) -> Plan:
+    """The chunk items alone of the step `schedule` would plan now, admitting no one: those
+    a driver issues before the step in flight has landed (their rows are prompt tokens,
+    known), planning that step's decodes once their tokens are here. Chunks come first in a
+    step, so they are the step's own: the same parts, grants and preemptions."""
+    draft = _Draft(state, limits.stride)
+    emits = limits.chunk_emits
+    decodes = sum(1 for s in draft.seqs.values() if s.decodable(emits) or s.replayable(emits))
+    items = _chunk_items(draft, limits, limits.prefill_rows(decodes))
+    return Plan(preempted=tuple(draft.preempted), grants=tuple(draft.grants),
+                items=tuple(items))
+
+
 def admits(state: State, limits: Limits) -> bool:
     """Whether the next step would admit the oldest waiting sequence (the rule `_admit`
     applies): a driver that plans a step of its own first asks this."""
