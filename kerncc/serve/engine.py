@@ -31,6 +31,11 @@ step's token (a stop token, a cancel) has its row's token dropped (drawn greedil
 draw comes later). The tokens and logits are a step at a time's (tests/test_serve_engine.py,
 the property tests, tests/test_serve_grammar_ahead.py).
 
+A step's prefill chunks go ahead too (`_chunk_ahead`): their rows are prompt tokens, known on
+the host, so while a step runs the engine issues the next step's chunks (those `sch.chunks`
+gives: what `sch.schedule` would plan now, no admission) and plans that step's decodes once
+their tokens land, while the chunks run (tests/test_serve_engine_pace.py).
+
 `submit`, `cancel` and `stop` may be called from any thread: they only queue a command; the
 loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
 before its next step. A request's `listener` hears each token and the end, on the engine's
