@@ -113,8 +113,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one(url: str, model: str, prompt: list[int], max_tokens: int,
-              sampled: dict[str, Any] | None = None) -> tuple[float, list[float], int]:
-    """(TTFT, ITLs, tokens) of one streaming request, each token timed when its bytes arrive.
+              sampled: dict[str, Any] | None = None,
+              first: asyncio.Event | None = None) -> tuple[float, list[float], int]:
+    """(TTFT, ITLs, tokens) of one streaming request, each token timed when its bytes arrive;
+    `first` is set when its first token arrives.
 
     HTTP/1.1 by hand over asyncio's streams: httpx's stream reader handed the tokens of a
     steady 2 ms rhythm over in bunches about 40 ms apart (ITL p50 0.03 ms, p99 39 ms at 8
@@ -145,6 +147,8 @@ async def one(url: str, model: str, prompt: list[int], max_tokens: int,
                 if "error" in data:
                     raise RuntimeError(data["error"]["message"])
                 times += [arrived] * len(data["choices"][0].get("token_ids", []))
+                if times and first is not None:
+                    first.set()
     finally:
         writer.close()
     if not times:
@@ -163,6 +167,9 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
     gate = asyncio.Semaphore(concurrency)
     deadline = time.perf_counter() + budget
     results: list[tuple[float, list[float], int]] = []
+    # the first wave's first tokens: newcomers arrive beside streams that decode, not beside
+    # the wave's own prefill (a newcomer sent with it waited for all of it)
+    firsts = [asyncio.Event() for _ in prompts[:concurrency]]
 
     async def run(number: int, prompt: list[int]) -> None:
         # the place first, then the ramp's wait: the tasks take their places in order, so the
@@ -174,12 +181,13 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
                 await asyncio.sleep(number * ramp / concurrency)
             if time.perf_counter() < deadline:
                 results.append(await one(url, model, prompt, max_tokens,
-                                         _sampling(number, sampled)))
+                                         _sampling(number, sampled),
+                                         firsts[number] if number < concurrency else None))
 
     started = time.perf_counter()
     streams = asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
     came = [] if newcomers is None else \
-        await _newcomers(url, model, newcomers, streams, deadline)
+        await _newcomers(url, model, newcomers, streams, deadline, firsts)
     await streams
     wall = time.perf_counter() - started
     ttft = [r[0] for r in results]
@@ -195,12 +203,18 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
 
 
 async def _newcomers(url: str, model: str, newcomers: Newcomers, streams: Any,
-                     deadline: float) -> list[float]:
+                     deadline: float, firsts: list[asyncio.Event]) -> list[float]:
     """The TTFTs of newcomers sent every `newcomers.every` seconds while `streams` run (each
     its own prompt of `newcomers.tokens` random ids, one token asked: its TTFT is the
-    measure), at most `newcomers.most`, none past `deadline`; every one sent is awaited."""
+    measure), from one interval after every stream of the first wave has its first token, at
+    most `newcomers.most`, none past `deadline`; every one sent is awaited."""
     rng = np.random.default_rng(1)
     sent: list[asyncio.Task] = []
+    decoding = asyncio.ensure_future(asyncio.gather(*(f.wait() for f in firsts)))
+    await asyncio.wait([streams, decoding], timeout=max(0.0, deadline - time.perf_counter()),
+                       return_when=asyncio.FIRST_COMPLETED)
+    decoding.cancel()
+    await asyncio.wait([streams], timeout=newcomers.every)
     while not streams.done() and len(sent) < newcomers.most \
             and time.perf_counter() < deadline:
         prompt = rng.integers(0, newcomers.vocab, newcomers.tokens).tolist()
