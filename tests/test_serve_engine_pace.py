@@ -312,3 +312,35 @@ def test_a_request_cancelled_while_its_early_chunk_runs_leaves_the_others_bits(
     assert engine.pool.free == engine.pool.pages
     kept = [(a, b) for a, b in zip(one, requests) if b is not victim]
     same_bits([a for a, _ in kept], [b for _, b in kept])
+
+
+def test_a_newcomer_admitted_beside_a_decode_step_has_the_next_decodes_run_behind_its_chunks(
+        whole, long_prompts):
+    """Prompts that arrive while others decode: a newcomer's chunks, planned beside a decode
+    step in flight, are the next step's, and that step's decodes are issued behind them
+    before they land (`_chunks_behind`: the device does not wait for the host between the
+    chunks and the decodes); every request has the tokens and logits of the steps one at a
+    time, bit for bit."""
+    params = mixed(len(long_prompts))
+    one, _ = served(whole, long_prompts, params, chunk=8, ahead=False, draw_on_device=False)
+    engine = Engine(whole, Config(max_running=len(long_prompts), logits=True, chunk=8))
+    requests = [engine.submit(Request(p, 24, q))
+                for p, q in zip(long_prompts[:2], params[:2])]
+    behind = 0  # turns that found decodes issued behind chunks still in flight
+    for turn in range(4000):  # far more turns than this load needs
+        if turn % 40 == 39 and len(requests) < len(long_prompts):
+            i = len(requests)
+            requests.append(engine.submit(Request(long_prompts[i], 24, params[i])))
+        # a newcomer's first chunk (it starts at 0) came with its admission beside the decodes
+        newcomers = {r.id for r in requests[2:]}
+        first = [i for i, f in enumerate(engine.inflight) if f.early and any(
+            start == 0 and seq_id in newcomers for seq_id, start, _ in f.item.parts)]
+        behind += bool(first) and any(f.item.kind == "decode"
+                                      for f in list(engine.inflight)[first[0]:])
+        if not engine.tick() and len(requests) == len(long_prompts) and not engine.requests:
+            break
+    else:
+        raise AssertionError("the engine did not drain")
+    assert behind > 0, "no decode step was issued behind a newcomer's chunks"
+    assert engine.pool.free == engine.pool.pages
+    same_bits(one, requests)

@@ -337,7 +337,10 @@ class Engine:
             if self._room():
                 plan = sch.schedule(self.state, self.limits)
                 if not plan.empty:
+                    behind = bool(self.inflight)
                     self._issue(plan)
+                    if behind:
+                        self._chunks_behind(plan)
                     self._notify()
                     return True
             if self._go_ahead() or self._chunk_ahead():
@@ -592,11 +595,24 @@ class Engine:
                 or sum(n for _, n in plan.grants) + len(state.running) > state.free):
             return False
         self._issue(plan)  # its signature kept: bench/serve_trace.py wraps it
-        for flight in itertools.islice(reversed(self.inflight), len(plan.items)):
-            flight.early = True
-        self._early = len(plan.items)
-        self.early_steps += 1
+        self._mark_early(len(plan.items))
         return True
+
+    def _chunks_behind(self, plan: sch.Plan) -> None:
+        """A plan of chunks alone, issued while a step runs (a newcomer admitted beside a
+        decode step in flight), is the next step's, as `_chunk_ahead`'s chunks are: the
+        decodes of that step are planned once the step in flight lands, and run right after
+        the chunks, instead of after the chunks have landed and the host has heard them.
+        Where the budget leaves the chunks the same rows beside any decodes, as there."""
+        if (self._early_chunks and not self._early
+                and all(item.kind == "chunk" for item in plan.items)):
+            self._mark_early(len(plan.items))
+
+    def _mark_early(self, count: int) -> None:
+        for flight in itertools.islice(reversed(self.inflight), count):
+            flight.early = True
+        self._early = count
+        self.early_steps += 1
 
     def _draw_ahead(self) -> None:
         """The step issued ahead of its draw (a grammar's row in it) is drawn now that the
