@@ -244,10 +244,10 @@ def _sampling(number: int, fraction: float) -> dict[str, Any] | None:
 
 def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
                  prefix_cache: bool = True, split: bool = False,
-                 step_tokens: int | None = None) -> tuple[str, Any]:
+                 step_tokens: int | None = None, fronts: int = 1) -> tuple[str, Any]:
     """The server on a free port of loopback; its URL and what `stop_server` stops. `split`:
-    the front end in a process of its own over a kerncc.serve.core Core in this one, as
-    `kerncc serve` runs them (--api-workers 1); else everything here (--api-workers 0).
+    `fronts` front ends in processes of their own over a kerncc.serve.core Core in this one,
+    as `kerncc serve --api-workers N` runs them; else everything here (--api-workers 0).
     `step_tokens`: the engine's step budget (Config.step_tokens; None: its default)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -256,7 +256,7 @@ def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
     config = Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
                     prefix_cache=prefix_cache, **budget)
     if split:
-        return url, _start_apart(chain, config, model, sock, url)
+        return url, _start_apart(chain, config, model, sock, url, fronts)
     server = Server(Engine(chain, config), model)
     uv = uvicorn.Server(_uvicorn_config(server))
     threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True).start()
@@ -267,19 +267,22 @@ def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
     return url, uv
 
 
-def _start_apart(chain: Chain, config: Config, model: str, sock: socket.socket, url: str
-                 ) -> tuple[Any, Any]:
-    """The front end forked first (before this process starts a thread of its own), then the
-    core on a thread here; (the front end's process, the core) once /health answers."""
+def _start_apart(chain: Chain, config: Config, model: str, sock: socket.socket, url: str,
+                 fronts: int = 1) -> tuple[Any, Any]:
+    """The front ends forked first (before this process starts a thread of its own), then
+    the core on a thread here; (the front ends' processes, the core) once /health answers."""
     from kerncc.serve.core import Core
 
     folder = tempfile.mkdtemp(prefix="kerncc-bench-")
-    inbox, outbox = f"ipc://{folder}/core", f"ipc://{folder}/front"
+    inbox = f"ipc://{folder}/core"
+    outboxes = [f"ipc://{folder}/front-{i}" for i in range(fronts)]
     sock.listen(2048)
-    front = multiprocessing.get_context("fork").Process(
-        target=_front, args=(sock, inbox, outbox, model, os.getpid()), daemon=True)
-    front.start()
-    core = Core(Engine(chain, config), inbox, [outbox])
+    front = [multiprocessing.get_context("fork").Process(
+        target=_front, args=(sock, inbox, outbox, i, model, os.getpid()), daemon=True)
+        for i, outbox in enumerate(outboxes)]
+    for process in front:
+        process.start()
+    core = Core(Engine(chain, config), inbox, outboxes)
     threading.Thread(target=core.run, daemon=True).start()
     for _ in range(3000):  # bounded: 60 s
         with contextlib.suppress(OSError):
@@ -291,11 +294,12 @@ def _start_apart(chain: Chain, config: Config, model: str, sock: socket.socket, 
     raise SystemExit(f"bench.serve: the front end at {url} did not start in 60 s")
 
 
-def _front(sock: socket.socket, inbox: str, outbox: str, model: str, parent: int) -> None:
-    """The front end's process: uvicorn over a CoreClient."""
+def _front(sock: socket.socket, inbox: str, outbox: str, worker: int, model: str,
+           parent: int) -> None:
+    """Front end `worker`'s process: uvicorn over a CoreClient."""
     from kerncc.serve.client import CoreClient
 
-    client = CoreClient(inbox, outbox, 0, alive=lambda: os.getppid() == parent)
+    client = CoreClient(inbox, outbox, worker, alive=lambda: os.getppid() == parent)
     uv = uvicorn.Server(_uvicorn_config(Server(client, model)))
     uv.run(sockets=[sock])
 
@@ -311,9 +315,11 @@ def stop_server(running: Any) -> None:
     if isinstance(running, uvicorn.Server):
         running.should_exit = True
         return
-    front, core = running
-    front.terminate()
-    front.join(10)
+    fronts, core = running
+    for front in fronts:
+        front.terminate()
+    for front in fronts:
+        front.join(10)
     core.stop()
 
 
@@ -347,7 +353,8 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
     # token and leaves: it never decodes), else it would wait for a stream to end
     seats = engine_seqs(args) + (args.newcomers is not None)
     url, running = start_server(chain, seats, model, ahead=ahead, prefix_cache=prefix_cache,
-                                split=split, step_tokens=args.step_tokens)
+                                split=split, step_tokens=args.step_tokens,
+                                fronts=args.api_workers)
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
                len(bundle.stages), getattr(backend, "wake_us", None), context))
     while (asked := conn.recv()) != "stop":
@@ -355,6 +362,17 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
         if backend is not None:
             backend.reset()
     stop_server(running)
+
+
+def _workers(text: str) -> int:
+    """--api-workers: 1 to 16 front ends."""
+    try:
+        workers = int(text)
+    except ValueError:
+        workers = 0
+    if not 1 <= workers <= 16:
+        raise argparse.ArgumentTypeError(f"expected 1 to 16 front ends, got `{text}`")
+    return workers
 
 
 def _number(unit: str, inside: Callable[[float], bool], bounds: str) -> Callable[[str], float]:
@@ -434,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                    "serve --api-workers 1`, its default); off: one process (`--api-workers "
                    "0`; the default here, as the rows measured before the split were); ab: "
                    "off and on, alternating over two rounds of servers, with the ratios")
+    p.add_argument("--api-workers", type=_workers, default=1, metavar="N", help="--split on: "
+                   "the front ends beside the core (`kerncc serve --api-workers N`; default 1)")
     p.add_argument("--devices", default=None, help="e.g. 0,1")
     p.add_argument("--pipeline", default="emit", help="e.g. 'cut,slice-derive,emit'")
     p.add_argument("--levels", default="1,8,32")
@@ -713,7 +733,7 @@ def report(args: argparse.Namespace, run: Round) -> None:
           f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, "
           f"{f'first requests over {args.ramp_ms:g} ms' if args.ramp_ms else 'all at once'}, "
           f"front end "
-          f"{'apart from the core' if run.split else 'in the core process'}, prefix cache "
+          f"{f'apart from the core ({args.api_workers} of them)' if run.split else 'in the core process'}, prefix cache "
           f"{'on' if run.cache else 'off'}")
     if sim:
         rows_cost = f" plus {args.row_us} us a prefill row" if args.row_us is not None else ""

@@ -69,7 +69,7 @@ def test_a_ramp_spreads_the_first_wave_when_more_requests_wait_behind_it(monkeyp
 
     started: dict[int, float] = {}
 
-    async def fake(url, model, prompt, max_tokens, sampled=None):
+    async def fake(url, model, prompt, max_tokens, sampled=None, first=None):
         started[prompt[0]] = time.perf_counter()
         await asyncio.sleep(0.05)
         return 0.01, [], 1
@@ -82,6 +82,31 @@ def test_a_ramp_spreads_the_first_wave_when_more_requests_wait_behind_it(monkeyp
     first = [started[i] - begun for i in range(4)]
     assert first[0] < 0.05 and all(b - a >= 0.08 for a, b in itertools.pairwise(first))
     assert min(started[i] for i in range(4, 8)) - begun >= 0.05  # they wait for a place
+
+
+def test_newcomers_arrive_beside_streams_that_decode_not_beside_their_prefill(monkeypatch):
+    """--newcomers: the first comes one interval after every stream of the first wave has its
+    first token (sent with the wave, it waited for the wave's prefill), then one an interval."""
+    import bench.serve as bench_serve
+
+    begun = time.perf_counter()
+    sent: list[float] = []
+
+    async def fake(url, model, prompt, max_tokens, sampled=None, first=None):
+        if first is None:  # a newcomer
+            sent.append(time.perf_counter() - begun)
+            return 0.01, [], 1
+        await asyncio.sleep(0.3 if prompt[0] else 0.1)  # the wave's prefill
+        first.set()
+        await asyncio.sleep(0.4)
+        return 0.01, [0.002], 2
+
+    monkeypatch.setattr(bench_serve, "one", fake)
+    row = asyncio.run(level("url", "model", 2, [[0], [1]], 2, budget=60,
+                            newcomers=bench_serve.Newcomers(10, 0.1, 100)))
+    assert row["requests"] == 2 and row["newcomers"] == len(sent) >= 2
+    assert sent[0] >= 0.3 + 0.1  # the later stream's first token, then an interval
+    assert all(b - a >= 0.09 for a, b in itertools.pairwise(sent))
 
 
 def test_a_refused_request_is_an_error_not_a_silent_zero(served):
@@ -208,6 +233,8 @@ def test_a_model_too_short_for_the_prefix_is_refused_before_any_request(tmp_path
     (["--newcomers", "0,100"], "expected N >= 1 tokens and 1 <= MS <= 60000"),
     (["--newcomers", "20,0"], "expected N >= 1 tokens and 1 <= MS <= 60000"),
     (["--step-tokens", "0"], "--step-tokens 0: at least 1 row a step"),
+    (["--api-workers", "0"], "expected 1 to 16 front ends, got `0`"),
+    (["--api-workers", "two"], "expected 1 to 16 front ends, got `two`"),
     (["--trace", "/nonexistent-folder/trace.jsonl"], "--trace /nonexistent-folder/trace.jsonl: "
                                                       "cannot append to it"),
 ])
@@ -253,6 +280,16 @@ def test_a_traced_run_prints_where_the_first_token_s_time_goes(tmp_path, capsys)
                   "heard", "written", "first"):
         assert re.search(rf"^\| {stage} \| [\d.-]+ \| [\d.-]+ \| [\d.-]+ \|$", printed,
                          re.MULTILINE), stage
+
+
+def test_several_front_ends_beside_the_core_answer_every_request(tmp_path, capsys):
+    code = main(["--size", "tiny", "--backend", "sim", "--step-ms", "0.5", "--levels", "4",
+                 "--requests-per-level", "2", "--max-tokens", "5", "--max-seqs", "4",
+                 "--budget", "20", "--split", "on", "--api-workers", "2",
+                 "--dir", str(tmp_path / "models")])
+    printed = capsys.readouterr().out
+    assert code == 0 and "front end apart from the core (2 of them)" in printed
+    assert re.search(r"^\| 4 \| 8 \| [\d.]+ \|", printed, re.MULTILINE), printed
 
 
 def test_newcomers_beside_the_streams_are_timed_against_their_ttft_alone(tmp_path, capsys):
