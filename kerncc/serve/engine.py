@@ -34,7 +34,9 @@ the property tests, tests/test_serve_grammar_ahead.py).
 A step's prefill chunks go ahead too (`_chunk_ahead`): their rows are prompt tokens, known on
 the host, so while a step runs the engine issues the next step's chunks (those `sch.chunks`
 gives: what `sch.schedule` would plan now, no admission) and plans that step's decodes once
-their tokens land, while the chunks run (tests/test_serve_engine_pace.py).
+their tokens land, while the chunks run (tests/test_serve_engine_pace.py). A newcomer's
+chunks, planned with its admission beside a decode step in flight, count as that step's too
+(`_chunks_behind`).
 
 `submit`, `cancel` and `stop` may be called from any thread: they only queue a command; the
 loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
