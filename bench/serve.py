@@ -352,11 +352,12 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
     # a newcomer takes a place of its own beside the streams (it is answered by its chunk's
     # token and leaves: it never decodes), else it would wait for a stream to end
     seats = engine_seqs(args) + (args.newcomers is not None)
+    steps = decode_steps(args, chain, seats)  # before the engine: it owns the chain after
     url, running = start_server(chain, seats, model, ahead=ahead, prefix_cache=prefix_cache,
                                 split=split, step_tokens=args.step_tokens,
                                 fronts=args.api_workers)
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
-               len(bundle.stages), getattr(backend, "wake_us", None), context))
+               len(bundle.stages), getattr(backend, "wake_us", None), context, steps))
     while (asked := conn.recv()) != "stop":
         conn.send(backend.idle_us() if asked == "idle" and backend is not None else None)
         if backend is not None:
@@ -373,6 +374,24 @@ def _workers(text: str) -> int:
     if not 1 <= workers <= 16:
         raise argparse.ArgumentTypeError(f"expected 1 to 16 front ends, got `{text}`")
     return workers
+
+
+def decode_steps(args: argparse.Namespace, chain: Chain, seats: int) -> dict[int, float]:
+    """Each level's decode step, ms, to hold its rows against: on the sim, --step-ms; on cuda
+    with one stage, the `decode_batch` graph's replay at the level's sequences, each at the
+    mean context of the level's decode (the prompt and half the answer), measured here before
+    the engine takes the chain; else none."""
+    levels = [int(x) for x in args.levels.split(",")]
+    if args.backend == "sim":
+        return {conc: args.step_ms for conc in levels}
+    if args.backend != "cuda" or len(chain.sessions) > 1 \
+            or "decode_batch" not in chain.sessions[0].manifest.programs:
+        return {}
+    from bench.gpu import batch_step_ms
+
+    prompt = sum(args.prefix) if args.prefix else args.prompt_len
+    return {conc: batch_step_ms(chain, conc, prompt + args.max_tokens // 2)
+            for conc in levels if conc <= seats}
 
 
 def _number(unit: str, inside: Callable[[float], bool], bounds: str) -> Callable[[str], float]:
@@ -571,6 +590,7 @@ class Round:
     rows: list[tuple[int, dict[str, float]]]
     wake_us: float | None  # the simulated device's late wake-up
     hits: dict[str, float]  # the prefix cache's counters over the levels (/metrics)
+    steps: dict[int, float]  # each level's decode step, ms (`decode_steps`; none: {})
     split: bool = False  # the front end in a process of its own (kerncc.serve.core)
     invariant: bool = True  # the cuda backend's batch-invariant GEMMs (the default)
 
@@ -592,9 +612,9 @@ Levels = list[tuple[int, dict[str, float]]]
 
 def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool,
            split: bool = False, invariant: bool = True
-           ) -> tuple[int, Levels, float | None, dict[str, float]]:
+           ) -> tuple[int, Levels, float | None, dict[str, float], dict[int, float]]:
     """One server's levels: (stages, rows, the simulated device's late wake-up, the prefix
-    cache's counters over the levels)."""
+    cache's counters over the levels, each level's decode step in ms: `decode_steps`)."""
     # The server in a process of its own, as `kerncc serve` runs: the clients' work here does
     # not take the server's interpreter lock (in one process it doubled the ITL at 32).
     context = multiprocessing.get_context("spawn")
@@ -606,7 +626,7 @@ def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool,
     try:
         if not mine.poll(600):
             raise SystemExit("bench.serve: the server did not start in 600 s")
-        url, model, vocab, stages, wake_us, limit = mine.recv()
+        url, model, vocab, stages, wake_us, limit, steps = mine.recv()
         if limit is not None and max(args.prompt_len + args.max_tokens,
                                      newcomer_len(args)) > limit:
             mine.send("stop")
@@ -620,7 +640,7 @@ def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool,
         child.join(10)
         if child.is_alive():
             child.terminate()
-    return stages, rows, wake_us, hits
+    return stages, rows, wake_us, hits, steps
 
 
 METRICS = ("queried_tokens", "hit_tokens", "evictions")  # kerncc_prefix_cache_*_total
@@ -699,18 +719,21 @@ async def ttft_alone(url: str, model: str, newcomers: Newcomers) -> float:
     return statistics.median(times)
 
 
-def report_newcomers(args: argparse.Namespace, rows: Levels) -> None:
+def report_newcomers(args: argparse.Namespace, rows: Levels,
+                     steps: dict[int, float] | None = None) -> None:
     """--newcomers: their TTFT p50 / p99 under the level's load against their TTFT alone
-    (the same run), and the running streams' ITL p50 / p99 against --step-ms."""
+    (the same run), and the running streams' ITL p50 / p99 against the level's decode step
+    (`decode_steps`; --step-ms where none was measured)."""
     tokens, every = args.newcomers
-    step = args.step_ms
+    steps = steps or {}
+    said = "measured" if steps and args.backend != "sim" else f"--step-ms, {args.step_ms:g} ms"
     print(f"newcomers: a {tokens}-token prompt every {every:g} ms beside the streams; their "
-          f"TTFT against alone, the streams' ITL against --step-ms ({step:g} ms)")
+          f"TTFT against alone, the streams' ITL against the decode step ({said})")
     print("| concurrency | newcomers | TTFT alone ms | TTFT p50 ms | x alone | TTFT p99 ms "
           "| x alone | ITL p50 x step | ITL p99 x step |")
     print("| --- " * 9 + "|")
     for conc, r in rows:
-        alone = r["new_alone"]
+        alone, step = r["new_alone"], steps.get(conc, args.step_ms)
         cells = [f"{r['newcomers']}", f"{alone * 1e3:.1f}",
                  f"{r['new_ttft_p50'] * 1e3:.1f}", f"{r['new_ttft_p50'] / alone:.2f}x",
                  f"{r['new_ttft_p99'] * 1e3:.1f}", f"{r['new_ttft_p99'] / alone:.2f}x",
@@ -766,12 +789,34 @@ def report(args: argparse.Namespace, run: Round) -> None:
     if hits:
         REPORT.row(label, "prefix cache over the levels: hit rate, hit / queried tokens, "
                    "evictions", hit_line(run.hits))
+    if run.steps:
+        report_steps(label, rows, run.steps)
     if args.newcomers is not None:
-        report_newcomers(args, rows)
+        report_newcomers(args, rows, run.steps)
     REPORT.results.setdefault("runs", []).append({"ahead": ahead, "prefix_cache": run.cache,
                                                   "split": run.split,
                                                   "stages": stages, "rows": rows,
-                                                  "prefix_cache_counts": run.hits})
+                                                  "prefix_cache_counts": run.hits,
+                                                  "decode_step_ms": run.steps})
+
+
+def report_steps(label: str, rows: Levels, steps: dict[int, float]) -> None:
+    """Each level against its own decode step (`decode_steps`): tokens/s against the
+    sequences a step could give (issue 40's goal: at least 0.85x), the ITL p50 / p99 against
+    the step (at most 1.15x / 2x)."""
+    print("against each level's decode step: tokens/s x (sequences / step), ITL x step")
+    print("| concurrency | decode step ms | tokens/s x (seqs / step) | ITL p50 x step "
+          "| ITL p99 x step |")
+    print("| --- " * 5 + "|")
+    for conc, r in rows:
+        if conc not in steps:
+            continue
+        step = steps[conc]
+        cells = (f"{step:.3f}", f"{r['tok_s'] * step / 1e3 / conc:.2f}x",
+                 f"{r['itl_p50'] * 1e3 / step:.2f}x", f"{r['itl_p99'] * 1e3 / step:.2f}x")
+        print(f"| {conc} | {' | '.join(cells)} |")
+        REPORT.row(label, f"concurrency {conc}: decode step ms; tokens/s x (sequences / step); "
+                   "ITL p50, p99 x step", "; ".join(cells))
 
 
 def hit_line(hits: dict[str, float]) -> str:

@@ -292,6 +292,24 @@ def test_several_front_ends_beside_the_core_answer_every_request(tmp_path, capsy
     assert re.search(r"^\| 4 \| 8 \| [\d.]+ \|", printed, re.MULTILINE), printed
 
 
+def test_each_level_is_held_against_its_decode_step(tmp_path, capsys):
+    """On the sim the step is --step-ms; the ratios are the row's own numbers over it."""
+    out = tmp_path / "out"
+    code = main(["--size", "tiny", "--backend", "sim", "--step-ms", "0.5", "--levels", "2,4",
+                 "--requests-per-level", "1", "--max-tokens", "6", "--max-seqs", "4",
+                 "--budget", "20", "--dir", str(tmp_path / "models"), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["decode_step_ms"] == {"2": 0.5, "4": 0.5}
+    for conc, row in run["rows"]:
+        found = re.search(rf"^\| {conc} \| 0.500 \| ([\d.]+)x \| ([\d.]+)x \| ([\d.]+)x \|$",
+                          printed, re.MULTILINE)
+        assert found, printed
+        assert float(found.group(1)) == pytest.approx(row["tok_s"] * 0.5 / 1e3 / conc, abs=0.01)
+        assert float(found.group(3)) == pytest.approx(row["itl_p99"] * 1e3 / 0.5, abs=0.01)
+
+
 def test_newcomers_beside_the_streams_are_timed_against_their_ttft_alone(tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["--size", "tiny", "--backend", "sim", "--step-ms", "0.5", "--row-us", "5",
