@@ -25,6 +25,9 @@ m, MB, T or the unroll (kernels/gemv.cu), so a sequence's logits do not depend o
 others share its decode step. Past 8 rows an entry takes two or three W tiles a block (each
 block then streams A once for more of W: `python -m bench.gemv`), and m above a block's rows
 takes more blocks a tile (row groups), each computing its rows as a launch of its own would.
+Past 32 rows on the eight-warp shapes (and past 16 from SMEM_T4_N) the `_smem` entries stage A
+and W through shared memory (dynamic, `SHARED`), reading A once for two or four W tiles with
+the eight-warp bits.
 """
 
 from __future__ import annotations
