@@ -42,12 +42,12 @@ def test_every_row_and_every_w_row_is_covered_once(m, n):
 @pytest.mark.parametrize("n", [2064, 4096, 6144, 12288, 16384, 24576, 151936])
 def test_past_16_rows_the_8_warp_shapes_take_the_shared_memory_entries(n):
     """Where W has more tiles than the 16-warp entries take, 33 to 64 rows go to the entries
-    that read A once for 2 W tiles (n < SMEM_T4_N: enough blocks to fill the GPU) or 4; 17 to
-    32 rows to mb4_t4_smem from SMEM_T4_N up; every one keeps the 8-warp bits."""
-    wide = n >= gemv.SMEM_T4_N
+    that read A once for 4 W tiles (64 rows of A a block from SMEM_N up, 32 below); 17 to 32
+    rows to mb4_t4_smem from SMEM_N up; every one keeps the 8-warp bits."""
+    wide = n >= gemv.SMEM_N
     for m in range(33, gemv.DECODE_MAX_M + 1):
         assert gemv.invariant_entry(m, n) == ("gemv_bf16_tn_mb8_t4_smem" if wide
-                                              else "gemv_bf16_tn_mb8_t2_smem")
+                                              else "gemv_bf16_tn_mb4_t4_smem")
     for m in range(17, 33):
         entry = gemv.invariant_entry(m, n)
         assert (entry == "gemv_bf16_tn_mb4_t4_smem") == wide, (m, entry)
@@ -85,7 +85,7 @@ def test_a_launch_asks_for_its_entrys_shared_memory(monkeypatch):
     site(0, 0, 0, 64, 4096, 4096, None)
     site(0, 0, 0, 8, 4096, 4096, None)
     site.launch("gemv_bf16_tn_mb8_t4_smem", 0, 0, 0, 40, 1000, 64, None)
-    assert seen == [("gemv_bf16_tn_mb8_t2_smem", 128, 256, gemv.SHARED["gemv_bf16_tn_mb8_t2_smem"]),
+    assert seen == [("gemv_bf16_tn_mb4_t4_smem", 128, 256, gemv.SHARED["gemv_bf16_tn_mb4_t4_smem"]),
                     (gemv.NARROW_ENTRY, 256, 256, 0),
                     ("gemv_bf16_tn_mb8_t4_smem", 16, 256, gemv.SHARED["gemv_bf16_tn_mb8_t4_smem"])]
 
