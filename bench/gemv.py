@@ -2,13 +2,14 @@
 
     python -m bench.gemv [--every] [--out DIR] [--doc docs/benchmarks.md]
 
-For the `small` example's and an 8B model's (Qwen3-8B) weight shapes, at m = 1, 8, 16, 32 and
-64 rows: the GEMV entry the invariant policy picks (runtime/backends/gemv.py `invariant_entry`)
+For the `small` example's and an 8B model's (Qwen3-8B) weight shapes, at m = 1, 8, 16, 32, 48
+and 64 rows: the GEMV entry the invariant policy picks (runtime/backends/gemv.py `invariant_entry`)
 against torch.matmul (cuBLAS, free to pick its kernel by m), each timed as 24 launches over four
 copies of W (more than L2 holds) in one CUDA graph, best of five replays; and whether the
 entry's rows equal the same rows launched one at a time, bit for bit (what makes a sequence's
 logits independent of its batch). `--every` also times every entry of the warp count the
-policy fixes for the shape (what `invariant_entry` is chosen from). Needs torch with CUDA.
+policy fixes for the shape (what `invariant_entry` is chosen from: the `_smem` entries, which
+stage A through shared memory, among the 8-warp ones). Needs torch with CUDA.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ SHAPES = {"small qkv": (4096, 2048), "small o": (2048, 2048), "small gate_up": (
           "small down": (2048, 6144), "small lm_head": (32000, 2048),
           "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (24576, 4096),
           "8b down": (4096, 12288), "8b lm_head": (151936, 4096)}
-ROWS = (1, 8, 16, 32, 64)
+ROWS = (1, 8, 16, 32, 48, 64)
 COPIES, REPEATS = 4, 24
 
 
@@ -112,14 +113,7 @@ class _Forced:
         self.site, self.entry = site, entry
 
     def __call__(self, *args) -> None:
-        from kerncc.runtime.backends import gemv
-
-        picked = gemv.invariant_entry
-        gemv.invariant_entry = lambda m, n: self.entry
-        try:
-            self.site(*args)
-        finally:
-            gemv.invariant_entry = picked
+        self.site.launch(self.entry, *args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@
 // Needs k % 8 == 0 and A, W, C 16-byte aligned (the backend checks and falls back to cuBLAS).
 // Grid: ceil(n / 16) blocks of 32 * WARPS threads.
 #include "gemv.cuh"
+#include "tc.cuh"  // cp.async, shared-memory addresses (gemv_smem_tile)
 
 // WARPS and UNROLL are template parameters: 16 warps (`_w16`) put twice the bytes in flight
 // per multiprocessor, which the few-tile shapes (n = 2048: 128 blocks) need. Measured on an
@@ -260,23 +261,190 @@ extern "C" __global__ void __launch_bounds__(512)
   pdl_begin();
   gemv_tile<3, 2, 16, 2>(a, w, c, m, n, k, mode);
 }
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb4_t4(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
-  pdl_begin();
-  gemv_tile<4, 4, 8, 2>(a, w, c, m, n, k, mode);
-}
 extern "C" __global__ void __launch_bounds__(512)
     gemv_bf16_tn_mb4_w16_t2(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
            int m, int n, int k, int mode) {
   pdl_begin();
   gemv_tile<4, 2, 16, 1>(a, w, c, m, n, k, mode);
 }
-// 64 rows of A a block, one W tile, one chunk in flight (126 registers): past 32 rows on the
-// 8-warp shapes each W tile is read once where mb4_t4 reads it twice (bench.gemv --every).
-extern "C" __global__ void __launch_bounds__(256)
-    gemv_bf16_tn_mb8(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
-           int m, int n, int k, int mode) {
+
+// ---------------------------------------------------------------------------------------------
+// gemv_smem_tile: the same function and the same bits as gemv_tile of the same GEMV_WARPS, with
+// A (and W) staged through shared memory, for 17 to 64 rows of A.
+//
+// Why: gemv_tile holds a chunk's activations in registers (4 * MB a lane), so at MB = 8 a
+// block can afford one W tile (126 registers; two tiles took 182 and lost), and every
+// block re-reads all its rows of A from L2 per 16 rows of W (at m = 64, k = 4096: 512 KB of A
+// a block against 128 KB of W). Here each warp streams its own chunks of A and of the block's
+// T W tiles into a private ring of STAGES shared-memory slots by cp.async (16-byte copies,
+// zero-filled where gemv_tile reads zeros), STAGES - 1 chunks ahead of its math, and feeds the
+// mma operands from shared memory with 16-byte lds; registers hold the accumulators and one
+// chunk's W fragments. A block reads A once for T tiles (T = 4: a quarter of the A traffic).
+// A warp's ring is its own, so the pipeline needs no block barrier (cp.async.wait_group and
+// __syncwarp); the block meets only for the warps' sum.
+//
+// Why the bits equal gemv_tile's (of the same GEMV_WARPS, hence every entry of that warp
+// count, whatever MB, T, m):
+// 1. warp w takes the chunks w, w + GEMV_WARPS, ... in ascending order, as gemv_tile does;
+// 2. lane (g, t) gets the very words gemv_tile's loads give it: `lo`/`hi` = W rows
+//    row0 + 16 i + g (+ 8), k 32 ch + 8 t .. + 7; `act[j]` = A row 8 j + g of the group, the
+//    same k; zero exactly where gemv_tile's are (k piece past k, W row past n, A row past m);
+// 3. per accumulator acc[i][j] the products are the same two mma.m16n8k16 (words .x .y, then
+//    .z .w, as chunk_mma) a chunk, chunk after chunk, from 0.f; the loop order over (i, j)
+//    differs, but each acc[i][j] is touched by its own mma only;
+// 4. the warps' sums are added in warp order from 0.f, then C is written with the same mode
+//    handling (one rounding; + f32(C) first for _ACC; f32 out for _F32), element for element
+//    of the same (row, col) mapping. Rows of other groups never meet (row groups as gemv_tile).
+// Dynamic shared memory: GEMV_WARPS * STAGES * (8 MB + 16 T) * 64 bytes (the backend's
+// gemv.SHARED must say the same; a launch with less traps), reused for the warps' sums.
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+
+template <int MB, int T, int GEMV_WARPS, int STAGES>
+__device__ __forceinline__ void gemv_smem_tile(const bf16* __restrict__ a,
+                                               const bf16* __restrict__ w,
+                                               void* __restrict__ c, int m, int n, int k,
+                                               int mode) {
+  constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
+  constexpr int ROWS = 8 * MB + 16 * T;  // a slot: the chunk's rows of A, then of W
+  constexpr int SLOT = ROWS * 64;        // bytes: 32 bf16 a row
+  constexpr int SMEM = GEMV_WARPS * STAGES * SLOT;
+  // The warps' sums meet TR tiles at a time in the same memory (the adds and their order do
+  // not depend on TR).
+  constexpr int TILE_SUMS = GEMV_WARPS * MB * 512;  // bytes of one tile's partial sums
+  constexpr int TR = (T * TILE_SUMS <= SMEM) ? T
+                     : (T % 2 == 0 && (T / 2) * TILE_SUMS <= SMEM) ? T / 2 : 1;
+  static_assert(T % TR == 0 && TILE_SUMS <= SMEM, "the tiles' sums fit in whole rounds");
+  static_assert(STAGES >= 2, "a chunk in flight while one is multiplied");
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  if (dynamic_smem_bytes() < SMEM) __trap();  // launched without the slots it needs
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int groups = (m + 8 * MB - 1) / (8 * MB);  // row groups, as gemv_tile
+  const int q = blockIdx.x % groups;
+  a += (size_t)q * 8 * MB * k;
+  const int col0 = q * 8 * MB;
+  m -= col0;
+  const int row0 = (blockIdx.x / groups) * 16 * T;
+  const int chunks = (k + 31) >> 5;
+  const int mine = chunks > warp ? (chunks - warp + GEMV_WARPS - 1) / GEMV_WARPS : 0;
+  const uint32_t ring = smem_u32(gemv_smem) + warp * STAGES * SLOT;
+
+  // The warp's i-th chunk (k chunk warp + GEMV_WARPS * i) into slot s: row r of the slot,
+  // 16-byte part p; lane l copies part l & 3 of rows l >> 2, l >> 2 + 8, ... (A rows first).
+  auto stage = [&](int i, int s) {
+    const int k0 = 32 * (warp + GEMV_WARPS * i) + 8 * t;
+    const bool in_k = k0 < k;  // k % 8 == 0: a part is wholly in or out
+    const uint32_t dst = ring + s * SLOT + g * 64 + t * 16;
+#pragma unroll
+    for (int it = 0; it < MB; ++it) {
+      const int r = g + 8 * it;
+      const bool on = in_k && r < m;
+      cp_async16(dst + it * 512, on ? a + (size_t)r * k + k0 : a, on);
+    }
+#pragma unroll
+    for (int it = 0; it < 2 * T; ++it) {
+      const int r = row0 + g + 8 * it;
+      const bool on = in_k && r < n;
+      cp_async16(dst + (MB + it) * 512, on ? w + (size_t)r * k + k0 : w, on);
+    }
+  };
+
+  float acc[T][MB][4];
+#pragma unroll
+  for (int i = 0; i < T; ++i)
+#pragma unroll
+    for (int j = 0; j < MB; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < mine) stage(s, s);
+    cp_async_commit();  // one group a slot, empty or not: the wait below counts groups
+  }
+  int slot = 0;
+  for (int i = 0; i < mine; ++i) {
+    cp_async_wait<STAGES - 2>();  // chunk i's copies (this lane's) have landed
+    __syncwarp();                 // ... and every lane's; all have read the slot refilled next
+    const int ahead = i + STAGES - 1;
+    if (ahead < mine) stage(ahead, slot == 0 ? STAGES - 1 : slot - 1);
+    cp_async_commit();
+    const uint32_t base = ring + slot * SLOT + g * 64 + t * 16;
+    uint4 lo[T], hi[T];
+#pragma unroll
+    for (int ti = 0; ti < T; ++ti) {
+      lo[ti] = lds128(base + (8 * MB + 16 * ti) * 64);
+      hi[ti] = lds128(base + (8 * MB + 16 * ti + 8) * 64);
+    }
+#pragma unroll
+    for (int j = 0; j < MB; ++j) {
+      const uint4 act = lds128(base + 8 * j * 64);
+#pragma unroll
+      for (int ti = 0; ti < T; ++ti) {  // chunk_mma's two products, in its order
+        mma_16816(acc[ti][j], lo[ti].x, hi[ti].x, lo[ti].y, hi[ti].y, act.x, act.y);
+        mma_16816(acc[ti][j], lo[ti].z, hi[ti].z, lo[ti].w, hi[ti].w, act.z, act.w);
+      }
+    }
+    slot = slot == STAGES - 1 ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();  // only empty groups are left; the slots become the sums' memory
+  __syncthreads();
+
+  float (*partial)[TR * MB * 4][32] = reinterpret_cast<float (*)[TR * MB * 4][32]>(gemv_smem);
+#pragma unroll
+  for (int round = 0; round < T / TR; ++round) {
+    if (round > 0) __syncthreads();  // every thread has read the round before
+#pragma unroll
+    for (int ii = 0; ii < TR; ++ii)
+#pragma unroll
+      for (int j = 0; j < MB; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          partial[warp][(ii * MB + j) * 4 + r][lane] = acc[round * TR + ii][j][r];
+    __syncthreads();
+    for (int e = threadIdx.x; e < TR * MB * 4 * 32; e += GEMV_THREADS) {
+      const int s = e >> 5, l = e & 31;
+      float sum = 0.f;
+#pragma unroll
+      for (int v = 0; v < GEMV_WARPS; ++v) sum += partial[v][s][l];  // warp order: fixed
+      const int i = round * TR + s / (MB * 4), j = (s >> 2) % MB, r = s & 3;
+      const int row = row0 + 16 * i + (l >> 2) + (r >= 2 ? 8 : 0);
+      const int col = 8 * j + 2 * (l & 3) + (r & 1);
+      if (row >= n || col >= m) continue;
+      const size_t at = (size_t)(col0 + col) * n + row;
+      if (mode == GEMV_F32) {
+        reinterpret_cast<float*>(c)[at] = sum;
+      } else {
+        bf16* out = reinterpret_cast<bf16*>(c);
+        if (mode == GEMV_BF16_ACC) sum += __bfloat162float(out[at]);
+        out[at] = __float2bfloat16(sum);
+      }
+    }
+  }
+}
+
+// gemv_bf16_tn_mb<MB>_t<T>_smem: gemv_smem_tile entries, 8 warps (the bits of every 8-warp
+// entry above), three slots a warp (two chunks in flight while one is multiplied).
+// mb8_t4: 64 rows of A, 64 of W a block, 192 KB; mb4_t4: 32 rows of A, 64 of W, 144 KB.
+// Measured on an H100 (`python -m bench.gemv --every`): at 33-64 rows mb8_t4 takes 0.85-0.88x
+// the time of the register-held 64-row entry it replaced on the 8B model's gate_up and
+// lm_head; mb4_t4 is as fast or faster than the register-held entries on the narrower
+// shapes there (0.86x on the 8B down at 64 rows) and on the widest at 17-32 rows.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gemv_bf16_tn_mb8_t4_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                             void* __restrict__ c, int m, int n, int k, int mode) {
   pdl_begin();
-  gemv_tile<8, 1, 8, 1>(a, w, c, m, n, k, mode);
+  gemv_smem_tile<8, 4, 8, 3>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gemv_bf16_tn_mb4_t4_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                             void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_smem_tile<4, 4, 8, 3>(a, w, c, m, n, k, mode);
 }

@@ -39,6 +39,57 @@ def test_every_row_and_every_w_row_is_covered_once(m, n):
     assert blocks * 16 * t // groups >= n
 
 
+@pytest.mark.parametrize("n", [2064, 4096, 6144, 12288, 16384, 24576, 151936])
+def test_past_16_rows_the_8_warp_shapes_take_the_shared_memory_entries(n):
+    """Where W has more tiles than the 16-warp entries take, 33 to 64 rows go to the entries
+    that read A once for 4 W tiles (64 rows of A a block from SMEM_N up, 32 below); 17 to 32
+    rows to mb4_t4_smem from SMEM_N up; every one keeps the 8-warp bits."""
+    wide = n >= gemv.SMEM_N
+    for m in range(33, gemv.DECODE_MAX_M + 1):
+        assert gemv.invariant_entry(m, n) == ("gemv_bf16_tn_mb8_t4_smem" if wide
+                                              else "gemv_bf16_tn_mb4_t4_smem")
+    for m in range(17, 33):
+        entry = gemv.invariant_entry(m, n)
+        assert (entry == "gemv_bf16_tn_mb4_t4_smem") == wide, (m, entry)
+    for m in range(1, 17):
+        assert gemv.invariant_entry(m, n) not in gemv.SHARED
+    assert gemv.invariant_entry(64, 2048) not in gemv.SHARED  # the 16-warp shapes keep theirs
+
+
+def test_the_shared_memory_entries_say_how_much_they_need():
+    """gemv.SHARED is what gemv_smem_tile<MB, T, 8 warps, 3 slots> takes: 8 * 3 * (8 MB + 16 T)
+    rows of 64 bytes, more than a launch gets unasked and within an sm_90 block's 227 KB."""
+    for entry, nbytes in gemv.SHARED.items():
+        threads, mb, t = gemv.ENTRIES[entry]
+        assert threads == gemv.ENTRIES[gemv.NARROW_ENTRY][0] == 256
+        assert nbytes == (threads // 32) * 3 * (8 * mb + 16 * t) * 64
+        assert 48 * 1024 < nbytes <= 227 * 1024
+
+
+def test_a_launch_asks_for_its_entrys_shared_memory(monkeypatch):
+    """GemvSite.launch sets the grid, threads and dynamic shared memory of the entry it is
+    given (no driver: cuLaunchKernelEx is recorded)."""
+    pytest.importorskip("cuda.bindings")
+    seen = []
+    monkeypatch.setattr(gemv.cu, "cuLaunchKernelEx", lambda config, fn, params, extra: seen.append(
+        (fn, config.gridDimX, config.blockDimX, config.sharedMemBytes)))
+
+    class Fake:
+        functions = {name: name for name in gemv.ENTRIES}
+
+        @staticmethod
+        def _check(result, what):
+            return result
+
+    site = gemv.GemvSite(Fake(), mode=0, invariant=True)
+    site(0, 0, 0, 64, 4096, 4096, None)
+    site(0, 0, 0, 8, 4096, 4096, None)
+    site.launch("gemv_bf16_tn_mb8_t4_smem", 0, 0, 0, 40, 1000, 64, None)
+    assert seen == [("gemv_bf16_tn_mb4_t4_smem", 128, 256, gemv.SHARED["gemv_bf16_tn_mb4_t4_smem"]),
+                    (gemv.NARROW_ENTRY, 256, 256, 0),
+                    ("gemv_bf16_tn_mb8_t4_smem", 16, 256, gemv.SHARED["gemv_bf16_tn_mb8_t4_smem"])]
+
+
 def test_a_sites_path_is_a_property_of_the_site():
     """The shape test behind the GEMV path reads no m."""
     assert gemv.invariant_usable(16896, 512, 0, 256, 512)

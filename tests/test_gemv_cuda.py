@@ -231,3 +231,56 @@ def test_the_extern_site_takes_the_right_path_and_stays_right(backend, name, sha
         close(name, got, case.expected(), m, n, cublas=not calls)
     finally:
         case.free()
+
+
+SMEM_ROWS = (17, 24, 32, 33, 48, 63, 64)
+# (n, k): n not a multiple of a block's 32 or 64 W rows (n % 8 == 0 keeps a lone row's C
+# 16-byte aligned), k not a multiple of the 32-wide chunk, k under one round of the warps'
+# chunks (warps with none), and a full-tile shape (the m = 1 entry's unchecked fast path)
+SMEM_SHAPES = [(200, 1000), (4104, 2056), (24, 8), (1000, 2048)]
+
+
+def smem_entries() -> list[str]:
+    from kerncc.runtime.backends import gemv
+
+    return sorted(gemv.SHARED)
+
+
+@pytest.mark.parametrize("entry", smem_entries())
+@pytest.mark.parametrize("name", EXTERN_NAMES)
+@pytest.mark.parametrize("shape", SMEM_SHAPES, ids=lambda s: "n{}k{}".format(*s))
+def test_shared_memory_entries_give_each_row_its_alone_bits(backend, entry, name, shape):
+    """The entries that stage A through shared memory (17 to 64 rows) give every row of C the
+    bits of that row launched alone at m = 1 by the entry of the same warp count, and match
+    the reference, at every m of SMEM_ROWS."""
+    from kerncc.runtime.backends import gemv
+
+    n, k = shape
+    alone_entry = gemv.NARROW_ENTRY
+    assert gemv.ENTRIES[entry][0] == gemv.ENTRIES[alone_entry][0], "another warp count"
+    rows = max(SMEM_ROWS)
+    case = Case(backend, name, rows, n, k, seed=zlib.crc32(f"smem {entry} {name} {shape}".encode()))
+    site = backend._gemv_site(name, invariant=True)
+    assert site is not None, "the GEMV kernels did not load"
+    try:
+        a, w, c = case.pointers()
+        width = case.c_bytes // (rows * n)
+        alone = np.empty(case.c_bytes, np.uint8)
+        backend.upload(case.c, 0, case.c0)
+        for r in range(rows):  # each row alone, into its own row of C
+            site.launch(alone_entry, a + r * k * 2, w, c + r * n * width, 1, n, k,
+                        backend.stream_handle)
+        backend.sync()
+        alone[:] = backend.download(case.c, 0, case.c0.nbytes)[:case.c_bytes]
+        for m in SMEM_ROWS:
+            case.m = m
+            got = case.run(lambda a, w, c, m, n, k: site.launch(entry, a, w, c, m, n, k,
+                                                                backend.stream_handle))
+            used = m * n * width
+            assert (got[used:] == case.c0[used:]).all(), f"m={m}: wrote past its rows"
+            assert got[:used].tobytes() == alone[:used].tobytes(), \
+                f"m={m}: rows differ from the same rows alone"
+            want = reference(name, case.a_host[:m], case.w_host, case.c0[:used], m, n, k)
+            close(name, got[:used], want, m, n)
+    finally:
+        case.free()

@@ -25,6 +25,9 @@ m, MB, T or the unroll (kernels/gemv.cu), so a sequence's logits do not depend o
 others share its decode step. Past 8 rows an entry takes two or three W tiles a block (each
 block then streams A once for more of W: `python -m bench.gemv`), and m above a block's rows
 takes more blocks a tile (row groups), each computing its rows as a launch of its own would.
+Past 32 rows on the eight-warp shapes (and past 16 from SMEM_N) the `_smem` entries stage A
+and W through shared memory (dynamic, `SHARED`), reading A once for four W tiles with the
+eight-warp bits.
 """
 
 from __future__ import annotations
@@ -52,15 +55,20 @@ MAX_M = config.gemv_max_m()
 CUBLAS_MIN_N = 16384
 WIDE_MAX_TILES = 128
 WIDE_N = 6144  # from here three W tiles a block of 32 A rows fill the SMs well enough
-VOCAB_N = 30000  # an lm_head: four tiles a block at any m past 16
 WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
 NARROW_ENTRY = "gemv_bf16_tn_mb1"
 # entry: (threads, MB: 8-row blocks of A a block, T: 16-row tiles of W a block)
 ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2_t2": (256, 2, 2),
            "gemv_bf16_tn_mb4_t2": (256, 4, 2), "gemv_bf16_tn_mb4_t3": (256, 4, 3),
            "gemv_bf16_tn_mb1_w16": (512, 1, 1), "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2),
-           "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2), "gemv_bf16_tn_mb4_t4": (256, 4, 4),
-           "gemv_bf16_tn_mb4_w16_t2": (512, 4, 2), "gemv_bf16_tn_mb8": (256, 8, 1)}
+           "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2), "gemv_bf16_tn_mb4_w16_t2": (512, 4, 2),
+           "gemv_bf16_tn_mb8_t4_smem": (256, 8, 4), "gemv_bf16_tn_mb4_t4_smem": (256, 4, 4)}
+# Dynamic shared memory of the entries that stage A and W through it (kernels/gemv.cu
+# gemv_smem_tile: warps * 3 slots * (8 MB + 16 T) rows * 64 bytes; a launch with less traps).
+SHARED = {"gemv_bf16_tn_mb8_t4_smem": 8 * 3 * (64 + 64) * 64,
+          "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64}
+# From here (gate_up and lm_head) the shared-memory entries win past 16 rows; below, past 32.
+SMEM_N = 16384
 INVARIANT = config.invariant()
 # The most rows a site may launch with and still be served by these kernels when invariant:
 # above it (prefill chunks) the pinned cuBLASLt algorithm of runtime/backends/cublas.py.
@@ -98,10 +106,10 @@ def invariant_entry(m: int, n: int) -> str:
         return NARROW_ENTRY
     if m <= 16:
         return "gemv_bf16_tn_mb2_t2"
+    if n >= SMEM_N:  # A staged in shared memory, read once a block for four W tiles
+        return "gemv_bf16_tn_mb8_t4_smem" if m > 32 else "gemv_bf16_tn_mb4_t4_smem"
     if m > 32:
-        return "gemv_bf16_tn_mb8"
-    if n >= VOCAB_N:
-        return "gemv_bf16_tn_mb4_t4"
+        return "gemv_bf16_tn_mb4_t4_smem"
     return "gemv_bf16_tn_mb4_t3" if n >= WIDE_N else "gemv_bf16_tn_mb4_t2"
 
 
@@ -127,6 +135,10 @@ class Gemv:
         self.functions = {name: check(cu.cuModuleGetFunction(self.module, name.encode()),
                                       f"cuModuleGetFunction({name})")
                           for name in ENTRIES}
+        limit = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        for name, nbytes in SHARED.items():  # past the 48 KB a launch gets unasked
+            check(cu.cuFuncSetAttribute(self.functions[name], limit, nbytes),
+                  f"cuFuncSetAttribute({name})")
 
     def site(self, extern: str, invariant: bool = False) -> GemvSite:
         return GemvSite(self, MODES[extern], invariant)
@@ -145,13 +157,19 @@ class GemvSite:
     def __call__(self, a: int, w: int, c: int, m: int, n: int, k: int, stream: Any,
                  overlap: bool = False) -> None:
         """Launch on `stream`; `overlap`: with programmatic stream serialization."""
+        entry = invariant_entry(m, n) if self.invariant else entry_for(m, n)
+        self.launch(entry, a, w, c, m, n, k, stream, overlap)
+
+    def launch(self, entry: str, a: int, w: int, c: int, m: int, n: int, k: int, stream: Any,
+               overlap: bool = False) -> None:
+        """Launch kernel `entry` (any of ENTRIES; tests and benches force one this way)."""
         base = self.storage
         for at, fmt, value in zip(_SLOTS, "QQQiiii", (a, w, c, m, n, k, self.mode)):
             struct.pack_into("<" + fmt, base, at, value)
-        entry = invariant_entry(m, n) if self.invariant else entry_for(m, n)
         config = self.configs[overlap]
         config.gridDimX = grid_for(entry, m, n)
         config.blockDimX = ENTRIES[entry][0]
+        config.sharedMemBytes = SHARED.get(entry, 0)
         config.hStream = stream
         fn = self.gemv.functions[entry]
         self.gemv._check(cu.cuLaunchKernelEx(config, fn, ctypes.addressof(self.table), 0),
