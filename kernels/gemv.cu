@@ -41,10 +41,52 @@ __device__ __forceinline__ uint4 load_shared_ro(const bf16* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// The warps' sums of each output of a block, added in shared memory in warp order (fixed: no
+// atomics), TR tiles a round, then stored in `mode` with one rounding; `partial` holds
+// GEMV_WARPS x TR * MB * 4 x 32 floats. Every entry ends here, so every entry of a warp count
+// gives an output the same bits.
+template <int MB, int T, int TR, int GEMV_WARPS>
+__device__ __forceinline__ void gemv_sum_store(float (*partial)[TR * MB * 4][32],
+                                               const float (&acc)[T][MB][4], void* __restrict__ c,
+                                               int row0, int col0, int m, int n, int mode) {
+  constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int round = 0; round < T / TR; ++round) {
+    if (round > 0) __syncthreads();  // every thread has read the round before
+#pragma unroll
+    for (int ii = 0; ii < TR; ++ii)
+#pragma unroll
+      for (int j = 0; j < MB; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          partial[warp][(ii * MB + j) * 4 + r][lane] = acc[round * TR + ii][j][r];
+    __syncthreads();
+    for (int e = threadIdx.x; e < TR * MB * 4 * 32; e += GEMV_THREADS) {
+      const int s = e >> 5, l = e & 31;
+      float sum = 0.f;
+#pragma unroll
+      for (int v = 0; v < GEMV_WARPS; ++v) sum += partial[v][s][l];  // warp order: fixed
+      const int i = round * TR + s / (MB * 4), j = (s >> 2) % MB, r = s & 3;
+      const int row = row0 + 16 * i + (l >> 2) + (r >= 2 ? 8 : 0);
+      const int col = 8 * j + 2 * (l & 3) + (r & 1);
+      if (row >= n || col >= m) continue;
+      const size_t at = (size_t)(col0 + col) * n + row;
+      if (mode == GEMV_F32) {
+        reinterpret_cast<float*>(c)[at] = sum;
+      } else {
+        bf16* out = reinterpret_cast<bf16*>(c);
+        // one rounding: C + A.W^T in f32, then bf16 (beta = 1 of the _acc extern)
+        if (mode == GEMV_BF16_ACC) sum += __bfloat162float(out[at]);
+        out[at] = __float2bfloat16(sum);
+      }
+    }
+  }
+}
+
 template <int MB, int T, int GEMV_WARPS, int GEMV_UNROLL>
 __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16* __restrict__ w,
                                           void* __restrict__ c, int m, int n, int k, int mode) {
-  constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
   // The warps' sums meet in shared memory TR tiles at a time (all T where they fit in 48 KB):
   // the same adds in the same warp order whatever TR, so TR changes no bit.
   constexpr int TR = (T * MB * GEMV_WARPS * 512 <= 49152) ? T
@@ -80,13 +122,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
     a_row[j] = a + (size_t)(8 * j + g) * k + 8 * t;
   }
 
-  float acc[T][MB][4];
-#pragma unroll
-  for (int i = 0; i < T; ++i)
-#pragma unroll
-    for (int j = 0; j < MB; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+  float acc[T][MB][4] = {};  // each output's sum starts at 0.f
 
   uint4 lo[GEMV_UNROLL][T], hi[GEMV_UNROLL][T];
   // The whole tile in rows and k a whole number of the warps' rounds of chunks (the model's
@@ -181,37 +217,7 @@ __device__ __forceinline__ void gemv_tile(const bf16* __restrict__ a, const bf16
   }
   }
 
-#pragma unroll
-  for (int round = 0; round < T / TR; ++round) {
-    if (round > 0) __syncthreads();  // every thread has read the round before
-#pragma unroll
-    for (int ii = 0; ii < TR; ++ii)
-#pragma unroll
-      for (int j = 0; j < MB; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          partial[warp][(ii * MB + j) * 4 + r][lane] = acc[round * TR + ii][j][r];
-    __syncthreads();
-    for (int e = threadIdx.x; e < TR * MB * 4 * 32; e += GEMV_THREADS) {
-      const int s = e >> 5, l = e & 31;
-      float sum = 0.f;
-#pragma unroll
-      for (int v = 0; v < GEMV_WARPS; ++v) sum += partial[v][s][l];  // warp order: fixed
-      const int i = round * TR + s / (MB * 4), j = (s >> 2) % MB, r = s & 3;
-      const int row = row0 + 16 * i + (l >> 2) + (r >= 2 ? 8 : 0);
-      const int col = 8 * j + 2 * (l & 3) + (r & 1);
-      if (row >= n || col >= m) continue;
-      const size_t at = (size_t)(col0 + col) * n + row;
-      if (mode == GEMV_F32) {
-        reinterpret_cast<float*>(c)[at] = sum;
-      } else {
-        bf16* out = reinterpret_cast<bf16*>(c);
-        // one rounding: C + A.W^T in f32, then bf16 (beta = 1 of the _acc extern)
-        if (mode == GEMV_BF16_ACC) sum += __bfloat162float(out[at]);
-        out[at] = __float2bfloat16(sum);
-      }
-    }
-  }
+  gemv_sum_store<MB, T, TR, GEMV_WARPS>(partial, acc, c, row0, col0, m, n, mode);
 }
 
 // gemv_bf16_tn_mb<MB>[_w<WARPS>][_t<T>]: blocks of 8 * MB rows of A (any m: more rows take
@@ -309,7 +315,6 @@ __device__ __forceinline__ void gemv_smem_tile(const bf16* __restrict__ a,
                                                const bf16* __restrict__ w,
                                                void* __restrict__ c, int m, int n, int k,
                                                int mode) {
-  constexpr int GEMV_THREADS = 32 * GEMV_WARPS;
   constexpr int ROWS = 8 * MB + 16 * T;  // a slot: the chunk's rows of A, then of W
   constexpr int SLOT = ROWS * 64;        // bytes: 32 bf16 a row
   constexpr int SMEM = GEMV_WARPS * STAGES * SLOT;
@@ -355,13 +360,7 @@ __device__ __forceinline__ void gemv_smem_tile(const bf16* __restrict__ a,
     }
   };
 
-  float acc[T][MB][4];
-#pragma unroll
-  for (int i = 0; i < T; ++i)
-#pragma unroll
-    for (int j = 0; j < MB; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+  float acc[T][MB][4] = {};  // each output's sum starts at 0.f
 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -397,36 +396,7 @@ __device__ __forceinline__ void gemv_smem_tile(const bf16* __restrict__ a,
   __syncthreads();
 
   float (*partial)[TR * MB * 4][32] = reinterpret_cast<float (*)[TR * MB * 4][32]>(gemv_smem);
-#pragma unroll
-  for (int round = 0; round < T / TR; ++round) {
-    if (round > 0) __syncthreads();  // every thread has read the round before
-#pragma unroll
-    for (int ii = 0; ii < TR; ++ii)
-#pragma unroll
-      for (int j = 0; j < MB; ++j)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          partial[warp][(ii * MB + j) * 4 + r][lane] = acc[round * TR + ii][j][r];
-    __syncthreads();
-    for (int e = threadIdx.x; e < TR * MB * 4 * 32; e += GEMV_THREADS) {
-      const int s = e >> 5, l = e & 31;
-      float sum = 0.f;
-#pragma unroll
-      for (int v = 0; v < GEMV_WARPS; ++v) sum += partial[v][s][l];  // warp order: fixed
-      const int i = round * TR + s / (MB * 4), j = (s >> 2) % MB, r = s & 3;
-      const int row = row0 + 16 * i + (l >> 2) + (r >= 2 ? 8 : 0);
-      const int col = 8 * j + 2 * (l & 3) + (r & 1);
-      if (row >= n || col >= m) continue;
-      const size_t at = (size_t)(col0 + col) * n + row;
-      if (mode == GEMV_F32) {
-        reinterpret_cast<float*>(c)[at] = sum;
-      } else {
-        bf16* out = reinterpret_cast<bf16*>(c);
-        if (mode == GEMV_BF16_ACC) sum += __bfloat162float(out[at]);
-        out[at] = __float2bfloat16(sum);
-      }
-    }
-  }
+  gemv_sum_store<MB, T, TR, GEMV_WARPS>(partial, acc, c, row0, col0, m, n, mode);
 }
 
 // gemv_bf16_tn_mb<MB>_t<T>_smem: gemv_smem_tile entries, 8 warps (the bits of every 8-warp
