@@ -49,7 +49,15 @@ its guards), not whichever parser uvicorn would pick where httptools is installe
 forked process of its own serving HTTP over a kerncc.serve.client, the core on a thread of the
 server's process, as `kerncc serve` runs by default; `--split off` (the default here, as
 the rows measured before the split were) keeps everything in one process, and
-`--split ab` alternates the two over two rounds each and prints the ratios.
+`--split ab` alternates the two over two rounds each and prints the ratios. `--api-workers N`
+puts N front ends beside the core (one writes every stream's events at 128 streams).
+
+Each level is also held against its own decode step: on cuda with one stage the server times
+the `decode_batch` graph at the level's sequences (each at the level's mean decode context)
+before the engine takes the chain; on the sim the step is --step-ms. The second table gives
+tokens/s against sequences / step and the ITL p50 / p99 against the step (issue 40's goals).
+`--newcomers N,MS` sends an N-token prompt every MS ms beside the streams, from one interval
+after every stream of the first wave has its first token.
 
 --doc docs/benchmarks.md writes the rows between the file's `serve` markers.
 
@@ -64,6 +72,8 @@ the rows measured before the split were) keeps everything in one process, and
       --levels 64,128 --ahead ab             # four decode calls a step, issued ahead or not
   python -m bench.serve --size small --backend sim --max-seqs 128 --levels 32,128 --split ab
                                                    # front end apart from the core vs one process
+  python -m bench.serve --size small --backend cuda --max-seqs 128 --levels 32,128 --split on \
+      --api-workers 4                                 # each level against its own decode step
   python -m bench.serve --size small --backend sim --row-us 10 --prefix --prefix-cache ab \
       --levels 32                                                       # prefix cache A/B
   python -m bench.serve --size small --backend cuda --prefix --prefix-cache ab --levels 32 \
