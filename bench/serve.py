@@ -522,6 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     REPORT.results.clear()
     if [args.ahead, args.prefix_cache, args.split, args.invariant].count("ab") > 1:
         p.error("--ahead ab, --prefix-cache ab, --split ab, --invariant ab: one A/B at a time")
+    if args.api_workers != 1 and args.split == "off":
+        p.error(f"--api-workers {args.api_workers}: front ends apart from the core need "
+                "--split on (or ab)")
     if args.invariant != "on" and args.backend != "cuda":
         p.error(f"--invariant {args.invariant}: the GEMM paths are the cuda backend's, not "
                 f"{args.backend}'s")

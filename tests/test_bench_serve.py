@@ -235,6 +235,7 @@ def test_a_model_too_short_for_the_prefix_is_refused_before_any_request(tmp_path
     (["--step-tokens", "0"], "--step-tokens 0: at least 1 row a step"),
     (["--api-workers", "0"], "expected 1 to 16 front ends, got `0`"),
     (["--api-workers", "two"], "expected 1 to 16 front ends, got `two`"),
+    (["--api-workers", "4"], "--api-workers 4: front ends apart from the core need --split on"),
     (["--trace", "/nonexistent-folder/trace.jsonl"], "--trace /nonexistent-folder/trace.jsonl: "
                                                       "cannot append to it"),
 ])
