@@ -67,7 +67,8 @@ ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2_t2": (256, 2, 2),
 # gemv_smem_tile: warps * 3 slots * (8 MB + 16 T) rows * 64 bytes; a launch with less traps).
 SHARED = {"gemv_bf16_tn_mb8_t4_smem": 8 * 3 * (64 + 64) * 64,
           "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64}
-# From here (gate_up and lm_head) the shared-memory entries win past 16 rows; below, past 32.
+# From here (the 8B gate_up, every lm_head) the shared-memory entries win past 16 rows; below
+# (qkv, o, down, the small gate_up), past 32 (`python -m bench.gemv --every`, an H100).
 SMEM_N = 16384
 INVARIANT = config.invariant()
 # The most rows a site may launch with and still be served by these kernels when invariant:
