@@ -762,14 +762,15 @@ def report_newcomers(args: argparse.Namespace, rows: Levels,
 def report(args: argparse.Namespace, run: Round) -> None:
     sim, stages, rows, ahead = args.backend == "sim", run.stages, run.rows, run.ahead
     shared = f" ({args.prefix[0]} shared + {args.prefix[1]} own)" if args.prefix else ""
+    front = f"apart from the core ({args.api_workers} of them)" if run.split \
+        else "in the core process"
     at_once = f", {engine_seqs(args)} at once" if engine_seqs(args) != args.max_seqs else ""
     print(f"bench.serve: {args.size} (seqs <= {args.max_seqs}{at_once}), {stages} stage(s) on "
           f"{args.backend}{' ' + args.devices if args.devices else ''}, prompt "
           f"{args.prompt_len}{shared}, max_tokens {args.max_tokens}, sampled "
           f"{args.sampled:g}, a step ahead {'on' if ahead else 'off'}, "
           f"{f'first requests over {args.ramp_ms:g} ms' if args.ramp_ms else 'all at once'}, "
-          f"front end "
-          f"{f'apart from the core ({args.api_workers} of them)' if run.split else 'in the core process'}, prefix cache "
+          f"front end {front}, prefix cache "
           f"{'on' if run.cache else 'off'}")
     if sim:
         rows_cost = f" plus {args.row_us} us a prefill row" if args.row_us is not None else ""
