@@ -735,6 +735,17 @@ def check_request(request: Request, limits: Limits, names: Names = FIELDS) -> No
     request.sampler = sampling_hook.prepare(request.params)
 
 
+def refusal_of(err: QueueFull | Stopped | KernccError) -> tuple[str, str, str | None]:
+    """Why `submit` refused a request, as (why, message, pointer): why is `queue_full`,
+    `unavailable` or `invalid` (kerncc.serve.wire's refusals), pointer the field's."""
+    if isinstance(err, QueueFull):
+        return "queue_full", str(err), None
+    if isinstance(err, Stopped):
+        return "unavailable", str(err), None
+    pointer = err.diagnostics[0].location.pointer if err.diagnostics else None
+    return "invalid", err.headline, pointer
+
+
 def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
                 ) -> KernccError:
     """A runtime error, said of the program it ran (the stage is in the runtime's text)."""

@@ -48,7 +48,7 @@ from starlette.routing import Route
 from kerncc.diagnostics import KernccError
 from kerncc.serve import fields, grammar, sampling_hook, tools
 from kerncc.serve.access import Access
-from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
+from kerncc.serve.engine import Engine, QueueFull, Request, Stopped, refusal_of
 from kerncc.serve.metrics import Metrics
 from kerncc.serve.text import Text
 
@@ -263,13 +263,11 @@ class Server:
         if not grammar.available():
             raise ApiError(400, f"`{asked}` needs llguidance: pip install 'kerncc[serve]'",
                            asked)
-        codec = getattr(self.text, "codec", None)
-        if getattr(codec, "tokenizer", None) is None or not self.text.eos \
-                or self.engine.model.vocab is None:
+        if self._grammars is None:
+            self._grammars = grammar.for_text(self.text, self.engine.model.vocab)
+        if self._grammars is None:
             raise ApiError(400, f"`{asked}` needs the model's tokenizer.json and an eos token",
                            asked, "no_tokenizer")
-        if self._grammars is None:
-            self._grammars = grammar.Grammars(codec, self.engine.model.vocab, min(self.text.eos))
         return self._grammars
 
     def _tool_plan(self, body: dict, form: Any) -> tuple[tools.Plan | None, Any]:
@@ -357,29 +355,23 @@ class Server:
                           self._stop_ids(ask.options, ask.params.grammar), listener)
         try:
             return self.engine.submit(request)
-        except QueueFull as err:
-            raise ApiError(429, f"the queue is full: {err}", code="queue_full") from None
-        except Stopped as err:
-            raise ApiError(503, f"the engine does not admit: {err}", code="unavailable") \
-                from None
-        except KernccError as err:
-            raise self._refusal(err, ask, request.prompt) from None
+        except (QueueFull, Stopped, KernccError) as err:
+            raise self._refusal(ask, request.prompt, *refusal_of(err)) from None
 
     def refused(self, ask: Ask, request: Request) -> ApiError:
         """The answer to a request the engine core refused after it left (kerncc.serve.client:
         the same answers as `submit`'s)."""
-        why, message, pointer = self.engine.refusal(request)
+        return self._refusal(ask, request.prompt, *self.engine.refusal(request))
+
+    def _refusal(self, ask: Ask, prompt: list[int], why: str, message: str,
+                 pointer: str | None) -> ApiError:
+        """The engine's refusal of a request (`engine.refusal_of`), naming the field the client
+        sent (and OpenAI's `context_length_exceeded` when the sequence would not fit)."""
         if why == "queue_full":
             return ApiError(429, f"the queue is full: {message}", code="queue_full")
         if why == "unavailable":
             return ApiError(503, f"the engine does not admit: {message}", code="unavailable")
-        return self._refusal(KernccError.single(message, pointer or ""), ask, request.prompt)
-
-    def _refusal(self, err: KernccError, ask: Ask, prompt: list[int]) -> ApiError:
-        """The engine's refusal of a request, naming the field the client sent (and OpenAI's
-        `context_length_exceeded` when the sequence would not fit)."""
-        pointer = err.diagnostics[0].location.pointer if err.diagnostics else ""
-        parts = pointer.strip("/").split("/")
+        parts = (pointer or "").strip("/").split("/")
         param = parts[-1] if parts[0] == "sampling" else parts[0]  # /sampling/seed: seed
         code = None
         if param == "max_tokens":  # the engine's word for whichever field the client used
@@ -388,7 +380,7 @@ class Server:
             code = "context_length_exceeded"
             if len(prompt) > self.engine.capacity:  # the prompt alone is too long
                 param = "messages" if ask.chat else "prompt"
-        return ApiError(400, err.headline, param or None, code)
+        return ApiError(400, message, param or None, code)
 
 
 def _is_int(value: Any) -> bool:
