@@ -383,15 +383,11 @@ class Server:
         return ApiError(400, message, param or None, code)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _ints(values: list[Any]) -> bool:
     """Whether every item is an integer (not a bool): one pass of builtins for what JSON
     gives, plain ints (a call a token took 0.3 ms of a 2,100-token prompt), else each
     looked at."""
-    return set(map(type, values)) <= {int} or all(_is_int(t) for t in values)
+    return set(map(type, values)) <= {int} or all(fields.is_int(t) for t in values)
 
 
 
@@ -416,7 +412,7 @@ def _field(body: dict, name: str, kind: type, default: Any) -> Any:
     if value is None:
         return default
     if kind is int:
-        ok, what = _is_int(value), "an integer"
+        ok, what = fields.is_int(value), "an integer"
     elif kind is bool:
         ok, what = isinstance(value, bool), "true or false"
     else:
@@ -429,10 +425,7 @@ def _field(body: dict, name: str, kind: type, default: Any) -> Any:
 def _finite(name: str, value: float) -> float:
     """`value` as a float; an integer too large for one (JSON has no bound) or 1e400 (inf)
     is refused, as is a NaN or Infinity literal (which Python's json reads)."""
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
+    number = fields.as_float(value)
     if not math.isfinite(number):
         raise ApiError(400, f"`{name}` must be a finite number", name)
     return number
