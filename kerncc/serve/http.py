@@ -385,8 +385,7 @@ class Server:
 
 def _ints(values: list[Any]) -> bool:
     """Whether every item is an integer (not a bool): one pass of builtins for what JSON
-    gives, plain ints (a call a token took 0.3 ms of a 2,100-token prompt), else each
-    looked at."""
+    gives, plain ints, else each looked at."""
     return set(map(type, values)) <= {int} or all(fields.is_int(t) for t in values)
 
 
@@ -433,9 +432,8 @@ def _finite(name: str, value: float) -> float:
 
 class _Post:
     """What the engine's thread hands an event loop's queues, delivered in order with one
-    wake-up of the loop for all that waits: one `call_soon_threadsafe` (a write to the loop's
-    self-pipe) a token cost 9 us of the thread that hears the engine, 32 times a step at 32
-    streams; now one a step."""
+    wake-up of the loop (one `call_soon_threadsafe`, a write to its self-pipe) for all that
+    waits, not one a token."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -834,10 +832,8 @@ async def _parsed(server: Server, http: HttpRequest, chat: bool, raw: bytes) -> 
     """The request parsed off the event loop (decoding 4 MiB of JSON, tokenizing it and
     rendering a chat template take long enough to stall every stream the loop is feeding);
     a chat template's render stops when its client leaves or the server shuts down. A small
-    completions request of token ids (`_quick`) is parsed on the loop: a 2,100-token prompt's
-    parse took 0.6 ms there, against 25 ms from handler to request through a thread when 32
-    came at once (each hop waits for the interpreter lock the loop holds), and the front
-    end's CPU over a 32-stream level fell 10-20%."""
+    completions request of token ids (`_quick`) is parsed on the loop: cheaper there than a
+    hop to a thread, which waits for the interpreter lock the loop holds."""
     if not chat and len(raw) <= QUICK_BODY:
         body = _json(raw)
         if _quick(body):
