@@ -30,7 +30,7 @@ import zmq
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.backends.fingerprint import of_runner
 from kerncc.serve import grammar, wire
-from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
+from kerncc.serve.engine import Engine, QueueFull, Request, Stopped, refusal_of
 
 LOG = logging.getLogger("kerncc.serve")
 POLL_MS = 100  # the receiving thread's wait for a message before it looks at the clock
@@ -219,23 +219,15 @@ class Core:
         try:
             self.engine.submit(request)
             return None
-        except QueueFull as err:
-            end = ["queue_full", str(err), None, 0.0]
-        except Stopped as err:
-            end = ["unavailable", str(err), None, 0.0]
-        except KernccError as err:
-            pointer = err.diagnostics[0].location.pointer if err.diagnostics else None
-            end = ["invalid", err.headline, pointer, 0.0]
+        except (QueueFull, Stopped, KernccError) as err:
+            why, message, pointer = refusal_of(err)
         self._forget(worker, fid)
-        return [fid, [], [], end]
+        return [fid, [], [], [why, message, pointer, 0.0]]
 
     def _grammar(self, text: str) -> grammar.Grammar:
         """A grammar's text (already checked by the front end) for this core's tokenizer."""
         if self._grammars is None:
-            codec = getattr(self.text, "codec", None)
-            if not grammar.available() or codec is None or not self.text.eos \
-                    or self.engine.model.vocab is None:
-                raise wire.WireError("params.grammar: this core has no tokenizer for grammars")
-            self._grammars = grammar.Grammars(codec, self.engine.model.vocab,
-                                              min(self.text.eos))
+            self._grammars = grammar.for_text(self.text, self.engine.model.vocab)
+        if self._grammars is None:
+            raise wire.WireError("params.grammar: this core has no tokenizer for grammars")
         return self._grammars.grammar(text)

@@ -11,32 +11,13 @@ It keeps up to `depth` items in flight (by default one per stage: a cut pipeline
 since `Chain.submit` returns once issued) and waits only for the oldest.
 
 Decoding goes a step ahead (`Config.ahead`, on): when the next step is the decode step in
-flight again (every running sequence in it, its tokens greedy or drawn on the device, no row
-past what its sequence may hold, nobody to admit; one that ends by length on that step's
-token rides along beside one that does not, its row's token dropped), the engine issues it
-before that step's tokens are here, its token input written on the device from that step's
-token output (`ModelRunner.feeder`), so the device goes from step to step without waiting
-for the host.
-A step of several decode calls (more sequences than one decode call takes,
-`Limits.decode_groups`) goes ahead call for call: the calls all write one token output, so
-each one's is copied on the device right after it and its draw (`TokenFeed.keep`,
-`Session.keep`), and the same call of the step after is fed from that copy. Where a grammar's
-row is in a one-call step, only the forward goes then: the draw (its processing and sampling
-launches) is issued once the step before has landed and each grammar has followed its token
-(`_draw_ahead`), so the model runs while the host computes the masks, and the step after, fed
-from the drawn tokens, is issued after the draw; a step of several calls with a grammar's row
-waits (its calls share one logits buffer: a call's draw cannot wait past the next call). The
-scheduler hears of the step once the step before has landed; a sequence that ends on that
-step's token (a stop token, a cancel) has its row's token dropped (drawn greedily, when the
-draw comes later). The tokens and logits are a step at a time's (tests/test_serve_engine.py,
-the property tests, tests/test_serve_grammar_ahead.py).
-
-A step's prefill chunks go ahead too (`_chunk_ahead`): their rows are prompt tokens, known on
-the host, so while a step runs the engine issues the next step's chunks (those `sch.chunks`
-gives: what `sch.schedule` would plan now, no admission) and plans that step's decodes once
-their tokens land, while the chunks run (tests/test_serve_engine_pace.py). A newcomer's
-chunks, planned with its admission beside a decode step in flight, count as that step's too
-(`_chunks_behind`).
+flight again, the engine issues it before that step's tokens are here, its token input written
+on the device from that step's token output (`ModelRunner.feeder`), so the device goes from
+step to step without waiting for the host (`_go_ahead`; a grammar's row: `_draw_ahead`; the
+scheduler hears of it in `_adopt_ahead`). A step's prefill chunks go ahead too: their rows are
+prompt tokens, known on the host (`_chunk_ahead`, `_chunks_behind`). The tokens and logits
+are a step at a time's (tests/test_serve_engine.py, the property tests,
+tests/test_serve_grammar_ahead.py, tests/test_serve_engine_pace.py).
 
 `submit`, `cancel` and `stop` may be called from any thread: they only queue a command; the
 loop (`run_forever` on its own thread, or `run_until_idle` for the command line) applies it
@@ -326,10 +307,8 @@ class Engine:
         """One turn of the loop; False when there was nothing to do. Listeners hear what
         happened before the turn ends, but the tokens a collect lands are told only after the
         next turn has issued the next step (`_notify`): the device is not kept waiting for
-        the listeners (at 32 sequences, 32 calls into the HTTP layer a step). With the core
-        apart (`run_forever(after=...)`) telling is one message, so they are told at once:
-        the next turn's plan (its host work grows with the prompts it admits: 4 ms a step
-        measured with 2,100-token prompts) no longer holds them back."""
+        the listeners. With the core apart (`run_forever(after=...)`) telling is one message,
+        so they are told at once: the next turn's plan does not hold them back."""
         self._apply_commands()
         if self.fault is not None:
             self._notify()
@@ -754,6 +733,17 @@ def check_request(request: Request, limits: Limits, names: Names = FIELDS) -> No
     it sends the request to the core (kerncc.serve.client)."""
     check_limits(limits, request.prompt, request.max_new, names)
     request.sampler = sampling_hook.prepare(request.params)
+
+
+def refusal_of(err: QueueFull | Stopped | KernccError) -> tuple[str, str, str | None]:
+    """Why `submit` refused a request, as (why, message, pointer): why is `queue_full`,
+    `unavailable` or `invalid` (kerncc.serve.wire's refusals), pointer the field's."""
+    if isinstance(err, QueueFull):
+        return "queue_full", str(err), None
+    if isinstance(err, Stopped):
+        return "unavailable", str(err), None
+    pointer = err.diagnostics[0].location.pointer if err.diagnostics else None
+    return "invalid", err.headline, pointer
 
 
 def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]

@@ -87,6 +87,14 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def as_float(value: int | float) -> float:
+    """A JSON number as a float: an integer too large for one (JSON has no bound) is inf."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def number(body: dict, name: str, default: float, low: float, high: float,
            open_low: bool = False) -> float:
     value = body.get(name)
@@ -94,10 +102,7 @@ def number(body: dict, name: str, default: float, low: float, high: float,
         return default
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise FieldError(name, f"`{name}` must be a number")
-    try:
-        value = float(value)
-    except OverflowError:
-        value = math.inf
+    value = as_float(value)
     if not math.isfinite(value) or value > high or value < low or (open_low and value == low):
         side = "(" if open_low else "["
         raise FieldError(name, f"`{name}` must be in {side}{low:g}, {high:g}]")

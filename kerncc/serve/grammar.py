@@ -103,6 +103,16 @@ def fill_all(matchers: list[Matcher], out: np.ndarray, rows: list[int]) -> None:
         llnumpy.fill_next_token_bitmask(matcher.matcher, masks, row)
 
 
+def for_text(text: Any, vocab: int | None) -> Grammars | None:
+    """The grammars of a server's tokenizer (`text`: kerncc.serve.text.Text), or None where
+    none can be followed: no llguidance, no tokenizer.json or eos token, no vocabulary size."""
+    codec = getattr(text, "codec", None)
+    if not available() or getattr(codec, "tokenizer", None) is None or not text.eos \
+            or vocab is None:
+        return None
+    return Grammars(codec, vocab, min(text.eos))
+
+
 class Grammars:
     """One server's grammars: its tokenizer as llguidance reads it (the logits' vocabulary
     wide, its eos ending a complete grammar)."""

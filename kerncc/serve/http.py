@@ -48,7 +48,7 @@ from starlette.routing import Route
 from kerncc.diagnostics import KernccError
 from kerncc.serve import fields, grammar, sampling_hook, tools
 from kerncc.serve.access import Access
-from kerncc.serve.engine import Engine, QueueFull, Request, Stopped
+from kerncc.serve.engine import Engine, QueueFull, Request, Stopped, refusal_of
 from kerncc.serve.metrics import Metrics
 from kerncc.serve.text import Text
 
@@ -263,13 +263,11 @@ class Server:
         if not grammar.available():
             raise ApiError(400, f"`{asked}` needs llguidance: pip install 'kerncc[serve]'",
                            asked)
-        codec = getattr(self.text, "codec", None)
-        if getattr(codec, "tokenizer", None) is None or not self.text.eos \
-                or self.engine.model.vocab is None:
+        if self._grammars is None:
+            self._grammars = grammar.for_text(self.text, self.engine.model.vocab)
+        if self._grammars is None:
             raise ApiError(400, f"`{asked}` needs the model's tokenizer.json and an eos token",
                            asked, "no_tokenizer")
-        if self._grammars is None:
-            self._grammars = grammar.Grammars(codec, self.engine.model.vocab, min(self.text.eos))
         return self._grammars
 
     def _tool_plan(self, body: dict, form: Any) -> tuple[tools.Plan | None, Any]:
@@ -357,29 +355,23 @@ class Server:
                           self._stop_ids(ask.options, ask.params.grammar), listener)
         try:
             return self.engine.submit(request)
-        except QueueFull as err:
-            raise ApiError(429, f"the queue is full: {err}", code="queue_full") from None
-        except Stopped as err:
-            raise ApiError(503, f"the engine does not admit: {err}", code="unavailable") \
-                from None
-        except KernccError as err:
-            raise self._refusal(err, ask, request.prompt) from None
+        except (QueueFull, Stopped, KernccError) as err:
+            raise self._refusal(ask, request.prompt, *refusal_of(err)) from None
 
     def refused(self, ask: Ask, request: Request) -> ApiError:
         """The answer to a request the engine core refused after it left (kerncc.serve.client:
         the same answers as `submit`'s)."""
-        why, message, pointer = self.engine.refusal(request)
+        return self._refusal(ask, request.prompt, *self.engine.refusal(request))
+
+    def _refusal(self, ask: Ask, prompt: list[int], why: str, message: str,
+                 pointer: str | None) -> ApiError:
+        """The engine's refusal of a request (`engine.refusal_of`), naming the field the client
+        sent (and OpenAI's `context_length_exceeded` when the sequence would not fit)."""
         if why == "queue_full":
             return ApiError(429, f"the queue is full: {message}", code="queue_full")
         if why == "unavailable":
             return ApiError(503, f"the engine does not admit: {message}", code="unavailable")
-        return self._refusal(KernccError.single(message, pointer or ""), ask, request.prompt)
-
-    def _refusal(self, err: KernccError, ask: Ask, prompt: list[int]) -> ApiError:
-        """The engine's refusal of a request, naming the field the client sent (and OpenAI's
-        `context_length_exceeded` when the sequence would not fit)."""
-        pointer = err.diagnostics[0].location.pointer if err.diagnostics else ""
-        parts = pointer.strip("/").split("/")
+        parts = (pointer or "").strip("/").split("/")
         param = parts[-1] if parts[0] == "sampling" else parts[0]  # /sampling/seed: seed
         code = None
         if param == "max_tokens":  # the engine's word for whichever field the client used
@@ -388,18 +380,13 @@ class Server:
             code = "context_length_exceeded"
             if len(prompt) > self.engine.capacity:  # the prompt alone is too long
                 param = "messages" if ask.chat else "prompt"
-        return ApiError(400, err.headline, param or None, code)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        return ApiError(400, message, param or None, code)
 
 
 def _ints(values: list[Any]) -> bool:
     """Whether every item is an integer (not a bool): one pass of builtins for what JSON
-    gives, plain ints (a call a token took 0.3 ms of a 2,100-token prompt), else each
-    looked at."""
-    return set(map(type, values)) <= {int} or all(_is_int(t) for t in values)
+    gives, plain ints, else each looked at."""
+    return set(map(type, values)) <= {int} or all(fields.is_int(t) for t in values)
 
 
 
@@ -424,7 +411,7 @@ def _field(body: dict, name: str, kind: type, default: Any) -> Any:
     if value is None:
         return default
     if kind is int:
-        ok, what = _is_int(value), "an integer"
+        ok, what = fields.is_int(value), "an integer"
     elif kind is bool:
         ok, what = isinstance(value, bool), "true or false"
     else:
@@ -437,10 +424,7 @@ def _field(body: dict, name: str, kind: type, default: Any) -> Any:
 def _finite(name: str, value: float) -> float:
     """`value` as a float; an integer too large for one (JSON has no bound) or 1e400 (inf)
     is refused, as is a NaN or Infinity literal (which Python's json reads)."""
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
+    number = fields.as_float(value)
     if not math.isfinite(number):
         raise ApiError(400, f"`{name}` must be a finite number", name)
     return number
@@ -448,9 +432,8 @@ def _finite(name: str, value: float) -> float:
 
 class _Post:
     """What the engine's thread hands an event loop's queues, delivered in order with one
-    wake-up of the loop for all that waits: one `call_soon_threadsafe` (a write to the loop's
-    self-pipe) a token cost 9 us of the thread that hears the engine, 32 times a step at 32
-    streams; now one a step."""
+    wake-up of the loop (one `call_soon_threadsafe`, a write to its self-pipe) for all that
+    waits, not one a token."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -849,10 +832,8 @@ async def _parsed(server: Server, http: HttpRequest, chat: bool, raw: bytes) -> 
     """The request parsed off the event loop (decoding 4 MiB of JSON, tokenizing it and
     rendering a chat template take long enough to stall every stream the loop is feeding);
     a chat template's render stops when its client leaves or the server shuts down. A small
-    completions request of token ids (`_quick`) is parsed on the loop: a 2,100-token prompt's
-    parse took 0.6 ms there, against 25 ms from handler to request through a thread when 32
-    came at once (each hop waits for the interpreter lock the loop holds), and the front
-    end's CPU over a 32-stream level fell 10-20%."""
+    completions request of token ids (`_quick`) is parsed on the loop: cheaper there than a
+    hop to a thread, which waits for the interpreter lock the loop holds."""
     if not chat and len(raw) <= QUICK_BODY:
         body = _json(raw)
         if _quick(body):

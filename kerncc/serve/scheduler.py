@@ -261,11 +261,8 @@ def schedule(state: State, limits: Limits) -> Plan:
     draft = _Draft(state, limits.stride)
     _admit(draft, limits)
     # Chunks first: without chunk tokens, a sequence whose prefill ends in this step's chunk
-    # decodes in this step. Their rows are what the decode rows leave of the budget.
-    emits = limits.chunk_emits
-    decodes = sum(1 for s in draft.seqs.values() if s.decodable(emits) or s.replayable(emits))
-    items = _chunk_items(draft, limits, limits.prefill_rows(decodes))
-    items += _decode_items(draft, limits)
+    # decodes in this step.
+    items = _chunk_items(draft, limits) + _decode_items(draft, limits)
     return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
                 tuple(items), tuple(draft.reused))
 
@@ -276,9 +273,7 @@ def chunks(state: State, limits: Limits) -> Plan:
     known), planning that step's decodes once their tokens are here. Chunks come first in a
     step, so they are the step's own: the same parts, grants and preemptions."""
     draft = _Draft(state, limits.stride)
-    emits = limits.chunk_emits
-    decodes = sum(1 for s in draft.seqs.values() if s.decodable(emits) or s.replayable(emits))
-    items = _chunk_items(draft, limits, limits.prefill_rows(decodes))
+    items = _chunk_items(draft, limits)
     return Plan(preempted=tuple(draft.preempted), grants=tuple(draft.grants),
                 items=tuple(items))
 
@@ -339,10 +334,13 @@ def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
             for parts in calls]
 
 
-def _chunk_items(draft: _Draft, limits: Limits, budget: int) -> list[Item]:
+def _chunk_items(draft: _Draft, limits: Limits) -> list[Item]:
+    """The step's chunk calls: their rows are what the decode rows leave of the budget."""
+    emits = limits.chunk_emits
+    decodes = sum(1 for s in draft.seqs.values() if s.decodable(emits) or s.replayable(emits))
+    budget = limits.prefill_rows(decodes)
     items: list[Item] = []
     while budget > 0:
-        emits = limits.chunk_emits
         candidates = [draft.seqs[i] for i in draft.order if draft.seqs[i].prefill_left(emits)]
         bounds = attrs.evolve(limits.chunk, rows=budget)
         plan = pack([Waiting(s.cached, s.prefill_left(emits)) for s in candidates], bounds)
@@ -417,8 +415,7 @@ def landed(state: State, seq_id: int, token: bool) -> State:
 
 def landed_all(state: State, tokens: Mapping[int, bool]) -> State:
     """`landed` for every sequence of a collected call at once ({seq id: token}), in one pass
-    over the running sequences: a 32-sequence decode step's landings one by one rebuilt the
-    running tuple 32 times."""
+    over the running sequences."""
     if not tokens:
         return state
     running = tuple(
