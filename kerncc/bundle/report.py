@@ -28,7 +28,7 @@ from kerncc.bundle.check import input_manifest, input_path
 from kerncc.files import FileRefused, check_regular
 from kerncc.bundle.reader import Index, read_index, stage_files
 from kerncc.diagnostics import KernccError
-from kerncc.passes.liveness import human_bytes
+from kerncc.progress import human_bytes
 from kerncc.passes.share_states import StateUse, manifest_regions, state_uses
 from kerncc.runtime import footprint
 from kerncc.runtime.footprint import StageFootprint, bundle_footprints
