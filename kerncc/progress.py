@@ -19,9 +19,11 @@ Or count by hand, in any unit, as a context manager:
             copy(chunk)
             bar.update(len(chunk))
 
-Redraws are throttled to one per `min_interval` seconds, the last always drawn, and the line is
-cut to the terminal's width; `enabled=True/False` forces drawing either way (tests do).
-`unit="B"` shows counts as bytes (`12.0 MiB/1.5 GiB`); any other unit follows plain counts.
+`close()` erases the line (also on leaving the `with` block and at the end of the iteration,
+exceptions included); closing twice is harmless. Redraws are throttled to one per
+`min_interval` seconds, the last always drawn, and the line is cut to the terminal's width;
+`enabled=True/False` forces drawing either way (tests do). `unit="B"` shows counts as bytes
+(`12.0 MiB/1.5 GiB`); any other unit follows plain counts.
 
 Print nothing else to stderr while a bar is open, or print after `close()`: the bar owns the
 line it is drawn on.
