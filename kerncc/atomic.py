@@ -134,22 +134,22 @@ def fsync_tree(root: Path) -> None:
     for folder, _, files in os.walk(root):
         folders.append(folder)
         for name in files:
-            fd = os.open(Path(folder) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync(Path(folder) / name)
     for folder in reversed(folders):
         fsync_dir(Path(folder))
 
 
 def fsync_dir(folder: Path) -> None:
     with contextlib.suppress(OSError):  # not every file system lets a folder be fsynced
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(folder)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -164,8 +164,6 @@ def render_svg(source: str) -> str:
     import shutil
     import subprocess
 
-    from kerncc.diagnostics import KernccError
-
     dot = shutil.which("dot")
     if dot is None:
         raise KernccError.single("`--format svg` needs graphviz's `dot` on PATH (for example "

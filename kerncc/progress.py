@@ -19,17 +19,11 @@ Or count by hand, in any unit, as a context manager:
             copy(chunk)
             bar.update(len(chunk))
 
-`progress(iterable=None, label="", *, total=None, unit="", stream=None)` returns a `Progress`:
-
-* `update(n=1)` adds `n` done; `close()` erases the line (also on leaving the `with` block and
-  at the end of the iteration, exceptions included). Closing twice is harmless.
-* `unit="B"` shows counts as bytes (`12.0 MiB/1.5 GiB`); any other unit is appended to plain
-  counts (`3/40 tensors`).
-* Without a total the bar shows only the count (`loading 17`).
-* Redraws are throttled to one per `min_interval` seconds (0.1 by default) and the last one is
-  always drawn, so a tight loop of millions of updates stays cheap. The line is cut to the
-  terminal's width.
-* `enabled` says whether it draws; pass `enabled=True/False` to force either (tests do).
+`close()` erases the line (also on leaving the `with` block and at the end of the iteration,
+exceptions included); closing twice is harmless. Redraws are throttled to one per
+`min_interval` seconds, the last always drawn, and the line is cut to the terminal's width;
+`enabled=True/False` forces drawing either way (tests do). `unit="B"` shows counts as bytes
+(`12.0 MiB/1.5 GiB`); any other unit follows plain counts.
 
 Print nothing else to stderr while a bar is open, or print after `close()`: the bar owns the
 line it is drawn on.
@@ -59,14 +53,17 @@ def should_draw(stream: TextIO) -> bool:
     return bool(isatty and isatty())
 
 
-def format_count(n: float, unit: str) -> str:
-    if unit != "B":
-        return f"{int(n)}"
-    for name in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or name == "GiB":
+def human_bytes(n: float) -> str:
+    """A byte count as a person reads it: `512 B`, `12.0 MiB`, at most GiB."""
+    for name in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{int(n)} B" if name == "B" else f"{n:.1f} {name}"
         n /= 1024
-    return str(n)
+    return f"{n:.1f} GiB"
+
+
+def format_count(n: float, unit: str) -> str:
+    return human_bytes(n) if unit == "B" else f"{int(n)}"
 
 
 def render(label: str, done: float, total: float | None, unit: str) -> str:

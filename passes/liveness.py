@@ -15,6 +15,7 @@ from kerncc.analysis.liveness import Liveness, ProgramLiveness, analyze
 from kerncc.diagnostics import KernccError
 from kerncc.ir import IR
 from kerncc.passes.base import Pass, register
+from kerncc.progress import human_bytes
 
 
 @attrs.frozen
@@ -57,14 +58,6 @@ class LivenessPass(Pass):
     def run(self, ir: IR) -> IR:
         report = LivenessReport(tuple((s, analyze(s)) for s in ir.stages))
         return ir.with_report(self.name, report)
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 READ_ONLY = ("input", "weight", "source", "peer")

@@ -28,7 +28,7 @@ from kerncc.bundle.check import input_manifest, input_path
 from kerncc.files import FileRefused, check_regular
 from kerncc.bundle.reader import Index, read_index, stage_files
 from kerncc.diagnostics import KernccError
-from kerncc.passes.liveness import human_bytes
+from kerncc.progress import human_bytes
 from kerncc.passes.share_states import StateUse, manifest_regions, state_uses
 from kerncc.runtime import footprint
 from kerncc.runtime.footprint import StageFootprint, bundle_footprints
@@ -139,10 +139,8 @@ class BundleReport:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading: every value taken from a file is checked, so a malformed one names its file.
-
-
-# plan.json was checked by stage_plan (kerncc.bundle.plan_check): read it plainly.
+# Reading: bundle.json was checked by read_index (kerncc.bundle.index) and plan.json by
+# stage_plan (kerncc.bundle.plan_check), so their values are read plainly.
 
 
 def _arena(record: dict) -> Arena:
@@ -178,10 +176,6 @@ def _edges(index: dict) -> tuple[Edge, ...]:
         grouped.setdefault((edge["from"], edge["to"]), []).append((edge["buffer"],
                                                                    edge["bytes"]))
     return tuple(Edge(a, b, tuple(sorted(bufs))) for (a, b), bufs in sorted(grouped.items()))
-
-
-def _recorded_input(index: dict) -> str | None:
-    return (index.get("input") or {}).get("path")
 
 
 def _whole(index: Index, recorded: str | None) -> tuple[m.Manifest | None, str]:
@@ -226,18 +220,6 @@ def _region_totals(whole: m.Manifest | None, stages: Sequence[m.Manifest]
     return totals
 
 
-def _cut(index: dict) -> dict[str, Any] | None:
-    return index.get("cut")
-
-
-def _host_inputs(index: dict, k: int) -> tuple[str, ...]:
-    return tuple(index["stages"][k].get("host_inputs", ()))
-
-
-def _optional_text(index: dict, key: str) -> str | None:
-    return index.get(key)
-
-
 def _proof(checked: Index, input_status: str) -> dict[str, Any]:
     """The proof as `kerncc check` finds it now (bundle.json's claim is not repeated): its
     summary and `"status": "proved"`, or `"checked": false` and why it is not proved."""
@@ -259,20 +241,19 @@ def read_report(directory: str | Path) -> BundleReport:
     read = [reader.read_stage(checked, files) for files in stage_files(checked)]
     manifests = [r.manifest for r in read]
     reader.check_links(checked, manifests)
-    # bundle.json's fields were checked by read_index (kerncc.bundle.index): read plainly.
     index = checked.data
-    recorded = _recorded_input(index)
+    recorded = (index.get("input") or {}).get("path")
     whole, status = _whole(checked, recorded)
     totals = _region_totals(whole, manifests)
-    stages = tuple(_stage(k, _host_inputs(index, k), manifests[k], r.plan,
-                          state_uses(totals, manifests[k]))
+    stages = tuple(_stage(k, tuple(index["stages"][k].get("host_inputs", ())), manifests[k],
+                          r.plan, state_uses(totals, manifests[k]))
                    for k, r in enumerate(read))
     return BundleReport(
-        model=manifests[0].model, kerncc=_optional_text(index, "kerncc") or "?",
-        pipeline=_optional_text(index, "pipeline") or "", input_path=recorded,
-        input_status=status, checkpoint=_optional_text(index, "checkpoint"),
+        model=manifests[0].model, kerncc=index.get("kerncc") or "?",
+        pipeline=index.get("pipeline") or "", input_path=recorded,
+        input_status=status, checkpoint=index.get("checkpoint"),
         checkpoint_status=_checkpoint_status(checked),
-        cut=_cut(index), proof=_proof(checked, status), stages=stages, edges=_edges(index),
+        cut=index.get("cut"), proof=_proof(checked, status), stages=stages, edges=_edges(index),
         footprints=tuple(bundle_footprints([(r.manifest, r.plan) for r in read])))
 
 

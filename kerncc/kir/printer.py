@@ -25,6 +25,7 @@ _EXPR_KEYS = ("add", "mul", "ceil_div")
 
 
 def dumps(man: m.Manifest) -> str:
+    """The kir text of a manifest, with a trailing newline."""
     raw = writer.to_raw(man)
     sections = [_header(raw)]
     sections.append([f"var {name(k)} {attrs(v)}".rstrip() for k, v in raw.get("vars", {}).items()])

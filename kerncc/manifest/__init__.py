@@ -8,23 +8,6 @@ the typed parse (unknown fields, duplicate keys, constants); `writer` the canoni
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from kerncc.manifest import reader, writer
 from kerncc.manifest.model import *  # noqa: F403  (the model's types are the package's API)
-from kerncc.manifest.model import Manifest
-
-
-def load(path: str | Path) -> Manifest:
-    """Read a JSON manifest file: parse strictly, no verification (`.kir`: `kerncc.source`)."""
-    return reader.load(path)
-
-
-def loads(text: str, file: str | None = None) -> Manifest:
-    """Parse manifest JSON text strictly."""
-    return reader.loads(text, file)
-
-
-def dumps(manifest: Manifest) -> str:
-    """The canonical JSON text (spec §1.11), with a trailing newline."""
-    return writer.dumps(manifest)
+from kerncc.manifest.reader import load, loads
+from kerncc.manifest.writer import dumps

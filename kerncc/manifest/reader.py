@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kerncc.manifest import model as m
-from kerncc.diagnostics import Diagnostic, Diagnostics, KernccError, Location
+from kerncc.diagnostics import (Diagnostic, Diagnostics, KernccError, Location,
+                                escape_pointer_token)
 from kerncc.manifest.jsonsource import PARSE_HEADLINE, PositionIndex, parse_json
 
-_PARAM_RE = re.compile(r"^(in|out|inout)?\s*(.*)$")
 _BYTE_COUNT = re.compile(r"[0-9]{1,20}")
 _LIMITS = {"u64": (0, 2**64 - 1), "u32": (0, 2**32 - 1), "u16": (0, 2**16 - 1),
            "u8": (0, 255), "i32": (-2**31, 2**31 - 1), "i64": (-2**63, 2**63 - 1),
@@ -150,7 +150,7 @@ class Reader:
             if key not in known:
                 expected = ", ".join(f"`{k}`" for k in known)
                 self.diags.error(f"unknown field `{key}`, expected one of {expected}",
-                                 f"{ptr}/{_esc(key)}")
+                                 f"{ptr}/{escape_pointer_token(key)}")
         missing = [k for k in required if k not in raw]
         for key in missing:
             self.diags.error(f"missing field `{key}`", ptr)
@@ -205,7 +205,7 @@ class Reader:
     def name_map(self, ptr: str, raw: Any, item: Callable[[str, Any], Any]) -> dict:
         if not isinstance(raw, dict):
             self.fail(ptr, f"invalid type: {describe(raw)}, expected a map")
-        out = {k: self.guard(lambda p=f"{ptr}/{_esc(k)}", v=v: item(p, v), _BAD)
+        out = {k: self.guard(lambda p=f"{ptr}/{escape_pointer_token(k)}", v=v: item(p, v), _BAD)
                for k, v in raw.items()}
         return {k: v for k, v in out.items() if v is not _BAD}
 
@@ -307,12 +307,12 @@ class Reader:
         for name, value in consts.items():
             if not name or isinstance(value, bool) or not isinstance(value, (int, float)):
                 self.diags.error("constants require nonempty names and numeric literal values",
-                                 f"/constants/{_esc(name)}")
+                                 f"/constants/{escape_pointer_token(name)}")
         var_names = raw.get("vars") if isinstance(raw.get("vars"), dict) else {}
         for name in consts:
             if name in var_names:
                 self.diags.error(f"constant `{name}` conflicts with a var",
-                                 f"/constants/{_esc(name)}")
+                                 f"/constants/{escape_pointer_token(name)}")
         self.constants = {k: v for k, v in consts.items()
                           if k and not isinstance(v, bool) and isinstance(v, (int, float))}
 
@@ -605,10 +605,6 @@ class Reader:
 
 
 _BAD = object()
-
-
-def _esc(key: str) -> str:
-    return str(key).replace("~", "~0").replace("/", "~1")
 
 
 def parse_param_type(text: str, fail: Callable[[str], Any]) -> m.ParamType:
