@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kerncc.serve import scheduler as sch
@@ -68,8 +68,24 @@ def check_budget(plan: sch.Plan, limits: sch.Limits) -> None:
         assert chunk <= max(limits.prefill_floor, limits.step_tokens - decodes)
 
 
+# Without chunk tokens, two prompts whose prefills both end in one step's chunks bring two
+# decode rows into it: a budget of 5 rows once fed 5 chunk rows and those 2.
+BOTH_END = (sch.Limits(stride=4, pages_per_seq=3, decode_groups=1,
+                       chunk=Bounds(rows=5, seqs=1, context=12), max_running=2,
+                       chunk_emits=False, step_tokens=5), [(1, 1), (2, 1), (5, 1)], 3, [0, 1, 0], 1)
+
+
+# A preempted sequence's prompt goes through chunks, then its generated tokens one row at a
+# time: the chunk that ends its prompt brings its first replayed row into the step.
+REPLAY = (sch.Limits(stride=4, pages_per_seq=3, decode_groups=1,
+                     chunk=Bounds(rows=5, seqs=2, context=12), max_running=2,
+                     chunk_emits=True, step_tokens=5), [(5, 5), (5, 3)], 4, [0, 0], 1)
+
+
 @settings(max_examples=100)
 @given(loads())
+@example(BOTH_END)
+@example(REPLAY)
 def test_a_simulated_engine_finishes_everything_without_leaking_pages(load):
     limits, requests, pages, arrivals, depth = load
     pool = KVPool(pages)

@@ -55,7 +55,7 @@ and the driver sets `free` and `shared` from the pool after each change (`synced
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal, NamedTuple
 
 import attrs
@@ -335,22 +335,55 @@ def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
 
 
 def _chunk_items(draft: _Draft, limits: Limits) -> list[Item]:
-    """The step's chunk calls: their rows are what the decode rows leave of the budget."""
+    """The step's chunk calls: their rows are what the decode rows leave of the budget. A part
+    that ends its sequence's chunks brings a row of the sequence into this step's decode
+    (`_decode_items`) when tokens are left past them: without chunk tokens its last known one,
+    and a recomputed sequence's generated ones. Under a step budget such a part costs a row
+    more (never below the prefill floor)."""
     emits = limits.chunk_emits
     decodes = sum(1 for s in draft.seqs.values() if s.decodable(emits) or s.replayable(emits))
     budget = limits.prefill_rows(decodes)
+    charged = limits.step_tokens is not None
+
+    def room(ends: int) -> int:
+        """Prefill rows the step may feed when `ends` of its parts bring a decode row."""
+        return max(limits.prefill_floor, budget - ends) if charged else budget
+
     items: list[Item] = []
-    while budget > 0:
+    fed = ends = 0
+    while room(ends) > fed:
         candidates = [draft.seqs[i] for i in draft.order if draft.seqs[i].prefill_left(emits)]
-        bounds = attrs.evolve(limits.chunk, rows=budget)
-        plan = pack([Waiting(s.cached, s.prefill_left(emits)) for s in candidates], bounds)
+        lefts = [s.prefill_left(emits) for s in candidates]
+        bounds = attrs.evolve(limits.chunk, rows=room(ends) - fed)
+        plan = pack([Waiting(s.cached, left) for s, left in zip(candidates, lefts)], bounds)
+        if charged:  # the rows after which a candidate decodes too (0: it does not)
+            ending = [left if s.tokens > s.chunk_end(emits) else 0
+                      for s, left in zip(candidates, lefts)]
+            plan = _within(plan, ending, lambda more: room(ends + more) - fed)
         parts = _granted(draft, [(candidates[i], n) for i, n in plan], emits)
         if not parts:
             break
         tokens = tuple(i for i, start, n in parts if emits and start + n == draft.seqs[i].tokens)
         items.append(Item("chunk", tuple(parts), tokens))
-        budget -= sum(n for _, _, n in parts)
+        fed += sum(n for _, _, n in parts)
+        ends += sum(1 for i, _, _ in parts
+                    if draft.seqs[i].decodable(emits) or draft.seqs[i].replayable(emits))
     return items
+
+
+def _within(plan: list[tuple[int, int]], ending: list[int], room: Callable[[int], int]
+            ) -> list[tuple[int, int]]:
+    """`plan` cut from its end until its rows fit `room(ends)`, `ends` its parts of `ending[i]`
+    rows (those that bring a decode row into the step)."""
+    plan = list(plan)
+    while plan:
+        over = sum(n for _, n in plan) - room(sum(1 for i, n in plan if n == ending[i]))
+        if over <= 0:
+            break
+        i, n = plan.pop()
+        if n > over:
+            plan.append((i, n - over))
+    return plan
 
 
 def _granted(draft: _Draft, planned: Iterable[tuple[Seq, int]], chunk_emits: bool
