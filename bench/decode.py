@@ -25,7 +25,7 @@ cut at the middle layer, then measures, each section guarded so a failure leaves
             the default) against the split kernel, alternating: batch 1 and 8 sequences run the
             same kernels on both sides (controls of the noise); 32 sequences go out pipelined.
   invariant the batch-invariant GEMMs (the default: every decode GEMM on the GEMV kernels at any
-            batch and width, prefill chunks on one pinned cuBLASLt algorithm a site) against
+            batch and width, prefill chunks on pinned split-free cuBLASLt algorithms) against
             the batch-shaped path (KERNCC_INVARIANT=0: cuBLAS by m), alternating: the batch-1
             decode graph, decode_batch steps of 8, 32 (and 64 where the model takes 64
             sequences) x CONTEXT tokens, and TTFT of 4096 and 8192 tokens at chunk 2048.

@@ -6,8 +6,8 @@ Kernel level, over random bf16 inputs with no zero:
   for n below and above 16384 (an lm_head, a gate_up) and n with a ragged last tile, each row of
   C is the bits of the m = 64 launch's row, and a row launched alone (m = 1, pointers moved to
   it) is too; the m = 64 result matches the numpy reference within bf16 rounding;
-* the prefill GEMMs (one pinned cuBLASLt algorithm a site): chunks of 1, 64, 512 and 2048 rows
-  give each row the 2048-row launch's bits;
+* the prefill GEMMs (split-free cuBLASLt algorithms, one a bucket of m, each its own): chunks
+  of 1, 64, 512, 777 and 2048 rows give each row the 2048-row launch's bits;
 * a GEMM site's path is fixed from the site, never from a launch's m.
 End to end, on a small-but-wide example (gate_up and lm_head wider than 16384, so the old path
 sent them to cuBLAS at every batch): 32 prompts of mixed lengths served together (all at once,
@@ -141,6 +141,8 @@ def test_prefill_gemm_rows_do_not_depend_on_the_chunk(backend, name, shape):
     try:
         pinned = backend._pinned_gemm(name, n, k, rows, _alignment(ops.a.ptr, ops.w.ptr, ops.c.ptr))
         assert pinned is not None, "cuBLASLt offered no split-free algorithm"
+        algorithms = {bytes(pinned.algorithm(m)) for m in (*CHUNKS, 777)}
+        assert len(algorithms) > 1, "the chunks ran one algorithm: the buckets went untested"
 
         def launch(a, w, c, m):
             pinned(a, w, c, m, int(backend.stream_handle))

@@ -127,11 +127,18 @@ class Blas:
 
 
 # ---------------------------------------------------------------------------- cuBLASLt, pinned
-# The batch-invariant prefill GEMMs (runtime/backends/cuda.py): one cuBLASLt algorithm per
-# launch site, chosen once at load for the site's largest m and then used at every m, with its
-# K walk pinned whole (no split-K: one block owns each output and sums K in the order its tile
-# fixes). cuBLAS's own choice is by m, so a row's bits would depend on how many rows share the
-# call; with one algorithm they depend on the row alone (tests/test_determinism_cuda.py).
+# The batch-invariant prefill GEMMs (runtime/backends/cuda.py): each launch site's algorithms are
+# chosen once at load, with their K walk pinned whole (no split-K: one block owns each output and
+# sums K in the order the instruction fixes). cuBLAS's own choice is by m with split-K, so a row's
+# bits would depend on how many rows share the call; split-free, they depend on the row alone
+# (tests/test_determinism_cuda.py). cuBLASLt's split-free algorithms of one (n, k) differ in
+# tiles, stages and swizzle but not in a row's bits: every candidate of the heuristic's lists at
+# m = 64 to 2048 gave the same C, bit for bit, at each of 8 prefill shapes of the example and an
+# 8B model (H100, cuBLASLt 13). So a site takes, per bucket of m, the heuristic's first for the
+# bucket's largest m, and a small chunk is not run by tiles shaped for the largest (a 64-row
+# down_proj: 60 us on the 2048-row algorithm, 14 on a 64-row one). The determinism tests launch
+# every bucket against the largest's rows.
+BUCKETS = (64, 128, 256, 512, 1024)  # below a site's largest m; the largest is the last bucket
 LT_DESC_TRANSA, LT_DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 LT_PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 LT_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # ..._MIN_ALIGNMENT_{A,B,C,D}_BYTES
@@ -195,12 +202,13 @@ class Lt:
 
 
 class PinnedGemm:
-    """C[m, n] (= or +=) A[m, k] · W[n, k]ᵀ by one cuBLASLt algorithm for every m <= max_m.
+    """C[m, n] (= or +=) A[m, k] · W[n, k]ᵀ by split-free cuBLASLt algorithms, one per bucket
+    of m up to max_m (BUCKETS).
 
-    The algorithm is cuBLASLt's first candidate for m = max_m whose split-K is set to 1 (no
-    reduction) and that cublasLtMatmulAlgoCheck accepts at m = 1 and at max_m within the
-    workspace; none such is a CublasError (the backend then keeps the site on kerncc's own
-    row-invariant GEMV kernels)."""
+    A bucket's algorithm is cuBLASLt's first candidate for the bucket's largest m whose split-K
+    is set to 1 (no reduction) and that cublasLtMatmulAlgoCheck accepts at the bucket's ends
+    within the workspace; a bucket with none takes the next one's. None at max_m is a
+    CublasError (the backend then keeps the site on kerncc's own row-invariant GEMV kernels)."""
 
     def __init__(self, lt: Lt, name: str, n: int, k: int, max_m: int, align: int = 256) -> None:
         self.lt, self.name, self.n, self.k, self.max_m = lt, name, n, k, max_m
@@ -217,7 +225,8 @@ class PinnedGemm:
                    "cublasLtMatmulDescSetAttribute")
         self.w_layout = self._layout(CUDA_R_16BF, k, n, k)  # W[n, k] row-major = (k, n) col
         self._layouts: dict[int, tuple[ctypes.c_void_p, ctypes.c_void_p]] = {}
-        self.algo = self._choose()
+        self.algo = self._choose(1, max_m)  # the largest bucket's
+        self.buckets = self._bucket_algorithms()
 
     def _layout(self, dtype: int, rows: int, cols: int, ld: int) -> ctypes.c_void_p:
         layout = ctypes.c_void_p()
@@ -234,7 +243,7 @@ class PinnedGemm:
             self._layouts[m] = found
         return found
 
-    def _candidates(self) -> list[ctypes.Array]:
+    def _candidates(self, m: int) -> list[ctypes.Array]:
         lib, lt = self.lt.lib, self.lt
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)),
@@ -249,11 +258,11 @@ class PinnedGemm:
                    "cublasLtMatmulPreferenceSetAttribute")
         results = (ctypes.c_uint8 * (LT_RESULT_BYTES * LT_CANDIDATES))()
         found = ctypes.c_int(0)
-        a_layout, c_layout = self.layouts(self.max_m)
+        a_layout, c_layout = self.layouts(m)
         _check(lib.cublasLtMatmulAlgoGetHeuristic(
             lt.handle, self.desc, self.w_layout, a_layout, c_layout, c_layout, pref,
             LT_CANDIDATES, results, ctypes.byref(found)),
-            f"cublasLtMatmulAlgoGetHeuristic (m={self.max_m}, n={self.n}, k={self.k})")
+            f"cublasLtMatmulAlgoGetHeuristic (m={m}, n={self.n}, k={self.k})")
         raw = bytes(results)
         return [(ctypes.c_uint8 * LT_ALGO_BYTES).from_buffer_copy(
             raw[i * LT_RESULT_BYTES:i * LT_RESULT_BYTES + LT_ALGO_BYTES])
@@ -275,13 +284,34 @@ class PinnedGemm:
         workspace = int.from_bytes(bytes(result)[LT_ALGO_BYTES:LT_ALGO_BYTES + 8], "little")
         return status == 0 and workspace <= lt.workspace_bytes
 
-    def _choose(self) -> ctypes.Array:
-        for algo in self._candidates():
+    def _choose(self, low: int, high: int) -> ctypes.Array:
+        """The heuristic's first split-free algorithm for m = high that takes m = low too."""
+        for algo in self._candidates(high):
             self._split_free(algo)
-            if all(self._accepts(algo, m) for m in sorted({1, self.max_m})):
+            if all(self._accepts(algo, m) for m in sorted({low, high})):
                 return algo
-        raise CublasError(f"cuBLASLt offers no split-free algorithm for m <= {self.max_m}, "
+        raise CublasError(f"cuBLASLt offers no split-free algorithm for m <= {high}, "
                           f"n={self.n}, k={self.k}")
+
+    def _bucket_algorithms(self) -> list[tuple[int, ctypes.Array]]:
+        """(largest m, algorithm) of each bucket, ascending; the last is (max_m, self.algo)."""
+        buckets: list[tuple[int, ctypes.Array]] = []
+        low = 1
+        for high in (b for b in BUCKETS if b < self.max_m):
+            try:
+                buckets.append((high, self._choose(low, high)))
+            except CublasError:
+                continue  # its rows go to the next bucket's algorithm, checked from `low`
+            low = high + 1
+        buckets.append((self.max_m, self.algo))
+        return buckets
+
+    def algorithm(self, m: int) -> ctypes.Array:
+        """The algorithm that runs a launch of m rows."""
+        for high, algo in self.buckets:
+            if m <= high:
+                return algo
+        return self.algo
 
     def __call__(self, a: int, w: int, c: int, m: int, stream: int) -> None:
         """C (= or +=) A · Wᵀ over m rows, on `stream`."""
@@ -291,6 +321,6 @@ class PinnedGemm:
         a_layout, c_layout = self.layouts(m)
         status = lt.lib.cublasLtMatmul(
             lt.handle, self.desc, ctypes.byref(self._alpha), w, self.w_layout, a, a_layout,
-            ctypes.byref(self._beta), c, c_layout, c, c_layout, self.algo, lt.workspace,
+            ctypes.byref(self._beta), c, c_layout, c, c_layout, self.algorithm(m), lt.workspace,
             lt.workspace_bytes, stream)
         _check(status, f"cublasLtMatmul (m={m}, n={self.n}, k={self.k})")

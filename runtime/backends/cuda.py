@@ -639,8 +639,8 @@ class CudaBackend(Backend):
         once, from the site (its shape, pointers and the most rows it can launch with), never
         from a launch's m (`bounds`: its program's vars at their largest, so a decode step's
         sites are bounded by its batch). Sites of at most gemv.DECODE_MAX_M rows (the decode
-        steps, the prefill's lm_head) take kerncc's GEMV kernels; others one pinned cuBLASLt
-        algorithm (runtime/backends/cublas.py PinnedGemm), or the GEMV kernels where cuBLASLt
+        steps, the prefill's lm_head) take kerncc's GEMV kernels; others pinned split-free cuBLASLt
+        algorithms (runtime/backends/cublas.py PinnedGemm), or the GEMV kernels where cuBLASLt
         offers none. A shape neither takes (k % 8, misaligned) stays on cuBLAS, batch-shaped."""
         name = site.extern_name
         self.check_extern(name)

@@ -72,7 +72,7 @@ SHARED = {"gemv_bf16_tn_mb8_t4_smem": 8 * 3 * (64 + 64) * 64,
 SMEM_N = 16384
 INVARIANT = config.invariant()
 # The most rows a site may launch with and still be served by these kernels when invariant:
-# above it (prefill chunks) the pinned cuBLASLt algorithm of runtime/backends/cublas.py.
+# above it (prefill chunks) the pinned cuBLASLt algorithms of runtime/backends/cublas.py.
 DECODE_MAX_M = 64
 MODULE = "gemv"
 ROWS_PER_BLOCK = 16
