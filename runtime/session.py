@@ -61,10 +61,6 @@ def graph_policy(graphs: bool | str) -> str:
     return graphs
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def open_bundle(bundle: Bundle | str | os.PathLike) -> Bundle:
     if isinstance(bundle, Bundle):
         return bundle

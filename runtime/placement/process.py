@@ -333,10 +333,6 @@ class ProcessChain(Chain):
                 pass
         self._raise_if_down()
 
-    @property
-    def programs(self) -> list[str]:
-        return sorted({p for s in self.sessions for p in s.programs}, key=str.encode)
-
     def _raise_if_down(self) -> None:
         if self.fault is not None:
             raise KernccError.single(f"the process chain is down: {self.fault}")

@@ -289,10 +289,6 @@ class RayChain(Chain):
     def sync(self) -> None:
         """Nothing to wait for beyond `result()`: each call answers when its stage is done."""
 
-    @property
-    def programs(self) -> list[str]:
-        return sorted({p for s in self.sessions for p in s.programs}, key=str.encode)
-
     def close(self) -> None:
         ray = self._ray
         for actor in self._actors:
