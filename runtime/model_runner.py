@@ -46,8 +46,8 @@ from kerncc.analysis.access import call_access
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.domains import is_whole
-from kerncc.runtime.memory import default_token_capacity, numpy_dtype
-from kerncc.runtime.session import Session
+from kerncc.runtime.memory import chain_token_capacity, numpy_dtype
+from kerncc.runtime.session import Session, stage_vars
 from kerncc.verify import verify
 
 INPUT_FILLS = ("token", "position", "valid", "slot", "seq_len", "cu_seqlens", "span_at")
@@ -164,10 +164,9 @@ def request_limits(manifests: Sequence[m.Manifest], protocol: proto.Protocol | N
         why = f"`{protocol.context.var}` <= {protocol.context.max}"
         bounds.append((protocol.context.max, why))
     context, context_why = min(bounds, default=(None, ""))
-    if kv_tokens is None:
-        kv_tokens = max(default_token_capacity(man) for man in manifests)
     low, high, why = _token_range(protocol, manifests)
-    return Limits(context, context_why, kv_tokens, low, high, why)
+    return Limits(context, context_why, chain_token_capacity(manifests, kv_tokens), low, high,
+                  why)
 
 
 def _token_range(protocol: proto.Protocol, manifests: Sequence[m.Manifest]
@@ -644,7 +643,7 @@ class ModelRunner:
         span = source.token_range(forward.name, forward.emits)
         targets = [s for s in self.sessions if name in s.stage.host_inputs]
         if span is None or not targets or not all(
-                t.fits_domain(name, *span, _vars_of(t, vars)) for t in targets):
+                t.fits_domain(name, *span, stage_vars(t.manifest, vars)) for t in targets):
             return None
         # a copy kept under the program's name too: only a call of `forward` writes it, so
         # `span`, proven for `forward`'s output, covers what the feed reads
@@ -665,7 +664,7 @@ class TokenFeed:
 
     def __call__(self, vars: dict[str, int]) -> None:
         for target in self.targets:
-            target.feed(self.name, self.source, self.output, _vars_of(target, vars),
+            target.feed(self.name, self.source, self.output, stage_vars(target.manifest, vars),
                         kept=self.slot)
 
     def keep(self) -> None:
@@ -673,11 +672,6 @@ class TokenFeed:
         on the device) for the same call of the step after; nothing without a slot."""
         if self.slot is not None:
             self.source.keep(self.output, self.slot)
-
-
-def _vars_of(session: Session, vars: dict[str, int]) -> dict[str, int]:
-    """The vars of `vars` that `session`'s stage has."""
-    return {n: v for n, v in vars.items() if n in session.manifest.vars}
 
 
 

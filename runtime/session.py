@@ -99,6 +99,11 @@ def as_mapping(value: Any, name: str) -> Mapping:
     return value
 
 
+def stage_vars(manifest: m.Manifest, vars: Mapping[str, int]) -> dict[str, int]:
+    """The vars of `vars` that `manifest` (one stage's) declares."""
+    return {n: v for n, v in vars.items() if n in manifest.vars}
+
+
 def _var_value(value: Any) -> bool:
     """A var's value: a whole number (an integral float such as 3.0 is taken too)."""
     return domains.is_whole(value) or (isinstance(value, float) and value.is_integer())
