@@ -601,17 +601,23 @@ class ModelRunner:
             self._drawers[forward.name] = self._drawer(forward)
         return self._drawers[forward.name] is not None
 
-    def _drawer(self, forward: proto.Forward) -> Session | None:
+    def _emitter(self, forward: proto.Forward) -> tuple[Session, tuple[int, int]] | None:
+        """The last stage in this process that runs `forward`, and the values its token
+        output can hold (`Session.token_range`); None where either is unknown."""
         if forward.emits is None or not getattr(self.runner, "in_process", False):
             return None
         runs = [s for s in self.sessions if forward.name in s.sites]
-        if not runs or LOGITS not in runs[-1].manifest.buffers:
+        span = runs[-1].token_range(forward.name, forward.emits) if runs else None
+        return None if span is None else (runs[-1], span)
+
+    def _drawer(self, forward: proto.Forward) -> Session | None:
+        found = self._emitter(forward)
+        if found is None or LOGITS not in found[0].manifest.buffers:
             return None
-        source = runs[-1]
-        span = source.token_range(forward.name, forward.emits)
+        source, span = found
         logits = source.manifest.buffers[LOGITS]
         dims = logits.dims_at(source.manifest.vars_max())
-        if span is None or logits.dtype != "f32" or len(dims) != 2 or dims[1] != span[1] + 1:
+        if logits.dtype != "f32" or len(dims) != 2 or dims[1] != span[1] + 1:
             return None
         return source
 
@@ -633,16 +639,13 @@ class ModelRunner:
 
     def _feeder(self, forward: proto.Forward, vars: dict[str, int], call: int | None
                 ) -> TokenFeed | None:
-        if forward.emits is None or not getattr(self.runner, "in_process", False):
-            return None
         names = {f.name for f in self.protocol.fills if f.fill == "token"}
-        runs = [s for s in self.sessions if forward.name in s.sites]
-        if len(names) != 1 or not runs:
+        found = self._emitter(forward)
+        if len(names) != 1 or found is None:
             return None
-        name, source = next(iter(names)), runs[-1]
-        span = source.token_range(forward.name, forward.emits)
+        name, (source, span) = next(iter(names)), found
         targets = [s for s in self.sessions if name in s.stage.host_inputs]
-        if span is None or not targets or not all(
+        if not targets or not all(
                 t.fits_domain(name, *span, stage_vars(t.manifest, vars)) for t in targets):
             return None
         # a copy kept under the program's name too: only a call of `forward` writes it, so
