@@ -80,8 +80,7 @@ def open_backend(backend: str | Backend) -> Backend:
 
 
 def check_token_capacity(token_capacity: int | None) -> None:
-    """None (the default capacity) or at least one token: 0 used to mean the default, and a
-    negative count failed as an allocation of negative bytes."""
+    """None (the default capacity) or a whole number of at least one token."""
     if token_capacity is None:
         return
     if not domains.is_whole(token_capacity) or token_capacity < 1:
