@@ -23,9 +23,9 @@ from kerncc.runtime.backends import make_backend
 from kerncc.runtime.backends.base import Backend
 from kerncc.runtime.bundle import Bundle
 from kerncc.runtime.footprint import check_fits, stage_footprint
-from kerncc.runtime.memory import default_token_capacity
+from kerncc.runtime.memory import chain_token_capacity
 from kerncc.runtime.session import (Pending, Session, as_mapping, check_token_capacity,
-                                    open_backend, open_bundle)
+                                    open_backend, open_bundle, stage_vars)
 from kerncc.runtime.trace import Timeline
 from kerncc.runtime.weights import CheckpointLike
 
@@ -57,9 +57,8 @@ class Chain:
         self.backends = _stage_backends(backend, devices, stages)
         self._owns_backends = isinstance(backend, str)  # made here, so closed here
         self.backend = self.backends[0]
-        # One pool of page ids serves every stage, so every stage gets the same capacity.
-        self.token_capacity = token_capacity or max(
-            default_token_capacity(s.manifest) for s in self.bundle.stages)
+        self.token_capacity = chain_token_capacity((s.manifest for s in self.bundle.stages),
+                                                   token_capacity)
         _check_devices(self.bundle, self.backends, self.token_capacity)
         self.sessions = [Session(self.bundle, k, self.backends[k], checkpoint,
                                  self.token_capacity, interpret, graphs, allow_nonfinite)
@@ -93,15 +92,15 @@ class Chain:
         item, self.items = self.items, self.items + 1
         pending = Pending({})
         for k, session in enumerate(self.sessions):
-            stage_vars = {n: v for n, v in vars.items() if n in session.manifest.vars}
-            self._receive(k, stage_vars, item)
+            own_vars = stage_vars(session.manifest, vars)
+            self._receive(k, own_vars, item)
             if program not in session.sites:
                 continue
             host = {n: v for n, v in inputs.items() if n in session.stage.host_inputs}
             issued = time.perf_counter()
             start = session.backend.mark() if self.trace else None
             last = k == max(j for j, s in enumerate(self.sessions) if program in s.sites)
-            pending = session.submit(program, host, stage_vars, outputs=outputs if last else False)
+            pending = session.submit(program, host, own_vars, outputs=outputs if last else False)
             if self.trace is not None:
                 self.trace.span(session.backend, f"stage {k}", f"{program} #{item}", issued,
                                 start, session.backend.mark(),
@@ -118,8 +117,7 @@ class Chain:
         for session in self.sessions:
             host = {n: v for n, v in inputs.items() if n in session.stage.host_inputs}
             if host:
-                session.stage_inputs(host, {n: v for n, v in vars.items()
-                                            if n in session.manifest.vars})
+                session.stage_inputs(host, stage_vars(session.manifest, vars))
 
     def _check_program(self, program: str) -> None:
         """Some stage has `program` (a stage without it is skipped: with none, all were)."""

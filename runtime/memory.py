@@ -9,6 +9,7 @@ derive programs run they sit in the one staging allocation at their window offse
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import ml_dtypes
@@ -37,6 +38,12 @@ def numpy_dtype(dtype: str) -> np.dtype:
 
 def _dim_max(man: m.Manifest, dim: m.Dim) -> int:
     return man.vars[dim].max if isinstance(dim, str) else int(dim)
+
+
+def chain_token_capacity(manifests: Iterable[m.Manifest], given: int | None = None) -> int:
+    """`given`, else the largest default of the stages: one pool of page ids serves every
+    stage, so every stage gets the same capacity."""
+    return given or max(default_token_capacity(man) for man in manifests)
 
 
 def default_token_capacity(man: m.Manifest) -> int:

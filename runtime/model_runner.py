@@ -46,8 +46,8 @@ from kerncc.analysis.access import call_access
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.chain import Chain
 from kerncc.runtime.domains import is_whole
-from kerncc.runtime.memory import default_token_capacity, numpy_dtype
-from kerncc.runtime.session import Session
+from kerncc.runtime.memory import chain_token_capacity, numpy_dtype
+from kerncc.runtime.session import Session, stage_vars
 from kerncc.verify import verify
 
 INPUT_FILLS = ("token", "position", "valid", "slot", "seq_len", "cu_seqlens", "span_at")
@@ -164,10 +164,9 @@ def request_limits(manifests: Sequence[m.Manifest], protocol: proto.Protocol | N
         why = f"`{protocol.context.var}` <= {protocol.context.max}"
         bounds.append((protocol.context.max, why))
     context, context_why = min(bounds, default=(None, ""))
-    if kv_tokens is None:
-        kv_tokens = max(default_token_capacity(man) for man in manifests)
     low, high, why = _token_range(protocol, manifests)
-    return Limits(context, context_why, kv_tokens, low, high, why)
+    return Limits(context, context_why, chain_token_capacity(manifests, kv_tokens), low, high,
+                  why)
 
 
 def _token_range(protocol: proto.Protocol, manifests: Sequence[m.Manifest]
@@ -602,17 +601,23 @@ class ModelRunner:
             self._drawers[forward.name] = self._drawer(forward)
         return self._drawers[forward.name] is not None
 
-    def _drawer(self, forward: proto.Forward) -> Session | None:
+    def _emitter(self, forward: proto.Forward) -> tuple[Session, tuple[int, int]] | None:
+        """The last stage in this process that runs `forward`, and the values its token
+        output can hold (`Session.token_range`); None where either is unknown."""
         if forward.emits is None or not getattr(self.runner, "in_process", False):
             return None
         runs = [s for s in self.sessions if forward.name in s.sites]
-        if not runs or LOGITS not in runs[-1].manifest.buffers:
+        span = runs[-1].token_range(forward.name, forward.emits) if runs else None
+        return None if span is None else (runs[-1], span)
+
+    def _drawer(self, forward: proto.Forward) -> Session | None:
+        found = self._emitter(forward)
+        if found is None or LOGITS not in found[0].manifest.buffers:
             return None
-        source = runs[-1]
-        span = source.token_range(forward.name, forward.emits)
+        source, span = found
         logits = source.manifest.buffers[LOGITS]
         dims = logits.dims_at(source.manifest.vars_max())
-        if span is None or logits.dtype != "f32" or len(dims) != 2 or dims[1] != span[1] + 1:
+        if logits.dtype != "f32" or len(dims) != 2 or dims[1] != span[1] + 1:
             return None
         return source
 
@@ -634,17 +639,14 @@ class ModelRunner:
 
     def _feeder(self, forward: proto.Forward, vars: dict[str, int], call: int | None
                 ) -> TokenFeed | None:
-        if forward.emits is None or not getattr(self.runner, "in_process", False):
-            return None
         names = {f.name for f in self.protocol.fills if f.fill == "token"}
-        runs = [s for s in self.sessions if forward.name in s.sites]
-        if len(names) != 1 or not runs:
+        found = self._emitter(forward)
+        if len(names) != 1 or found is None:
             return None
-        name, source = next(iter(names)), runs[-1]
-        span = source.token_range(forward.name, forward.emits)
+        name, (source, span) = next(iter(names)), found
         targets = [s for s in self.sessions if name in s.stage.host_inputs]
-        if span is None or not targets or not all(
-                t.fits_domain(name, *span, _vars_of(t, vars)) for t in targets):
+        if not targets or not all(
+                t.fits_domain(name, *span, stage_vars(t.manifest, vars)) for t in targets):
             return None
         # a copy kept under the program's name too: only a call of `forward` writes it, so
         # `span`, proven for `forward`'s output, covers what the feed reads
@@ -665,7 +667,7 @@ class TokenFeed:
 
     def __call__(self, vars: dict[str, int]) -> None:
         for target in self.targets:
-            target.feed(self.name, self.source, self.output, _vars_of(target, vars),
+            target.feed(self.name, self.source, self.output, stage_vars(target.manifest, vars),
                         kept=self.slot)
 
     def keep(self) -> None:
@@ -673,11 +675,6 @@ class TokenFeed:
         on the device) for the same call of the step after; nothing without a slot."""
         if self.slot is not None:
             self.source.keep(self.output, self.slot)
-
-
-def _vars_of(session: Session, vars: dict[str, int]) -> dict[str, int]:
-    """The vars of `vars` that `session`'s stage has."""
-    return {n: v for n, v in vars.items() if n in session.manifest.vars}
 
 
 

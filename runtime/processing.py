@@ -37,6 +37,7 @@ import numpy as np
 
 from kerncc.kernels import logits_ref as ref
 from kerncc.kernels.logits_ref import HAS_STEP_MASK, LOGIT_WORDS, RESULT_WORDS, mask_words
+from kerncc.runtime.backends.base import Ready
 
 MODULE = "logits"
 THREADS, ACCEPT_THREADS = 1024, 64  # the kernels' blocks (kernels/logits.cu)
@@ -222,14 +223,6 @@ class HostProcessor(Processor):
         return Heard(Ready(results), sources)
 
 
-class Ready:
-    def __init__(self, value: np.ndarray) -> None:
-        self.value = value
-
-    def result(self) -> np.ndarray:
-        return self.value
-
-
 class CudaProcessor(Processor):
     """The `logits` cubin on one CUDA backend: the state in device buffers, the logits
     processed in place in the session's buffer before the draw."""
@@ -237,20 +230,13 @@ class CudaProcessor(Processor):
     def __init__(self, backend: Any, vocab: int) -> None:
         from cuda.bindings import driver as cu
 
-        from kerncc.kernels import library
-        from kerncc.runtime.backends.cuda import check
+        from kerncc.runtime.backends.cuda import check, library_functions
 
         super().__init__(backend, vocab)
         self.cu, self.check = cu, check
-        backend.activate()
-        path = library.cubin_path(MODULE)
-        self._image = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-        self.module = check(cu.cuModuleLoadData(self._image.ctypes.data),
-                            f"cuModuleLoadData({path.name})")
-        self.fns = {name: check(cu.cuModuleGetFunction(self.module, name.encode()),
-                                f"cuModuleGetFunction({name})")
-                    for name in ("logits_process_f32", "logits_logprobs_f32",
-                                 "logits_accept_f32")}
+        self.fns = library_functions(backend, MODULE, ("logits_process_f32",
+                                                       "logits_logprobs_f32",
+                                                       "logits_accept_f32"))
         self.state: dict[str, Any] = {}
         self.rows_capacity = 0
         self.call: dict[str, Any] = {}

@@ -277,17 +277,10 @@ class CudaSampler:
     def __init__(self, backend: Any) -> None:
         from cuda.bindings import driver as cu
 
-        from kerncc.kernels import library
-        from kerncc.runtime.backends.cuda import check
+        from kerncc.runtime.backends.cuda import check, library_functions
 
         self.cu, self.check, self.backend = cu, check, backend
-        backend.activate()
-        path = library.cubin_path(MODULE)
-        self._image = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-        self.module = check(cu.cuModuleLoadData(self._image.ctypes.data),
-                            f"cuModuleLoadData({path.name})")
-        self.fn = check(cu.cuModuleGetFunction(self.module, ENTRY.encode()),
-                        f"cuModuleGetFunction({ENTRY})")
+        self.fn = library_functions(backend, MODULE, (ENTRY,))[ENTRY]
         self.capacity = 0
         self.words = self.tokens = None
 

@@ -61,10 +61,6 @@ def graph_policy(graphs: bool | str) -> str:
     return graphs
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def open_bundle(bundle: Bundle | str | os.PathLike) -> Bundle:
     if isinstance(bundle, Bundle):
         return bundle
@@ -84,8 +80,7 @@ def open_backend(backend: str | Backend) -> Backend:
 
 
 def check_token_capacity(token_capacity: int | None) -> None:
-    """None (the default capacity) or at least one token: 0 used to mean the default, and a
-    negative count failed as an allocation of negative bytes."""
+    """None (the default capacity) or a whole number of at least one token."""
     if token_capacity is None:
         return
     if not domains.is_whole(token_capacity) or token_capacity < 1:
@@ -101,6 +96,11 @@ def as_mapping(value: Any, name: str) -> Mapping:
         raise KernccError.single(f"{name}: expected a mapping by name, got "
                                  f"{type(value).__name__}")
     return value
+
+
+def stage_vars(manifest: m.Manifest, vars: Mapping[str, int]) -> dict[str, int]:
+    """The vars of `vars` that `manifest` (one stage's) declares."""
+    return {n: v for n, v in vars.items() if n in manifest.vars}
 
 
 def _var_value(value: Any) -> bool:

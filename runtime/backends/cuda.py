@@ -98,6 +98,17 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def library_functions(backend: CudaBackend, module: str, entries: Sequence[str]
+                      ) -> dict[str, Any]:
+    """The entries of library module `module`, its cubin loaded in `backend`'s context."""
+    backend.activate()
+    path = library.cubin_path(module)
+    image = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+    loaded = check(cu.cuModuleLoadData(image.ctypes.data), f"cuModuleLoadData({path.name})")
+    return {name: check(cu.cuModuleGetFunction(loaded, name.encode()),
+                        f"cuModuleGetFunction({name})") for name in entries}
+
+
 @attrs.define(eq=False)
 class Allocation:
     """Device memory from `cuMemAlloc`."""

@@ -28,7 +28,7 @@ import numpy as np
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.bundle import Bundle, Stage
 from kerncc.runtime.chain import Chain, stage_devices
-from kerncc.runtime.memory import default_token_capacity
+from kerncc.runtime.memory import chain_token_capacity
 from kerncc.runtime.placement.transport import link_kind
 from kerncc.runtime.placement.worker import (ITEM, LINK_LOST, STOP, TABLE, StageSpec,
                                              stage_main)
@@ -130,8 +130,8 @@ class ProcessChain(Chain):
         self.backend_name = backend
         stages = len(self.bundle.stages)
         self.devices = _stage_devices(backend, devices, stages)
-        self.token_capacity = token_capacity or max(
-            default_token_capacity(s.manifest) for s in self.bundle.stages)
+        self.token_capacity = chain_token_capacity((s.manifest for s in self.bundle.stages),
+                                                   token_capacity)
         self.kinds = {(e["from"], e["to"]): link_kind(transport, backend, self.devices[e["from"]],
                                                       self.devices[e["to"]])
                       for e in self.bundle.edges}
@@ -332,10 +332,6 @@ class ProcessChain(Chain):
             except KernccError:
                 pass
         self._raise_if_down()
-
-    @property
-    def programs(self) -> list[str]:
-        return sorted({p for s in self.sessions for p in s.programs}, key=str.encode)
 
     def _raise_if_down(self) -> None:
         if self.fault is not None:

@@ -23,12 +23,12 @@ import numpy as np
 from kerncc.diagnostics import KernccError
 from kerncc.runtime.bundle import Bundle
 from kerncc.runtime.chain import Chain
-from kerncc.runtime.memory import default_token_capacity
+from kerncc.runtime.memory import chain_token_capacity
 from kerncc.runtime.placement.process import (DEFAULT_TIMEOUT, START_TIMEOUT, StageView,
                                               check_vars, picklable, running_stages)
 from kerncc.runtime.placement.transport import NcclPeer, link_kind
 from kerncc.runtime.placement.worker import crossing_bytes, error_message
-from kerncc.runtime.session import open_bundle
+from kerncc.runtime.session import open_bundle, stage_vars
 from kerncc.runtime.weights import CheckpointLike
 
 RAY_HINT = "pip install 'kerncc[ray]'"
@@ -81,7 +81,6 @@ class StageActor:
              outputs: bool | list[str] | None, *arrivals: dict) -> tuple[dict, dict]:
         """Serve one item: (crossing buffers for later stages, outputs or {})."""
         s = self.session
-        stage_vars = {n: v for n, v in vars.items() if n in s.manifest.vars}
         arrived: dict = {}
         for crossing in arrivals:
             arrived.update(crossing)
@@ -90,7 +89,7 @@ class StageActor:
         pending = None
         if program in s.sites:
             try:
-                pending = s.submit(program, inputs, stage_vars,
+                pending = s.submit(program, inputs, stage_vars(s.manifest, vars),
                                    outputs=False if outputs is None else outputs)
             except Exception as err:  # noqa: BLE001 - raised again as the head's KernccError
                 raise KernccError(*error_message(err, self.k)) from None
@@ -112,8 +111,7 @@ class StageActor:
     def _cross(self, edge: dict, vars: dict[str, int]) -> bytes | int:
         s, name = self.session, edge["buffer"]
         target = self.bundle.stages[edge["to"]].manifest
-        nbytes = crossing_bytes(target, name, {n: v for n, v in vars.items()
-                                               if n in target.vars})
+        nbytes = crossing_bytes(target, name, stage_vars(target, vars))
         peer = self.peers.get((self.k, edge["to"]))
         if peer is not None:
             if nbytes:
@@ -160,8 +158,8 @@ class RayChain(Chain):
         self.bundle = open_bundle(bundle)
         self.trace, self.items, self.timeout = None, 0, float(timeout)
         self.backend_name, self.fault = backend, None
-        self.token_capacity = token_capacity or max(
-            default_token_capacity(s.manifest) for s in self.bundle.stages)
+        self.token_capacity = chain_token_capacity((s.manifest for s in self.bundle.stages),
+                                                   token_capacity)
         # Every actor has a GPU of its own: NCCL whenever the links can have it.
         self.kinds = {(e["from"], e["to"]): link_kind(transport, backend, e["from"], e["to"])
                       for e in self.bundle.edges}
@@ -288,10 +286,6 @@ class RayChain(Chain):
 
     def sync(self) -> None:
         """Nothing to wait for beyond `result()`: each call answers when its stage is done."""
-
-    @property
-    def programs(self) -> list[str]:
-        return sorted({p for s in self.sessions for p in s.programs}, key=str.encode)
 
     def close(self) -> None:
         ray = self._ray
