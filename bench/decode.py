@@ -694,7 +694,8 @@ def mma_sync_bundle(model: dict, cfg: dict) -> Path:
 
 def prefill_rows(model: dict, cfg: dict) -> None:
     """TTFT of a 4096-token prompt with the wgmma prefill attention (the default) and with the
-    mma.sync one, alternating, PDL on (the default) for both."""
+    mma.sync one, alternating, PDL on (the default) for both; then one chunk's launches of
+    2048, 512, 256 and 64 rows, event sums."""
     tokens = 4096
     roof = prefill_flops(cfg, tokens) / (TC_TFLOPS * 1e12) * 1e3
     row("prefill", f"prefill roofline, TTFT {tokens} ({prefill_flops(cfg, tokens) / 1e12:.1f} "
@@ -715,8 +716,10 @@ def prefill_rows(model: dict, cfg: dict) -> None:
 
     gemv.MAX_M = 8
     chain = Chain(model["whole"], backend="cuda", token_capacity=CAPACITY, graphs="off")
-    for context in (0, 2048):  # the 4096-token prompt's two chunks
-        prefill_profile(chain, context, 2048)
+    # the 4096-token prompt's two chunks, then the small chunks a server makes beside decodes
+    # (each GEMM site takes an algorithm by its rows: runtime/backends/cublas.py BUCKETS)
+    for context, chunk in ((0, 2048), (2048, 2048), (0, 512), (0, 256), (0, 64)):
+        prefill_profile(chain, context, chunk)
 
 
 
