@@ -420,6 +420,21 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------ calls
 
+    def capture_graphs(self, sequences: int) -> int:
+        """Capture, on every stage that lives here, the graph of the one-row forward a call of
+        1 to `sequences` sequences takes (the protocol's tightest, as a step picks it), so that
+        no step of a server waits for a capture the first time its batch has a new size; the
+        graphs made or found (0 on a backend without graphs)."""
+        if not getattr(self.runner, "in_process", False):
+            return 0
+        made = 0
+        for groups in range(1, min(sequences, self.protocol.max_groups(1)) + 1):
+            forward = self.protocol.forward(groups, 1)
+            vars = self.protocol.vars(groups, groups, groups, 1)
+            made += sum(s.capture(forward.name, stage_vars(s.manifest, vars))
+                        for s in self.sessions if forward.name in s.sites)
+        return made
+
     def submit(self, forward: proto.Forward, rows: Sequence[Rows], outputs: Collection[str],
                feed: Feed | None = None, draws: Draws | None = None,
                drawn_later: bool = False) -> Any:

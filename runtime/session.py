@@ -418,6 +418,24 @@ class Session:
         else:
             self.backend.replay(graph)
 
+    def capture(self, program: str, vars: Mapping[str, int] | None = None) -> bool:
+        """Capture the graph of `program`, a program marked `graph`, at `vars` now, ahead of
+        its first run there (that run then replays it): a server does this at start so that
+        no step waits for a capture. False where no graph is made (a backend without graphs,
+        the `off` policy, a program not marked `graph`); True where one is or was."""
+        self.backend.activate()
+        self._check_program(program)
+        declared = self.manifest.programs[program]
+        if self.graphs == "off" or not declared.graph or declared.once or declared.derive:
+            return False
+        env = self._vars(vars)
+        key = (program, *(env[v] for v in self._graph_vars[program]))
+        if key not in self._graphs:
+            self._env = env
+            self.backend.stream_joined()
+            self._graphs[key] = self.backend.capture(lambda: self._issue_program(program, env))
+        return True
+
     def _graph(self, program: str, env: dict[str, int]) -> Any:
         """The graph to replay for `program` at `env`, captured now if it is time; None: issue
         the launches one by one.

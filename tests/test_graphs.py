@@ -21,6 +21,7 @@ from kerncc.runtime import Chain
 from kerncc.runtime.backends.cpu import CpuBackend
 from reference_loop import alone
 from kerncc.runtime.session import AUTO_GRAPHS
+from kerncc.serve.engine import Config, Engine, Request, serve_prompts
 
 
 class Recording(CpuBackend):
@@ -123,3 +124,31 @@ def test_auto_keeps_a_bounded_number_of_chunk_graphs(bundle):
         serve(chain, prompt=LONG[: 2 * chunk + 1], chunk=chunk)  # every size twice
     prefill = {k for k in keys(chain) if k[0] == "prefill"}
     assert len(prefill) == AUTO_GRAPHS
+
+
+def test_a_server_captures_every_decode_size_before_its_first_step(bundle):
+    """An engine captures the graph of the one-row forward a step of 1 to max_running
+    sequences takes when it is made (no step then waits for a capture), only those, and
+    serving through them gives the bits of eager launches."""
+    prompts = [PROMPT, LONG[:21], LONG[5:40]]
+    eager, _ = serve_prompts(Chain(bundle, backend="cpu"), prompts, 6, chunk=8, logits=True)
+    backend = Recording()
+    chain = Chain(bundle, backend=backend)
+    engine = Engine(chain, Config(max_running=3, chunk=8, logits=True))
+    made = keys(chain)
+    assert made == {("decode", 1), ("decode_batch", 2), ("decode_batch", 3)}  # as steps pick
+    assert len(backend.captured) == 2 * 3  # each of the two stages, each size once
+    requests = [engine.submit(Request(list(p), 6)) for p in prompts]
+    engine.run_until_idle()
+    assert {k for k in keys(chain) if k[0] != "prefill"} == made  # none captured while serving
+    for request, alone_run in zip(requests, eager):
+        assert request.generated == alone_run.generated
+        for got, want in zip(request.logits, alone_run.logits):
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert Engine(Chain(bundle, backend="cpu"), Config(max_running=3)).model.capture_graphs(3) == 0
+    stage = chain.sessions[0]
+    assert not stage.capture("prefill", {"tokens": 8})  # not marked `graph`: captured as it comes
+    with pytest.raises(KernccError, match="nope"):
+        stage.capture("nope")
+    with pytest.raises(KernccError, match="seqs"):
+        stage.capture("decode_batch", {"seqs": 99})

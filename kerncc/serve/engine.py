@@ -176,6 +176,9 @@ class Engine:
         self._early = 0  # such chunk calls in flight
         self.early_steps = 0  # chunk steps planned so (counts: a server runs long)
         self._after: Callable[[], None] | None = None  # run_forever's
+        # every decode batch size's graph now, not at its first step (a capture between two
+        # steps stalls every stream running)
+        self.model.capture_graphs(self.limits.max_running)
 
     # ------------------------------------------------------------------------ limits
 
