@@ -3,8 +3,9 @@
     python -m bench.gemv [--every] [--out DIR] [--doc docs/benchmarks.md]
 
 For the `small` example's and an 8B model's (Qwen3-8B) weight shapes, at m = 1, 8, 16, 32, 48
-and 64 rows: the GEMV entry the invariant policy picks (runtime/backends/gemv.py `invariant_entry`)
-against torch.matmul (cuBLAS, free to pick its kernel by m), each timed as 24 launches over four
+and 64 rows: the path the invariant policy gives a decode site (runtime/backends/gemv.py: the GEMV
+entry `invariant_entry` picks, or from `LT_MIN_N` outputs the pinned split-free cuBLASLt
+algorithms), and on its own row the pinned algorithms whatever the width, against torch.matmul (cuBLAS, free to pick its kernel by m), each timed as 24 launches over four
 copies of W (more than L2 holds) in one CUDA graph, best of five replays; and whether the
 entry's rows equal the same rows launched one at a time, bit for bit (what makes a sequence's
 logits independent of its batch). `--every` also times every entry of the warp count the
@@ -75,9 +76,14 @@ def measure(torch, site, gemv, label: str, n: int, k: int, every: bool) -> None:
         theirs = graph_us(torch, stream, lambda i: torch.matmul(a[:m], ws[i % COPIES].T,
                                                                 out=c[:m]))
         entry = gemv.invariant_entry(m, n).removeprefix("gemv_bf16_tn_")
+        lt = pinned_us(torch, stream, (a, ws, c, alone), m, n, k)
+        if n >= gemv.LT_MIN_N:  # the policy's path here: the pinned split-free algorithms
+            ours, entry, same = lt[0], "pinned cuBLASLt", lt[1]
         REPORT.row(label, f"m={m}: invariant ({entry}) / cuBLAS us, ratio; rows equal alone",
                    f"{ours:.1f} / {theirs:.1f}, {ours / theirs:.2f}x; "
                    f"{'bitwise' if same else 'DIFFER'}")
+        REPORT.row(label, f"m={m}: pinned split-free cuBLASLt us, x cuBLAS; rows equal alone",
+                   f"{lt[0]:.1f}, {lt[0] / theirs:.2f}x; {'bitwise' if lt[1] else 'DIFFER'}")
         if every:
             REPORT.row(label, f"m={m}: every entry of its warps, us (! rows differ)",
                        " ".join(every_entry(torch, stream, gemv, (a, ws, c, alone, handle),
@@ -103,7 +109,31 @@ def every_entry(torch, stream, gemv, operands, m: int, n: int, k: int) -> list[s
     return cells
 
 
+def pinned_us(torch, stream, operands, m: int, n: int, k: int) -> tuple[float, bool]:
+    """The pinned split-free cuBLASLt GEMM a decode site of (n, k) takes (largest m 64): us a
+    launch, and whether its rows equal the same rows launched one at a time."""
+    from kerncc.runtime.backends import cublas
+
+    a, ws, c, _ = operands
+    if not LT:
+        workspace = torch.empty(cublas.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+        LT.extend((cublas.Lt(workspace.data_ptr()), workspace))  # the workspace lives on
+    pinned = LT[0].pinned("cublaslt_bf16_tn", n, k, max(ROWS))
+    handle = int(stream.cuda_stream)
+    alone = torch.empty_like(c)
+    with torch.cuda.stream(stream):
+        for r in range(m):
+            pinned(a[r].data_ptr(), ws[0].data_ptr(), alone[r].data_ptr(), 1, handle)
+        pinned(a.data_ptr(), ws[0].data_ptr(), c.data_ptr(), m, handle)
+    torch.cuda.synchronize()
+    same = torch.equal(c[:m], alone[:m])
+    us = graph_us(torch, stream, lambda i: pinned(a.data_ptr(), ws[i % COPIES].data_ptr(),
+                                                  c.data_ptr(), m, handle))
+    return us, same
+
+
 SITE: list = []  # the one invariant GemvSite (main)
+LT: list = []  # one cuBLASLt handle, then its workspace (pinned_us)
 
 
 class _Forced:

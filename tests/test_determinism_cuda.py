@@ -190,6 +190,44 @@ def test_a_sites_path_is_fixed_by_the_site(backend):
         ops.free()
 
 
+@pytest.mark.parametrize("name", EXTERN_NAMES)
+def test_a_wide_decode_site_gives_the_prefill_sites_bits(backend, name):
+    """A decode site (m bounded by 64) at least gemv.LT_MIN_N wide takes the pinned split-free
+    cuBLASLt algorithms at every m, like a prefill site (m bounded by 2048) of the same shape:
+    each row of any m equals that row launched alone, and the prefill site's row, bit for bit
+    (a decode step's GEMM rows there are the prefill chunk's)."""
+    from kerncc.runtime.backends import gemv
+    from kerncc.runtime.launch import Site, VarScalar
+
+    n, k = gemv.LT_MIN_N + 256, 2048
+    ops = Operands(backend, name, 256, n, k, seed=zlib.crc32(f"wide {name}".encode()))
+    try:
+        launchers = {}
+        for var, bound in (("seqs", gemv.DECODE_MAX_M), ("tokens", 2048)):
+            site = Site(number=2000 + bound, program="p", call=0, label=None, op="gemm",
+                        launch=0, kind="extern", entry=f"extern:{name}", module=None,
+                        block=(1, 1, 1), grid=(1, 1, 1), shared_mem=0, when=None,
+                        args=(ops.a.ptr, ops.w.ptr, ops.c.ptr, VarScalar("i32", var), n, k))
+            launchers[var] = backend._invariant_extern(site, {var: bound})
+            assert backend.gemm_paths[site.number] == "pinned", var
+
+        def run(var, m):
+            return ops.run(lambda a, w, c, m: launchers[var]((1, 1, 1), 0, (m,)), m)
+
+        chunk = run("tokens", 256)
+        assert np.isfinite(chunk.view(np.float32 if ops.width == 4 else BF16)
+                           .astype(np.float32)).all()
+        for m in (1, 5, 8, 9, 32, 33, 64):
+            got = run("seqs", m)
+            assert got.tobytes() == chunk[:m].tobytes(), f"m={m}: decode rows differ from prefill"
+        head = 16
+        want = reference(name, ops.a_host[:head], ops.w_host, ops.c0[:head * n * ops.width],
+                         head, n, k)
+        close(name, chunk[:head].reshape(-1), want, head, n, cublas=True)
+    finally:
+        ops.free()
+
+
 # ---- end to end ------------------------------------------------------------------------------
 
 # small, but with a gate_up (2 x 8448) and an lm_head (20000) wider than 16384

@@ -138,7 +138,7 @@ class Blas:
 # bucket's largest m, and a small chunk is not run by tiles shaped for the largest (a 64-row
 # down_proj: 60 us on the 2048-row algorithm, 14 on a 64-row one). The determinism tests launch
 # every bucket against the largest's rows.
-BUCKETS = (64, 128, 256, 512, 1024)  # below a site's largest m; the largest is the last bucket
+BUCKETS = (8, 32, 64, 128, 256, 512, 1024)  # below a site's largest m; the largest is the last
 LT_DESC_TRANSA, LT_DESC_TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
 LT_PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 LT_PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # ..._MIN_ALIGNMENT_{A,B,C,D}_BYTES

@@ -650,9 +650,9 @@ class CudaBackend(Backend):
         once, from the site (its shape, pointers and the most rows it can launch with), never
         from a launch's m (`bounds`: its program's vars at their largest, so a decode step's
         sites are bounded by its batch). Sites of at most gemv.DECODE_MAX_M rows (the decode
-        steps, the prefill's lm_head) take kerncc's GEMV kernels; others pinned split-free cuBLASLt
-        algorithms (runtime/backends/cublas.py PinnedGemm), or the GEMV kernels where cuBLASLt
-        offers none. A shape neither takes (k % 8, misaligned) stays on cuBLAS, batch-shaped."""
+        steps, the prefill's lm_head) narrower than gemv.LT_MIN_N take kerncc's GEMV kernels;
+        others pinned split-free cuBLASLt algorithms (runtime/backends/cublas.py PinnedGemm),
+        or the GEMV kernels where cuBLASLt offers none. A shape neither takes (k % 8, misaligned) stays on cuBLAS, batch-shaped."""
         name = site.extern_name
         self.check_extern(name)
         fixed = [a if isinstance(a, VarScalar) else int(a) for a in site.args]
@@ -664,7 +664,7 @@ class CudaBackend(Backend):
             self.gemm_paths[site.number] = "cublas"
             return self._prepare_extern(site)
         pinned = None
-        if max_m is None or max_m > gemv.DECODE_MAX_M:
+        if max_m is None or max_m > gemv.DECODE_MAX_M or n >= gemv.LT_MIN_N:
             pinned = self._pinned_gemm(name, n, k, max_m or PREFILL_ROWS, _alignment(a, w, c))
         self.gemm_paths[site.number] = "gemv" if pinned is None else "pinned"
         m_at = fixed[3]

@@ -74,6 +74,12 @@ INVARIANT = config.invariant()
 # The most rows a site may launch with and still be served by these kernels when invariant:
 # above it (prefill chunks) the pinned cuBLASLt algorithms of runtime/backends/cublas.py.
 DECODE_MAX_M = 64
+# From this many outputs a decode site takes the pinned split-free cuBLASLt algorithms too, at
+# every m: on the wide shapes (a gate_up, an lm_head) they stream W about as fast as cuBLAS
+# at any m, where these kernels fall to 1.2-1.8x cuBLAS past 32 rows (`python -m bench.gemv`,
+# an H200), and their rows are the prefill chunks' bits (every split-free algorithm of a shape
+# sums a row in one order: tests/test_determinism_cuda.py).
+LT_MIN_N = 12288
 MODULE = "gemv"
 ROWS_PER_BLOCK = 16
 MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
