@@ -429,12 +429,20 @@ class Session:
         if self.graphs == "off" or not declared.graph or declared.once or declared.derive:
             return False
         env = self._vars(vars)
-        key = (program, *(env[v] for v in self._graph_vars[program]))
+        key = self._graph_key(program, env)
         if key not in self._graphs:
             self._env = env
             self.backend.stream_joined()
-            self._graphs[key] = self.backend.capture(lambda: self._issue_program(program, env))
+            self._capture(key, program, env)
         return True
+
+    def _graph_key(self, program: str, env: dict[str, int]) -> tuple:
+        """A program's graph is one per assignment of the vars its launches read."""
+        return (program, *(env[v] for v in self._graph_vars[program]))
+
+    def _capture(self, key: tuple, program: str, env: dict[str, int]) -> Any:
+        graph = self._graphs[key] = self.backend.capture(lambda: self._issue_program(program, env))
+        return graph
 
     def _graph(self, program: str, env: dict[str, int]) -> Any:
         """The graph to replay for `program` at `env`, captured now if it is time; None: issue
@@ -451,7 +459,7 @@ class Session:
         declared = self.manifest.programs[program]
         if declared.once or declared.derive:
             return None
-        key = (program, *(env[v] for v in self._graph_vars[program]))
+        key = self._graph_key(program, env)
         graph = self._graphs.get(key)
         if graph is not None:
             return graph
@@ -461,8 +469,7 @@ class Session:
             captured = sum(1 for k in self._graphs if k[0] == program)
             if self.graphs != "auto" or seen == 0 or captured >= AUTO_GRAPHS:
                 return None
-        graph = self._graphs[key] = self.backend.capture(lambda: self._issue_program(program, env))
-        return graph
+        return self._capture(key, program, env)
 
     def _issue_program(self, program: str, env: dict[str, int]) -> None:
         fast = self._fast.get(program)

@@ -652,7 +652,8 @@ class CudaBackend(Backend):
         sites are bounded by its batch). Sites of at most gemv.DECODE_MAX_M rows (the decode
         steps, the prefill's lm_head) narrower than gemv.LT_MIN_N take kerncc's GEMV kernels;
         others pinned split-free cuBLASLt algorithms (runtime/backends/cublas.py PinnedGemm),
-        or the GEMV kernels where cuBLASLt offers none. A shape neither takes (k % 8, misaligned) stays on cuBLAS, batch-shaped."""
+        or the GEMV kernels where cuBLASLt offers none. A shape neither takes (k % 8,
+        misaligned) stays on cuBLAS, batch-shaped."""
         name = site.extern_name
         self.check_extern(name)
         fixed = [a if isinstance(a, VarScalar) else int(a) for a in site.args]
