@@ -418,3 +418,37 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   pdl_begin();
   gemv_smem_tile<4, 4, 8, 3>(a, w, c, m, n, k, mode);
 }
+// Candidates at 33-64 rows on the narrow shapes (qkv, o, down), where the entries above take
+// 1.16-1.48x cuBLAS: two W tiles a block (twice the blocks of _t4: at n = 4096 the t4 entries
+// fill 128 of 132 multiprocessors with one block each), and the sixteen-warp bits staged
+// through shared memory (n <= 2048). Same bits as the entries of their warp count.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    gemv_bf16_tn_mb4_t2_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                             void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_smem_tile<4, 2, 8, 3>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gemv_bf16_tn_mb8_t2_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                             void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_smem_tile<8, 2, 8, 3>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512, 1)
+    gemv_bf16_tn_mb4_w16_t2_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                 void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_smem_tile<4, 2, 16, 3>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512, 1)
+    gemv_bf16_tn_mb2_w16_t2_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                 void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_smem_tile<2, 2, 16, 3>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512, 1)
+    gemv_bf16_tn_mb4_w16_t1_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                 void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_smem_tile<4, 1, 16, 3>(a, w, c, m, n, k, mode);
+}
