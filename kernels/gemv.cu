@@ -452,3 +452,23 @@ extern "C" __global__ void __launch_bounds__(512, 1)
   pdl_begin();
   gemv_smem_tile<4, 1, 16, 3>(a, w, c, m, n, k, mode);
 }
+// ... and four slots a warp (three chunks in flight: at k = 2048 a warp has only 8 chunks, 4
+// with sixteen warps, so the ring's fill is much of the launch).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gemv_bf16_tn_mb4_t4_s4_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_smem_tile<4, 4, 8, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256, 1)
+    gemv_bf16_tn_mb4_t2_s4_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_smem_tile<4, 2, 8, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(512, 1)
+    gemv_bf16_tn_mb2_w16_t2_s4_smem(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                    void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_smem_tile<2, 2, 16, 4>(a, w, c, m, n, k, mode);
+}
