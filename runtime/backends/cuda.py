@@ -665,7 +665,7 @@ class CudaBackend(Backend):
             self.gemm_paths[site.number] = "cublas"
             return self._prepare_extern(site)
         pinned = None
-        if max_m is None or max_m > gemv.DECODE_MAX_M or n >= gemv.LT_MIN_N:
+        if max_m is None or max_m > gemv.DECODE_MAX_M or gemv.takes_lt(n, k):
             pinned = self._pinned_gemm(name, n, k, max_m or PREFILL_ROWS, _alignment(a, w, c))
         self.gemm_paths[site.number] = "gemv" if pinned is None else "pinned"
         m_at = fixed[3]
