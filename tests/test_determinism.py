@@ -57,13 +57,12 @@ def test_past_16_rows_the_8_warp_shapes_take_the_shared_memory_entries(n):
 
 
 def test_the_shared_memory_entries_say_how_much_they_need():
-    """gemv.SHARED is what gemv_smem_tile<MB, T, warps, 3 slots> takes: warps * 3 * (8 MB +
-    16 T) rows of 64 bytes, more than a launch gets unasked and within an sm_90 block's 227 KB."""
+    """gemv.SHARED is what gemv_smem_tile<MB, T, 8 warps, 3 slots> takes: 8 * 3 * (8 MB + 16 T)
+    rows of 64 bytes, more than a launch gets unasked and within an sm_90 block's 227 KB."""
     for entry, nbytes in gemv.SHARED.items():
         threads, mb, t = gemv.ENTRIES[entry]
-        assert threads in (gemv.ENTRIES[gemv.NARROW_ENTRY][0], gemv.ENTRIES[gemv.WIDE_ENTRY][0])
-        slots = 4 if "_s4_" in entry else 3
-        assert nbytes == (threads // 32) * slots * (8 * mb + 16 * t) * 64
+        assert threads == gemv.ENTRIES[gemv.NARROW_ENTRY][0] == 256
+        assert nbytes == (threads // 32) * 3 * (8 * mb + 16 * t) * 64
         assert 48 * 1024 < nbytes <= 227 * 1024
 
 

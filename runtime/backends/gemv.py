@@ -64,23 +64,11 @@ ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2_t2": (256, 2, 2),
            "gemv_bf16_tn_mb4_t2": (256, 4, 2), "gemv_bf16_tn_mb4_t3": (256, 4, 3),
            "gemv_bf16_tn_mb1_w16": (512, 1, 1), "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2),
            "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2), "gemv_bf16_tn_mb4_w16_t2": (512, 4, 2),
-           "gemv_bf16_tn_mb8_t4_smem": (256, 8, 4), "gemv_bf16_tn_mb4_t4_smem": (256, 4, 4),
-           "gemv_bf16_tn_mb4_t2_smem": (256, 4, 2), "gemv_bf16_tn_mb8_t2_smem": (256, 8, 2),
-           "gemv_bf16_tn_mb4_w16_t2_smem": (512, 4, 2), "gemv_bf16_tn_mb2_w16_t2_smem": (512, 2, 2),
-           "gemv_bf16_tn_mb4_w16_t1_smem": (512, 4, 1), "gemv_bf16_tn_mb4_t4_s4_smem": (256, 4, 4),
-           "gemv_bf16_tn_mb4_t2_s4_smem": (256, 4, 2), "gemv_bf16_tn_mb2_w16_t2_s4_smem": (512, 2, 2)}
+           "gemv_bf16_tn_mb8_t4_smem": (256, 8, 4), "gemv_bf16_tn_mb4_t4_smem": (256, 4, 4)}
 # Dynamic shared memory of the entries that stage A and W through it (kernels/gemv.cu
 # gemv_smem_tile: warps * 3 slots * (8 MB + 16 T) rows * 64 bytes; a launch with less traps).
 SHARED = {"gemv_bf16_tn_mb8_t4_smem": 8 * 3 * (64 + 64) * 64,
-          "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64,
-          "gemv_bf16_tn_mb4_t2_smem": 8 * 3 * (32 + 32) * 64,
-          "gemv_bf16_tn_mb8_t2_smem": 8 * 3 * (64 + 32) * 64,
-          "gemv_bf16_tn_mb4_w16_t2_smem": 16 * 3 * (32 + 32) * 64,
-          "gemv_bf16_tn_mb2_w16_t2_smem": 16 * 3 * (16 + 32) * 64,
-          "gemv_bf16_tn_mb4_w16_t1_smem": 16 * 3 * (32 + 16) * 64,
-          "gemv_bf16_tn_mb4_t4_s4_smem": 8 * 4 * (32 + 64) * 64,
-          "gemv_bf16_tn_mb4_t2_s4_smem": 8 * 4 * (32 + 32) * 64,
-          "gemv_bf16_tn_mb2_w16_t2_s4_smem": 16 * 4 * (16 + 32) * 64}
+          "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64}
 # From here (the 8B gate_up, every lm_head) the shared-memory entries win past 16 rows; below
 # (qkv, o, down, the small gate_up), past 32 (`python -m bench.gemv --every`, an H100).
 SMEM_N = 16384
