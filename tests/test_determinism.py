@@ -27,6 +27,18 @@ def test_the_warps_of_a_decode_gemm_come_from_n_alone(n):
     assert all(e in gemv.ENTRIES for e in entries)
 
 
+@pytest.mark.parametrize("name, n, k, lt", [
+    ("small qkv", 4096, 2048, False), ("small o", 2048, 2048, False),
+    ("small gate_up", 12288, 2048, True), ("small down", 2048, 6144, False),
+    ("small lm_head", 32000, 2048, True), ("8b qkv", 6144, 4096, False),
+    ("8b o", 4096, 4096, False), ("8b gate_up", 24576, 4096, True),
+    ("8b down", 4096, 12288, False), ("8b lm_head", 151936, 4096, True)])
+def test_the_wide_decode_sites_take_cublaslt_and_the_narrow_ones_the_gemv(name, n, k, lt):
+    """The decode sites' path by shape at the models' shapes (bench.gemv's): the gate_up and
+    lm_head on the pinned split-free cuBLASLt algorithms, qkv, o and down on the GEMV kernels."""
+    assert gemv.takes_lt(n, k) is lt, name
+
+
 @pytest.mark.parametrize("m, n", [(1, 16), (8, 4096), (9, 4096), (32, 2048), (33, 2048),
                                   (64, 16896), (65, 151936), (200, 100)])
 def test_every_row_and_every_w_row_is_covered_once(m, n):
