@@ -38,6 +38,11 @@ The sections below load bf16 whole once more, with room for the largest of them:
   serve    tokens/s through the engine in process (serve_prompts, no HTTP) at concurrency 1,
            8, 32, 64: that many random-id prompts of 512 tokens at once, 64 new tokens each
            (16 and 4 for tiny and mid), after a warm-up round of the same shape;
+  invariant  the batch-invariant GEMMs (the default) against the batch-shaped path
+           (`KERNCC_INVARIANT=0`, kept for this A/B) on bf16 whole: a chain of each,
+           alternating, two rounds (the order flips), the batch-1 decode graph after the
+           prompt (cuda) and the `batch` steps; medians and the tax a row (issue 39: at most
+           5%; on cpu both chains compute the same way, so the rows only exercise the bench);
   transformers  (cuda, with torch and transformers importable; else a row saying why) the
            same checkpoint in transformers bf16, SDPA: eager decode on a StaticCache captured
            in one CUDA graph after the same prompt (GPU time a step), TTFT of 4096 tokens in
@@ -58,6 +63,7 @@ import gc
 import json
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -108,7 +114,7 @@ AGREE_TOKENS, AGREE_PROMPTS, NEAR_TIE = 16, 4, 1e-2
 # Each section's bound in seconds: on an H100 the whole 8b run takes about 3 minutes, and
 # these keep it under 8 even when one section hangs.
 LIMITS = {"decode": 180, "load": 120, "batch": 60, "ttft": 60, "serve": 90,
-          "transformers": 180}
+          "invariant": 120, "transformers": 180}
 
 
 class SectionTimeout(Exception):
@@ -447,6 +453,45 @@ def batch_rows(chain: Any, bundle: Path, weights: int, bandwidth: float, batches
         row(f"batch {seqs}", what, f"{ms:.3f} ({ms / roof:.2f}x of {roof:.3f})")
 
 
+def invariant_rows(bundle: Path, backend: str, capacity: int, batches: tuple, context: int,
+                   vocab: int, rounds: int = 2) -> None:
+    """Batch-invariant GEMMs against the batch-shaped path on `bundle`, a chain of each,
+    alternating `rounds` rounds: the batch-1 decode graph (cuda) and the decode_batch steps of
+    `batches` within the bundle's seqs bound; medians and the tax a row."""
+    from bench.decode import graph_step_ms
+    from kerncc.runtime import Chain
+    from kerncc.runtime.backends import gemv
+
+    prompt = prompt_ids(context)
+    times: dict[tuple[bool, int], list[float]] = {}
+    for r in range(rounds):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            before, gemv.INVARIANT = gemv.INVARIANT, on
+            try:
+                chain = Chain(bundle, backend=backend, token_capacity=capacity)
+            finally:
+                gemv.INVARIANT = before
+            try:
+                sizes = [b for b in batches if b <= chain.sessions[0].manifest.vars["seqs"].max]
+                if backend == "cuda":
+                    greedy(chain, prompt, 4)  # captures the decode graph
+                    times.setdefault((on, 1), []).append(graph_step_ms(chain))
+                for seqs in sizes:
+                    times.setdefault((on, seqs), []).append(
+                        batch_step_ms(chain, seqs, context, vocab))
+            finally:
+                chain.close()
+                gc.collect()
+    for seqs in sorted({s for _, s in times}):
+        on, off = (statistics.median(times[(flag, seqs)]) for flag in (True, False))
+        what = ("decode batch 1 (graph replay)" if seqs == 1
+                else f"decode_batch step, {seqs} x {context} tokens")
+        row(f"invariant {seqs}", f"{what}: invariant / batch-shaped ms, tax",
+            f"{on:.3f} / {off:.3f}, {(on / off - 1) * 100:+.1f}%")
+        RESULTS.setdefault("invariant", {})[seqs] = {"invariant_ms": times[(True, seqs)],
+                                                     "shaped_ms": times[(False, seqs)]}
+
+
 def ttft_rows(chain: Any, cfg: dict, tokens_list: tuple, chunk: int, context: int, vocab: int,
               peak: float) -> None:
     """TTFT of random prompts at `chunk` against the tensor roofline over `peak` FLOP/s."""
@@ -717,6 +762,9 @@ def run(args: argparse.Namespace, work: Path, backend: str) -> None:
         decode_all(bundles, read, backend, size["capacity"], prompt_len, steps, bandwidth)
     batched(args, size, folder, bundles["bf16 whole"], read["bf16 whole"], bandwidth, backend,
             cfg, prompt_len)
+    with section("invariant"):
+        invariant_rows(bundles["bf16 whole"], backend, room(size, prompt_len, size["max_seqs"]),
+                       size["batches"], prompt_len, vocab)
 
 
 def batched(args: argparse.Namespace, size: dict, folder: Path, bundle: Path, weights: int,

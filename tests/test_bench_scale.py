@@ -1,12 +1,14 @@
 """bench/scale.py (issue 43's benchmark) runs end to end at `--size tiny` on the cpu backend:
 every row of the table is there, with the FP8 model's decode beside bf16's, the batched step,
 TTFT and serving rows (a batch past the bundle's seqs bound said so, not run), the
-transformers rows skipped with the reason, and --help works without a GPU."""
+invariance A/B's rows, the transformers rows skipped with the reason, and --help works without
+a GPU."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -139,3 +141,16 @@ def test_one_failing_transformers_measure_leaves_the_others():
 
     with pytest.raises(scale.SectionTimeout):  # the section's bound is not swallowed
         scale.attempt("transformers ttft", "TTFT 4096", stuck)
+
+
+def test_tiny_has_the_invariance_ab_rows(tiny):
+    """The invariant / batch-shaped A/B: two chains a round, two rounds, the 8-sequence step
+    (the batch-1 graph row is cuda's); the tax is computed from the two medians."""
+    table, results = tiny
+    ab = results["invariant"]
+    assert list(ab) == ["8"]
+    assert len(ab["8"]["invariant_ms"]) == len(ab["8"]["shaped_ms"]) == 2
+    assert all(t > 0 for t in ab["8"]["invariant_ms"] + ab["8"]["shaped_ms"])
+    on, off = (statistics.median(ab["8"][k]) for k in ("invariant_ms", "shaped_ms"))
+    assert (f"| invariant 8 | decode_batch step, 8 x 4 tokens: invariant / batch-shaped ms, "
+            f"tax | {on:.3f} / {off:.3f}, {(on / off - 1) * 100:+.1f}% |") in table
