@@ -83,15 +83,15 @@ DECODE_MAX_M = 64
 # sums a row in one order: tests/test_determinism_cuda.py).
 LT_MIN_N = 12288
 MODULE = "gemv"
+ROWS_PER_BLOCK = 16
+MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
+_SLOTS = (0, 8, 16, 24, 32, 40, 48)  # a, w, c, m, n, k, mode: a 8-byte slot each
 
 
 def takes_lt(n: int, k: int) -> bool:
     """Whether a decode site of n outputs over k takes the pinned split-free cuBLASLt
     algorithms at every m instead of these kernels (a property of the shape alone)."""
     return n >= LT_MIN_N
-ROWS_PER_BLOCK = 16
-MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
-_SLOTS = (0, 8, 16, 24, 32, 40, 48)  # a, w, c, m, n, k, mode: a 8-byte slot each
 
 
 def usable(m: int, n: int, k: int, a: int, w: int, c: int) -> bool:
