@@ -4,7 +4,7 @@
 
 For the `small` example's and an 8B model's (Qwen3-8B) weight shapes, at m = 1, 8, 16, 32, 48
 and 64 rows: the path the invariant policy gives a decode site (runtime/backends/gemv.py: the
-GEMV entry `invariant_entry` picks, or from `LT_MIN_N` outputs the pinned split-free cuBLASLt
+GEMV entry `invariant_entry` picks, or where `takes_lt` says so the pinned split-free cuBLASLt
 algorithms), and on a row of their own the pinned algorithms whatever the width, against
 torch.matmul (cuBLAS, free to pick its kernel by m), each timed as 24 launches over four
 copies of W (more than L2 holds) in one CUDA graph, best of five replays; and whether the
@@ -78,7 +78,7 @@ def measure(torch, site, gemv, label: str, n: int, k: int, every: bool) -> None:
                                                                 out=c[:m]))
         entry = gemv.invariant_entry(m, n).removeprefix("gemv_bf16_tn_")
         lt = pinned_us(torch, stream, (a, ws, c, alone), m, n, k)
-        if n >= gemv.LT_MIN_N:  # the policy's path here: the pinned split-free algorithms
+        if gemv.takes_lt(n, k):  # the policy's path here: the pinned split-free algorithms
             ours, entry, same = lt[0], "pinned cuBLASLt", lt[1]
         REPORT.row(label, f"m={m}: invariant ({entry}) / cuBLAS us, ratio; rows equal alone",
                    f"{ours:.1f} / {theirs:.1f}, {ours / theirs:.2f}x; "
