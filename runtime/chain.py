@@ -22,7 +22,7 @@ from kerncc.diagnostics import KernccError
 from kerncc.runtime.backends import make_backend
 from kerncc.runtime.backends.base import Backend
 from kerncc.runtime.bundle import Bundle
-from kerncc.runtime.footprint import check_fits, stage_footprint
+from kerncc.runtime.footprint import check_fits, fitting_capacity, stage_footprint
 from kerncc.runtime.memory import chain_token_capacity
 from kerncc.runtime.session import (Pending, Session, as_mapping, check_token_capacity,
                                     open_backend, open_bundle, stage_vars)
@@ -59,6 +59,8 @@ class Chain:
         self.backend = self.backends[0]
         self.token_capacity = chain_token_capacity((s.manifest for s in self.bundle.stages),
                                                    token_capacity)
+        if token_capacity is None:  # none given: the pool the devices hold, at most the default
+            self.token_capacity = _fitted(self.bundle, self.backends, self.token_capacity)
         _check_devices(self.bundle, self.backends, self.token_capacity)
         self.sessions = [Session(self.bundle, k, self.backends[k], checkpoint,
                                  self.token_capacity, interpret, graphs, allow_nonfinite)
@@ -213,12 +215,26 @@ def stage_devices(backend: str | Backend, devices: Sequence[int] | None, stages:
     return [devices[k * len(devices) // stages] for k in range(stages)]
 
 
-def _check_devices(bundle: Bundle, backends: Sequence[Backend], token_capacity: int) -> None:
-    """Every device's stages together fit its free memory, checked before any stage loads."""
+def _device_groups(backends: Sequence[Backend]) -> list[list[int]]:
+    """The stages of each device (a backend shared by stages is one device)."""
     groups: dict[int, list[int]] = {}
     for k, backend in enumerate(backends):
         groups.setdefault(id(backend), []).append(k)
-    for ks in groups.values():
+    return list(groups.values())
+
+
+def _fitted(bundle: Bundle, backends: Sequence[Backend], default: int) -> int:
+    """The largest token capacity, at most `default`, that every device's stages fit
+    (footprint.fitting_capacity): one pool of page ids serves every stage."""
+    return min(fitting_capacity([(k, bundle.stages[k].manifest, bundle.stages[k].plan)
+                                 for k in ks], backends[ks[0]].free_bytes(), default,
+                                backends[ks[0]].device_bytes)
+               for ks in _device_groups(backends))
+
+
+def _check_devices(bundle: Bundle, backends: Sequence[Backend], token_capacity: int) -> None:
+    """Every device's stages together fit its free memory, checked before any stage loads."""
+    for ks in _device_groups(backends):
         backend = backends[ks[0]]
         footprints = [stage_footprint(k, bundle.stages[k].manifest, bundle.stages[k].plan,
                                       token_capacity) for k in ks]

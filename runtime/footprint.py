@@ -7,6 +7,9 @@ arena, the states (the KV pool: bytes per token x token capacity) and the derive
 lives only while loading. Its `peak` is everything at once (the staging is freed after the
 derive programs, so the resident memory after load is `peak - staging`).
 
+`fitting_capacity(stages, free, default)` is the token capacity a device gets when none is
+given: the default where it fits, else the most whole pages that do, less a headroom.
+
 `check_fits(footprints, free, where)` refuses a load whose peak does not fit a device's free
 bytes, naming the largest part and what lowers it, before a single byte is allocated. Both are
 pure functions: the cuda backend supplies the free bytes (`Backend.free_bytes`, cuMemGetInfo)
@@ -21,7 +24,8 @@ import attrs
 
 from kerncc import manifest as m
 from kerncc.diagnostics import Diagnostic, KernccError, Location
-from kerncc.runtime.memory import NOT_ALLOCATED, default_token_capacity, state_bytes
+from kerncc.runtime.memory import (NOT_ALLOCATED, PAGE_MULTIPLE, default_token_capacity,
+                                   state_bytes)
 
 WEIGHT_KINDS = ("weight", "carry")
 MiB = 1 << 20
@@ -111,6 +115,46 @@ def bundle_footprints(stages: Sequence[tuple[m.Manifest, dict]],
     return [stage_footprint(k, man, plan, capacity) for k, (man, plan) in enumerate(stages)]
 
 
+def fitting_capacity(stages: Sequence[tuple[int, m.Manifest, dict]], free: int | None,
+                     default: int, rounding: Callable[[int], int] = exact) -> int:
+    """The token capacity a device's `stages` get when none is given: `default` (every
+    sequence at the context bound) where that fits `free` bytes less `headroom(free)`, else the
+    most tokens that do, in whole pages (a KV pool sized to the device, as a serving engine
+    sizes it, rather than a refusal). Never below one chunk's rows (`floor`): a device that
+    cannot hold that much keeps `default`, and `check_fits` refuses it, naming what to lower."""
+    if free is None:
+        return default
+
+    def peak(capacity: int) -> int:
+        return sum(stage_footprint(k, man, plan, capacity).peak(rounding)
+                   for k, man, plan in stages)
+
+    room = free - headroom(free)
+    if peak(default) <= room:
+        return default
+    step = max((page_tokens(man) for _, man, _ in stages), default=0) or PAGE_MULTIPLE
+    low = -(-floor([man for _, man, _ in stages]) // step)  # pages
+    high = default // step
+    if low > high or peak(low * step) > room:
+        return default
+    while low < high:  # the most pages that fit: peak grows with the pages
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if peak(mid * step) <= room else (low, mid - 1)
+    return low * step
+
+
+def headroom(free: int) -> int:
+    """Device bytes a fitted KV pool leaves to what no plan counts (the BLAS workspace, CUDA
+    graphs, the driver's own): 5% of the free bytes, at least 512 MiB."""
+    return max(free // 20, 512 * MiB)
+
+
+def floor(manifests: Sequence[m.Manifest]) -> int:
+    """The fewest token slots a fitted pool may have: one call's rows at their bound."""
+    return max((v.max for man in manifests for v in man.vars.values() if v.axis == "rows"),
+               default=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # The check
 
@@ -120,7 +164,8 @@ LOWER = {
                "(`kerncc lower -p 'cut{stages=N},...'`) or import them as FP8 "
                "(`kerncc import --quantize fp8`)",
     "kv pool": "the KV pool: fewer sequences or a shorter context at import "
-               "(`kerncc import --max-seqs` / `--max-context`), or a smaller token capacity",
+               "(`kerncc import --max-seqs` / `--max-context`), or a smaller token capacity "
+               "(`--kv-tokens`)",
     "arena": "the arena: fewer rows per call at import (`kerncc import --max-tokens`)",
     "buffers": "the buffers: fewer rows per call at import (`kerncc import --max-tokens`)",
     "staging": "the derive staging: cut the model into more stages",

@@ -22,7 +22,7 @@ from kerncc.example import generate
 from kerncc.runtime import Bundle, Chain, Session
 from kerncc.runtime.backends.cpu import CpuBackend
 from kerncc.runtime.footprint import (StageFootprint, bundle_footprints, check_fits,
-                                      stage_footprint)
+                                      fitting_capacity, headroom, stage_footprint)
 
 
 class Counting(CpuBackend):
@@ -175,6 +175,68 @@ def test_serve_prints_the_memory_before_loading(bundles, monkeypatch):
     assert [line.split(":")[1].strip() for line in lines] == ["stage 0", "stage 1"]
     f = footprints(bundles["two"])[0]
     assert f"{f.pages} KV pages of 16 tokens" in lines[0]
+
+
+@pytest.fixture(scope="module")
+def deep_pool(tmp_path_factory) -> Path:
+    """The tiny model, cut in two, whose default KV pool (64 sequences of 8192 positions: 64
+    MiB a stage) dwarfs its weights."""
+    manifest, _ = generate(tmp_path_factory.mktemp("pool"), "tiny", max_seqs=64,
+                           max_context=8192)
+    out = manifest.parent / "two"
+    assert main(["lower", str(manifest), "-p", "cut,slice-derive,emit", "-o", str(out)]) == 0
+    return out
+
+
+def peak_at(path: Path, capacity: int) -> int:
+    return sum(f.peak() for f in footprints(path, capacity))
+
+
+def test_a_pool_past_the_free_memory_is_fitted_to_the_device(deep_pool):
+    """No capacity given: a chain's stages get the most whole pages that fit the device's
+    free bytes less the headroom, every stage the same, and allocate no more than that."""
+    default = footprints(deep_pool)[0].token_capacity
+    room = peak_at(deep_pool, default) // 2
+    backend = Counting(free=room + 512 * (1 << 20))
+    assert headroom(backend.limit) == 512 * (1 << 20)
+    chain = Chain(deep_pool, backend)
+    got = chain.token_capacity
+    assert got % 16 == 0 and default // 4 < got < default
+    assert peak_at(deep_pool, got) <= room < peak_at(deep_pool, got + 16)
+    assert [s.token_capacity for s in chain.sessions] == [got, got]
+    assert backend.peak <= room
+    alone = Counting(free=backend.limit)  # a Session alone is fitted the same way
+    assert Session(deep_pool, 1, alone).token_capacity >= got
+
+
+def test_a_given_pool_is_never_cut_and_a_device_short_of_one_chunk_is_refused(deep_pool):
+    default = footprints(deep_pool)[0].token_capacity
+    room = peak_at(deep_pool, default) // 2
+    given = Chain(deep_pool, Counting(free=room + 512 * (1 << 20)), token_capacity=default)
+    assert given.token_capacity == default  # what the fitting above cut, given, is kept
+    short = Counting(free=peak_at(deep_pool, 64) - 1)  # less than one 64-row chunk's pool
+    with pytest.raises(KernccError, match="nothing was loaded"):
+        Chain(deep_pool, short)
+    assert short.allocations == 0
+    stages = [(f.stage, Bundle.open(deep_pool).stages[f.stage].manifest,
+               Bundle.open(deep_pool).stages[f.stage].plan) for f in footprints(deep_pool)]
+    assert fitting_capacity(stages, None, default) == default  # no device limit: the default
+    assert fitting_capacity(stages, 1 << 40, default) == default  # room enough: the default
+
+
+def test_kv_tokens_sizes_the_pool_of_run(tmp_path, capsys):
+    """`--kv-tokens` is the pool's token slots: a request needing more is refused, located."""
+    manifest, _ = generate(tmp_path / "m", "tiny")
+    assert main(["run", str(manifest), "--prompt", "1,2,3", "--max-new", "4",
+                 "--kv-tokens", "32"]) == 0
+    capsys.readouterr()
+    prompt = ",".join(["5"] * 30)
+    assert main(["run", str(manifest), "--prompt", prompt, "--max-new", "4",
+                 "--kv-tokens", "32"]) == 1
+    assert "KV cache's token slots" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", str(manifest), "--prompt", "1", "--kv-tokens", "0"])
+    assert exit_.value.code == 2
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The placement flags of `kerncc run` and `kerncc serve`: where the stages run.
 
 `add_arguments(parser)` adds `--backend`, `--devices`, `--placement thread|process|ray`
-(default thread: every stage in this process), `--transport`, `--stage-timeout` and
-`--ray-address`; `make(args, bundle, **chain_options)` builds the runner they ask for through
+(default thread: every stage in this process), `--transport`, `--stage-timeout`,
+`--ray-address` and `--kv-tokens` (the KV pool's size); `make(args, bundle, **chain_options)` builds the runner they ask for through
 kerncc.runtime.placement.make_runner. A flag the chosen placement does not read, or --devices
 without the cuda backend, is a usage error (`unread`, which kerncc.cli.main calls after
 parsing): the thread placement has no links and no stage processes, and only Ray joins a
@@ -15,7 +15,7 @@ import argparse
 from typing import Any
 
 from kerncc import config
-from kerncc.cli.args import devices, positive_seconds
+from kerncc.cli.args import devices, positive, positive_seconds
 
 PLACEMENTS = ("thread", "process", "ray")
 
@@ -40,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--placement process or ray)")
     p.add_argument("--ray-address", metavar="ADDRESS",
                    help="the Ray cluster for --placement ray (default: the one ray.init finds)")
+    p.add_argument("--kv-tokens", type=positive, metavar="N",
+                   help="token slots of the KV pool, all sequences together (default: every "
+                   "sequence at the bundle's context bound, cut with --placement thread to "
+                   "what the devices' free memory holds, less 5%%)")
     p.set_defaults(check_usage=unread)
 
 
@@ -79,5 +83,7 @@ def make(args: argparse.Namespace, bundle: Any, **chain_options: Any) -> Any:
     """The runner of `bundle` that the flags ask for (a Chain to every caller)."""
     from kerncc.runtime.placement import make_runner
 
+    if getattr(args, "kv_tokens", None) is not None:
+        chain_options = {**chain_options, "token_capacity": args.kv_tokens}
     return make_runner(bundle, args.backend, args.devices, getattr(args, "placement", "thread"),
                        **chain_options, **options(args))
