@@ -189,7 +189,8 @@ class Session:
         self._by_number = {s.number: s for sites in self.sites.values() for s in sites}
         self.backend.add_modules(dict(self.stage.modules))
         self._launchers = self.backend.rewrite_launchers(self.sites, self._prepare_sites(),
-                                                         program_bounds(self.manifest))
+                                                         program_bounds(self.manifest),
+                                                         step_programs(self.manifest))
         self._graph_vars = {name: sorted(set().union(*(s.vars_read() for s in sites)))
                             for name, sites in self.sites.items()}
         self._fast = {} if interpret else self._load_stage_py()
@@ -786,4 +787,14 @@ def program_bounds(manifest: m.Manifest) -> dict[str, dict[str, int]]:
             env[rows] = min(env.get(rows, batch.groups * batch.rows), batch.groups * batch.rows)
         bounds[name] = env
     return bounds
+
+
+def step_programs(manifest: m.Manifest) -> frozenset[str]:
+    """The programs that run a decode step (a `batch` of fixed rows a sequence: `decode`,
+    `decode_batch`): one row a sequence whatever their batch bound, so a backend gives their
+    GEMM sites one path at every batch size (runtime/backends/cuda.py `_invariant_extern`),
+    and a sequence's step computes the same bits alone as among 128 others."""
+    return frozenset(name for name, program in manifest.programs.items()
+                     if program.batch is not None and program.batch.span is None
+                     and isinstance(program.batch.rows, int))
 

@@ -32,10 +32,11 @@ def test_the_warps_of_a_decode_gemm_come_from_n_alone(n):
     ("small gate_up", 12288, 2048, True), ("small down", 2048, 6144, False),
     ("small lm_head", 32000, 2048, True), ("8b qkv", 6144, 4096, False),
     ("8b o", 4096, 4096, False), ("8b gate_up", 24576, 4096, True),
-    ("8b down", 4096, 12288, False), ("8b lm_head", 151936, 4096, True)])
+    ("8b down", 4096, 12288, True), ("8b lm_head", 151936, 4096, True)])
 def test_the_wide_decode_sites_take_cublaslt_and_the_narrow_ones_the_gemv(name, n, k, lt):
     """The decode sites' path by shape at the models' shapes (bench.gemv's): the gate_up and
-    lm_head on the pinned split-free cuBLASLt algorithms, qkv, o and down on the GEMV kernels."""
+    lm_head (wide) and the 8B down (deep) on the pinned split-free cuBLASLt algorithms, the
+    rest on the GEMV kernels."""
     assert gemv.takes_lt(n, k) is lt, name
 
 
@@ -162,3 +163,16 @@ def test_a_decode_steps_gemm_sites_are_bounded_by_its_batch_not_by_the_chunk(tmp
     assert bounds["decode_batch"]["tokens"] == 3 and bounds["decode_batch"]["seqs"] == 3
     assert bounds["prefill"]["tokens"] == 48  # rows as fed: the chunk's bound
     assert bounds["load"] == man.vars_max()
+
+
+def test_the_decode_steps_are_step_programs_at_any_batch_bound(tmp_path):
+    """Past 64 sequences a decode_batch's bound leaves the GEMV's range; its sites must still
+    take the batch-1 decode's path (a sequence's step has one set of bits alone and among
+    others), so the Session names the step programs to the backend apart from their bounds."""
+    from kerncc import manifest
+    from kerncc.runtime.session import program_bounds, step_programs
+
+    generate(tmp_path, "tiny", max_tokens=128, max_seqs=72)
+    man = manifest.load(tmp_path / "model.json")
+    assert step_programs(man) == {"decode", "decode_batch"}
+    assert program_bounds(man)["decode_batch"]["seqs"] == 72  # past gemv.DECODE_MAX_M

@@ -190,17 +190,19 @@ def test_a_sites_path_is_fixed_by_the_site(backend):
         ops.free()
 
 
+@pytest.mark.parametrize("shape", ["n", "k"])
 @pytest.mark.parametrize("name", EXTERN_NAMES)
-def test_a_wide_decode_site_gives_the_prefill_sites_bits(backend, name):
-    """A decode site (m bounded by 64) at least gemv.LT_MIN_N wide takes the pinned split-free
-    cuBLASLt algorithms at every m, like a prefill site (m bounded by 2048) of the same shape:
-    each row of any m equals that row launched alone, and the prefill site's row, bit for bit
-    (a decode step's GEMM rows there are the prefill chunk's)."""
+def test_a_wide_decode_site_gives_the_prefill_sites_bits(backend, name, shape):
+    """A decode site (m bounded by 64) at least gemv.LT_MIN_N wide or gemv.LT_MIN_K deep takes
+    the pinned split-free cuBLASLt algorithms at every m, like a prefill site (m bounded by
+    2048) of the same shape: each row of any m equals that row launched alone, and the prefill
+    site's row, bit for bit (a decode step's GEMM rows there are the prefill chunk's)."""
     from kerncc.runtime.backends import gemv
     from kerncc.runtime.launch import Site, VarScalar
 
-    n, k = gemv.LT_MIN_N + 256, 2048
-    ops = Operands(backend, name, 256, n, k, seed=zlib.crc32(f"wide {name}".encode()))
+    n, k = (gemv.LT_MIN_N + 256, 2048) if shape == "n" else (1024, gemv.LT_MIN_K)
+    assert gemv.takes_lt(n, k)
+    ops = Operands(backend, name, 256, n, k, seed=zlib.crc32(f"wide {name} {shape}".encode()))
     try:
         launchers = {}
         for var, bound in (("seqs", gemv.DECODE_MAX_M), ("tokens", 2048)):
@@ -326,3 +328,29 @@ def test_the_prefix_cache_does_not_change_the_bits(chains):
         assert engine.prefix.hit >= 600 * 5, "later prompts found the shared pages"
         same([(r.generated, np.stack(r.logits)) for r in done],
              served(chains[cut], batch, max_running=2, prefix_cache=False))
+
+
+def test_past_64_sequences_a_decode_steps_gemms_keep_the_alone_path(tmp_path):
+    """A decode_batch bound past gemv.DECODE_MAX_M (`--max-seqs 72`) leaves each of its GEMM
+    sites on the batch-1 decode's path (the GEMV kernels, or cuBLASLt where `takes_lt`), so 40
+    prompts decoded together give the first four prompts' alone tokens and logits."""
+    from kerncc.runtime.backends import gemv
+    from kerncc.runtime.launch import VarScalar
+
+    bundle = whole_and_two(tmp_path, "tiny", **{**WIDE, "max_seqs": 72})["whole"]
+    chain = cuda_chain(bundle)
+    try:
+        for session in chain.sessions:
+            for program in ("decode", "decode_batch"):
+                for site in session.sites.get(program, ()):
+                    if site.kind != "extern":
+                        continue
+                    n, k = site.args[4], site.args[5]
+                    assert not isinstance(n, VarScalar) and not isinstance(k, VarScalar)
+                    want = "pinned" if gemv.takes_lt(int(n), int(k)) else "gemv"
+                    assert session.backend.gemm_paths[site.number] == want, (program, n, k)
+        batch = [p[:40] for p in prompts(40, seed=6)]
+        alone = [served(chain, [p])[0] for p in batch[:4]]
+        same(served(chain, batch)[:4], alone)
+    finally:
+        close_chains(chain)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -171,10 +171,11 @@ class Backend(abc.ABC):
 
     def rewrite_launchers(self, programs: Mapping[str, Sequence[Site]],
                           launchers: dict[int, Launcher],
-                          bounds: Mapping[str, Mapping[str, int]] | None = None
-                          ) -> dict[int, Launcher]:
-        """The launchers a Session issues with, given each program's sites in order and, per
-        program, each var's largest value in a call of it (`bounds`): a backend may put another launch that computes the
+                          bounds: Mapping[str, Mapping[str, int]] | None = None,
+                          steps: Collection[str] = ()) -> dict[int, Launcher]:
+        """The launchers a Session issues with, given each program's sites in order, per
+        program each var's largest value in a call of it (`bounds`), and which programs run a
+        decode step (`steps`: session.step_programs): a backend may put another launch that computes the
         same bits in a site's place (cuda: the pipelined decode attention, runtime/backends/
         attention_pipe.py), or fix per site what it would pick per launch (cuda: the GEMMs'
         path, so that a row's bits do not depend on the batch). The default issues each site

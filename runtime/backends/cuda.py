@@ -33,7 +33,7 @@ import functools
 import struct
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -626,10 +626,10 @@ class CudaBackend(Backend):
 
     def rewrite_launchers(self, programs: Mapping[str, Sequence[Site]],
                           launchers: dict[int, Callable],
-                          bounds: Mapping[str, Mapping[str, int]] | None = None
-                          ) -> dict[int, Callable]:
+                          bounds: Mapping[str, Mapping[str, int]] | None = None,
+                          steps: Collection[str] = ()) -> dict[int, Callable]:
         """Each GEMM site batch-invariant (`invariant`: `_invariant_extern`, given each
-        program's vars at their largest, `bounds`), and the batched decode's split attention pipelined
+        program's vars at their largest, `bounds`, and whether it runs a decode step), and the batched decode's split attention pipelined
         (runtime/backends/attention_pipe.py) when `pipe_attention` is on; every other site as
         prepared."""
         if self.invariant:
@@ -638,22 +638,25 @@ class CudaBackend(Backend):
                 for site in sites:
                     if site.kind == "extern" and site.number in launchers:
                         launchers[site.number] = self._invariant_extern(
-                            site, (bounds or {}).get(program, {}))
+                            site, (bounds or {}).get(program, {}), program in steps)
         if not self.pipe_attention:
             return launchers
         return attention_pipe.pipe(self, self._pipe_launch,
                                    self.device.properties.multiprocessor_count, programs,
                                    launchers, self.pipe_columns)
 
-    def _invariant_extern(self, site: Site, bounds: Mapping[str, int]) -> Callable:
+    def _invariant_extern(self, site: Site, bounds: Mapping[str, int],
+                          step: bool = False) -> Callable:
         """A GEMM site whose rows each get the same bits at every m: the path is fixed here,
         once, from the site (its shape, pointers and the most rows it can launch with), never
         from a launch's m (`bounds`: its program's vars at their largest, so a decode step's
-        sites are bounded by its batch). Sites of at most gemv.DECODE_MAX_M rows (the decode
-        steps, the prefill's lm_head) narrower than gemv.LT_MIN_N take kerncc's GEMV kernels;
-        others pinned split-free cuBLASLt algorithms (runtime/backends/cublas.py PinnedGemm),
-        or the GEMV kernels where cuBLASLt offers none. A shape neither takes (k % 8,
-        misaligned) stays on cuBLAS, batch-shaped."""
+        sites are bounded by its batch). The sites of a decode step (`step`: the batch-1
+        `decode` and `decode_batch` at any batch bound, so that a sequence's step has the same
+        bits alone as among 128) and other sites of at most gemv.DECODE_MAX_M rows (the
+        prefill's lm_head) take kerncc's GEMV kernels unless `gemv.takes_lt` (wide or deep
+        shapes); others pinned split-free cuBLASLt algorithms (runtime/backends/cublas.py
+        PinnedGemm), or the GEMV kernels where cuBLASLt offers none. A shape neither takes
+        (k % 8, misaligned) stays on cuBLAS, batch-shaped."""
         name = site.extern_name
         self.check_extern(name)
         fixed = [a if isinstance(a, VarScalar) else int(a) for a in site.args]
@@ -665,7 +668,7 @@ class CudaBackend(Backend):
             self.gemm_paths[site.number] = "cublas"
             return self._prepare_extern(site)
         pinned = None
-        if max_m is None or max_m > gemv.DECODE_MAX_M or gemv.takes_lt(n, k):
+        if gemv.takes_lt(n, k) or not step and (max_m is None or max_m > gemv.DECODE_MAX_M):
             pinned = self._pinned_gemm(name, n, k, max_m or PREFILL_ROWS, _alignment(a, w, c))
         self.gemm_paths[site.number] = "gemv" if pinned is None else "pinned"
         m_at = fixed[3]

@@ -18,7 +18,7 @@ or C either way.
 
 Batch invariance (the default; `KERNCC_INVARIANT=0` restores the shape-picked path for the
 benches' A/B): a GEMM site whose m can never exceed `DECODE_MAX_M` (the decode programs', and
-the prefill's lm_head over one row a sequence) and whose n is under `LT_MIN_N` takes these
+the prefill's lm_head over one row a sequence) with n under `LT_MIN_N` and k under `LT_MIN_K` takes these
 kernels at every m, cuBLAS never (a wider one takes the pinned split-free cuBLASLt algorithms
 at every m, as prefill sites do: runtime/backends/cuda.py `_invariant_extern`):
 `invariant_entry` picks the warps from n alone (16 where W has at most WIDE_MAX_TILES tiles,
@@ -82,6 +82,11 @@ DECODE_MAX_M = 64
 # an H200), and their rows are the prefill chunks' bits (every split-free algorithm of a shape
 # sums a row in one order: tests/test_determinism_cuda.py).
 LT_MIN_N = 12288
+# From this depth too (the 8B down_proj, 4096 x 12288): past 32 rows these kernels stream it at
+# 1.0-1.15x cuBLAS, the pinned split-free algorithms at 0.93-0.94x at every m (`python -m
+# bench.gemv`, an H100), and the 8B decode step's tax at 64 sequences falls from 10.3% to 4.3%
+# (docs/design-notes.md).
+LT_MIN_K = 12288
 MODULE = "gemv"
 ROWS_PER_BLOCK = 16
 MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
@@ -91,7 +96,7 @@ _SLOTS = (0, 8, 16, 24, 32, 40, 48)  # a, w, c, m, n, k, mode: a 8-byte slot eac
 def takes_lt(n: int, k: int) -> bool:
     """Whether a decode site of n outputs over k takes the pinned split-free cuBLASLt
     algorithms at every m instead of these kernels (a property of the shape alone)."""
-    return n >= LT_MIN_N
+    return n >= LT_MIN_N or k >= LT_MIN_K
 
 
 def usable(m: int, n: int, k: int, a: int, w: int, c: int) -> bool:
