@@ -67,7 +67,7 @@ def test_small_config_shapes():
     c = make_config("small")
     assert (c.layers, c.hidden, c.heads, c.kv_heads, c.head_dim) == (24, 2048, 16, 8, 128)
     assert (c.intermediate, c.vocab, c.kv_bytes_per_token) == (6144, 32000, 4096)
-    assert c.max_seqs == 32  # decode_batch takes up to 32 sequences (issue 20)
+    assert c.max_seqs == 128  # decode_batch takes up to 128 sequences
 
 
 def test_the_batched_decode_launches_fewer_attention_blocks_than_splits():

@@ -444,7 +444,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="requests waiting for admission before new ones get 429 (default 256)")
     p.add_argument("--max-seqs", type=positive, metavar="N",
                    help="sequences served at once (default: as many as the bundle's decode "
-                   "step takes, 32 for the small example)")
+                   "step takes, 128 for the small example)")
     p.add_argument("--chunk", type=positive, metavar="N",
                    help="prefill rows per step (default: the rows bound)")
     p.add_argument("--step-tokens", type=positive, metavar="N",

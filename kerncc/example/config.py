@@ -31,7 +31,7 @@ SIZES: dict[str, dict[str, int]] = {
              "interleave": 32},  # several gate/up blocks, so the interleave is exercised
     # GPU benchmarks: Qwen3-1.7B-like shapes with a 32k vocab.
     "small": {"layers": 24, "hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128,
-              "intermediate": 6144, "vocab": 32000, "max_tokens": 2048, "max_seqs": 32,
+              "intermediate": 6144, "vocab": 32000, "max_tokens": 2048, "max_seqs": 128,
               "max_context": 4096, "seed": 0},
 }
 

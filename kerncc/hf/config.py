@@ -84,10 +84,10 @@ class HFConfig:
     def model(self, max_tokens: int | None = None, max_seqs: int | None = None,
               max_context: int | None = None) -> QwenConfig:
         """The builder's config at these serving sizes (defaults: the "kerncc" section, then
-        2048 rows, 8 sequences, min(max_position_embeddings, 8192) positions)."""
+        2048 rows, 128 sequences, min(max_position_embeddings, 8192) positions)."""
         context = max_context or min(self.max_position_embeddings, DEFAULT_CONTEXT) // PAGE * PAGE
         tokens = max_tokens or self.serving.get("max_tokens") or min(2048, context)
-        seqs = max_seqs or self.serving.get("max_seqs") or min(8, tokens)
+        seqs = max_seqs or self.serving.get("max_seqs") or min(128, tokens)
         problems = []
         if max_context is None and context < PAGE:  # the user gave no --max-context to blame
             problems.append(f"max_position_embeddings {self.max_position_embeddings} is shorter "
