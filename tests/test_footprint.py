@@ -239,6 +239,16 @@ def test_kv_tokens_sizes_the_pool_of_run(tmp_path, capsys):
     assert exit_.value.code == 2
 
 
+def test_serve_says_when_its_pool_is_short_of_every_sequence_at_the_context_bound(bundles):
+    from kerncc.cli.serve import engine_line
+    from kerncc.serve.engine import Engine
+
+    for capacity, tail in ((32, "2 KV pages of 16 tokens (of 64 for every sequence at the "
+                                "context bound)"), (None, "64 KV pages of 16 tokens")):
+        with Chain(bundles["whole"], token_capacity=capacity) as chain:
+            assert engine_line("tiny", chain, Engine(chain)).endswith(tail)
+
+
 # ---------------------------------------------------------------------------------------------
 # On a GPU
 

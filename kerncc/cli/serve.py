@@ -96,7 +96,15 @@ def model_name(args: argparse.Namespace, bundle: Any) -> str:
 
 
 def engine_line(model: str, chain: Any, engine: Any) -> str:
-    return f"`{model}` on {chain}, {engine.pool.pages} KV pages of {engine.stride} tokens"
+    """What serves: the model, the runner and its KV pool (and, where the pool is smaller
+    than every sequence at the context bound, by `--kv-tokens` or fitted to the device:
+    runtime/footprint.py fitting_capacity, how many pages that would take)."""
+    from kerncc.runtime.memory import chain_token_capacity
+
+    full = chain_token_capacity(s.manifest for s in chain.bundle.stages) // engine.stride
+    short = f" (of {full} for every sequence at the context bound)" \
+        if engine.pool.pages < full else ""
+    return f"`{model}` on {chain}, {engine.pool.pages} KV pages of {engine.stride} tokens{short}"
 
 
 def listening(sock: socket.socket) -> str:
