@@ -760,11 +760,11 @@ def run(args: argparse.Namespace, work: Path, backend: str) -> None:
     row("copy", f"{backend} copy bandwidth, GB/s", f"{bandwidth / 1e9:.1f}")
     with section("decode"):
         decode_all(bundles, read, backend, size["capacity"], prompt_len, steps, bandwidth)
-    batched(args, size, folder, bundles["bf16 whole"], read["bf16 whole"], bandwidth, backend,
-            cfg, prompt_len)
-    with section("invariant"):
+    with section("invariant"):  # before transformers, whose failures can end the context
         invariant_rows(bundles["bf16 whole"], backend, room(size, prompt_len, size["max_seqs"]),
                        size["batches"], prompt_len, vocab)
+    batched(args, size, folder, bundles["bf16 whole"], read["bf16 whole"], bandwidth, backend,
+            cfg, prompt_len)
 
 
 def batched(args: argparse.Namespace, size: dict, folder: Path, bundle: Path, weights: int,
