@@ -371,11 +371,13 @@ def _memory(r: BundleReport) -> str:
 
 def _device_memory(r: BundleReport) -> str:
     """Each stage's device memory as the runtime will allocate it at the default token
-    capacity (a load whose peak does not fit the device is refused before any weight moves)."""
+    capacity (a device with less free memory gets the KV pages that fit, runtime/footprint.py
+    fitting_capacity; a load that cannot hold one chunk's is refused before any weight moves)."""
     if not r.footprints:
         return "device memory: not planned"
     head = "device memory per stage at load (the staging is freed after it: resident stays)"
-    return "\n".join([head] + _table(footprint.text(r.footprints), right=1))
+    foot = "  (kv pool: every sequence at the context bound, or the pages a device's memory holds)"
+    return "\n".join([head] + _table(footprint.text(r.footprints), right=1) + [foot])
 
 
 def _modules_section(r: BundleReport) -> str:
