@@ -832,8 +832,8 @@ def pipeline(model: dict, out: Path, gpus: int) -> None:
     if gpus < 2:
         row("pipeline", "skipped", "one GPU")
         return
-    whole = Chain(model["whole"], backend="cuda")
-    two = Chain(model["two"], backend="cuda", devices=[0, 1])
+    whole = Chain(model["whole"], backend="cuda", token_capacity=CAPACITY)
+    two = Chain(model["two"], backend="cuda", devices=[0, 1], token_capacity=CAPACITY)
     rng = np.random.default_rng(5)
     for n in (513, 2049, 8192):
         prompt = [int(t) for t in rng.integers(1, 32000, n)]
@@ -856,13 +856,16 @@ def pipeline(model: dict, out: Path, gpus: int) -> None:
             "{:.1f} / {:.1f}".format(ttft(whole, prompt, chunk) * 1e3,
                                      ttft(two, prompt, chunk) * 1e3))
     breakdown(two, prompt, 512)
-    whole_marked = Chain(model["whole"], backend="cuda", graphs="marked")
-    two_marked = Chain(model["two"], backend="cuda", devices=[0, 1], graphs="marked")
+    whole_marked = Chain(model["whole"], backend="cuda", graphs="marked",
+                         token_capacity=CAPACITY)
+    two_marked = Chain(model["two"], backend="cuda", devices=[0, 1], graphs="marked",
+                       token_capacity=CAPACITY)
     base, piped = ttft(whole_marked, prompt, 512), ttft(two_marked, prompt, 512)
     row("pipeline", "TTFT 8192, prefill launched kernel by kernel (graphs=marked): whole / "
         "2 GPUs, ms", f"{base * 1e3:.1f} / {piped * 1e3:.1f} ({base / piped:.3f}x)")
     timeline = Timeline()
-    traced = Chain(model["two"], backend="cuda", devices=[0, 1], trace=timeline)
+    traced = Chain(model["two"], backend="cuda", devices=[0, 1], trace=timeline,
+                   token_capacity=CAPACITY)
     prompt = [int(t) for t in rng.integers(1, 32000, 8192)]
     greedy(traced, prompt, 1, 512)
     timeline.spans.clear()
