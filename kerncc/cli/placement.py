@@ -2,11 +2,11 @@
 
 `add_arguments(parser)` adds `--backend`, `--devices`, `--placement thread|process|ray`
 (default thread: every stage in this process), `--transport`, `--stage-timeout`,
-`--ray-address` and `--kv-tokens` (the KV pool's size); `make(args, bundle, **chain_options)` builds the runner they ask for through
-kerncc.runtime.placement.make_runner. A flag the chosen placement does not read, or --devices
-without the cuda backend, is a usage error (`unread`, which kerncc.cli.main calls after
-parsing): the thread placement has no links and no stage processes, and only Ray joins a
-cluster.
+`--ray-address` and `--kv-tokens` (the KV pool's size); `make(args, bundle, **chain_options)`
+builds the runner they ask for through kerncc.runtime.placement.make_runner. A flag the
+chosen placement does not read, or --devices without the cuda backend, is a usage error
+(`unread`, which kerncc.cli.main calls after parsing): the thread placement has no links and
+no stage processes, and only Ray joins a cluster.
 """
 
 from __future__ import annotations

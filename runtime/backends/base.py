@@ -175,11 +175,11 @@ class Backend(abc.ABC):
                           steps: Collection[str] = ()) -> dict[int, Launcher]:
         """The launchers a Session issues with, given each program's sites in order, per
         program each var's largest value in a call of it (`bounds`), and which programs run a
-        decode step (`steps`: session.step_programs): a backend may put another launch that computes the
-        same bits in a site's place (cuda: the pipelined decode attention, runtime/backends/
-        attention_pipe.py), or fix per site what it would pick per launch (cuda: the GEMMs'
-        path, so that a row's bits do not depend on the batch). The default issues each site
-        as prepared."""
+        decode step (`steps`: session.step_programs): a backend may put another launch that
+        computes the same bits in a site's place (cuda: the pipelined decode attention,
+        runtime/backends/attention_pipe.py), or fix per site what it would pick per launch
+        (cuda: the GEMMs' path, so that a row's bits do not depend on the batch). The default
+        issues each site as prepared."""
         return launchers
 
     def stream_joined(self) -> None:

@@ -629,9 +629,9 @@ class CudaBackend(Backend):
                           bounds: Mapping[str, Mapping[str, int]] | None = None,
                           steps: Collection[str] = ()) -> dict[int, Callable]:
         """Each GEMM site batch-invariant (`invariant`: `_invariant_extern`, given each
-        program's vars at their largest, `bounds`, and whether it runs a decode step), and the batched decode's split attention pipelined
-        (runtime/backends/attention_pipe.py) when `pipe_attention` is on; every other site as
-        prepared."""
+        program's vars at their largest, `bounds`, and whether it runs a decode step), and the
+        batched decode's split attention pipelined (runtime/backends/attention_pipe.py) when
+        `pipe_attention` is on; every other site as prepared."""
         if self.invariant:
             launchers = dict(launchers)
             for program, sites in programs.items():

@@ -18,9 +18,10 @@ or C either way.
 
 Batch invariance (the default; `KERNCC_INVARIANT=0` restores the shape-picked path for the
 benches' A/B): a GEMM site whose m can never exceed `DECODE_MAX_M` (the decode programs', and
-the prefill's lm_head over one row a sequence) with n under `LT_MIN_N` and k under `LT_MIN_K` takes these
-kernels at every m, cuBLAS never (a wider one takes the pinned split-free cuBLASLt algorithms
-at every m, as prefill sites do: runtime/backends/cuda.py `_invariant_extern`):
+the prefill's lm_head over one row a sequence) with n under `LT_MIN_N` and k under `LT_MIN_K`
+takes these kernels at every m, cuBLAS never (a wider or deeper one takes the pinned
+split-free cuBLASLt algorithms at every m, as prefill sites do: runtime/backends/cuda.py
+`_invariant_extern`):
 `invariant_entry` picks the warps from n alone (16 where W has at most WIDE_MAX_TILES tiles,
 else 8), and for a given warp count every entry gives a row of C the same bits whatever
 m, MB, T or the unroll (kernels/gemv.cu), so a sequence's logits do not depend on how many
