@@ -36,7 +36,7 @@ from kerncc.runtime import domains
 from kerncc.runtime.backends import make_backend
 from kerncc.runtime.backends.base import Backend, BackendError, Launcher
 from kerncc.runtime.bundle import Bundle, Stage, bundle_error
-from kerncc.runtime.footprint import check_fits, fitting_capacity, stage_footprint
+from kerncc.runtime.footprint import check_fits, fitting_capacity, page_tokens, stage_footprint
 from kerncc.runtime.launch import PlanError, Site, evaluate, parse_sites, plan_error
 from kerncc.runtime.memory import Memory, default_token_capacity, numpy_dtype
 from kerncc.runtime.loader import Loader, Target
@@ -136,6 +136,11 @@ class Session:
         self.token_capacity = token_capacity or fitting_capacity(
             [(self.stage.index, self.manifest, self.stage.plan)], self.backend.free_bytes(),
             default_token_capacity(self.manifest), self.backend.device_bytes)
+        page = page_tokens(self.manifest)
+        if self.token_capacity < page:  # the pool's page ids would index past its slots
+            raise KernccError.single(
+                f"a KV pool of {self.token_capacity} token slots (--kv-tokens, token_capacity) "
+                f"holds not one page of {page} tokens: give at least {page}")
         self._check_fits()
         self.memory = Memory(self.backend, self.manifest, self.stage.plan, self.token_capacity)
         self.last_vars = self._vars({})

@@ -237,6 +237,10 @@ def test_kv_tokens_sizes_the_pool_of_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["run", str(manifest), "--prompt", "1", "--kv-tokens", "0"])
     assert exit_.value.code == 2
+    capsys.readouterr()
+    assert main(["run", str(manifest), "--prompt", "1", "--kv-tokens", "15"]) == 1
+    err = capsys.readouterr().err
+    assert "holds not one page of 16 tokens" in err and err.count("error:") == 1
 
 
 def test_serve_says_when_its_pool_is_short_of_every_sequence_at_the_context_bound(bundles):
