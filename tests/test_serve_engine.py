@@ -550,3 +550,24 @@ def test_a_page_table_follows_pages_that_grow_in_place_and_is_never_written_in_p
     assert grown[1, :2].tolist() == [2, 5] and grown[0, :2].tolist() == [3, 1]
     assert first[1, :2].tolist() == [2, 0], "the array handed back before is unchanged"
     assert not grown[:, 2:].any()
+
+
+def test_a_run_time_error_is_said_of_its_program_with_its_diagnostics_once():
+    """An input outside its domain at run time (what a pool of too few slots once gave): the
+    failure names the program once and keeps the runtime's located diagnostics as they are,
+    rather than one diagnostic repeating the whole text."""
+    from types import SimpleNamespace
+
+    from kerncc.diagnostics import Diagnostic, Location
+    from kerncc.serve.engine import _item_error
+
+    err = KernccError("input `block_table` is outside its domain:",
+                      [Diagnostic("element [0, 0] is 0, above -1", Location("/buffers/x"))])
+    failure = _item_error(err, SimpleNamespace(name="prefill"), [])
+    assert failure.headline == "program `prefill`: input `block_table` is outside its domain:"
+    assert failure.messages() == ["element [0, 0] is 0, above -1"]
+    assert str(failure).count("outside its domain") == 1
+    again = _item_error(failure, SimpleNamespace(name="prefill"), [])
+    assert again.headline == failure.headline  # named already: not twice
+    plain = _item_error(ValueError("bad"), SimpleNamespace(name="decode"), [])
+    assert plain.headline == "program `decode`: ValueError: bad"

@@ -752,10 +752,11 @@ def refusal_of(err: QueueFull | Stopped | KernccError) -> tuple[str, str, str | 
 def _item_error(err: Exception, forward: proto.Forward, requests: list[Request]
                 ) -> KernccError:
     """A runtime error, said of the program it ran (the stage is in the runtime's text)."""
-    text = str(err) if isinstance(err, KernccError) else f"{type(err).__name__}: {err}"
-    if f"`{forward.name}`" not in text:
-        text = f"program `{forward.name}`: {text}"
-    failure = KernccError.single(text)
+    said = "" if f"`{forward.name}`" in str(err) else f"program `{forward.name}`: "
+    if isinstance(err, KernccError):  # its diagnostics kept as they are, printed once
+        failure = KernccError(said + err.headline, err.diagnostics)
+    else:
+        failure = KernccError.single(f"{said}{type(err).__name__}: {err}")
     failure.requests = requests  # type: ignore[attr-defined]
     return failure
 
