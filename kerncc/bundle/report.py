@@ -376,8 +376,9 @@ def _device_memory(r: BundleReport) -> str:
     if not r.footprints:
         return "device memory: not planned"
     head = "device memory per stage at load (the staging is freed after it: resident stays)"
-    foot = "  (kv pool: every sequence at the context bound, or the pages a device's memory holds)"
-    return "\n".join([head] + _table(footprint.text(r.footprints), right=1) + [foot])
+    foot = (["  (kv pool: every sequence at the context bound, or the pages a device's memory "
+             "holds)"] if any(f.pages for f in r.footprints) else [])
+    return "\n".join([head] + _table(footprint.text(r.footprints), right=1) + foot)
 
 
 def _modules_section(r: BundleReport) -> str:
