@@ -2,8 +2,8 @@
 
     python -m bench.gemv [--every] [--out DIR] [--doc docs/benchmarks.md]
 
-For the `small` example's and an 8B model's (Qwen3-8B) weight shapes, at m = 1, 8, 16, 32, 48
-and 64 rows: the path the invariant policy gives a decode site (runtime/backends/gemv.py: the
+For the `small` example's and an 8B model's (Qwen3-8B) weight shapes, at m = 1, 8, 16, 32, 48,
+64, 96 and 128 rows (the example's decode steps take up to 128): the path the invariant policy gives a decode site (runtime/backends/gemv.py: the
 GEMV entry `invariant_entry` picks, or where `takes_lt` says so the pinned split-free cuBLASLt
 algorithms), and on a row of their own the pinned algorithms whatever the width, against
 torch.matmul (cuBLAS, free to pick its kernel by m), each timed as 24 launches over four
@@ -26,7 +26,7 @@ SHAPES = {"small qkv": (4096, 2048), "small o": (2048, 2048), "small gate_up": (
           "small down": (2048, 6144), "small lm_head": (32000, 2048),
           "8b qkv": (6144, 4096), "8b o": (4096, 4096), "8b gate_up": (24576, 4096),
           "8b down": (4096, 12288), "8b lm_head": (151936, 4096)}
-ROWS = (1, 8, 16, 32, 48, 64)
+ROWS = (1, 8, 16, 32, 48, 64, 96, 128)
 COPIES, REPEATS = 4, 24
 
 
@@ -111,7 +111,7 @@ def every_entry(torch, stream, gemv, operands, m: int, n: int, k: int) -> list[s
 
 
 def pinned_us(torch, stream, operands, m: int, n: int, k: int) -> tuple[float, bool]:
-    """The pinned split-free cuBLASLt GEMM a decode site of (n, k) takes (largest m 64): us a
+    """The pinned split-free cuBLASLt GEMM a decode site of (n, k) takes (largest m 128): us a
     launch, and whether its rows equal the same rows launched one at a time."""
     from kerncc.runtime.backends import cublas
 
