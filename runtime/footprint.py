@@ -120,7 +120,7 @@ def fitting_capacity(stages: Sequence[tuple[int, m.Manifest, dict]], free: int |
     """The token capacity a device's `stages` get when none is given: `default` (every
     sequence at the context bound) where that fits `free` bytes less `headroom(free)`, else the
     most tokens that do, in whole pages (a KV pool sized to the device, as a serving engine
-    sizes it, rather than a refusal). Never below one chunk's rows (`floor`): a device that
+    sizes it, rather than a refusal). Never below one chunk's rows (`chunk_rows`): a device that
     cannot hold that much keeps `default`, and `check_fits` refuses it, naming what to lower."""
     if free is None:
         return default
@@ -133,7 +133,7 @@ def fitting_capacity(stages: Sequence[tuple[int, m.Manifest, dict]], free: int |
     if peak(default) <= room:
         return default
     step = max((page_tokens(man) for _, man, _ in stages), default=0) or PAGE_MULTIPLE
-    low = -(-floor([man for _, man, _ in stages]) // step)  # pages
+    low = -(-chunk_rows([man for _, man, _ in stages]) // step)  # pages
     high = default // step
     if low > high or peak(low * step) > room:
         return default
@@ -149,7 +149,7 @@ def headroom(free: int) -> int:
     return max(free // 20, 512 * MiB)
 
 
-def floor(manifests: Sequence[m.Manifest]) -> int:
+def chunk_rows(manifests: Sequence[m.Manifest]) -> int:
     """The fewest token slots a fitted pool may have: one call's rows at their bound."""
     return max((v.max for man in manifests for v in man.vars.values() if v.axis == "rows"),
                default=1)

@@ -781,12 +781,12 @@ def program_bounds(manifest: m.Manifest) -> dict[str, dict[str, int]]:
         axes = proto.check_unsampled(verify(manifest))
     except KernccError:
         axes = None
+    steps = step_programs(manifest)
     bounds = {}
     for name, program in manifest.programs.items():
         env = dict(widest)
         batch = program.batch
-        if axes is not None and batch is not None and batch.span is None \
-                and isinstance(batch.rows, int):
+        if axes is not None and name in steps:
             rows, groups = axes.rows.var, axes.groups.var
             env[groups] = min(env.get(groups, batch.groups), batch.groups)
             env[rows] = min(env.get(rows, batch.groups * batch.rows), batch.groups * batch.rows)
