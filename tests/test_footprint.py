@@ -9,6 +9,7 @@ after load within 2%, and a refusal leaves the device's free memory as it was.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -175,6 +176,10 @@ def test_serve_prints_the_memory_before_loading(bundles, monkeypatch):
     assert [line.split(":")[1].strip() for line in lines] == ["stage 0", "stage 1"]
     f = footprints(bundles["two"])[0]
     assert f"{f.pages} KV pages of 16 tokens" in lines[0]
+    err = io.StringIO()  # at --kv-tokens, the pool it gives
+    with contextlib.redirect_stderr(err), pytest.raises(KernccError, match="before load"):
+        serve._serve_here(argparse.Namespace(kv_tokens=32), bundle, None, None, None)
+    assert "2 KV pages of 16 tokens" in err.getvalue().splitlines()[0]
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,7 @@ def _serve_here(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any,
                 sock: socket.socket) -> int:
     """Start the stages, the engine and uvicorn on `sock`, in this process; the stages are
     closed however this ends (a failed start left stage processes running)."""
-    _print_memory(bundle)
+    _print_memory(bundle, getattr(args, "kv_tokens", None))
     with placement.make(args, bundle, checkpoint=weights) as chain:  # thread, process or ray
         engine = make_engine(args, chain)
         model = model_name(args, bundle)
@@ -144,7 +144,7 @@ def _serve_apart(args: argparse.Namespace, bundle: Any, weights: Any, codec: Any
     import multiprocessing
     import tempfile
 
-    _print_memory(bundle)
+    _print_memory(bundle, getattr(args, "kv_tokens", None))
     fork = multiprocessing.get_context("fork")  # the bundle, tokenizer and socket, inherited
     with tempfile.TemporaryDirectory(prefix="kerncc-serve-") as folder:
         inbox = f"ipc://{folder}/core"
@@ -348,12 +348,12 @@ def _say(line: str) -> None:
     print(f"kerncc serve: {line}", file=sys.stderr, flush=True)
 
 
-def _print_memory(bundle: Any) -> None:
-    """The planned device memory of every stage, before any weight moves (a load that does
-    not fit is refused then, naming what to lower)."""
+def _print_memory(bundle: Any, kv_tokens: int | None = None) -> None:
+    """The planned device memory of every stage at `--kv-tokens` (default: the bundle's pool),
+    before any weight moves (a load that does not fit is refused then, naming what to lower)."""
     from kerncc.runtime.footprint import bundle_footprints, summary
 
-    for f in bundle_footprints([(s.manifest, s.plan) for s in bundle.stages]):
+    for f in bundle_footprints([(s.manifest, s.plan) for s in bundle.stages], kv_tokens):
         _say(summary(f))
 
 
