@@ -69,6 +69,18 @@ def test_past_16_rows_the_8_warp_shapes_take_the_shared_memory_entries(n):
     assert gemv.invariant_entry(64, 2048) not in gemv.SHARED  # the 16-warp shapes keep theirs
 
 
+@pytest.mark.parametrize("n", [2064, 4096, 4104, 6144, 12288])
+def test_past_64_rows_the_narrower_8_warp_shapes_take_the_64_row_entry_where_it_fills_a_wave(n):
+    """65 to 128 rows (the decode steps past 64 sequences) on the 8-warp shapes below SMEM_N:
+    the 64-row shared-memory entry up to ONE_WAVE_N (two row groups of n / 64 blocks), the
+    32-row one above; both keep the 8-warp bits."""
+    want = ("gemv_bf16_tn_mb8_t4_smem" if n <= gemv.ONE_WAVE_N
+            else "gemv_bf16_tn_mb4_t4_smem")
+    for m in (65, 96, 128):
+        assert gemv.invariant_entry(m, n) == want, (m, n)
+    assert gemv.invariant_entry(64, n) == "gemv_bf16_tn_mb4_t4_smem"
+
+
 def test_the_shared_memory_entries_say_how_much_they_need():
     """gemv.SHARED is what gemv_smem_tile<MB, T, 8 warps, 3 slots> takes: 8 * 3 * (8 MB + 16 T)
     rows of 64 bytes, more than a launch gets unasked and within an sm_90 block's 227 KB."""

@@ -73,6 +73,12 @@ SHARED = {"gemv_bf16_tn_mb8_t4_smem": 8 * 3 * (64 + 64) * 64,
 # From here (the 8B gate_up, every lm_head) the shared-memory entries win past 16 rows; below
 # (qkv, o, down, the small gate_up), past 32 (`python -m bench.gemv --every`, an H100).
 SMEM_N = 16384
+# Past 64 rows (two row groups of the 64-row entry, n / 64 blocks each) the 64-row shared-memory
+# entry takes the narrower 8-warp shapes up to here: 128 blocks, one wave of an H100's or
+# H200's 132 multiprocessors, where the 32-row entry takes two; at 96 and 128 rows it took
+# 0.83x the time (the small qkv 15.4 / 15.6 against 18.0 / 18.8 us, the 8B o 25.7 / 26.0
+# against 30.0 / 31.2), and 1.04-1.1x at n = 6144 (`python -m bench.gemv --every`, an H100).
+ONE_WAVE_N = 4096
 INVARIANT = config.invariant()
 # The most rows a site may launch with and still be served by these kernels when invariant:
 # above it (prefill chunks) the pinned cuBLASLt algorithms of runtime/backends/cublas.py.
@@ -129,8 +135,9 @@ def invariant_entry(m: int, n: int) -> str:
         return "gemv_bf16_tn_mb2_t2"
     if n >= SMEM_N:  # A staged in shared memory, read once a block for four W tiles
         return "gemv_bf16_tn_mb8_t4_smem" if m > 32 else "gemv_bf16_tn_mb4_t4_smem"
-    if m > 32:
-        return "gemv_bf16_tn_mb4_t4_smem"
+    if m > 32:  # past 64 rows, the 64-row entry where its two row groups fit one wave
+        return ("gemv_bf16_tn_mb8_t4_smem" if m > 64 and n <= ONE_WAVE_N
+                else "gemv_bf16_tn_mb4_t4_smem")
     return "gemv_bf16_tn_mb4_t3" if n >= WIDE_N else "gemv_bf16_tn_mb4_t2"
 
 
