@@ -94,10 +94,10 @@ def measure(torch, site, gemv, label: str, n: int, k: int, every: bool) -> None:
 def every_entry(torch, stream, gemv, operands, m: int, n: int, k: int) -> list[str]:
     """Each entry of the warp count `invariant_entry` fixes for n, forced, timed and checked."""
     a, ws, c, alone, handle = operands
-    threads = gemv.ENTRIES[gemv.invariant_entry(1, n)][0]
+    warps = gemv.ENTRIES[gemv.invariant_entry(1, n)].warps
     cells = []
-    for entry, (count, _, _) in gemv.ENTRIES.items():
-        if count != threads:
+    for entry, e in gemv.ENTRIES.items():
+        if e.warps != warps:
             continue
         forced = _Forced(SITE[0], entry)
         with torch.cuda.stream(stream):

@@ -40,7 +40,8 @@ NUMBA_SUFFIX = "_nb"
 KINDS = ("cuda", "numba")
 _PTX_ENTRY = re.compile(r"\.entry\s+(\S+)\s*\(")
 _ENTRY = re.compile(
-    r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\('
+    r'extern\s+"C"\s+__global__\s+void\s+'
+    r'(?:(?:__launch_bounds__|__cluster_dims__)\([^)]*\)\s*)*(\w+)\s*\('
 )
 _COMMENT = re.compile(r"//[^\n]*")
 

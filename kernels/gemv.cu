@@ -418,3 +418,219 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   pdl_begin();
   gemv_smem_tile<4, 4, 8, 3>(a, w, c, m, n, k, mode);
 }
+
+// ---------------------------------------------------------------------------------------------
+// gemv_cluster_tile: the same function and the same bits as the entries of KG warps above, for
+// the decode steps' 33 to 128 rows, with the warps' split of k spread over the 8 blocks of a
+// thread-block cluster instead of the 8 (or 16) warps of one block.
+//
+// Why: an entry above holds a partial sum of every output of its tile in each of its KG warps,
+// so the registers of a multiprocessor bound its tile to about 64 x 64 outputs, and at 128 rows
+// of A it reads every W tile two to four times (row groups) and A once for every 64 rows of W
+// (`python -m bench.gemv`: up to 1.3x cuBLAS at 64 rows and past). Here block b of a cluster
+// computes the partial sums of k groups b, b + 8, ... (KG / 8 of them) for a tile of AT rows of
+// A by WT rows of W, so a multiprocessor holds one partial sum an output: a 128 x 64 tile takes
+// 32 floats a thread, every W row is read once for all 128 rows, and A once for every 64 rows
+// of W. Its 8 warps split the tile (WA along A, 8 / WA along W), not k. The chunks of A and W
+// go through a ring of STAGES shared-memory slots by cp.async, STAGES - 1 chunks ahead.
+//
+// Why the bits equal the KG-warp entries' (whatever AT, WT, STAGES or m):
+// 1. k group v (the chunks v, v + KG, ... ascending, as warp v of those entries takes them) is
+//    summed from 0.f by one accumulator an output, in block v % 8 of the cluster;
+// 2. lane (g, t) of the warp owning W tile i and A block j feeds the mma the very words those
+//    entries do: W rows 16 i + g (+ 8), A row 8 j + g, k 32 ch + 8 t .. + 7, zero exactly
+//    where theirs are (k past k, W row past n, A row past m); the two mma.m16n8k16 of a chunk
+//    in chunk_mma's order;
+// 3. the KG partial sums of an output are added in k-group order from 0.f (the blocks read
+//    each other's shared memory across the cluster: no atomics), then C is written in `mode`
+//    with one rounding (+ f32(C) first for _ACC, f32 out for _F32), as gemv_sum_store does.
+// Dynamic shared memory: STAGES * (AT + WT) * 64 bytes of slots + KG / 8 * AT * WT * 4 of
+// partial sums (the backend's gemv.SHARED must say the same; a launch with less traps).
+// Grid: 8 blocks (one cluster) for each tile of WT rows of W and each group of AT rows of A.
+#include <cooperative_groups.h>
+
+template <int AT, int WT, int KG, int WA, int STAGES>
+__device__ __forceinline__ void gemv_cluster_tile(const bf16* __restrict__ a,
+                                                  const bf16* __restrict__ w,
+                                                  void* __restrict__ c, int m, int n, int k,
+                                                  int mode) {
+  namespace cg = cooperative_groups;
+  constexpr int CLUSTER = 8, WARPS = 8, THREADS = 32 * WARPS;
+  constexpr int GROUPS = KG / CLUSTER;               // k groups a block
+  constexpr int MB = AT / 8 / WA, T = WT / 16 / (WARPS / WA);  // a warp's A blocks, W tiles
+  constexpr int ROWS = AT + WT;                      // a slot: the chunk's rows of A, then W
+  constexpr int SLOT = ROWS * 64;                    // bytes: 32 bf16 a row
+  constexpr int PARTS = ROWS * 4;                    // 16-byte copies a slot
+  constexpr int SUMS = AT * WT;                      // floats of one k group's partial sums
+  static_assert(KG % CLUSTER == 0 && MB * 8 * WA == AT && T * 16 * (WARPS / WA) == WT,
+                "whole k groups a block, whole A blocks and W tiles a warp");
+  static_assert(STAGES >= 2 && SUMS % THREADS == 0 && SUMS % CLUSTER == 0, "the ring and sums");
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  if (dynamic_smem_bytes() < STAGES * SLOT + GROUPS * SUMS * 4) __trap();
+  float* sums = reinterpret_cast<float*>(gemv_smem + STAGES * SLOT);  // [GROUPS][AT][WT]
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int wa = warp % WA, ww = warp / WA;
+  const int tile = blockIdx.x / CLUSTER;
+  const int groups = (m + AT - 1) / AT;  // row groups of A, as the entries above
+  const int q = tile % groups;
+  a += (size_t)q * AT * k;
+  const int col0 = q * AT;
+  m -= col0;
+  const int row0 = (tile / groups) * WT;
+  const int chunks = (k + 31) >> 5;
+  int count[GROUPS];  // chunks of each of this block's k groups
+  int items = 0;
+#pragma unroll
+  for (int gi = 0; gi < GROUPS; ++gi) {
+    const int v = rank + CLUSTER * gi;
+    count[gi] = chunks > v ? (chunks - v + KG - 1) / KG : 0;
+    items += count[gi];
+  }
+  // the chunk of item `it`: the block's k groups one after the other, each ascending
+  auto chunk_of = [&](int it) {
+    int gi = 0;
+#pragma unroll
+    for (int h = 0; h + 1 < GROUPS; ++h)
+      if (it >= count[h]) { it -= count[h]; gi = h + 1; }
+    return rank + CLUSTER * gi + KG * it;
+  };
+  const uint32_t ring = smem_u32(gemv_smem);
+  auto stage = [&](int it, int s) {
+    const int k0 = 32 * chunk_of(it);
+#pragma unroll
+    for (int e = tid; e < PARTS; e += THREADS) {
+      const int r = e >> 2, p = e & 3, kk = k0 + 8 * p;
+      const bf16* src;
+      bool on;
+      if (r < AT) {
+        on = kk < k && r < m;
+        src = a + (size_t)r * k + kk;
+      } else {
+        on = kk < k && row0 + r - AT < n;
+        src = w + (size_t)(row0 + r - AT) * k + kk;
+      }
+      cp_async16(ring + s * SLOT + r * 64 + p * 16, on ? src : w, on);
+    }
+  };
+
+  float acc[T][MB][4];
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < items) stage(s, s);
+    cp_async_commit();
+  }
+  int it = 0, slot = 0;
+#pragma unroll
+  for (int gi = 0; gi < GROUPS; ++gi) {
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+      for (int j = 0; j < MB; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;  // each k group's sum starts at 0.f
+    for (int left = count[gi]; left > 0; --left, ++it) {
+      cp_async_wait<STAGES - 2>();  // item it's copies (this thread's) have landed
+      __syncthreads();              // ... and every thread's; all have read the slot refilled
+      const int ahead = it + STAGES - 1;
+      if (ahead < items) stage(ahead, slot == 0 ? STAGES - 1 : slot - 1);
+      cp_async_commit();
+      const uint32_t base = ring + slot * SLOT + g * 64 + t * 16;
+      uint4 lo[T], hi[T];
+#pragma unroll
+      for (int i = 0; i < T; ++i) {
+        lo[i] = lds128(base + (AT + 16 * (ww * T + i)) * 64);
+        hi[i] = lds128(base + (AT + 16 * (ww * T + i) + 8) * 64);
+      }
+#pragma unroll
+      for (int j = 0; j < MB; ++j) {
+        const uint4 act = lds128(base + 8 * (wa * MB + j) * 64);
+#pragma unroll
+        for (int i = 0; i < T; ++i) {  // chunk_mma's two products, in its order
+          mma_16816(acc[i][j], lo[i].x, hi[i].x, lo[i].y, hi[i].y, act.x, act.y);
+          mma_16816(acc[i][j], lo[i].z, hi[i].z, lo[i].w, hi[i].w, act.z, act.w);
+        }
+      }
+      slot = slot == STAGES - 1 ? 0 : slot + 1;
+    }
+    float* mine = sums + gi * SUMS;  // [A row][W row] of the tile
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+      for (int j = 0; j < MB; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int wr = 16 * (ww * T + i) + g + (r >= 2 ? 8 : 0);
+          const int ar = 8 * (wa * MB + j) + 2 * t + (r & 1);
+          mine[ar * WT + wr] = acc[i][j][r];
+        }
+  }
+  cp_async_wait<0>();
+  cluster.sync();  // every block's partial sums written and visible across the cluster
+
+  const float* part[KG];  // k group v's sums: block v % 8, group v / 8
+#pragma unroll
+  for (int v = 0; v < KG; ++v)
+    part[v] = cluster.map_shared_rank(sums + (v / CLUSTER) * SUMS, v % CLUSTER);
+  constexpr int SHARE = SUMS / CLUSTER;  // outputs this block adds up and stores
+  for (int e = rank * SHARE + tid; e < (rank + 1) * SHARE; e += THREADS) {
+    const int ar = e / WT, wr = e % WT;
+    const int row = row0 + wr, col = ar;
+    if (row >= n || col >= m) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < KG; ++v) sum += part[v][e];  // k-group order: fixed
+    const size_t at = (size_t)(col0 + col) * n + row;
+    if (mode == GEMV_F32) {
+      reinterpret_cast<float*>(c)[at] = sum;
+    } else {
+      bf16* out = reinterpret_cast<bf16*>(c);
+      if (mode == GEMV_BF16_ACC) sum += __bfloat162float(out[at]);
+      out[at] = __float2bfloat16(sum);
+    }
+  }
+  cluster.sync();  // no block leaves while another reads its shared memory
+}
+
+// gemv_bf16_tn_a<AT>_w<WT>_k<KG>_cl: gemv_cluster_tile entries, clusters of 8 blocks of 8 warps,
+// four slots (three chunks in flight while one is multiplied); k8 has the bits of the 8-warp
+// entries above, k16 those of the 16-warp ones.
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256)
+    gemv_bf16_tn_a128_w64_k8_cl(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_cluster_tile<128, 64, 8, 4, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256)
+    gemv_bf16_tn_a64_w64_k8_cl(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_cluster_tile<64, 64, 8, 2, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256)
+    gemv_bf16_tn_a128_w32_k8_cl(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_cluster_tile<128, 32, 8, 8, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256)
+    gemv_bf16_tn_a128_w64_k16_cl(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_cluster_tile<128, 64, 16, 4, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256)
+    gemv_bf16_tn_a64_w64_k16_cl(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_cluster_tile<64, 64, 16, 2, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __cluster_dims__(8, 1, 1) __launch_bounds__(256)
+    gemv_bf16_tn_a128_w32_k16_cl(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                                void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_cluster_tile<128, 32, 16, 8, 4>(a, w, c, m, n, k, mode);
+}

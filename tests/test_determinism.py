@@ -23,7 +23,7 @@ def test_the_warps_of_a_decode_gemm_come_from_n_alone(n):
     """The warp count (which fixes the chunks a warp sums and the order of the warps' sum) is
     the same at every m; m picks only the blocks' shape, which does not change a row's bits."""
     entries = {gemv.invariant_entry(m, n) for m in range(1, 129)}
-    assert len({gemv.ENTRIES[e][0] for e in entries}) == 1
+    assert len({gemv.ENTRIES[e].warps for e in entries}) == 1
     assert all(e in gemv.ENTRIES for e in entries)
 
 
@@ -44,12 +44,12 @@ def test_the_wide_decode_sites_take_cublaslt_and_the_narrow_ones_the_gemv(name, 
                                   (64, 16896), (65, 151936), (200, 100)])
 def test_every_row_and_every_w_row_is_covered_once(m, n):
     entry = gemv.invariant_entry(m, n)
-    _, mb, t = gemv.ENTRIES[entry]
-    groups = -(-m // (8 * mb))
+    e = gemv.ENTRIES[entry]
+    groups = -(-m // (8 * e.mb))
     blocks = gemv.grid_for(entry, m, n)
-    assert blocks == groups * -(-n // (16 * t))
-    assert groups * 8 * mb >= m > (groups - 1) * 8 * mb  # the last group is not empty
-    assert blocks * 16 * t // groups >= n
+    assert blocks == groups * -(-n // (16 * e.t)) * e.cluster
+    assert groups * 8 * e.mb >= m > (groups - 1) * 8 * e.mb  # the last group is not empty
+    assert blocks // e.cluster * 16 * e.t // groups >= n
 
 
 @pytest.mark.parametrize("n", [2064, 4096, 6144, 12288, 16384, 24576, 151936])
@@ -71,12 +71,21 @@ def test_past_16_rows_the_8_warp_shapes_take_the_shared_memory_entries(n):
 
 def test_the_shared_memory_entries_say_how_much_they_need():
     """gemv.SHARED is what gemv_smem_tile<MB, T, 8 warps, 3 slots> takes: 8 * 3 * (8 MB + 16 T)
-    rows of 64 bytes, more than a launch gets unasked and within an sm_90 block's 227 KB."""
+    rows of 64 bytes, and gemv_cluster_tile<8 MB, 16 T, KG, ., 4 slots> 4 * (8 MB + 16 T)
+    rows of 64 bytes and KG / 8 tiles of f32 sums; within an sm_90 block's 227 KB."""
     for entry, nbytes in gemv.SHARED.items():
-        threads, mb, t = gemv.ENTRIES[entry]
-        assert threads == gemv.ENTRIES[gemv.NARROW_ENTRY][0] == 256
-        assert nbytes == (threads // 32) * 3 * (8 * mb + 16 * t) * 64
-        assert 48 * 1024 < nbytes <= 227 * 1024
+        e = gemv.ENTRIES[entry]
+        assert e.threads == 256
+        if e.cluster == 1:
+            assert e.warps == gemv.ENTRIES[gemv.NARROW_ENTRY].warps == 8
+            assert nbytes == 8 * 3 * (8 * e.mb + 16 * e.t) * 64
+            assert 48 * 1024 < nbytes
+        else:
+            assert e.cluster == 8 and e.warps in (8, 16)
+            assert nbytes == (4 * (8 * e.mb + 16 * e.t) * 64
+                              + e.warps // 8 * 8 * e.mb * 16 * e.t * 4)
+        assert nbytes <= 227 * 1024
+    assert {name for name, e in gemv.ENTRIES.items() if e.cluster > 1} <= set(gemv.SHARED)
 
 
 def test_a_launch_asks_for_its_entrys_shared_memory(monkeypatch):

@@ -124,7 +124,7 @@ def test_the_warps_are_fixed_by_n_alone(name):
     from kerncc.runtime.backends import gemv
 
     for n in (16, 2048, 2049, 4096, 16896, 151936):
-        warps = {gemv.ENTRIES[gemv.invariant_entry(m, n)][0] for m in range(1, 200)}
+        warps = {gemv.ENTRIES[gemv.invariant_entry(m, n)].warps for m in range(1, 200)}
         assert len(warps) == 1, n
 
 

@@ -243,7 +243,7 @@ SMEM_SHAPES = [(200, 1000), (4104, 2056), (24, 8), (1000, 2048)]
 def smem_entries() -> list[str]:
     from kerncc.runtime.backends import gemv
 
-    return sorted(gemv.SHARED)
+    return sorted(name for name in gemv.SHARED if gemv.ENTRIES[name].cluster == 1)
 
 
 @pytest.mark.parametrize("entry", smem_entries())
@@ -257,7 +257,7 @@ def test_shared_memory_entries_give_each_row_its_alone_bits(backend, entry, name
 
     n, k = shape
     alone_entry = gemv.NARROW_ENTRY
-    assert gemv.ENTRIES[entry][0] == gemv.ENTRIES[alone_entry][0], "another warp count"
+    assert gemv.ENTRIES[entry].warps == gemv.ENTRIES[alone_entry].warps, "another warp count"
     rows = max(SMEM_ROWS)
     case = Case(backend, name, rows, n, k, seed=zlib.crc32(f"smem {entry} {name} {shape}".encode()))
     site = backend._gemv_site(name, invariant=True)
@@ -273,6 +273,62 @@ def test_shared_memory_entries_give_each_row_its_alone_bits(backend, entry, name
         backend.sync()
         alone[:] = backend.download(case.c, 0, case.c0.nbytes)[:case.c_bytes]
         for m in SMEM_ROWS:
+            case.m = m
+            got = case.run(lambda a, w, c, m, n, k: site.launch(entry, a, w, c, m, n, k,
+                                                                backend.stream_handle))
+            used = m * n * width
+            assert (got[used:] == case.c0[used:]).all(), f"m={m}: wrote past its rows"
+            assert got[:used].tobytes() == alone[:used].tobytes(), \
+                f"m={m}: rows differ from the same rows alone"
+            want = reference(name, case.a_host[:m], case.w_host, case.c0[:used], m, n, k)
+            close(name, got[:used], want, m, n)
+    finally:
+        case.free()
+
+
+CLUSTER_ROWS = (33, 64, 65, 96, 128, 129, 200)
+# as SMEM_SHAPES, and the `small` example's down_proj (whole tiles, two k groups a block of
+# the 16-warp entries)
+CLUSTER_SHAPES = [(200, 1000), (4104, 2056), (24, 8), (2048, 6144)]
+
+
+def cluster_entries() -> list[str]:
+    from kerncc.runtime.backends import gemv
+
+    return sorted(name for name, e in gemv.ENTRIES.items() if e.cluster > 1)
+
+
+@pytest.mark.parametrize("entry", cluster_entries())
+@pytest.mark.parametrize("name", EXTERN_NAMES)
+@pytest.mark.parametrize("shape", CLUSTER_SHAPES, ids=lambda s: "n{}k{}".format(*s))
+def test_cluster_entries_give_each_row_its_alone_bits(backend, entry, name, shape):
+    """The entries that spread the warps' k groups over a cluster's blocks give every row of C
+    the bits of that row launched alone at m = 1 by the entry of the same k split (8 or 16
+    warps), and match the reference, at every m of CLUSTER_ROWS (past a tile's rows of A: more
+    row groups)."""
+    from kerncc.runtime.backends import gemv
+
+    n, k = shape
+    if name != "cublaslt_bf16_tn" and shape != CLUSTER_SHAPES[0]:
+        pytest.skip("every extern at one shape, every shape in bf16")
+    warps = gemv.ENTRIES[entry].warps
+    alone_entry = gemv.NARROW_ENTRY if warps == 8 else gemv.WIDE_ENTRY
+    assert gemv.ENTRIES[alone_entry].warps == warps
+    rows = max(CLUSTER_ROWS)
+    case = Case(backend, name, rows, n, k, seed=zlib.crc32(f"cl {entry} {name} {shape}".encode()))
+    site = backend._gemv_site(name, invariant=True)
+    assert site is not None, "the GEMV kernels did not load"
+    try:
+        a, w, c = case.pointers()
+        width = case.c_bytes // (rows * n)
+        alone = np.empty(case.c_bytes, np.uint8)
+        backend.upload(case.c, 0, case.c0)
+        for r in range(rows):  # each row alone, into its own row of C
+            site.launch(alone_entry, a + r * k * 2, w, c + r * n * width, 1, n, k,
+                        backend.stream_handle)
+        backend.sync()
+        alone[:] = backend.download(case.c, 0, case.c0.nbytes)[:case.c_bytes]
+        for m in CLUSTER_ROWS:
             case.m = m
             got = case.run(lambda a, w, c, m, n, k: site.launch(entry, a, w, c, m, n, k,
                                                                 backend.stream_handle))

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -60,16 +60,38 @@ WIDE_MAX_TILES = 128
 WIDE_N = 6144  # from here three W tiles a block of 32 A rows fill the SMs well enough
 WIDE_ENTRY = "gemv_bf16_tn_mb1_w16"
 NARROW_ENTRY = "gemv_bf16_tn_mb1"
-# entry: (threads, MB: 8-row blocks of A a block, T: 16-row tiles of W a block)
-ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2_t2": (256, 2, 2),
-           "gemv_bf16_tn_mb4_t2": (256, 4, 2), "gemv_bf16_tn_mb4_t3": (256, 4, 3),
-           "gemv_bf16_tn_mb1_w16": (512, 1, 1), "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2),
-           "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2), "gemv_bf16_tn_mb4_w16_t2": (512, 4, 2),
-           "gemv_bf16_tn_mb8_t4_smem": (256, 8, 4), "gemv_bf16_tn_mb4_t4_smem": (256, 4, 4)}
+
+class Entry(NamedTuple):
+    """A kernel of kernels/gemv.cu: `threads` a block; a tile of `mb` 8-row blocks of A by `t`
+    16-row tiles of W; `warps`, the split of k (k group v sums the chunks v, v + warps, ...,
+    the groups then added in order), which fixes a row's bits: every entry of a `warps` gives
+    a row of C the same bits; `cluster` blocks a tile (the k groups spread over a cluster)."""
+
+    threads: int
+    mb: int
+    t: int
+    warps: int
+    cluster: int = 1
+
+
+ENTRIES = {"gemv_bf16_tn_mb1": Entry(256, 1, 1, 8), "gemv_bf16_tn_mb2_t2": Entry(256, 2, 2, 8),
+           "gemv_bf16_tn_mb4_t2": Entry(256, 4, 2, 8), "gemv_bf16_tn_mb4_t3": Entry(256, 4, 3, 8),
+           "gemv_bf16_tn_mb1_w16": Entry(512, 1, 1, 16),
+           "gemv_bf16_tn_mb2_w16_t2": Entry(512, 2, 2, 16),
+           "gemv_bf16_tn_mb3_w16_t2": Entry(512, 3, 2, 16),
+           "gemv_bf16_tn_mb4_w16_t2": Entry(512, 4, 2, 16),
+           "gemv_bf16_tn_mb8_t4_smem": Entry(256, 8, 4, 8),
+           "gemv_bf16_tn_mb4_t4_smem": Entry(256, 4, 4, 8),
+           **{f"gemv_bf16_tn_a{8 * mb}_w{16 * t}_k{warps}_cl": Entry(256, mb, t, warps, 8)
+              for warps in (8, 16) for mb, t in ((16, 4), (8, 4), (16, 2))}}
 # Dynamic shared memory of the entries that stage A and W through it (kernels/gemv.cu
-# gemv_smem_tile: warps * 3 slots * (8 MB + 16 T) rows * 64 bytes; a launch with less traps).
+# gemv_smem_tile: warps * 3 slots * (8 MB + 16 T) rows * 64 bytes; gemv_cluster_tile: 4 slots
+# of (8 MB + 16 T) rows of 64 bytes and warps / 8 k groups' sums of the tile; a launch with
+# less traps).
 SHARED = {"gemv_bf16_tn_mb8_t4_smem": 8 * 3 * (64 + 64) * 64,
-          "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64}
+          "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64,
+          **{name: 4 * (8 * e.mb + 16 * e.t) * 64 + e.warps // 8 * (8 * e.mb) * (16 * e.t) * 4
+             for name, e in ENTRIES.items() if e.cluster > 1}}
 # From here (the 8B gate_up, every lm_head) the shared-memory entries win past 16 rows; below
 # (qkv, o, down, the small gate_up), past 32 (`python -m bench.gemv --every`, an H100).
 SMEM_N = 16384
@@ -135,9 +157,10 @@ def invariant_entry(m: int, n: int) -> str:
 
 
 def grid_for(entry: str, m: int, n: int) -> int:
-    """Blocks of a launch: W's tiles of T rows times A's groups of 8 * MB rows."""
-    _, mb, t = ENTRIES[entry]
-    return -(-n // (ROWS_PER_BLOCK * t)) * -(-m // (8 * mb))
+    """Blocks of a launch: W's tiles of 16 T rows times A's groups of 8 MB rows, times the
+    blocks of a cluster."""
+    e = ENTRIES[entry]
+    return -(-n // (ROWS_PER_BLOCK * e.t)) * -(-m // (8 * e.mb)) * e.cluster
 
 
 def entry_for(m: int, n: int) -> str:
@@ -189,7 +212,7 @@ class GemvSite:
             struct.pack_into("<" + fmt, base, at, value)
         config = self.configs[overlap]
         config.gridDimX = grid_for(entry, m, n)
-        config.blockDimX = ENTRIES[entry][0]
+        config.blockDimX = ENTRIES[entry].threads
         config.sharedMemBytes = SHARED.get(entry, 0)
         config.hStream = stream
         fn = self.gemv.functions[entry]
