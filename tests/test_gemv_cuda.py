@@ -246,20 +246,20 @@ def smem_entries() -> list[str]:
     return sorted(name for name in gemv.SHARED if gemv.ENTRIES[name].cluster == 1)
 
 
-@pytest.mark.parametrize("entry", smem_entries())
-@pytest.mark.parametrize("name", EXTERN_NAMES)
-@pytest.mark.parametrize("shape", SMEM_SHAPES, ids=lambda s: "n{}k{}".format(*s))
-def test_shared_memory_entries_give_each_row_its_alone_bits(backend, entry, name, shape):
-    """The entries that stage A through shared memory (17 to 64 rows) give every row of C the
-    bits of that row launched alone at m = 1 by the entry of the same warp count, and match
-    the reference, at every m of SMEM_ROWS."""
+def check_rows_alone(backend, entry: str, name: str, shape: tuple[int, int],
+                     row_counts: tuple[int, ...], seed: str) -> None:
+    """At every m of `row_counts`, `entry` gives every row of C the bits of that row launched
+    alone (m = 1) by the m <= 8 entry of the same k split, writes no more rows, and matches
+    the reference."""
     from kerncc.runtime.backends import gemv
 
     n, k = shape
-    alone_entry = gemv.NARROW_ENTRY
-    assert gemv.ENTRIES[entry].warps == gemv.ENTRIES[alone_entry].warps, "another warp count"
-    rows = max(SMEM_ROWS)
-    case = Case(backend, name, rows, n, k, seed=zlib.crc32(f"smem {entry} {name} {shape}".encode()))
+    warps = gemv.ENTRIES[entry].warps
+    alone_entry = gemv.NARROW_ENTRY if warps == 8 else gemv.WIDE_ENTRY
+    assert gemv.ENTRIES[alone_entry].warps == warps, "another k split"
+    rows = max(row_counts)
+    case = Case(backend, name, rows, n, k,
+                seed=zlib.crc32(f"{seed} {entry} {name} {shape}".encode()))
     site = backend._gemv_site(name, invariant=True)
     assert site is not None, "the GEMV kernels did not load"
     try:
@@ -272,7 +272,7 @@ def test_shared_memory_entries_give_each_row_its_alone_bits(backend, entry, name
                         backend.stream_handle)
         backend.sync()
         alone[:] = backend.download(case.c, 0, case.c0.nbytes)[:case.c_bytes]
-        for m in SMEM_ROWS:
+        for m in row_counts:
             case.m = m
             got = case.run(lambda a, w, c, m, n, k: site.launch(entry, a, w, c, m, n, k,
                                                                 backend.stream_handle))
@@ -284,6 +284,16 @@ def test_shared_memory_entries_give_each_row_its_alone_bits(backend, entry, name
             close(name, got[:used], want, m, n)
     finally:
         case.free()
+
+
+@pytest.mark.parametrize("entry", smem_entries())
+@pytest.mark.parametrize("name", EXTERN_NAMES)
+@pytest.mark.parametrize("shape", SMEM_SHAPES, ids=lambda s: "n{}k{}".format(*s))
+def test_shared_memory_entries_give_each_row_its_alone_bits(backend, entry, name, shape):
+    """The entries that stage A through shared memory (17 to 64 rows) give every row of C the
+    bits of that row launched alone at m = 1 by the entry of the same warp count, and match
+    the reference, at every m of SMEM_ROWS."""
+    check_rows_alone(backend, entry, name, shape, SMEM_ROWS, "smem")
 
 
 CLUSTER_ROWS = (33, 64, 65, 96, 128, 129, 200)
@@ -306,37 +316,6 @@ def test_cluster_entries_give_each_row_its_alone_bits(backend, entry, name, shap
     the bits of that row launched alone at m = 1 by the entry of the same k split (8 or 16
     warps), and match the reference, at every m of CLUSTER_ROWS (past a tile's rows of A: more
     row groups)."""
-    from kerncc.runtime.backends import gemv
-
-    n, k = shape
     if name != "cublaslt_bf16_tn" and shape != CLUSTER_SHAPES[0]:
         pytest.skip("every extern at one shape, every shape in bf16")
-    warps = gemv.ENTRIES[entry].warps
-    alone_entry = gemv.NARROW_ENTRY if warps == 8 else gemv.WIDE_ENTRY
-    assert gemv.ENTRIES[alone_entry].warps == warps
-    rows = max(CLUSTER_ROWS)
-    case = Case(backend, name, rows, n, k, seed=zlib.crc32(f"cl {entry} {name} {shape}".encode()))
-    site = backend._gemv_site(name, invariant=True)
-    assert site is not None, "the GEMV kernels did not load"
-    try:
-        a, w, c = case.pointers()
-        width = case.c_bytes // (rows * n)
-        alone = np.empty(case.c_bytes, np.uint8)
-        backend.upload(case.c, 0, case.c0)
-        for r in range(rows):  # each row alone, into its own row of C
-            site.launch(alone_entry, a + r * k * 2, w, c + r * n * width, 1, n, k,
-                        backend.stream_handle)
-        backend.sync()
-        alone[:] = backend.download(case.c, 0, case.c0.nbytes)[:case.c_bytes]
-        for m in CLUSTER_ROWS:
-            case.m = m
-            got = case.run(lambda a, w, c, m, n, k: site.launch(entry, a, w, c, m, n, k,
-                                                                backend.stream_handle))
-            used = m * n * width
-            assert (got[used:] == case.c0[used:]).all(), f"m={m}: wrote past its rows"
-            assert got[:used].tobytes() == alone[:used].tobytes(), \
-                f"m={m}: rows differ from the same rows alone"
-            want = reference(name, case.a_host[:m], case.w_host, case.c0[:used], m, n, k)
-            close(name, got[:used], want, m, n)
-    finally:
-        case.free()
+    check_rows_alone(backend, entry, name, shape, CLUSTER_ROWS, "cl")
