@@ -69,6 +69,16 @@ def test_past_16_rows_the_8_warp_shapes_take_the_shared_memory_entries(n):
     assert gemv.invariant_entry(64, 2048) not in gemv.SHARED  # the 16-warp shapes keep theirs
 
 
+@pytest.mark.parametrize("n", [2048, 4096, 6144, 16384, 151936])
+def test_past_64_rows_a_decode_gemm_takes_the_cluster_entry_of_its_warps(n):
+    """65 rows and more (the decode steps of 65 to 128 sequences) go to the entries that
+    spread the k groups over a cluster, with the warps' split of the entries below them."""
+    below = gemv.ENTRIES[gemv.invariant_entry(gemv.CLUSTER_MIN_M, n)]
+    for m in (gemv.CLUSTER_MIN_M + 1, 96, 128, 200):
+        e = gemv.ENTRIES[gemv.invariant_entry(m, n)]
+        assert e.cluster == 8 and e.warps == below.warps and (e.mb, e.t) == (16, 4), (m, n)
+
+
 def test_the_shared_memory_entries_say_how_much_they_need():
     """gemv.SHARED is what gemv_smem_tile<MB, T, 8 warps, 3 slots> takes: 8 * 3 * (8 MB + 16 T)
     rows of 64 bytes, and gemv_cluster_tile<8 MB, 16 T, KG, ., 4 slots> 4 * (8 MB + 16 T)

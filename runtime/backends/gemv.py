@@ -110,6 +110,10 @@ LT_MIN_N = 12288
 # bench.gemv`, an H100), and the 8B decode step's tax at 64 sequences falls from 10.3% to 4.3%
 # (docs/design-notes.md).
 LT_MIN_K = 12288
+# Past this many rows the cluster entries (kernels/gemv.cu gemv_cluster_tile), whose tiles of
+# 128 A rows read every W row once for all of them, where the entries above re-read W for
+# every 32 or 64 rows of A.
+CLUSTER_MIN_M = 64
 MODULE = "gemv"
 ROWS_PER_BLOCK = 16
 MODES = {"cublaslt_bf16_tn": 0, "cublaslt_bf16_tn_acc": 1, "cublas_bf16_tn_f32": 2}
@@ -137,9 +141,12 @@ def invariant_usable(n: int, k: int, a: int, w: int, c: int) -> bool:
 def invariant_entry(m: int, n: int) -> str:
     """The kernel of a batch-invariant launch: the warp count from n alone (what fixes a row's
     bits), the blocks' shape from m and n (which does not): the fastest of each warp count's
-    entries at the models' shapes, measured at m = 1 to 64 on an H100 (`python -m bench.gemv
+    entries at the models' shapes, measured at m = 1 to 128 on an H100 (`python -m bench.gemv
     --every`; docs/design-notes.md)."""
-    if -(-n // ROWS_PER_BLOCK) <= WIDE_MAX_TILES:  # 16 warps
+    w16 = -(-n // ROWS_PER_BLOCK) <= WIDE_MAX_TILES  # 16 warps (WIDE_ENTRY)
+    if m > CLUSTER_MIN_M:  # the k groups over a cluster: 128 A rows by 64 W rows a tile
+        return f"gemv_bf16_tn_a128_w64_k{16 if w16 else 8}_cl"
+    if w16:
         if m <= 8:
             return WIDE_ENTRY
         if m > 32:
