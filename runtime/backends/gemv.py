@@ -30,7 +30,10 @@ block then streams A once for more of W: `python -m bench.gemv`), and m above a 
 takes more blocks a tile (row groups), each computing its rows as a launch of its own would.
 Past 32 rows on the eight-warp shapes (and past 16 from SMEM_N) the `_smem` entries stage A
 and W through shared memory (dynamic, `SHARED`), reading A once for four W tiles with the
-eight-warp bits.
+eight-warp bits. Past 64 rows (`CLUSTER_MIN_M`) the `_cl` entries spread the warps' k groups
+over the 8 blocks of a thread-block cluster, one partial sum an output a block, so that a
+tile of 128 rows of A by 64 of W fits and reads each W row once for all its rows; the groups
+are added in order across the cluster's shared memory, with the bits of their warp count.
 """
 
 from __future__ import annotations
