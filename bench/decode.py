@@ -443,8 +443,7 @@ def invariant_ab(model: dict, cfg: dict, hbm: float, rounds: int = 4) -> None:
     """Batch-invariant GEMMs (the default) against the batch-shaped path, alternating (the
     order flips each round): the batch-1 decode graph, decode_batch steps of 8, 32 and, where
     the model takes them, 64 and 128 sequences (graph replays), TTFT of 4096 and 8192 tokens at
-    chunk
-    2048; medians of `rounds`, and the tax (invariant / batch-shaped - 1) a row."""
+    chunk 2048; medians of `rounds`, and the tax (invariant / batch-shaped - 1) a row."""
     layers = cfg["num_hidden_layers"]
     most = int(cfg.get("kerncc", {}).get("max_seqs", 32))
     batches = [b for b in (8, 32, 64, 128) if b <= most]
