@@ -418,3 +418,168 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   pdl_begin();
   gemv_smem_tile<4, 4, 8, 3>(a, w, c, m, n, k, mode);
 }
+
+// ---------------------------------------------------------------------------------------------
+// gemv_seq_tile: C[m, n] (=, += or f32 =) A[m, k] . W[n, k]^T with the bits of cuBLASLt's
+// split-free algorithms (runtime/backends/cublas.py PinnedGemm), for the decode steps' few rows.
+//
+// A split-free cuBLASLt algorithm sums each output in one f32 accumulator, 16 k at a time in
+// increasing k (one tensor-core product of a 16-wide k slice into the accumulator), whatever
+// its tiles: measured on an H100 (cuBLASLt 13), an mma.m16n8k16 chain over the k slices
+// 0-15, 16-31, ... in that order, from 0.f, gives every output of their C bit for bit, at
+// every m, n, k tried; the order of the 16 products inside a slice does not change a bit, a
+// slice summed apart and then added does. So this kernel runs exactly that chain, one warp a
+// 16-row tile of W, and a row of C is the same whether a decode step takes this kernel or the
+// pinned algorithms, alone or beside 127 other rows, and the same as a prefill chunk's row.
+//
+// k is not split (the chain is the bits), so a warp streams its tile's whole k: its rows of W
+// and the block's rows of A go through a private ring of STAGES shared-memory slots by
+// cp.async, 128 k a slot (rows padded to 272 bytes so the fragment loads spread over the
+// banks), STAGES - 1 slots in flight while one is multiplied. Lane (g, t) feeds a slice's mma
+// W rows g and g + 8 and A row g at k 4t .. 4t + 3 (one 8-byte shared load each: the slice's
+// 16 products in another order inside the slice, which changes no bit).
+// Rows of W past n and of A past m, and k past the end, read as zeros (zero-filled copies)
+// and are not stored. Needs k % 8 == 0 and A, W, C 16-byte aligned (as the entries above).
+// Grid: ceil(n / 16) * ceil(m / (8 MB)) blocks of one warp (row groups as gemv_tile).
+// Dynamic shared memory: STAGES * (16 + 8 MB) * 272 bytes (gemv.SHARED).
+
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+
+template <int MB, int STAGES, int WARPS, int GEMV_SEQ_KC = 128>
+__device__ __forceinline__ void gemv_seq_tile(const bf16* __restrict__ a,
+                                              const bf16* __restrict__ w, void* __restrict__ c,
+                                              int m, int n, int k, int mode) {
+  constexpr int GEMV_SEQ_ROW = 2 * GEMV_SEQ_KC + 16;
+  constexpr int ROWS = 16 + 8 * MB;  // a slot: the tile's 16 rows of W, then 8 MB of A
+  constexpr int SLOT = ROWS * GEMV_SEQ_ROW;
+  constexpr int STEPS = GEMV_SEQ_KC / 16;  // k slices a slot
+  constexpr int THREADS = 32 * WARPS;
+  constexpr int PARTS = ROWS * (GEMV_SEQ_KC / 8);  // 16-byte copies a slot
+  static_assert(STAGES >= 2, "a slot in flight while one is multiplied");
+  constexpr int COPIES = (PARTS + THREADS - 1) / THREADS;
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  if (dynamic_smem_bytes() < STAGES * SLOT) __trap();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int groups = (m + 8 * MB - 1) / (8 * MB);
+  const int q = blockIdx.x % groups;
+  a += (size_t)q * 8 * MB * k;
+  const int col0 = q * 8 * MB;
+  m -= col0;
+  const int row0 = (blockIdx.x / groups) * 16;
+  const int slots = (k + GEMV_SEQ_KC - 1) / GEMV_SEQ_KC;
+  const uint32_t ring = smem_u32(gemv_smem);
+
+  // Every thread copies the 16-byte part tid % 16 of the slot's rows tid / 16 + (THREADS / 16) i:
+  // W rows row0 + r for r < 16, then A rows r - 16 of the group (zeros past n, m and k).
+  const int part = tid & 15;
+  const bf16* src[COPIES];
+  bool row_ok[COPIES], row_in[COPIES];
+#pragma unroll
+  for (int i = 0; i < COPIES; ++i) {
+    const int r = tid / 16 + (THREADS / 16) * i;
+    const bool w_row = r < 16;
+    const int at = w_row ? row0 + r : r - 16;
+    row_in[i] = r < ROWS;
+    row_ok[i] = at < (w_row ? n : m);
+    src[i] = (w_row ? w : a) + (size_t)(row_ok[i] ? at : 0) * k + 8 * part;
+  }
+  const uint32_t dst0 = ring + (tid / 16) * GEMV_SEQ_ROW + 16 * part;
+  auto stage = [&](int slice, int s) {
+    const int k0 = slice * GEMV_SEQ_KC;
+    const bool in_k = k0 + 8 * part < k;  // k % 8 == 0: a part is wholly in or out
+#pragma unroll
+    for (int i = 0; i < COPIES; ++i) {
+      if (!row_in[i]) continue;
+      const bool on = in_k && row_ok[i];
+      cp_async16(dst0 + s * SLOT + (THREADS / 16) * i * GEMV_SEQ_ROW, on ? src[i] + k0 : w, on);
+    }
+  };
+
+  float acc[MB][4] = {};  // each output's chain starts at 0.f
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < slots) stage(s, s);
+    cp_async_commit();  // one group a slot, empty or not: the wait below counts groups
+  }
+  int slot = 0;
+  for (int i = 0; i < slots; ++i) {
+    cp_async_wait<STAGES - 2>();  // slot i's copies (this thread's) have landed
+    __syncthreads();              // ... and every thread's; warp 0 is done with slot i - 1
+    const int ahead = i + STAGES - 1;
+    if (ahead < slots) stage(ahead, slot == 0 ? STAGES - 1 : slot - 1);
+    cp_async_commit();
+    if (warp == 0) {  // one warp runs the chain (the other warps only copy)
+      const uint32_t base = ring + slot * SLOT + t * 8;
+      uint2 lo[STEPS], hi[STEPS], b[STEPS][MB];
+#pragma unroll
+      for (int st = 0; st < STEPS; ++st) {
+        lo[st] = lds64(base + g * GEMV_SEQ_ROW + 32 * st);
+        hi[st] = lds64(base + (g + 8) * GEMV_SEQ_ROW + 32 * st);
+#pragma unroll
+        for (int j = 0; j < MB; ++j)
+          b[st][j] = lds64(base + (16 + 8 * j + g) * GEMV_SEQ_ROW + 32 * st);
+      }
+      const int steps = min(GEMV_SEQ_KC, k - i * GEMV_SEQ_KC + 8) / 16;  // k % 8 == 0
+#pragma unroll
+      for (int st = 0; st < STEPS; ++st) {
+        if (st >= steps) break;  // warp-uniform: the last slot's slices past k
+#pragma unroll
+        for (int j = 0; j < MB; ++j) mma_16816(acc[j], lo[st].x, hi[st].x, lo[st].y, hi[st].y,
+                                               b[st][j].x, b[st][j].y);
+      }
+    }
+    slot = slot == STAGES - 1 ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();  // only empty groups are left
+  if (warp != 0) return;
+
+#pragma unroll
+  for (int j = 0; j < MB; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = row0 + g + (r >= 2 ? 8 : 0);
+      const int col = 8 * j + 2 * t + (r & 1);
+      if (row >= n || col >= m) continue;
+      const size_t at = (size_t)(col0 + col) * n + row;
+      if (mode == GEMV_F32) {
+        reinterpret_cast<float*>(c)[at] = acc[j][r];
+      } else {
+        // cuBLASLt's epilogue: the sum rounded to bf16, then + C in f32 (beta = 1), rounded
+        float sum = __bfloat162float(__float2bfloat16(acc[j][r]));
+        bf16* out = reinterpret_cast<bf16*>(c);
+        if (mode == GEMV_BF16_ACC) sum += __bfloat162float(out[at]);
+        out[at] = __float2bfloat16(sum);
+      }
+    }
+}
+
+// gemv_bf16_tn_seq_mb<MB>_w<WARPS>_s<STAGES>: gemv_seq_tile entries (every one gives a row of C
+// the pinned cuBLASLt bits, whatever MB, WARPS, STAGES or m).
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_bf16_tn_seq_mb1_w4_s8(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                            void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_seq_tile<1, 8, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(256)
+    gemv_bf16_tn_seq_mb1_w8_s8(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                            void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_seq_tile<1, 8, 8>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_bf16_tn_seq_mb2_w4_s6(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                            void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_seq_tile<2, 6, 4>(a, w, c, m, n, k, mode);
+}
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_bf16_tn_seq_mb4_w4_s4(const bf16* __restrict__ a, const bf16* __restrict__ w,
+                            void* __restrict__ c, int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_seq_tile<4, 4, 4>(a, w, c, m, n, k, mode);
+}

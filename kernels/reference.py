@@ -407,7 +407,9 @@ KERNELS: dict[str, Callable[..., None]] = {
 GEMV_ENTRIES = ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb2_t2", "gemv_bf16_tn_mb4_w16_t2",
                 "gemv_bf16_tn_mb4_t2", "gemv_bf16_tn_mb4_t3", "gemv_bf16_tn_mb1_w16",
                 "gemv_bf16_tn_mb2_w16_t2", "gemv_bf16_tn_mb3_w16_t2", "gemv_bf16_tn_mb8_t4_smem",
-                "gemv_bf16_tn_mb4_t4_smem")  # gemv.cu: one function
+                "gemv_bf16_tn_mb4_t4_smem", "gemv_bf16_tn_seq_mb1_w4_s8",
+                "gemv_bf16_tn_seq_mb1_w8_s8", "gemv_bf16_tn_seq_mb2_w4_s6",
+                "gemv_bf16_tn_seq_mb4_w4_s4")  # gemv.cu: one function
 KERNELS.update({name: _int_scalars(gemv_bf16_tn) for name in GEMV_ENTRIES})
 
 

@@ -65,11 +65,19 @@ ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2_t2": (256, 2, 2),
            "gemv_bf16_tn_mb4_t2": (256, 4, 2), "gemv_bf16_tn_mb4_t3": (256, 4, 3),
            "gemv_bf16_tn_mb1_w16": (512, 1, 1), "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2),
            "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2), "gemv_bf16_tn_mb4_w16_t2": (512, 4, 2),
-           "gemv_bf16_tn_mb8_t4_smem": (256, 8, 4), "gemv_bf16_tn_mb4_t4_smem": (256, 4, 4)}
+           "gemv_bf16_tn_mb8_t4_smem": (256, 8, 4), "gemv_bf16_tn_mb4_t4_smem": (256, 4, 4),
+           "gemv_bf16_tn_seq_mb1_w4_s8": (128, 1, 1), "gemv_bf16_tn_seq_mb1_w8_s8": (256, 1, 1),
+           "gemv_bf16_tn_seq_mb2_w4_s6": (128, 2, 1), "gemv_bf16_tn_seq_mb4_w4_s4": (128, 4, 1)}
+# The entries with the pinned cuBLASLt algorithms' bits (kernels/gemv.cu gemv_seq_tile): slots
+SEQ_SLOTS = {"gemv_bf16_tn_seq_mb1_w4_s8": 8, "gemv_bf16_tn_seq_mb1_w8_s8": 8,
+             "gemv_bf16_tn_seq_mb2_w4_s6": 6, "gemv_bf16_tn_seq_mb4_w4_s4": 4}
+SEQ_ROW_BYTES = 272  # 128 k of bf16 a row, padded by 16 bytes
 # Dynamic shared memory of the entries that stage A and W through it (kernels/gemv.cu
 # gemv_smem_tile: warps * 3 slots * (8 MB + 16 T) rows * 64 bytes; a launch with less traps).
 SHARED = {"gemv_bf16_tn_mb8_t4_smem": 8 * 3 * (64 + 64) * 64,
-          "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64}
+          "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64,
+          **{entry: slots * (16 + 8 * ENTRIES[entry][1]) * SEQ_ROW_BYTES
+             for entry, slots in SEQ_SLOTS.items()}}
 # From here (the 8B gate_up, every lm_head) the shared-memory entries win past 16 rows; below
 # (qkv, o, down, the small gate_up), past 32 (`python -m bench.gemv --every`, an H100).
 SMEM_N = 16384
