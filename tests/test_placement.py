@@ -11,6 +11,7 @@ link, two GPUs over NCCL) are marked gpu; the Ray case runs when Ray is installe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -157,7 +158,14 @@ def test_a_killed_stage_fails_the_generation_at_once(bundles):
     _no_stage_left(pids)
 
 
-def test_a_frozen_stage_fails_its_items_after_the_timeout(bundles):
+def test_a_frozen_stage_fails_its_items_after_the_timeout(bundles, monkeypatch):
+    kill_all = ProcessChain._kill_all
+
+    def slow_kill_all(self):  # widen the window an early error would show in
+        time.sleep(0.3)
+        kill_all(self)
+
+    monkeypatch.setattr(ProcessChain, "_kill_all", slow_kill_all)
     chain = ProcessChain(bundles[2], timeout=FAULT_TIMEOUT)
     pids = chain.pids
     assert alone(chain, [1, 2, 3], 2).tokens
@@ -168,8 +176,10 @@ def test_a_frozen_stage_fails_its_items_after_the_timeout(bundles):
             alone(chain, [1, 2, 3, 4], 2)
         took = time.monotonic() - frozen
         assert FAULT_TIMEOUT * 0.9 <= took < BOUND
+        # the stages are killed and reaped before the items fail: none is left to see
+        assert [p for p in pids if _alive(p)] == []
     finally:
-        if _alive(pids[1]):
+        with contextlib.suppress(ProcessLookupError):  # gone already: nothing to wake
             os.kill(pids[1], signal.SIGCONT)
     _no_stage_left(pids)
 

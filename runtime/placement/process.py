@@ -424,16 +424,17 @@ class ProcessChain(Chain):
     # ------------------------------------------------------------------------ faults, close
 
     def _fail(self, message: str) -> None:
-        """The chain is down: every item in flight fails with `message`, every stage dies."""
+        """The chain is down: every stage dies, then every item in flight fails with `message`
+        (in that order, so a caller who sees the error finds no stage process left)."""
         if self.fault is not None:
             return
         self.fault = message
+        self._kill_all()
         with self._lock:
             flights = list(self._flights.values())
             self._flights.clear()
         for flight in flights:
             flight.pending._finish(error=KernccError.single(message))
-        self._kill_all()
 
     def _kill_all(self) -> None:
         """Kill and reap every stage process (the channels stay open: only `close`, with the
