@@ -418,3 +418,167 @@ extern "C" __global__ void __launch_bounds__(256, 1)
   pdl_begin();
   gemv_smem_tile<4, 4, 8, 3>(a, w, c, m, n, k, mode);
 }
+
+// ---------------------------------------------------------------------------------------------
+// gemv_seq_tile: C[m, n] (=, += or f32 =) A[m, k] . W[n, k]^T with the bits of cuBLASLt's
+// split-free algorithms (runtime/backends/cublas.py PinnedGemm), for a decode step's one row.
+//
+// A split-free cuBLASLt algorithm sums each output in one f32 accumulator, 16 k at a time in
+// increasing k (one tensor-core product of a 16-wide k slice into the accumulator), whatever its
+// tiles, and its beta = 1 epilogue rounds that sum to bf16 before it adds C in f32. Measured on
+// an H100 (cuBLASLt 13): an mma.m16n8k16 chain over the k slices 0-15, 16-31, ... in that order,
+// from 0.f, gives their C bit for bit at every m, n and k tried, in the three externs' modes; the
+// order of the 16 products inside a slice does not change a bit, a slice summed apart and then
+// added does (tests/test_gemv_cuda.py checks the rows against the pinned algorithms'). So a site
+// on the pinned algorithms can run its one-row launches here, where the launch overlaps its
+// neighbours (programmatic dependent launch) as cuBLASLt's do not, with the same bits.
+//
+// k is not split (the chain is the bits): a block runs one 16-row tile of W through its whole k.
+// Its warps copy the tile's rows of W and the group's rows of A through a ring of STAGES
+// shared-memory slots by cp.async, 128 k a slot (rows padded to 272 bytes so ldmatrix reads
+// without bank conflicts), STAGES - 2 slots in flight; warp 0 runs the chain, one slot's
+// fragments in registers while the next slot's load (ldmatrix, the mma's own layout). The
+// chain is the floor: about 25 cycles a slice, so a deep, narrow W (the example's down_proj)
+// takes longer here than on the pinned algorithms, whose tiles cover more rows.
+// Rows of W past n and of A past m, and k past the end, read as zeros (zero-filled copies) and
+// are not stored. Needs k % 8 == 0 and A, W, C 16-byte aligned. m > 8 MB takes more blocks a
+// tile (row groups, as gemv_tile). Grid: ceil(n / 16) * ceil(m / (8 MB)) blocks of 32 WARPS
+// threads. Dynamic shared memory: STAGES * (16 + 8 MB) * 272 bytes (gemv.SHARED).
+template <int MB, int STAGES, int WARPS, int GEMV_SEQ_KC = 128>
+__device__ __forceinline__ void gemv_seq_tile(const bf16* __restrict__ a,
+                                              const bf16* __restrict__ w, void* __restrict__ c,
+                                              int m, int n, int k, int mode) {
+  constexpr int GEMV_SEQ_ROW = 2 * GEMV_SEQ_KC + 16;
+  constexpr int ROWS = 16 + 8 * MB;  // a slot: the tile's 16 rows of W, then 8 MB of A
+  constexpr int SLOT = ROWS * GEMV_SEQ_ROW;
+  constexpr int STEPS = GEMV_SEQ_KC / 16;  // k slices a slot
+  constexpr int THREADS = 32 * WARPS;
+  constexpr int PARTS = ROWS * (GEMV_SEQ_KC / 8);  // 16-byte copies a slot
+  static_assert(STAGES >= 3, "a slot in registers, one landed, one in flight");
+  constexpr int COPIES = (PARTS + THREADS - 1) / THREADS;
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  if (dynamic_smem_bytes() < STAGES * SLOT) __trap();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+  const int groups = (m + 8 * MB - 1) / (8 * MB);
+  const int q = blockIdx.x % groups;
+  a += (size_t)q * 8 * MB * k;
+  const int col0 = q * 8 * MB;
+  m -= col0;
+  const int row0 = (blockIdx.x / groups) * 16;
+  const int slots = (k + GEMV_SEQ_KC - 1) / GEMV_SEQ_KC;
+  const uint32_t ring = smem_u32(gemv_smem);
+
+  // Every thread copies the 16-byte part tid % 16 of the slot's rows tid / 16 + (THREADS / 16) i:
+  // W rows row0 + r for r < 16, then A rows r - 16 of the group (zeros past n, m and k).
+  const int part = tid & 15;
+  const bf16* src[COPIES];
+  bool row_ok[COPIES], row_in[COPIES];
+#pragma unroll
+  for (int i = 0; i < COPIES; ++i) {
+    const int r = tid / 16 + (THREADS / 16) * i;
+    const bool w_row = r < 16;
+    const int at = w_row ? row0 + r : r - 16;
+    row_in[i] = r < ROWS;
+    row_ok[i] = at < (w_row ? n : m);
+    src[i] = (w_row ? w : a) + (size_t)(row_ok[i] ? at : 0) * k + 8 * part;
+  }
+  const uint32_t dst0 = ring + (tid / 16) * GEMV_SEQ_ROW + 16 * part;
+  auto stage = [&](int slice, int s) {
+    const int k0 = slice * GEMV_SEQ_KC;
+    const bool in_k = k0 + 8 * part < k;  // k % 8 == 0: a part is wholly in or out
+#pragma unroll
+    for (int i = 0; i < COPIES; ++i) {
+      if (!row_in[i]) continue;
+      const bool on = in_k && row_ok[i];
+      cp_async16(dst0 + s * SLOT + (THREADS / 16) * i * GEMV_SEQ_ROW, on ? src[i] + k0 : w, on);
+    }
+  };
+
+  // Fragments of slice st (ldmatrix, the mma's own layout): W's a slice (x4: rows 0-7 / 8-15,
+  // k 0-7 / 8-15: a0..a3), A's for two slices (x4: the group's rows, k 0-7, 8-15 of slice st,
+  // then st + 1: b0, b1 of each).
+  const uint32_t w_at = ring + ((lane & 7) + 8 * ((lane >> 3) & 1)) * GEMV_SEQ_ROW + 16 * (lane >> 4);
+  const uint32_t a_at = ring + (16 + (lane & 7)) * GEMV_SEQ_ROW + 16 * (lane >> 3);
+  struct Frags {
+    uint32_t w[STEPS][4], a[STEPS / 2][MB][4];
+  };
+  auto load = [&](int s, Frags& f) {  // slot s's fragments into registers
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) ldsm_x4(w_at + s * SLOT + 32 * st, f.w[st]);
+#pragma unroll
+    for (int sp = 0; sp < STEPS / 2; ++sp)
+#pragma unroll
+      for (int j = 0; j < MB; ++j) ldsm_x4(a_at + s * SLOT + 8 * j * GEMV_SEQ_ROW + 64 * sp, f.a[sp][j]);
+  };
+  float acc[MB][4] = {};  // each output's chain starts at 0.f
+  // One slot ahead in registers: while the chain runs over slot i's fragments, slot i + 1's are
+  // loaded, and slots i + 2 .. i + STAGES - 1 are in flight.
+  auto step = [&](int i, const Frags& now, Frags& next) {
+    cp_async_wait<STAGES - 3>();  // slot i + 1's copies (this thread's) have landed
+    __syncthreads();              // ... and every thread's; slot i - 1's fragments were read
+    if (i + STAGES - 1 < slots) stage(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+    cp_async_commit();
+    if (warp != 0) return;  // one warp runs the chain (the other warps only copy)
+    if (i + 1 < slots) load((i + 1) % STAGES, next);
+    if ((i + 1) * GEMV_SEQ_KC <= k) {  // a whole slot: the chain with no branch inside
+#pragma unroll
+      for (int st = 0; st < STEPS; ++st)
+#pragma unroll
+        for (int j = 0; j < MB; ++j)
+          mma_16816(acc[j], now.w[st][0], now.w[st][1], now.w[st][2], now.w[st][3],
+                    now.a[st / 2][j][2 * (st & 1)], now.a[st / 2][j][2 * (st & 1) + 1]);
+      return;
+    }
+    const int steps = (k - i * GEMV_SEQ_KC + 8) / 16;  // the last slot's slices (k % 8 == 0)
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) {
+      if (st >= steps) break;  // warp-uniform
+#pragma unroll
+      for (int j = 0; j < MB; ++j)
+        mma_16816(acc[j], now.w[st][0], now.w[st][1], now.w[st][2], now.w[st][3],
+                  now.a[st / 2][j][2 * (st & 1)], now.a[st / 2][j][2 * (st & 1) + 1]);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < slots) stage(s, s);
+    cp_async_commit();  // one group a slot, empty or not: the waits count groups
+  }
+  Frags fa, fb;
+  cp_async_wait<STAGES - 2>();  // slot 0
+  __syncthreads();
+  if (warp == 0) load(0, fa);
+  for (int i = 0; i < slots; i += 2) {
+    step(i, fa, fb);
+    if (i + 1 < slots) step(i + 1, fb, fa);
+  }
+  cp_async_wait<0>();  // only empty groups are left
+  if (warp != 0) return;
+
+#pragma unroll
+  for (int j = 0; j < MB; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = row0 + g + (r >= 2 ? 8 : 0);
+      const int col = 8 * j + 2 * t + (r & 1);
+      if (row >= n || col >= m) continue;
+      const size_t at = (size_t)(col0 + col) * n + row;
+      if (mode == GEMV_F32) {
+        reinterpret_cast<float*>(c)[at] = acc[j][r];
+      } else {
+        // cuBLASLt's epilogue: the sum rounded to bf16, then + C in f32 (beta = 1), rounded
+        float sum = __bfloat162float(__float2bfloat16(acc[j][r]));
+        bf16* out = reinterpret_cast<bf16*>(c);
+        if (mode == GEMV_BF16_ACC) sum += __bfloat162float(out[at]);
+        out[at] = __float2bfloat16(sum);
+      }
+    }
+}
+
+// gemv_bf16_tn_seq: one W tile a block, 4 warps (one runs the chain), 8 slots.
+extern "C" __global__ void __launch_bounds__(128)
+    gemv_bf16_tn_seq(const bf16* __restrict__ a, const bf16* __restrict__ w, void* __restrict__ c,
+                     int m, int n, int k, int mode) {
+  pdl_begin();
+  gemv_seq_tile<1, 8, 4>(a, w, c, m, n, k, mode);
+}

@@ -407,7 +407,7 @@ KERNELS: dict[str, Callable[..., None]] = {
 GEMV_ENTRIES = ("gemv_bf16_tn_mb1", "gemv_bf16_tn_mb2_t2", "gemv_bf16_tn_mb4_w16_t2",
                 "gemv_bf16_tn_mb4_t2", "gemv_bf16_tn_mb4_t3", "gemv_bf16_tn_mb1_w16",
                 "gemv_bf16_tn_mb2_w16_t2", "gemv_bf16_tn_mb3_w16_t2", "gemv_bf16_tn_mb8_t4_smem",
-                "gemv_bf16_tn_mb4_t4_smem")  # gemv.cu: one function
+                "gemv_bf16_tn_mb4_t4_smem", "gemv_bf16_tn_seq")  # gemv.cu: one function
 KERNELS.update({name: _int_scalars(gemv_bf16_tn) for name in GEMV_ENTRIES})
 
 

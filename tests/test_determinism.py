@@ -86,6 +86,9 @@ def test_the_shared_memory_entries_say_how_much_they_need():
     rows of 64 bytes, more than a launch gets unasked and within an sm_90 block's 227 KB."""
     for entry, nbytes in gemv.SHARED.items():
         threads, mb, t = gemv.ENTRIES[entry]
+        if entry == gemv.SEQ_ENTRY:  # gemv_seq_tile<1, 8 slots, 4 warps>: 24 rows of 272 bytes
+            assert (threads, mb, t, nbytes) == (128, 1, 1, 8 * 24 * 272)
+            continue
         assert threads == gemv.ENTRIES[gemv.NARROW_ENTRY][0] == 256
         assert nbytes == (threads // 32) * 3 * (8 * mb + 16 * t) * 64
         assert 48 * 1024 < nbytes <= 227 * 1024
@@ -188,3 +191,47 @@ def test_the_decode_steps_are_step_programs_at_any_batch_bound(tmp_path):
     man = manifest.load(tmp_path / "model.json")
     assert step_programs(man) == {"decode", "decode_batch"}
     assert program_bounds(man)["decode_batch"]["seqs"] == 72  # past gemv.DECODE_MAX_M
+
+
+def test_a_pinned_sites_one_row_launches_take_the_entry_with_its_bits():
+    """A site on the pinned cuBLASLt algorithms (wide: gemv.takes_lt) gives its launches of at
+    most gemv.SEQ_MAX_M rows to gemv.SEQ_ENTRY (the same bits, tests/test_gemv_cuda.py), with
+    programmatic dependent launch, and the rest to cuBLASLt, which the launch after may not
+    overlap; a narrow decode site keeps the GEMV family at every m (no driver: the launches
+    are recorded)."""
+    from kerncc.runtime.backends.cuda import CudaBackend
+    from kerncc.runtime.launch import Site, VarScalar
+
+    seen: list = []
+
+    class FakeSite:
+        def __call__(self, a, w, c, m, n, k, stream, overlap=False):
+            seen.append(("family", m, overlap))
+
+        def launch(self, entry, a, w, c, m, n, k, stream, overlap=False):
+            seen.append((entry, m, overlap))
+
+    backend = CudaBackend.__new__(CudaBackend)  # the policy alone: no device
+    backend.gemm_paths, backend.pdl, backend.capturing = {}, True, True
+    backend.after_kernel, backend.overlapped, backend.launches = True, 0, 0
+    backend._launch_stream = 0
+    backend.check_extern = lambda name: None
+    backend._gemv_site = lambda name, invariant=False: FakeSite()
+    backend._pinned_gemm = lambda name, n, k, max_m, align: (
+        lambda a, w, c, m, stream: seen.append(("pinned", m, False)))
+
+    def site(n: int, k: int) -> Site:
+        return Site(number=n, program="decode_batch", call=0, label=None, op="gemm", launch=0,
+                    kind="extern", entry="extern:cublaslt_bf16_tn", module=None,
+                    block=(1, 1, 1), grid=(1, 1, 1), shared_mem=0, when=None,
+                    args=(1 << 20, 2 << 20, 3 << 20, VarScalar("i32", "seqs"), n, k))
+
+    wide = backend._invariant_extern(site(gemv.LT_MIN_N, 2048), {"seqs": 128}, True)
+    narrow = backend._invariant_extern(site(2048, 2048), {"seqs": 128}, True)
+    assert backend.gemm_paths == {gemv.LT_MIN_N: "pinned", 2048: "gemv"}
+    for m in (1, 2, 1, 64):
+        wide((1, 1, 1), 0, (m,))
+    narrow((1, 1, 1), 0, (1,))
+    assert seen == [(gemv.SEQ_ENTRY, 1, True), ("pinned", 2, False), (gemv.SEQ_ENTRY, 1, False),
+                    ("pinned", 64, False), ("family", 1, False)]
+    assert gemv.SEQ_MAX_M == 1 and gemv.SEQ_ENTRY in gemv.ENTRIES and gemv.SEQ_ENTRY in gemv.SHARED

@@ -243,7 +243,7 @@ SMEM_SHAPES = [(200, 1000), (4104, 2056), (24, 8), (1000, 2048)]
 def smem_entries() -> list[str]:
     from kerncc.runtime.backends import gemv
 
-    return sorted(gemv.SHARED)
+    return sorted(set(gemv.SHARED) - {gemv.SEQ_ENTRY})
 
 
 @pytest.mark.parametrize("entry", smem_entries())
@@ -282,5 +282,42 @@ def test_shared_memory_entries_give_each_row_its_alone_bits(backend, entry, name
                 f"m={m}: rows differ from the same rows alone"
             want = reference(name, case.a_host[:m], case.w_host, case.c0[:used], m, n, k)
             close(name, got[:used], want, m, n)
+    finally:
+        case.free()
+
+
+# (n, k): the model's shapes, and n and k off the 16-row tile, the 128-wide slot and the 16-wide
+# slice (the chain's last slice half zeros), and one slice in all
+SEQ_SHAPES = [(12288, 2048), (4096, 2048), (2048, 6144), (2056, 1000), (24, 16)]
+
+
+@pytest.mark.parametrize("name", EXTERN_NAMES)
+@pytest.mark.parametrize("shape", SEQ_SHAPES, ids=lambda s: "n{}k{}".format(*s))
+def test_the_chain_entry_gives_the_pinned_algorithms_bits(backend, name, shape):
+    """gemv_bf16_tn_seq (one tensor-core chain over k a row, the pinned algorithms' beta = 1
+    epilogue) writes the C of the pinned split-free cuBLASLt algorithms bit for bit, at one row
+    (the launches the policy gives it) and at more (row groups), and only its rows; and it
+    matches the reference."""
+    from kerncc.runtime.backends import gemv
+    from kerncc.runtime.backends.cuda import _alignment
+
+    n, k = shape
+    rows = 13
+    case = Case(backend, name, rows, n, k, seed=zlib.crc32(f"seq {name} {shape}".encode()))
+    site = backend._gemv_site(name, invariant=True)
+    try:
+        pinned = backend._pinned_gemm(name, n, k, 64, _alignment(*case.pointers()))
+        assert site is not None and pinned is not None
+        width = case.c_bytes // (rows * n)
+        for m in (1, 2, 8, 13):
+            case.m = m
+            want = case.run(lambda a, w, c, m, n, k: pinned(a, w, c, m, int(backend.stream_handle)))
+            got = case.run(lambda a, w, c, m, n, k: site.launch(gemv.SEQ_ENTRY, a, w, c, m, n, k,
+                                                                backend.stream_handle))
+            used = m * n * width
+            assert (got[used:] == case.c0[used:]).all(), f"m={m}: wrote past its rows"
+            assert got[:used].tobytes() == want[:used].tobytes(), f"m={m}: not cuBLASLt's bits"
+            close(name, got[:used], reference(name, case.a_host[:m], case.w_host,
+                                              case.c0[:used], m, n, k), m, n, cublas=True)
     finally:
         case.free()

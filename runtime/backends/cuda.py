@@ -655,7 +655,9 @@ class CudaBackend(Backend):
         bits alone as among 128) and other sites of at most gemv.DECODE_MAX_M rows (the
         prefill's lm_head) take kerncc's GEMV kernels unless `gemv.takes_lt` (wide or deep
         shapes); others pinned split-free cuBLASLt algorithms (runtime/backends/cublas.py
-        PinnedGemm), or the GEMV kernels where cuBLASLt offers none. A shape neither takes
+        PinnedGemm), their launches of at most gemv.SEQ_MAX_M rows the GEMV entry with the
+        same bits (gemv.SEQ_ENTRY, which overlaps its neighbours as cuBLASLt does not), or
+        the GEMV kernels where cuBLASLt offers none. A shape neither takes
         (k % 8, misaligned) stays on cuBLAS, batch-shaped."""
         name = site.extern_name
         self.check_extern(name)
@@ -675,12 +677,15 @@ class CudaBackend(Backend):
 
         def launch(grid: tuple[int, int, int], shared: int, scalars: Sequence[int]) -> None:
             m = int(scalars[0] if isinstance(m_at, VarScalar) else m_at)
-            if m > 0 and pinned is not None:
+            if m > gemv.SEQ_MAX_M and pinned is not None:
                 pinned(a, w, c, m, int(self._launch_stream))
                 self.after_kernel = False  # cuBLASLt may issue more than one operation
-            elif m > 0:
+            elif m > 0:  # the GEMV kernels; on a pinned site the entry with its bits
                 overlap = self.pdl and self.capturing and self.after_kernel
-                small(a, w, c, m, n, k, self._launch_stream, overlap)
+                if pinned is None:
+                    small(a, w, c, m, n, k, self._launch_stream, overlap)
+                else:
+                    small.launch(gemv.SEQ_ENTRY, a, w, c, m, n, k, self._launch_stream, overlap)
                 self.overlapped += overlap
                 self.after_kernel = True
             self.launches += 1

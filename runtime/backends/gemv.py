@@ -65,11 +65,23 @@ ENTRIES = {"gemv_bf16_tn_mb1": (256, 1, 1), "gemv_bf16_tn_mb2_t2": (256, 2, 2),
            "gemv_bf16_tn_mb4_t2": (256, 4, 2), "gemv_bf16_tn_mb4_t3": (256, 4, 3),
            "gemv_bf16_tn_mb1_w16": (512, 1, 1), "gemv_bf16_tn_mb2_w16_t2": (512, 2, 2),
            "gemv_bf16_tn_mb3_w16_t2": (512, 3, 2), "gemv_bf16_tn_mb4_w16_t2": (512, 4, 2),
-           "gemv_bf16_tn_mb8_t4_smem": (256, 8, 4), "gemv_bf16_tn_mb4_t4_smem": (256, 4, 4)}
+           "gemv_bf16_tn_mb8_t4_smem": (256, 8, 4), "gemv_bf16_tn_mb4_t4_smem": (256, 4, 4),
+           "gemv_bf16_tn_seq": (128, 1, 1)}
+# The pinned cuBLASLt algorithms' bits (kernels/gemv.cu gemv_seq_tile: one chain of tensor-core
+# products over k a row, as theirs): a site on the pinned algorithms runs its launches of at
+# most SEQ_MAX_M rows here, where a launch overlaps its neighbours (programmatic dependent
+# launch) and a cuBLASLt one does not. At one row the entry streams W about as fast as the
+# pinned algorithms (the small gate_up 20.5 us against 20.9, lm_head 47.2 / 47.2; 8B lm_head
+# 403 / 412); from 8 rows it reads A once a 16-row W tile and loses (`python -m bench.gemv`,
+# an H100).
+SEQ_ENTRY = "gemv_bf16_tn_seq"
+SEQ_MAX_M = 1
+SEQ_SLOT_BYTES = (16 + 8) * 272  # the tile's 16 rows of W and 8 of A, 128 k padded to 272 B
 # Dynamic shared memory of the entries that stage A and W through it (kernels/gemv.cu
 # gemv_smem_tile: warps * 3 slots * (8 MB + 16 T) rows * 64 bytes; a launch with less traps).
 SHARED = {"gemv_bf16_tn_mb8_t4_smem": 8 * 3 * (64 + 64) * 64,
-          "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64}
+          "gemv_bf16_tn_mb4_t4_smem": 8 * 3 * (32 + 64) * 64,
+          SEQ_ENTRY: 8 * SEQ_SLOT_BYTES}  # gemv_seq_tile: 8 slots
 # From here (the 8B gate_up, every lm_head) the shared-memory entries win past 16 rows; below
 # (qkv, o, down, the small gate_up), past 32 (`python -m bench.gemv --every`, an H100).
 SMEM_N = 16384
