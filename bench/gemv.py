@@ -7,11 +7,12 @@ For the `small` example's and an 8B model's (Qwen3-8B) weight shapes, at m = 1, 
 gives a decode site (runtime/backends/gemv.py: the GEMV entry `invariant_entry` picks, or where
 `takes_lt` says so the pinned split-free cuBLASLt algorithms), and on a row of their own the
 pinned algorithms whatever the width, against torch.matmul (cuBLAS, free to pick its kernel by
-m), each timed as 24 launches over four copies of W (more than L2 holds) in one CUDA graph,
-best of five replays; and whether the entry's rows equal the same rows launched one at a time,
-bit for bit (what makes a sequence's logits independent of its batch). `--every` also times every entry of the warp count the
-policy fixes for the shape (what `invariant_entry` is chosen from: the `_smem` entries, which
-stage A through shared memory, among the 8-warp ones). Needs torch with CUDA.
+m), each timed as 24 launches over four copies of W (more than L2 holds) in one CUDA graph, best
+of five replays; and whether the entry's rows equal the same rows launched one at a time, bit
+for bit (what makes a sequence's logits independent of its batch). `--every` also times every
+entry of the warp count the policy fixes for the shape (what `invariant_entry` is chosen from:
+the `_smem` entries, which stage A through shared memory, among the 8-warp ones). Needs torch
+with CUDA.
 """
 
 from __future__ import annotations
