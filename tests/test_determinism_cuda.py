@@ -190,6 +190,51 @@ def test_a_sites_path_is_fixed_by_the_site(backend):
         ops.free()
 
 
+def test_a_kernel_captured_after_a_pinned_gemm_overlaps_it_and_reads_its_rows(backend):
+    """In a captured graph a kernel of ours right after a pinned cuBLASLt GEMM overlaps it
+    (programmatic stream serialization: it waits in-kernel for the GEMM's grid), and still reads
+    the rows the GEMM wrote: the graph's result is the one launched one by one, bit for bit."""
+    from kerncc.runtime.backends.cuda import _alignment
+
+    name, (n, k), rows, n2 = "cublaslt_bf16_tn", PREFILL_SHAPES[0], 64, 1024
+    first = Operands(backend, name, rows, n, k, seed=11)
+    second = Operands(backend, name, rows, n2, n, seed=12)  # its A: the first's C
+    try:
+        pinned = backend._pinned_gemm(name, n, k, rows,
+                                      _alignment(first.a.ptr, first.w.ptr, first.c.ptr))
+        assert pinned is not None, "cuBLASLt offered no split-free algorithm"
+        gemv = backend._gemv_site(name, invariant=True)
+        behind = []
+
+        def issue():
+            stream = backend._launch_stream
+            pinned(first.a.ptr, first.w.ptr, first.c.ptr, rows, int(stream))
+            behind.append(backend._one_kernel_behind())
+            gemv(first.c.ptr, second.w.ptr, second.c.ptr, rows, n2, n, stream,
+                 backend.capturing and behind[-1])
+
+        for c, c0 in ((first.c, first.c0), (second.c, second.c0)):
+            backend.upload(c, 0, c0)
+        issue()  # one by one: nothing to overlap
+        backend.sync()
+        want = backend.download(second.c, 0, second.c0.nbytes)
+        assert behind == [False]
+        backend.upload(first.c, 0, first.c0)  # NaN: a read before the GEMM's write shows
+        backend.upload(second.c, 0, second.c0)
+        graph = backend.capture(issue)
+        assert behind == [False, True], "the GEMM left no single kernel node to overlap"
+        for _ in range(3):
+            backend.upload(first.c, 0, first.c0)
+            backend.replay(graph)
+            backend.sync()
+            got = backend.download(second.c, 0, second.c0.nbytes)
+            assert got.tobytes() == want.tobytes()
+        assert np.isfinite(want.view(BF16).astype(np.float32)).all()
+    finally:
+        first.free()
+        second.free()
+
+
 @pytest.mark.parametrize("shape", ["n", "k"])
 @pytest.mark.parametrize("name", EXTERN_NAMES)
 def test_a_wide_decode_site_gives_the_prefill_sites_bits(backend, name, shape):

@@ -14,8 +14,9 @@ What lives where (docs/runtime.md, "The cuda backend", has the measurements behi
   (the same function and arguments, its own block and grid) where the site allows it
   (`kerncc.runtime.backends.fp8_gemv`, one switch).
 
-Programmatic dependent launch (PDL) in captured graphs, after a kernel of this backend only, and
-what it measured: docs/runtime.md ("Overlapping launches"). `KERNCC_PDL=0` turns it off.
+Programmatic dependent launch (PDL) in captured graphs, after a kernel of this backend or a
+cuBLAS(Lt) call that left one kernel node, and what it measured: docs/runtime.md ("Overlapping
+launches"). `KERNCC_PDL=0` turns it off.
 
 Every driver call is checked (cuda.bindings returns its CUresult; it does not raise) and a
 failure is a `BackendError` naming the call; the Session adds program, call, op and launch.
@@ -619,7 +620,7 @@ class CudaBackend(Backend):
                 self.after_kernel = True
             else:
                 blas.gemm(name, a, w, c, m, n, k)  # type: ignore[union-attr]
-                self.after_kernel = False  # cuBLAS may issue more than one operation
+                self.after_kernel = self._one_kernel_behind()
             self.launches += 1
 
         return launch
@@ -677,7 +678,7 @@ class CudaBackend(Backend):
             m = int(scalars[0] if isinstance(m_at, VarScalar) else m_at)
             if m > 0 and pinned is not None:
                 pinned(a, w, c, m, int(self._launch_stream))
-                self.after_kernel = False  # cuBLASLt may issue more than one operation
+                self.after_kernel = self._one_kernel_behind()
             elif m > 0:
                 overlap = self.pdl and self.capturing and self.after_kernel
                 small(a, w, c, m, n, k, self._launch_stream, overlap)
@@ -686,6 +687,25 @@ class CudaBackend(Backend):
             self.launches += 1
 
         return launch
+
+    def _one_kernel_behind(self) -> bool:
+        """After a library call (cuBLAS, cuBLASLt) while capturing: whether what it left at the
+        capture's tail is exactly one kernel node, which the next kernel of ours may then overlap
+        (it waits for that kernel's grid to finish before it reads anything, module docstring).
+        A library may issue more than one operation, or none, or a copy: then the next launch is
+        a plain one, as outside a capture."""
+        if not (self.pdl and self.capturing):
+            return False
+        info = cu.cuStreamGetCaptureInfo(self._launch_stream)
+        if info[0] != cu.CUresult.CUDA_SUCCESS or \
+                info[1] != cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            return False
+        tail = info[4]  # the nodes the next captured operation depends on
+        if len(tail) != 1:
+            return False
+        err, kind = cu.cuGraphNodeGetType(tail[0])
+        return err == cu.CUresult.CUDA_SUCCESS and \
+            kind == cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
 
     def _pinned_gemm(self, name: str, n: int, k: int, max_m: int, align: int) -> Any:
         """The pinned cuBLASLt GEMM of (name, n, k, max_m), or None where cuBLASLt has none."""
