@@ -254,15 +254,19 @@ def _sampling(number: int, fraction: float) -> dict[str, Any] | None:
 
 def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
                  prefix_cache: bool = True, split: bool = False,
-                 step_tokens: int | None = None, fronts: int = 1) -> tuple[str, Any]:
+                 step_tokens: int | None = None, fronts: int = 1,
+                 chunk: int | None = None) -> tuple[str, Any]:
     """The server on a free port of loopback; its URL and what `stop_server` stops. `split`:
     `fronts` front ends in processes of their own over a kerncc.serve.core Core in this one,
     as `kerncc serve --api-workers N` runs them; else everything here (--api-workers 0).
-    `step_tokens`: the engine's step budget (Config.step_tokens; None: its default)."""
+    `step_tokens`: the engine's step budget (Config.step_tokens; None: its default); `chunk`:
+    its prefill rows a step (Config.chunk; None: its default)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     budget = {} if step_tokens is None else {"step_tokens": step_tokens}
+    if chunk is not None:
+        budget["chunk"] = chunk
     config = Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
                     prefix_cache=prefix_cache, **budget)
     if split:
@@ -365,7 +369,7 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
     steps = decode_steps(args, chain, seats)  # before the engine: it owns the chain after
     url, running = start_server(chain, seats, model, ahead=ahead, prefix_cache=prefix_cache,
                                 split=split, step_tokens=args.step_tokens,
-                                fronts=args.api_workers)
+                                fronts=args.api_workers, chunk=args.chunk)
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
                len(bundle.stages), getattr(backend, "wake_us", None), context, steps))
     while (asked := conn.recv()) != "stop":
@@ -514,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-tokens", type=int, default=None, help="the engine's step budget "
                    "(Config.step_tokens: decode and prefill rows a step; default: the "
                    "engine's)")
+    p.add_argument("--chunk", type=int, default=None, help="the engine's prefill rows a step "
+                   "(Config.chunk; default: the engine's)")
     p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
                    "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
                    "greedy)")
@@ -532,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--row-us is the simulated device's (--backend sim), not {args.backend}'s")
     if args.step_tokens is not None and args.step_tokens < 1:
         p.error(f"--step-tokens {args.step_tokens}: at least 1 row a step")
+    if args.chunk is not None and args.chunk < 1:
+        p.error(f"--chunk {args.chunk}: at least 1 prefill row a step")
     if args.max_running is not None and args.max_running < 1:
         p.error(f"--max-running {args.max_running}: at least 1 sequence at once")
     if args.trace:  # refused before any server starts, not as a traceback mid-run
