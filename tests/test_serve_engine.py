@@ -517,8 +517,8 @@ def test_the_server_runs_as_many_sequences_as_the_decode_step_takes_unless_told(
 
 
 def test_the_command_line_step_budget_reaches_the_scheduler(whole):
-    """`kerncc serve --step-tokens N` bounds the rows a step feeds: with 3 decodes running a
-    budget of 20 leaves 17 rows of prefill, never fewer than a page."""
+    """`kerncc serve --step-tokens N` bounds the rows a step feeds: with 4 sequences at most
+    running a budget of 20 leaves 16 rows of prefill, a budget below that a page's worth."""
     import argparse
 
     from kerncc.cli.serve import make_engine
@@ -526,9 +526,11 @@ def test_the_command_line_step_budget_reaches_the_scheduler(whole):
     engine = make_engine(argparse.Namespace(max_seqs=4, max_queue=8, chunk=None,
                                             prefix_cache=True, step_tokens=20), whole)
     limits = engine.limits
-    assert limits.step_tokens == 20 and limits.prefill_rows(3) == 17
-    assert limits.prefill_rows(19) == limits.prefill_floor == min(limits.chunk.rows,
-                                                                 limits.stride)
+    assert limits.step_tokens == 20 and limits.max_running == 4
+    assert limits.prefill_rows == min(limits.chunk.rows, 16)
+    tight = make_engine(argparse.Namespace(max_seqs=4, max_queue=8, chunk=None,
+                                           prefix_cache=True, step_tokens=5), whole).limits
+    assert tight.prefill_rows == tight.prefill_floor == min(tight.chunk.rows, tight.stride)
 
 
 def test_a_page_table_follows_pages_that_grow_in_place_and_is_never_written_in_place(whole):

@@ -267,16 +267,14 @@ def same_bits(one, other) -> None:
                               np.stack(b.logits).view(np.uint32))
 
 
-@pytest.mark.parametrize("chunk, step_tokens, early", [(8, None, True), (8, 1000, True),
-                                                       (32, 32, False)])
+@pytest.mark.parametrize("chunk, step_tokens", [(8, None), (8, 1000), (32, 32)])
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_prefill_chunks_go_ahead_with_the_bits_of_steps_one_at_a_time(
-        whole, long_prompts, chunk, step_tokens, early, prefix_cache):
+        whole, long_prompts, chunk, step_tokens, prefix_cache):
     """The next step's prefill chunks are issued while the step before runs (`_chunk_ahead`):
     greedy and sampled rows, stop tokens, prefix caching; the tokens and logits of the steps
-    one at a time, bit for bit. A step budget that leaves a chunk fewer rows beside more
-    decodes keeps them a step at a time (32 rows and a budget of 32: planned early beside no
-    decode, a chunk would take more rows than beside the six that follow)."""
+    one at a time, bit for bit, with a step budget too (its prefill rows do not depend on the
+    decodes beside them: 32 rows and a budget of 32 leave a page's worth)."""
     params = mixed(len(long_prompts))
     config = dict(chunk=chunk, step_tokens=step_tokens, prefix_cache=prefix_cache)
     one, _ = served(whole, long_prompts, params, ahead=False, draw_on_device=False, **config)
@@ -285,8 +283,39 @@ def test_prefill_chunks_go_ahead_with_the_bits_of_steps_one_at_a_time(
                     draw_on_device=False, **config)
     ahead, engine = served(whole, long_prompts, params, stops=stops, **config)
     same_bits(one, ahead)
-    assert (engine.early_steps > 0) == early, engine.early_steps
+    assert engine.early_steps > 0
     assert any(r.finish == "stop" for r in ahead)
+
+
+@pytest.mark.parametrize("chunk, step_tokens", [(8, None), (64, 70)])
+def test_chunks_planned_early_are_their_steps_prefill_not_more(
+        whole, long_prompts, monkeypatch, chunk, step_tokens):
+    """A step's prefill rows hold its chunks planned while the step before ran
+    (`_chunk_ahead`): between two decode calls the device is handed at most a step's prefill
+    rows (`Limits.prefill_rows`), early or not. (The step's own plan once took a full step's
+    more beside them: twice the prefill between two decode steps.)"""
+    issued: list[tuple[str, int]] = []
+    submit = Engine._submit
+
+    def recorded(self, item, *args, **kwargs):
+        issued.append((item.kind, sum(n for _, _, n in item.parts)))
+        return submit(self, item, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_submit", recorded)
+    params = mixed(len(long_prompts))
+    requests, engine = served(whole, long_prompts + long_prompts[:2], params + params[:2],
+                              chunk=chunk, step_tokens=step_tokens)
+    assert engine.early_steps > 0
+    rows, between = engine.limits.prefill_rows, []
+    first = next(i for i, (kind, _) in enumerate(issued) if kind == "decode")
+    fed = 0
+    for kind, n in issued[first + 1:]:  # before the first decode no stream waits
+        if kind == "decode":
+            between.append(fed)
+            fed = 0
+        else:
+            fed += n
+    assert 0 < max(between) <= rows, (rows, between)
 
 
 def test_a_request_cancelled_while_its_early_chunk_runs_leaves_the_others_bits(

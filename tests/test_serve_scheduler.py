@@ -59,12 +59,14 @@ def check_item(item: sch.Item, limits: sch.Limits, state: sch.State) -> None:
 
 
 def check_budget(plan: sch.Plan, limits: sch.Limits) -> None:
-    """A step's prefill rows keep to what its decode rows leave of the step budget (at least
-    the prefill floor), and to the chunk bound."""
+    """A step's prefill rows keep to what a decode row for every sequence that may run leaves
+    of the step budget (at least the prefill floor), so to what its own decode rows leave,
+    and to the chunk bound."""
     chunk = sum(n for item in plan.items if item.kind == "chunk" for _, _, n in item.parts)
     decodes = sum(len(item.parts) for item in plan.items if item.kind == "decode")
-    assert chunk <= limits.chunk.rows
+    assert chunk <= limits.chunk.rows and decodes <= limits.max_running
     if limits.step_tokens is not None:
+        assert chunk <= max(limits.prefill_floor, limits.step_tokens - limits.max_running)
         assert chunk <= max(limits.prefill_floor, limits.step_tokens - decodes)
 
 

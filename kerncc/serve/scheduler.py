@@ -16,11 +16,14 @@ The order of the feeding depends on the chunk program (`Limits.chunk_emits`):
 So a step holds
 * chunk items: the running sequences with prefill rows to go, packed by `pack()` (spec §6.2)
   when the chunk program takes several sequences (a `cu_seqlens` fill), else one sequence per
-  call; either way at most `chunk.rows` rows per step, and with a step budget
-  (`Limits.step_tokens`) at most what the step's decode rows leave of it, but never fewer
-  than `prefill_floor` rows (`prefill_rows`), so that neither starves: the running streams
-  decode every step while a newcomer's prompt is fed, and the prompt advances however many
-  streams run; an item lists in `emits` the sequences whose token it hands back;
+  call; either way at most `prefill_rows` rows per step: `chunk.rows`, and with a step budget
+  (`Limits.step_tokens`) what the budget leaves once every sequence that may run has its
+  decode row (never fewer than `prefill_floor`, a page's worth, so that neither starves: the
+  running streams decode every step while a newcomer's prompt is fed, and the prompt
+  advances however many streams run). The same rows every step, whatever decodes beside
+  them, so that chunks repeat their shapes (their graphs replay) and a driver may plan them
+  while the step before runs; an item lists in `emits` the sequences whose token it hands
+  back;
 * decode items, after them: every running sequence with only its last token to feed and no
   call in flight that will hand it a token (a chunk in flight that does not is fine: calls run
   in issue order), oldest first, `decode_groups` per call (the protocol's multi-sequence
@@ -55,7 +58,7 @@ and the driver sets `free` and `shared` from the pool after each change (`synced
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Literal, NamedTuple
 
 import attrs
@@ -155,22 +158,27 @@ class Limits:
     max_running: int
     chunk_emits: bool = False  # the chunk program hands back each sequence's next token
     # Most rows one step feeds, decode and prefill together (None: `chunk.rows` of prefill
-    # beside every decode row); decode rows all go first, prefill gets the rest, at least
-    # `prefill_floor` (see `prefill_rows`)
+    # beside every decode row): see `prefill_rows`
     step_tokens: int | None = None
 
     @property
     def prefill_floor(self) -> int:
-        """Prefill rows a step feeds whatever its decodes take (a page's worth, at most a
-        chunk): a newcomer's prompt advances every step."""
+        """Prefill rows a step feeds whatever its budget (a page's worth, at most a chunk): a
+        newcomer's prompt advances every step."""
         return min(self.chunk.rows, self.stride)
 
-    def prefill_rows(self, decodes: int) -> int:
-        """Prefill rows a step may feed beside `decodes` decode rows: what the step budget
-        leaves, between `prefill_floor` and `chunk.rows`."""
+    @property
+    def prefill_rows(self) -> int:
+        """Prefill rows a step may feed: `chunk.rows`; under a step budget what it leaves once
+        each of `max_running` sequences has its decode row (a step's decode rows are one a
+        running sequence at most, a chunk that ends a prompt counted), at least
+        `prefill_floor`. One number, not what each step's decodes leave: chunks cut by the
+        decodes beside them took a shape of their own nearly every step, each issued launch
+        by launch or captured between two steps, and the streams' ITL p99 rose to 4.0-4.3x
+        the step at 32 and 128 streams (the engine alone on an H100, docs/serving.md)."""
         if self.step_tokens is None:
             return self.chunk.rows
-        return min(self.chunk.rows, max(self.prefill_floor, self.step_tokens - decodes))
+        return min(self.chunk.rows, max(self.prefill_floor, self.step_tokens - self.max_running))
 
 
 @attrs.frozen
@@ -256,13 +264,15 @@ class _Draft:
         return False
 
 
-def schedule(state: State, limits: Limits) -> Plan:
-    """One step's plan (see the module docstring for the rules)."""
+def schedule(state: State, limits: Limits, fed: int = 0) -> Plan:
+    """One step's plan (see the module docstring for the rules); `fed`: prefill rows of this
+    step issued already (`chunks`, planned while the step before ran), which its chunks
+    leave out of its prefill rows."""
     draft = _Draft(state, limits.stride)
     _admit(draft, limits)
     # Chunks first: without chunk tokens, a sequence whose prefill ends in this step's chunk
     # decodes in this step.
-    items = _chunk_items(draft, limits) + _decode_items(draft, limits)
+    items = _chunk_items(draft, limits, fed) + _decode_items(draft, limits)
     return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
                 tuple(items), tuple(draft.reused))
 
@@ -334,56 +344,26 @@ def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
             for parts in calls]
 
 
-def _chunk_items(draft: _Draft, limits: Limits) -> list[Item]:
-    """The step's chunk calls: their rows are what the decode rows leave of the budget. A part
-    that ends its sequence's chunks brings a row of the sequence into this step's decode
-    (`_decode_items`) when tokens are left past them: without chunk tokens its last known one,
-    and a recomputed sequence's generated ones. Under a step budget such a part costs a row
-    more (never below the prefill floor)."""
+def _chunk_items(draft: _Draft, limits: Limits, fed: int = 0) -> list[Item]:
+    """The step's chunk calls: at most `limits.prefill_rows` rows in all, `fed` of them issued
+    already. A part that ends its sequence's chunks brings a row of the sequence into this
+    step's decode (`_decode_items`) when tokens are left past them: without chunk tokens its
+    last known one, and a recomputed sequence's generated ones."""
     emits = limits.chunk_emits
-    decodes = sum(1 for s in draft.seqs.values() if s.decodable(emits) or s.replayable(emits))
-    budget = limits.prefill_rows(decodes)
-    charged = limits.step_tokens is not None
-
-    def room(ends: int) -> int:
-        """Prefill rows the step may feed when `ends` of its parts bring a decode row."""
-        return max(limits.prefill_floor, budget - ends) if charged else budget
-
+    budget = limits.prefill_rows
     items: list[Item] = []
-    fed = ends = 0
-    while room(ends) > fed:
+    while budget > fed:
         candidates = [draft.seqs[i] for i in draft.order if draft.seqs[i].prefill_left(emits)]
         lefts = [s.prefill_left(emits) for s in candidates]
-        bounds = attrs.evolve(limits.chunk, rows=room(ends) - fed)
+        bounds = attrs.evolve(limits.chunk, rows=budget - fed)
         plan = pack([Waiting(s.cached, left) for s, left in zip(candidates, lefts)], bounds)
-        if charged:  # the rows after which a candidate decodes too (0: it does not)
-            ending = [left if s.tokens > s.chunk_end(emits) else 0
-                      for s, left in zip(candidates, lefts)]
-            plan = _within(plan, ending, lambda more: room(ends + more) - fed)
         parts = _granted(draft, [(candidates[i], n) for i, n in plan], emits)
         if not parts:
             break
         tokens = tuple(i for i, start, n in parts if emits and start + n == draft.seqs[i].tokens)
         items.append(Item("chunk", tuple(parts), tokens))
         fed += sum(n for _, _, n in parts)
-        ends += sum(1 for i, _, _ in parts
-                    if draft.seqs[i].decodable(emits) or draft.seqs[i].replayable(emits))
     return items
-
-
-def _within(plan: list[tuple[int, int]], ending: list[int], room: Callable[[int], int]
-            ) -> list[tuple[int, int]]:
-    """`plan` cut from its end until its rows fit `room(ends)`, `ends` its parts of `ending[i]`
-    rows (those that bring a decode row into the step)."""
-    plan = list(plan)
-    while plan:
-        over = sum(n for _, n in plan) - room(sum(1 for i, n in plan if n == ending[i]))
-        if over <= 0:
-            break
-        i, n = plan.pop()
-        if n > over:
-            plan.append((i, n - over))
-    return plan
 
 
 def _granted(draft: _Draft, planned: Iterable[tuple[Seq, int]], chunk_emits: bool
