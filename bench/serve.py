@@ -42,6 +42,10 @@ before and the prefill rows of the engine's steps meanwhile. Off by default: not
 stamped, the server's code is unchanged (the stamps wrap its functions in the bench's
 processes only).
 
+A level's streams are read by `--clients` processes (default one per 16 streams, all starting
+at one instant), as independent clients would read them: one Python process reading 128
+streams fell behind them, and its late reads showed as the server's ITL tail.
+
 The server speaks HTTP through the protocol `kerncc serve` uses (kerncc.serve.guard's h11 with
 its guards), not whichever parser uvicorn would pick where httptools is installed.
 
@@ -85,6 +89,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
 import multiprocessing
@@ -173,13 +178,32 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
     """One level's measures; `ramp` seconds: the first `concurrency` requests start evenly
     over it (request i at i x ramp / concurrency), the rest as places free (see --ramp-ms);
     `newcomers`: their prompts arrive beside the streams, their TTFTs measured apart (`new_`
-    keys: count, p50, p99), not in the streams' TTFT."""
+    keys: count, p50, p99), not in the streams' TTFT. Every stream is read here, in this
+    process (`spread_level`: several)."""
+    results, came, wall = await _streams(url, model, concurrency, list(enumerate(prompts)),
+                                         max_tokens, budget, sampled, ramp, newcomers)
+    return _row(results, came, wall, newcomers is not None)
+
+
+async def _streams(url: str, model: str, concurrency: int,
+                   numbered: list[tuple[int, list[int]]], max_tokens: int, budget: float,
+                   sampled: float = 0.0, ramp: float = 0.0, newcomers: Newcomers | None = None,
+                   wave: int | None = None, start_at: float | None = None
+                   ) -> tuple[list[tuple[float, list[float], int]], list[float], float]:
+    """`level`'s streams: (each request's TTFT, ITLs and tokens; the newcomers' TTFTs; the
+    wall time from the start). `numbered`: (the request's number in the level, its prompt);
+    at most `concurrency` of them at once here; the level's first `wave` numbers (default
+    `concurrency`) are its first wave, which `ramp` spreads; `start_at`: a perf_counter
+    instant to start at (the processes of `spread_level` start together)."""
+    wave = concurrency if wave is None else wave
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     gate = asyncio.Semaphore(concurrency)
     deadline = time.perf_counter() + budget
     results: list[tuple[float, list[float], int]] = []
     # the first wave's first tokens: newcomers arrive beside streams that decode, not beside
     # the wave's own prefill (a newcomer sent with it waited for all of it)
-    firsts = [asyncio.Event() for _ in prompts[:concurrency]]
+    firsts = {number: asyncio.Event() for number, _ in numbered if number < wave}
 
     async def run(number: int, prompt: list[int]) -> None:
         # the place first, then the ramp's wait: the tasks take their places in order, so the
@@ -187,29 +211,103 @@ async def level(url: str, model: str, concurrency: int, prompts: list[list[int]]
         # places free, and the requests after the first `concurrency` took them at once: all
         # of a level's first wave started together, ramp or not)
         async with gate:
-            if number < concurrency and ramp > 0:
-                await asyncio.sleep(number * ramp / concurrency)
+            if number < wave and ramp > 0:
+                await asyncio.sleep(number * ramp / wave)
             if time.perf_counter() < deadline:
                 results.append(await one(url, model, prompt, max_tokens,
-                                         _sampling(number, sampled),
-                                         firsts[number] if number < concurrency else None))
+                                         _sampling(number, sampled), firsts.get(number)))
 
     started = time.perf_counter()
-    streams = asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
+    streams = asyncio.gather(*(run(i, p) for i, p in numbered))
     came = [] if newcomers is None else \
-        await _newcomers(url, model, newcomers, streams, deadline, firsts)
+        await _newcomers(url, model, newcomers, streams, deadline, list(firsts.values()))
     await streams
-    wall = time.perf_counter() - started
+    return results, came, time.perf_counter() - started
+
+
+def _row(results: list[tuple[float, list[float], int]], came: list[float], wall: float,
+         newcomers: bool) -> dict[str, float]:
     ttft = [r[0] for r in results]
     itl = [x for r in results for x in r[1]]
     tokens = sum(r[2] for r in results)
     row = {"requests": len(results), "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99)}
-    if newcomers is not None:
+    if newcomers:
         row.update(newcomers=len(came), new_ttft_p50=percentile(came, 50),
                    new_ttft_p99=percentile(came, 99))
     return row
+
+
+# Streams one client process reads at most, by default: one Python process reading 128 SSE
+# streams at a decode step of 4 ms (32,000 events a second, each a read and a JSON parse)
+# fell behind them, and its late reads showed as the server's ITL tail.
+STREAMS_A_CLIENT = 16
+
+
+def clients_for(concurrency: int, asked: int | None = None) -> int:
+    """Client processes of a level: `asked` (--clients), else one per STREAMS_A_CLIENT
+    streams; never more than the streams."""
+    wanted = asked if asked is not None else -(-concurrency // STREAMS_A_CLIENT)
+    return max(1, min(wanted, concurrency))
+
+
+def spread_level(url: str, model: str, concurrency: int, prompts: list[list[int]],
+                 max_tokens: int, budget: float, sampled: float = 0.0, ramp: float = 0.0,
+                 newcomers: Newcomers | None = None, clients: int = 1) -> dict[str, float]:
+    """`level` with its streams read by `clients` processes (request i by process
+    i % clients, each at most its share of `concurrency` at once, all starting at one
+    instant: perf_counter is one clock for every process here), so that no client falls
+    behind the streams it reads; the newcomers are sent by the first. One process: `level`
+    itself."""
+    if clients <= 1:
+        return asyncio.run(level(url, model, concurrency, prompts, max_tokens, budget,
+                                 sampled, ramp, newcomers))
+    context = multiprocessing.get_context("fork")  # this process runs no thread of its own
+    start_at = time.perf_counter() + 0.5  # every process forked and its loop running
+    pipes, children = [], []
+    for k in range(clients):
+        numbered = [(i, p) for i, p in enumerate(prompts) if i % clients == k]
+        share = sum(1 for i, _ in numbered if i < concurrency)
+        mine, theirs = context.Pipe()
+        child = context.Process(target=_client, daemon=True, args=(
+            theirs, url, model, share, numbered, max_tokens, budget, sampled, ramp,
+            newcomers if k == 0 else None, concurrency, start_at))
+        child.start()
+        pipes.append(mine)
+        children.append(child)
+    parts = []
+    try:
+        for mine in pipes:  # bounded: the level's budget, then a minute for its last reads
+            if not mine.poll(budget + 60 + max(0.0, start_at - time.perf_counter())):
+                raise RuntimeError(f"a client process did not finish in {budget + 60:.0f} s")
+            parts.append(mine.recv())
+    finally:
+        for child in children:
+            child.join(5)
+            if child.is_alive():
+                child.terminate()
+    failed = [part for part in parts if isinstance(part, str)]
+    if failed:
+        raise RuntimeError(failed[0])
+    results = [r for part in parts for r in part[0]]
+    wall = max(part[2] for part in parts) - start_at  # the last stream's end
+    return _row(results, parts[0][1], wall, newcomers is not None)
+
+
+def _client(conn: Connection, url: str, model: str, share: int,
+            numbered: list[tuple[int, list[int]]], max_tokens: int, budget: float,
+            sampled: float, ramp: float, newcomers: Newcomers | None, wave: int,
+            start_at: float) -> None:
+    """A client process of `spread_level`: its streams' results, the newcomers' TTFTs and
+    the instant its last stream ended, or the error that ended it, as one message."""
+    try:
+        results, came, _ = asyncio.run(_streams(url, model, share, numbered, max_tokens,
+                                                budget, sampled, ramp, newcomers, wave,
+                                                start_at))
+        conn.send((results, came, time.perf_counter()))
+    except Exception as err:  # noqa: BLE001 - told to the parent, which raises it
+        conn.send(f"{type(err).__name__}: {err}")
 
 
 async def _newcomers(url: str, model: str, newcomers: Newcomers, streams: Any,
@@ -269,9 +367,12 @@ def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
         budget["chunk"] = chunk
     config = Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
                     prefix_cache=prefix_cache, **budget)
+    engine = Engine(chain, config)
+    gc.collect()  # what the server holds from its start on, out of the cyclic collector, as
+    gc.freeze()  # `kerncc serve` does (kerncc.cli.serve.make_engine)
     if split:
-        return url, _start_apart(chain, config, model, sock, url, fronts)
-    server = Server(Engine(chain, config), model)
+        return url, _start_apart(engine, model, sock, url, fronts)
+    server = Server(engine, model)
     uv = uvicorn.Server(_uvicorn_config(server))
     threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True).start()
     for _ in range(500):
@@ -281,7 +382,7 @@ def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
     return url, uv
 
 
-def _start_apart(chain: Chain, config: Config, model: str, sock: socket.socket, url: str,
+def _start_apart(engine: Engine, model: str, sock: socket.socket, url: str,
                  fronts: int = 1) -> tuple[Any, Any]:
     """The front ends forked first (before this process starts a thread of its own), then
     the core on a thread here; (the front ends' processes, the core) once /health answers."""
@@ -296,7 +397,7 @@ def _start_apart(chain: Chain, config: Config, model: str, sock: socket.socket, 
         for i, outbox in enumerate(outboxes)]
     for process in front:
         process.start()
-    core = Core(Engine(chain, config), inbox, outboxes)
+    core = Core(engine, inbox, outboxes)
     threading.Thread(target=core.run, daemon=True).start()
     for _ in range(3000):  # bounded: 60 s
         with contextlib.suppress(OSError):
@@ -518,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-tokens", type=int, default=None, help="the engine's step budget "
                    "(Config.step_tokens: decode and prefill rows a step; default: the "
                    "engine's)")
+    p.add_argument("--clients", type=int, default=None, metavar="N", help="client processes "
+                   f"reading a level's streams (default: one per {STREAMS_A_CLIENT} streams)")
     p.add_argument("--chunk", type=int, default=None, help="the engine's prefill rows a step "
                    "(Config.chunk; default: the engine's)")
     p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
@@ -538,6 +641,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--row-us is the simulated device's (--backend sim), not {args.backend}'s")
     if args.step_tokens is not None and args.step_tokens < 1:
         p.error(f"--step-tokens {args.step_tokens}: at least 1 row a step")
+    if args.clients is not None and args.clients < 1:
+        p.error(f"--clients {args.clients}: at least 1 client process")
     if args.chunk is not None and args.chunk < 1:
         p.error(f"--chunk {args.chunk}: at least 1 prefill row a step")
     if args.max_running is not None and args.max_running < 1:
@@ -698,8 +803,9 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vo
 
     levels = [int(x) for x in args.levels.split(",")]
     # warm up: graphs and allocations of every decode batch size on the way
-    asyncio.run(level(url, model, max(levels), [prompt() for _ in range(max(levels))], 4,
-                      args.budget))
+    top = max(levels)
+    spread_level(url, model, top, [prompt() for _ in range(top)], 4, args.budget,
+                 clients=clients_for(top, args.clients))
     conn.send("idle")
     conn.recv()
     before = scrape(url)
@@ -712,8 +818,9 @@ def measure(args: argparse.Namespace, conn: Connection, url: str, model: str, vo
         prompts = [prompt() for _ in range(conc * args.requests_per_level)]
         alone = None if newcomers is None else asyncio.run(ttft_alone(url, model, newcomers))
         since = time.perf_counter()
-        row = asyncio.run(level(url, model, conc, prompts, args.max_tokens, args.budget,
-                                args.sampled, args.ramp_ms / 1e3, newcomers))
+        row = spread_level(url, model, conc, prompts, args.max_tokens, args.budget,
+                           args.sampled, args.ramp_ms / 1e3, newcomers,
+                           clients_for(conc, args.clients))
         if alone is not None:
             row["new_alone"] = alone
         conn.send("idle")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import re
 import time
 
@@ -332,3 +333,36 @@ def test_newcomers_beside_the_streams_are_timed_against_their_ttft_alone(tmp_pat
     # the newcomers' tokens and TTFTs are theirs: the streams' row counts the streams only
     assert conc == 2 and row["requests"] == 4 and row["tokens"] == 32
     assert row["newcomers"] == newcomers and row["new_alone"] > 0
+
+
+def test_streams_spread_over_client_processes_count_as_one_level(monkeypatch, tmp_path):
+    """`spread_level` (--clients): every request read once, by the processes between them,
+    the same TTFTs and ITLs as one process's, and the first wave's ramp kept across the
+    processes (request i starts at i x ramp / concurrency whichever process sends it)."""
+    import bench.serve as bench_serve
+
+    log = tmp_path / "starts"
+
+    async def fake(url, model, prompt, max_tokens, sampled=None, first=None):
+        with open(log, "a") as out:  # one line a request, appended from every process
+            out.write(f"{prompt[0]} {time.perf_counter()} {os.getpid()}\n")
+        await asyncio.sleep(0.01 * (1 + prompt[0] % 3))
+        return 0.01 * (prompt[0] + 1), [0.001 * (prompt[0] + 1)] * (max_tokens - 1), max_tokens
+
+    monkeypatch.setattr(bench_serve, "one", fake)
+    prompts = [[i] for i in range(12)]
+    alone = asyncio.run(level("url", "model", 6, prompts, 3, budget=60))
+    log.unlink()
+    row = bench_serve.spread_level("url", "model", 6, prompts, 3, budget=60, ramp=0.5,
+                                   clients=3)
+    assert row["requests"] == alone["requests"] == 12 and row["tokens"] == 36
+    for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+        assert row[key] == alone[key], key
+    starts = {int(n): (float(t), int(pid)) for n, t, pid in
+              (line.split() for line in log.read_text().splitlines())}
+    assert sorted(starts) == list(range(12))
+    assert len({pid for _, pid in starts.values()} - {os.getpid()}) == 3
+    first = [starts[i][0] for i in range(6)]
+    assert all(b - a >= 0.06 for a, b in itertools.pairwise(first))  # 0.5 / 6 apart
+    with pytest.raises(SystemExit):
+        main(["--clients", "0"])
