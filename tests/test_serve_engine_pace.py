@@ -287,13 +287,13 @@ def test_prefill_chunks_go_ahead_with_the_bits_of_steps_one_at_a_time(
     assert any(r.finish == "stop" for r in ahead)
 
 
-@pytest.mark.parametrize("chunk, step_tokens", [(8, None), (64, 70)])
-def test_chunks_planned_early_are_their_steps_prefill_not_more(
+@pytest.mark.parametrize("chunk, step_tokens", [(8, 1000), (64, 70)])
+def test_under_a_step_budget_chunks_planned_early_are_their_steps_prefill_not_more(
         whole, long_prompts, monkeypatch, chunk, step_tokens):
-    """A step's prefill rows hold its chunks planned while the step before ran
-    (`_chunk_ahead`): between two decode calls the device is handed at most a step's prefill
-    rows (`Limits.prefill_rows`), early or not. (The step's own plan once took a full step's
-    more beside them: twice the prefill between two decode steps.)"""
+    """Under a step budget a step's prefill rows hold its chunks planned while the step
+    before ran (`_chunk_ahead`): between two decode calls the device is handed at most a
+    step's prefill rows (`Limits.prefill_rows`), early or not. (The step's own plan once took
+    a full step's more beside them: twice the budget's prefill between two decode steps.)"""
     issued: list[tuple[str, int]] = []
     submit = Engine._submit
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -259,3 +260,20 @@ def test_decodes_keep_going_while_a_long_prompt_is_fed_within_the_step_budget(
             break
     else:
         raise AssertionError("the prompt was never fed")
+
+
+@pytest.mark.parametrize("budget", [None, 10])
+def test_rows_fed_early_count_against_a_step_budget_only(budget):
+    """`schedule(..., fed)`: the step's chunks planned while the step before ran leave the
+    budget's prefill rows the less; without a budget the step still feeds a whole chunk."""
+    limits = sch.Limits(stride=4, pages_per_seq=8, decode_groups=4,
+                        chunk=Bounds(rows=6, seqs=1, context=32), max_running=2,
+                        chunk_emits=True, step_tokens=budget)
+    state = sch.add(sch.State((), (), 16), 0, 20)
+    plan = sch.schedule(state, limits)
+    rows = sum(n for item in plan.items for _, _, n in item.parts)
+    assert rows == limits.prefill_rows == 6
+    state = sch.apply(state, plan)
+    later = sch.schedule(state, limits, fed=5)
+    rows = sum(n for item in later.items for _, _, n in item.parts)
+    assert rows == (6 if budget is None else 1)

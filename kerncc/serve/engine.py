@@ -172,9 +172,8 @@ class Engine:
         # prefill chunks planned while the step before runs (`_chunk_ahead`): a step's
         # chunks take the same rows whatever decodes ride beside them (sch.Limits.prefill_rows)
         self._early = 0  # such chunk calls in flight
-        # their rows, which the step they were planned for has fed already: its own plan takes
-        # only what the step's prefill rows leave (else that step fed twice its prefill rows
-        # between two decode steps: a 128-stream wave's ITL p99 2.7-3.7x the step, H100)
+        # their rows, which the step they were planned for has fed already: under a step
+        # budget its own plan takes only what the budget leaves (sch.schedule)
         self._fed = 0
         self.early_steps = 0  # chunk steps planned so (counts: a server runs long)
         self._after: Callable[[], None] | None = None  # run_forever's
