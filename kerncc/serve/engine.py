@@ -565,10 +565,10 @@ class Engine:
         They are the chunks `sch.schedule` would plan now (`sch.chunks`), applied at once (the
         scheduler knows them as issued), cut where the steps one at a time would cut them
         (a step's prefill rows do not depend on the decodes beside them:
-        `sch.Limits.prefill_rows`). Not while someone waits (an admission would change the packing), a
-        chunk planned so is in flight (one step ahead at most), the chunks would preempt, or
-        their pages would leave fewer free than a page a running sequence (the decodes of
-        the step after must not be starved of theirs). False when none go."""
+        `sch.Limits.prefill_rows`). Not while someone waits (an admission would change the
+        packing), a chunk planned so is in flight (one step ahead at most), the chunks would
+        preempt, or their pages would leave fewer free than a page a running sequence (the
+        decodes of the step after must not be starved of theirs). False when none go."""
         state = self.state
         if (not self.ahead or self._early or self._ahead or not self.inflight
                 or state.waiting):
