@@ -111,6 +111,7 @@ import uvicorn
 
 from bench import serve_trace
 from bench.report import Report
+from kerncc.diagnostics import KernccError
 from kerncc.example import generate, make_config
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
@@ -468,9 +469,14 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
     # token and leaves: it never decodes), else it would wait for a stream to end
     seats = engine_seqs(args) + (args.newcomers is not None)
     steps = decode_steps(args, chain, seats)  # before the engine: it owns the chain after
-    url, running = start_server(chain, seats, model, ahead=ahead, prefix_cache=prefix_cache,
-                                split=split, step_tokens=args.step_tokens,
-                                fronts=args.api_workers, chunk=args.chunk)
+    try:
+        url, running = start_server(chain, seats, model, ahead=ahead,
+                                    prefix_cache=prefix_cache, split=split,
+                                    step_tokens=args.step_tokens, fronts=args.api_workers,
+                                    chunk=args.chunk)
+    except KernccError as err:  # a flag the engine refuses (--chunk past the rows bound)
+        conn.send(("error", err.headline))
+        return
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
                len(bundle.stages), getattr(backend, "wake_us", None), context, steps))
     while (asked := conn.recv()) != "stop":
@@ -750,9 +756,18 @@ def served(args: argparse.Namespace, manifest: Path, ahead: bool, cache: bool,
                                                 invariant))
     child.start()
     try:
-        if not mine.poll(600):
+        for _ in range(600):  # bounded: 600 s, and no longer than the server lives
+            if mine.poll(1):
+                break
+            if not child.is_alive():
+                raise SystemExit("bench.serve: the server's process ended before it served "
+                                 "(its error is above)")
+        else:
             raise SystemExit("bench.serve: the server did not start in 600 s")
-        url, model, vocab, stages, wake_us, limit, steps = mine.recv()
+        started = mine.recv()
+        if started[0] == "error":
+            raise SystemExit(f"bench.serve: {started[1]}")
+        url, model, vocab, stages, wake_us, limit, steps = started
         if limit is not None and max(args.prompt_len + args.max_tokens,
                                      newcomer_len(args)) > limit:
             mine.send("stop")

@@ -366,3 +366,11 @@ def test_streams_spread_over_client_processes_count_as_one_level(monkeypatch, tm
     assert all(b - a >= 0.06 for a, b in itertools.pairwise(first))  # 0.5 / 6 apart
     with pytest.raises(SystemExit):
         main(["--clients", "0"])
+
+
+def test_a_flag_the_engine_refuses_ends_the_bench_with_its_message(tmp_path):
+    """--chunk past the chunk program's rows bound: the server's process says why and the
+    bench exits with that line, rather than a traceback there and a wait here."""
+    with pytest.raises(SystemExit, match=r"chunk 100000 is outside \[1, 64\]"):
+        main(["--size", "tiny", "--backend", "cpu", "--dir", str(tmp_path), "--levels", "1",
+              "--max-tokens", "2", "--chunk", "100000", "--out", str(tmp_path / "out")])
