@@ -363,14 +363,9 @@ def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    budget = {} if step_tokens is None else {"step_tokens": step_tokens}
-    if chunk is not None:
-        budget["chunk"] = chunk
-    config = Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
-                    prefix_cache=prefix_cache, **budget)
-    engine = Engine(chain, config)
-    gc.collect()  # what the server holds from its start on, out of the cyclic collector, as
-    gc.freeze()  # `kerncc serve` does (kerncc.cli.serve.make_engine)
+    engine = Engine(chain, Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
+                                  prefix_cache=prefix_cache, step_tokens=step_tokens,
+                                  chunk=chunk))
     if split:
         return url, _start_apart(engine, model, sock, url, fronts)
     server = Server(engine, model)
@@ -477,6 +472,8 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
     except KernccError as err:  # a flag the engine refuses (--chunk past the rows bound)
         conn.send(("error", err.headline))
         return
+    gc.collect()  # what the server holds from its start on, out of the cyclic collector, as
+    gc.freeze()  # `kerncc serve` does (kerncc.cli.serve.make_engine)
     conn.send((url, model, bundle.stages[0].manifest.buffers["embed.w"].shape[0],
                len(bundle.stages), getattr(backend, "wake_us", None), context, steps))
     while (asked := conn.recv()) != "stop":
