@@ -160,6 +160,9 @@ class Limits:
     # Most rows one step feeds, decode and prefill together (None: `chunk.rows` of prefill
     # beside every decode row): see `prefill_rows`
     step_tokens: int | None = None
+    # Most prefill rows a step feeds while some running sequence is past its prompt (a
+    # stream, whose next gap holds the chunk): None, `prefill_rows` in every step
+    beside: int | None = None
 
     @property
     def prefill_floor(self) -> int:
@@ -179,6 +182,14 @@ class Limits:
         if self.step_tokens is None:
             return self.chunk.rows
         return min(self.chunk.rows, max(self.prefill_floor, self.step_tokens - self.max_running))
+
+    def prefill_budget(self, streams: bool) -> int:
+        """Prefill rows of a step: `prefill_rows`, at most `beside` (never under
+        `prefill_floor`) when `streams` (some running sequence is past its prompt). Two
+        numbers at most, so that chunks keep a few shapes."""
+        if not streams or self.beside is None:
+            return self.prefill_rows
+        return min(self.prefill_rows, max(self.prefill_floor, self.beside))
 
 
 @attrs.frozen
@@ -354,7 +365,8 @@ def _chunk_items(draft: _Draft, limits: Limits, fed: int = 0) -> list[Item]:
     step's decode (`_decode_items`) when tokens are left past them: without chunk tokens its
     last known one, and a recomputed sequence's generated ones."""
     emits = limits.chunk_emits
-    budget = limits.prefill_rows
+    budget = limits.prefill_budget(any(not draft.seqs[i].prefill_left(emits)
+                                       for i in draft.order))
     items: list[Item] = []
     while budget > fed:
         candidates = [draft.seqs[i] for i in draft.order if draft.seqs[i].prefill_left(emits)]
