@@ -310,5 +310,10 @@ def test_a_wave_takes_whole_chunks_until_a_stream_decodes_then_the_rows_beside_i
     assert rows[1:] and all(r <= 5 for r in rows[1:]), rows
     assert sum(rows) == 24
     assert limits.prefill_budget(True) == 5 and limits.prefill_budget(False) == 12
+    # rows planned early count against the rows beside the streams, not against a whole chunk
+    assert limits.counts(True) and not limits.counts(False)
+    state = sch.add(state, 9, 20)  # a newcomer beside the four streams
+    early = sch.schedule(state, attrs.evolve(limits, max_running=5), fed=3)
+    assert sum(n for item in early.items if item.kind == "chunk" for _, _, n in item.parts) == 2
     tight = attrs.evolve(limits, beside=1)
     assert tight.prefill_budget(True) == tight.prefill_floor == 4
