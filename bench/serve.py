@@ -354,19 +354,18 @@ def _sampling(number: int, fraction: float) -> dict[str, Any] | None:
 def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
                  prefix_cache: bool = True, split: bool = False,
                  step_tokens: int | None = None, fronts: int = 1,
-                 chunk: int | None = None, beside: int | None = None) -> tuple[str, Any]:
+                 chunk: int | None = None) -> tuple[str, Any]:
     """The server on a free port of loopback; its URL and what `stop_server` stops. `split`:
     `fronts` front ends in processes of their own over a kerncc.serve.core Core in this one,
     as `kerncc serve --api-workers N` runs them; else everything here (--api-workers 0).
     `step_tokens`: the engine's step budget (Config.step_tokens; None: its default); `chunk`:
-    its prefill rows a step (Config.chunk; None: its default); `beside`: those while some
-    sequence decodes (Config.chunk_beside)."""
+    its prefill rows a step (Config.chunk; None: its default)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     engine = Engine(chain, Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
                                   prefix_cache=prefix_cache, step_tokens=step_tokens,
-                                  chunk=chunk, chunk_beside=beside))
+                                  chunk=chunk))
     if split:
         return url, _start_apart(engine, model, sock, url, fronts)
     server = Server(engine, model)
@@ -469,7 +468,7 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
         url, running = start_server(chain, seats, model, ahead=ahead,
                                     prefix_cache=prefix_cache, split=split,
                                     step_tokens=args.step_tokens, fronts=args.api_workers,
-                                    chunk=args.chunk, beside=args.chunk_beside)
+                                    chunk=args.chunk)
     except KernccError as err:  # a flag the engine refuses (--chunk past the rows bound)
         conn.send(("error", err.headline))
         return
@@ -627,9 +626,6 @@ def main(argv: list[str] | None = None) -> int:
                    f"reading a level's streams (default: one per {STREAMS_A_CLIENT} streams)")
     p.add_argument("--chunk", type=int, default=None, help="the engine's prefill rows a step "
                    "(Config.chunk; default: the engine's)")
-    p.add_argument("--chunk-beside", type=int, default=None, metavar="ROWS",
-                   help="the engine's prefill rows a step while some sequence decodes "
-                   "(Config.chunk_beside; default: the engine's)")
     p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
                    "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
                    "greedy)")
@@ -650,9 +646,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--step-tokens {args.step_tokens}: at least 1 row a step")
     if args.clients is not None and args.clients < 1:
         p.error(f"--clients {args.clients}: at least 1 client process")
-    for flag, rows in (("--chunk", args.chunk), ("--chunk-beside", args.chunk_beside)):
-        if rows is not None and rows < 1:
-            p.error(f"{flag} {rows}: at least 1 prefill row a step")
+    if args.chunk is not None and args.chunk < 1:
+        p.error(f"--chunk {args.chunk}: at least 1 prefill row a step")
     if args.max_running is not None and args.max_running < 1:
         p.error(f"--max-running {args.max_running}: at least 1 sequence at once")
     if args.trace:  # refused before any server starts, not as a traceback mid-run

@@ -616,20 +616,18 @@ def test_a_pipeline_for_a_bundle_directory_is_refused(tiny, tmp_path, capsys, co
     assert f"--pipeline cut,slice-derive,emit: `{bundle}` is a bundle directory" in err, err
 
 
-@pytest.mark.parametrize("command, flag", [(["run", "--prompt", "1,2"], "--chunk"),
-                                           (["run", "--prompt", "1,2", "--prompt", "3"],
-                                            "--chunk"),
-                                           (["serve", "--port", "1"], "--chunk"),
-                                           (["serve", "--port", "1"], "--chunk-beside")])
+@pytest.mark.parametrize("command", [["run", "--prompt", "1,2"],
+                                     ["run", "--prompt", "1,2", "--prompt", "3"],
+                                     ["serve", "--port", "1"]])
 def test_a_chunk_past_the_rows_bound_is_refused_before_anything_loads(tiny, tmp_path, capsys,
-                                                                      command, flag) -> None:
+                                                                      command) -> None:
     """Before the checkpoint is even looked for (here there is none)."""
     pytest.importorskip("uvicorn")
     alone = tmp_path / "model.json"
     alone.write_text(tiny.read_text())
-    assert main([command[0], str(alone), *command[1:], flag, "65"]) == 1
+    assert main([command[0], str(alone), *command[1:], "--chunk", "65"]) == 1
     err = capsys.readouterr().err
-    assert f"{flag} 65 is outside [1, 64]" in err and "checkpoint" not in err
+    assert "--chunk 65 is outside [1, 64]" in err and "checkpoint" not in err
 
 
 # --------------------------------------------------------------------------- trip points

@@ -489,45 +489,6 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_it_is_batched_with(whol
     assert reference(whole, prompts[3], 8, sampling=native).tokens == alone
 
 
-def test_prompts_fed_in_smaller_chunks_beside_the_streams_give_each_prompt_alone(
-        whole, prompts, alone):
-    """`Config.chunk_beside`: prompts admitted while others decode go in chunks of at most
-    that many rows (a whole chunk while no one decodes: the first step's), and every
-    request's tokens and logits are its alone bits; a value past the rows bound is refused
-    as `chunk` is."""
-    def served(beside: int | None) -> tuple[list[Request], list[tuple[int, bool]]]:
-        engine = Engine(whole, Config(max_running=4, chunk=32, chunk_beside=beside,
-                                      logits=True))
-        assert engine.limits.prefill_floor <= 16
-        steps: list[tuple[int, bool]] = []  # (chunk rows, whether someone was decoding)
-        issue, emits = engine._issue, engine.limits.chunk_emits
-
-        def watch(plan):
-            rows = sum(n for item in plan.items if item.kind == "chunk"
-                       for _, _, n in item.parts)
-            if rows:
-                steps.append((rows, any(not s.prefill_left(emits)
-                                        for s in engine.state.running)))
-            issue(plan)
-        engine._issue = watch
-        requests = [Request(p, MAX_NEW) for p in prompts]
-        for request in requests:
-            engine.submit(request)
-        engine.run_until_idle()
-        return requests, steps
-
-    wide, wide_steps = served(None)
-    narrow, narrow_steps = served(16)
-    assert [r.generated for r in narrow] == alone
-    same_bits(wide, narrow)
-    assert max(rows for rows, streams in wide_steps if streams) > 16, wide_steps
-    assert max(rows for rows, streams in narrow_steps if streams) <= 16, narrow_steps
-    assert max(rows for rows, streams in narrow_steps if not streams) > 16, narrow_steps
-    rows = ModelRunner(whole).protocol.rows.max
-    with pytest.raises(KernccError, match=rf"chunk_beside {rows + 1} is outside"):
-        Engine(whole, Config(chunk_beside=rows + 1))
-
-
 def test_a_chunk_past_the_rows_bound_is_refused_as_one_prompt_refuses_it(whole, capsys, model):
     """The engine cut a --chunk past the rows bound down to it without a word (kerncc serve
     --chunk, run with several prompts), where one prompt's run refuses it."""
@@ -554,8 +515,7 @@ def test_the_server_runs_as_many_sequences_as_the_decode_step_takes_unless_told(
     gc.unfreeze()
     try:
         engine = make_engine(argparse.Namespace(max_seqs=None, max_queue=8, chunk=None,
-                                                chunk_beside=None, prefix_cache=True,
-                                                step_tokens=None), whole)
+                                                prefix_cache=True, step_tokens=None), whole)
         # what the server holds from its start on left the cyclic collector
         assert gc.get_freeze_count() > 0
     finally:
@@ -566,26 +526,18 @@ def test_the_server_runs_as_many_sequences_as_the_decode_step_takes_unless_told(
 
 def test_the_command_line_step_budget_reaches_the_scheduler(whole):
     """`kerncc serve --step-tokens N` bounds the rows a step feeds: with 4 sequences at most
-    running a budget of 20 leaves 16 rows of prefill, a budget below that a page's worth;
-    `--chunk-beside N` those while some sequence decodes."""
+    running a budget of 20 leaves 16 rows of prefill, a budget below that a page's worth."""
     import argparse
 
     from kerncc.cli.serve import make_engine
 
     engine = make_engine(argparse.Namespace(max_seqs=4, max_queue=8, chunk=None,
-                                            chunk_beside=None, prefix_cache=True,
-                                            step_tokens=20), whole)
+                                            prefix_cache=True, step_tokens=20), whole)
     limits = engine.limits
-    assert limits.step_tokens == 20 and limits.max_running == 4 and limits.beside is None
+    assert limits.step_tokens == 20 and limits.max_running == 4
     assert limits.prefill_rows == min(limits.chunk.rows, 16)
-    beside = make_engine(argparse.Namespace(max_seqs=4, max_queue=8, chunk=None,
-                                            chunk_beside=24, prefix_cache=True,
-                                            step_tokens=None), whole).limits
-    assert beside.prefill_budget(False) == beside.chunk.rows
-    assert beside.prefill_budget(True) == min(beside.chunk.rows, 24)
     tight = make_engine(argparse.Namespace(max_seqs=4, max_queue=8, chunk=None,
-                                           chunk_beside=None, prefix_cache=True,
-                                           step_tokens=5), whole).limits
+                                           prefix_cache=True, step_tokens=5), whole).limits
     assert tight.prefill_rows == tight.prefill_floor == min(tight.chunk.rows, tight.stride)
 
 

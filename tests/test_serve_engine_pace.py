@@ -287,15 +287,13 @@ def test_prefill_chunks_go_ahead_with_the_bits_of_steps_one_at_a_time(
     assert any(r.finish == "stop" for r in ahead)
 
 
-@pytest.mark.parametrize("chunk, step_tokens, beside", [(8, 1000, None), (64, 70, None),
-                                                        (64, None, 16)])
+@pytest.mark.parametrize("chunk, step_tokens", [(8, 1000), (64, 70)])
 def test_under_a_step_budget_chunks_planned_early_are_their_steps_prefill_not_more(
-        whole, long_prompts, monkeypatch, chunk, step_tokens, beside):
-    """Under a step budget (or rows beside the streams) a step's prefill rows hold its
-    chunks planned while the step before ran (`_chunk_ahead`): between two decode calls the
-    device is handed at most a step's prefill rows (`Limits.prefill_budget`), early or not.
-    (The step's own plan once took a full step's more beside them: twice the budget's
-    prefill between two decode steps.)"""
+        whole, long_prompts, monkeypatch, chunk, step_tokens):
+    """Under a step budget a step's prefill rows hold its chunks planned while the step
+    before ran (`_chunk_ahead`): between two decode calls the device is handed at most a
+    step's prefill rows (`Limits.prefill_rows`), early or not. (The step's own plan once took
+    a full step's more beside them: twice the budget's prefill between two decode steps.)"""
     issued: list[tuple[str, int]] = []
     submit = Engine._submit
 
@@ -306,9 +304,9 @@ def test_under_a_step_budget_chunks_planned_early_are_their_steps_prefill_not_mo
     monkeypatch.setattr(Engine, "_submit", recorded)
     params = mixed(len(long_prompts))
     requests, engine = served(whole, long_prompts + long_prompts[:2], params + params[:2],
-                              chunk=chunk, step_tokens=step_tokens, chunk_beside=beside)
+                              chunk=chunk, step_tokens=step_tokens)
     assert engine.early_steps > 0
-    rows, between = engine.limits.prefill_budget(True), []
+    rows, between = engine.limits.prefill_rows, []
     first = next(i for i, (kind, _) in enumerate(issued) if kind == "decode")
     fed = 0
     for kind, n in issued[first + 1:]:  # before the first decode no stream waits

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import deque
 
 import pytest
-import attrs
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -36,8 +35,7 @@ def loads(draw):
         chunk=Bounds(rows=draw(st.integers(1, 8)), seqs=draw(st.integers(2, 4)) if packed else 1,
                      context=draw(st.integers(table * STRIDE, 40))),
         max_running=draw(st.integers(1, 5)), chunk_emits=draw(st.booleans()),
-        step_tokens=draw(st.none() | st.integers(1, 12)),
-        beside=draw(st.none() | st.integers(1, 8)))
+        step_tokens=draw(st.none() | st.integers(1, 12)))
     width = limits.pages_per_seq * STRIDE
     requests = draw(st.lists(st.tuples(st.integers(1, width - 1), st.integers(1, width - 1)),
                              min_size=1, max_size=8))
@@ -61,15 +59,11 @@ def check_item(item: sch.Item, limits: sch.Limits, state: sch.State) -> None:
     assert sum(start + n for _, start, n in item.parts) <= limits.chunk.context
 
 
-def check_budget(plan: sch.Plan, limits: sch.Limits, state: sch.State) -> None:
+def check_budget(plan: sch.Plan, limits: sch.Limits) -> None:
     """A step's prefill rows keep to what a decode row for every sequence that may run leaves
     of the step budget (at least the prefill floor), so to what its own decode rows leave,
-    and to the chunk bound; while a sequence of `state` (the state planned from) is past its
-    prompt, to the rows beside it too (at least the floor)."""
+    and to the chunk bound."""
     chunk = sum(n for item in plan.items if item.kind == "chunk" for _, _, n in item.parts)
-    streams = any(not s.prefill_left(limits.chunk_emits) for s in state.running)
-    if streams and limits.beside is not None:
-        assert chunk <= max(limits.prefill_floor, limits.beside)
     decodes = sum(len(item.parts) for item in plan.items if item.kind == "decode")
     assert chunk <= limits.chunk.rows and decodes <= limits.max_running
     if limits.step_tokens is not None:
@@ -119,7 +113,7 @@ def test_a_simulated_engine_finishes_everything_without_leaking_pages(load):
                 assert pool.take(seq_id, more) is not None
             for item in plan.items:
                 check_item(item, limits, state)
-            check_budget(plan, limits, state)
+            check_budget(plan, limits)
             state = sch.apply(state, plan)
             inflight.extend(plan.items)
             if not plan.empty:
@@ -226,9 +220,9 @@ def test_a_chunk_that_hands_back_tokens_feeds_the_whole_prompt():
 @settings(max_examples=60)
 @given(running=st.integers(1, 6), prompt=st.integers(2, 60), rows=st.integers(1, 8),
        budget=st.none() | st.integers(1, 16), groups=st.integers(1, 4),
-       chunk_emits=st.booleans(), packed=st.booleans(), beside=st.none() | st.integers(1, 8))
+       chunk_emits=st.booleans(), packed=st.booleans())
 def test_decodes_keep_going_while_a_long_prompt_is_fed_within_the_step_budget(
-        running, prompt, rows, budget, groups, chunk_emits, packed, beside):
+        running, prompt, rows, budget, groups, chunk_emits, packed):
     """A newcomer's long prompt beside running streams (pages to spare): every step decodes
     every running stream (none stalls while the prompt is in flight), feeds the prompt at
     least the prefill floor (it never starves, however many streams decode) and keeps its
@@ -236,8 +230,7 @@ def test_decodes_keep_going_while_a_long_prompt_is_fed_within_the_step_budget(
     items only, prefill rows through chunk items only."""
     limits = sch.Limits(stride=STRIDE, pages_per_seq=32, decode_groups=groups,
                         chunk=Bounds(rows, 3 if packed else 1, 32 * STRIDE * 3),
-                        max_running=running + 1, chunk_emits=chunk_emits, step_tokens=budget,
-                        beside=beside)
+                        max_running=running + 1, chunk_emits=chunk_emits, step_tokens=budget)
     state = sch.State((), (), 1000)
     streams = list(range(running))
     for seq_id in streams:  # running streams, prompts fed, decoding
@@ -257,7 +250,7 @@ def test_decodes_keep_going_while_a_long_prompt_is_fed_within_the_step_budget(
         fed = sum(n for item in plan.items if item.kind == "chunk"
                   for i, _, n in item.parts if i == running)
         assert set(streams) <= decoded, "a running stream stalled while a prompt was fed"
-        check_budget(plan, limits, state)
+        check_budget(plan, limits)
         assert fed >= min(limits.prefill_floor, newcomer_left), "the prompt starved"
         newcomer_left -= fed
         state = sch.apply(state, plan)
@@ -284,36 +277,3 @@ def test_rows_fed_early_count_against_a_step_budget_only(budget):
     later = sch.schedule(state, limits, fed=5)
     rows = sum(n for item in later.items for _, _, n in item.parts)
     assert rows == (6 if budget is None else 1)
-
-
-def test_a_wave_takes_whole_chunks_until_a_stream_decodes_then_the_rows_beside_it():
-    """`Limits.beside`: prompts with no one decoding go in chunks of `prefill_rows`; once a
-    sequence is past its prompt (its gaps would hold the chunk), at most `beside` rows a
-    step, and never fewer than the floor."""
-    limits = sch.Limits(stride=4, pages_per_seq=8, decode_groups=4,
-                        chunk=Bounds(rows=12, seqs=4, context=128), max_running=4,
-                        chunk_emits=True, beside=5)
-    state = sch.State((), (), 64)
-    for seq_id in range(4):
-        state = sch.add(state, seq_id, 6)
-    rows = []
-    for _ in range(12):  # bounded: 24 prompt rows, at least the floor a step
-        plan = sch.schedule(state, limits)
-        rows.append(sum(n for item in plan.items if item.kind == "chunk"
-                        for _, _, n in item.parts))
-        state = sch.apply(state, plan)
-        for item in plan.items:
-            state = sch.landed_all(state, {i: i in item.emits for i, _, _ in item.parts})
-        if not any(s.prefill_left(True) for s in state.running):
-            break
-    assert rows[0] == 12, "no one decodes yet: a whole chunk"
-    assert rows[1:] and all(r <= 5 for r in rows[1:]), rows
-    assert sum(rows) == 24
-    assert limits.prefill_budget(True) == 5 and limits.prefill_budget(False) == 12
-    # rows planned early count against the rows beside the streams, not against a whole chunk
-    assert limits.counts(True) and not limits.counts(False)
-    state = sch.add(state, 9, 20)  # a newcomer beside the four streams
-    early = sch.schedule(state, attrs.evolve(limits, max_running=5), fed=3)
-    assert sum(n for item in early.items if item.kind == "chunk" for _, _, n in item.parts) == 2
-    tight = attrs.evolve(limits, beside=1)
-    assert tight.prefill_budget(True) == tight.prefill_floor == 4

@@ -243,16 +243,16 @@ def _program_runs(program: str, rows: list[int]) -> str:
             f"({min(rows)}..{max(rows)} a run)")
 
 
-def check_chunk(chunk: int | None, bundle, flag: str = "--chunk") -> None:
-    """--chunk (or `flag`) against the stages' rows bound, before any weight loads (the
-    engine refuses it too, but only once the stages are up)."""
+def check_chunk(chunk: int | None, bundle) -> None:
+    """--chunk against the stages' rows bound, before any weight loads (the engine refuses
+    it too, but only once the stages are up)."""
     if chunk is None:
         return
     from kerncc.runtime.model_runner import chain_protocol
 
     rows = chain_protocol([s.manifest for s in bundle.stages]).rows
     if chunk > rows.max:
-        raise KernccError.single(f"{flag} {chunk} is outside [1, {rows.max}] "
+        raise KernccError.single(f"--chunk {chunk} is outside [1, {rows.max}] "
                                  f"(`{rows.var}` <= {rows.max})")
 
 

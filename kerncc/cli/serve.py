@@ -45,7 +45,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_run_args(args)  # --tokenizer, a folder that is there
     bundle = open_run_target(args.target, args.pipeline)
     check_chunk(args.chunk, bundle)
-    check_chunk(args.chunk_beside, bundle, "--chunk-beside")
     weights = checkpoint_for(args, bundle)
     folders = [Path(args.tokenizer)] if args.tokenizer else \
         [bundle.dir, Path(weights).parent if weights else None, Path(args.target).parent]
@@ -94,8 +93,7 @@ def make_engine(args: argparse.Namespace, chain: Any) -> Any:
 
     engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
                                   chunk=args.chunk, prefix_cache=args.prefix_cache,
-                                  step_tokens=args.step_tokens,
-                                  chunk_beside=args.chunk_beside))
+                                  step_tokens=args.step_tokens))
     gc.collect()
     gc.freeze()
     return engine
@@ -465,9 +463,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "step takes, 128 for the small example)")
     p.add_argument("--chunk", type=positive, metavar="N",
                    help="prefill rows per step (default: the rows bound)")
-    p.add_argument("--chunk-beside", type=positive, metavar="N",
-                   help="prefill rows per step while some sequence decodes: the gap between "
-                   "a stream's tokens holds them (default: --chunk's)")
     p.add_argument("--step-tokens", type=positive, metavar="N",
                    help="rows a step feeds, decode and prefill together: a decode row for "
                    "each of --max-seqs sequences, prefill the rest (the same every step), a "

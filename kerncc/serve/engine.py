@@ -106,9 +106,6 @@ class Config:
     # most rows a step feeds, decodes and prefill chunks together (scheduler.Limits): None,
     # `chunk` rows of prefill beside every decode
     step_tokens: int | None = None
-    # prefill rows per step while some sequence decodes (scheduler.Limits.beside); None:
-    # `chunk`'s
-    chunk_beside: int | None = None
     depth: int | None = None  # items in flight; default: one per stage
     logits: bool = False  # keep every token's logits row on its request (tests, debugging)
     ahead: bool = True  # decode steps issued a step ahead, tokens fed on the device
@@ -193,10 +190,6 @@ class Engine:
         if not 1 <= chunk_rows <= rows:  # cut down to the bound, it would be a flag ignored
             raise KernccError.single(f"chunk {config.chunk} is outside [1, {rows}] "
                                      f"(`{protocol.rows.var}` <= {rows})")
-        beside = config.chunk_beside
-        if beside is not None and not (is_whole(beside) and 1 <= beside <= rows):
-            raise KernccError.single(f"chunk_beside {beside!r} is outside [1, {rows}] "
-                                     f"(`{protocol.rows.var}` <= {rows})")
         chunk = model.chunk_program
         packs = chunk is not None and chunk.groups > 1 and protocol.any("cu_seqlens")
         seqs = chunk.groups if packs else 1
@@ -213,8 +206,7 @@ class Engine:
                           decode_groups=decode_groups,
                           chunk=Bounds(chunk_rows, seqs, context),
                           max_running=max(1, config.max_running or decode_groups),
-                          chunk_emits=model.chunk_emits, step_tokens=config.step_tokens,
-                          beside=beside)
+                          chunk_emits=model.chunk_emits, step_tokens=config.step_tokens)
 
     @property
     def fingerprint(self) -> str:

@@ -160,9 +160,6 @@ class Limits:
     # Most rows one step feeds, decode and prefill together (None: `chunk.rows` of prefill
     # beside every decode row): see `prefill_rows`
     step_tokens: int | None = None
-    # Most prefill rows a step feeds while some running sequence is past its prompt (a
-    # stream, whose next gap holds the chunk): None, `prefill_rows` in every step
-    beside: int | None = None
 
     @property
     def prefill_floor(self) -> int:
@@ -182,19 +179,6 @@ class Limits:
         if self.step_tokens is None:
             return self.chunk.rows
         return min(self.chunk.rows, max(self.prefill_floor, self.step_tokens - self.max_running))
-
-    def counts(self, streams: bool) -> bool:
-        """Whether a step's rows planned early (`schedule(fed=...)`) count against its
-        prefill: under a step budget, and under `beside` while it binds (`streams`)."""
-        return self.step_tokens is not None or (streams and self.beside is not None)
-
-    def prefill_budget(self, streams: bool) -> int:
-        """Prefill rows of a step: `prefill_rows`, at most `beside` (never under
-        `prefill_floor`) when `streams` (some running sequence is past its prompt). Two
-        numbers at most, so that chunks keep a few shapes."""
-        if not streams or self.beside is None:
-            return self.prefill_rows
-        return min(self.prefill_rows, max(self.prefill_floor, self.beside))
 
 
 @attrs.frozen
@@ -283,15 +267,15 @@ class _Draft:
 def schedule(state: State, limits: Limits, fed: int = 0) -> Plan:
     """One step's plan (see the module docstring for the rules); `fed`: prefill rows of this
     step issued already (`chunks`, planned while the step before ran), which count against a
-    step budget, and against the rows beside the streams while those bind (`Limits.counts`).
-    Otherwise they do not: the step's plan feeds its own chunk beside them, and a wave of
-    prompts is in sooner. Counting them there too spread a 128-stream wave's
+    step budget. Without one they do not: the step's plan feeds its own chunk beside them,
+    and a wave of prompts is in sooner. Counting them there too spread a 128-stream wave's
     prefill over twice the steps, each a chunk beside the decodes, and the streams' ITL p99
     rose from 1.85-1.87x to 3.14-3.21x the step (the engine alone, two rounds, H100)."""
     draft = _Draft(state, limits.stride)
     _admit(draft, limits)
     # Chunks first: without chunk tokens, a sequence whose prefill ends in this step's chunk
     # decodes in this step.
+    fed = fed if limits.step_tokens is not None else 0
     items = _chunk_items(draft, limits, fed) + _decode_items(draft, limits)
     return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
                 tuple(items), tuple(draft.reused))
@@ -365,14 +349,12 @@ def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
 
 
 def _chunk_items(draft: _Draft, limits: Limits, fed: int = 0) -> list[Item]:
-    """The step's chunk calls: at most `limits.prefill_budget` rows in all, `fed` of them
-    issued already where they count (`Limits.counts`). A part that ends its sequence's chunks brings a row of the sequence into this
+    """The step's chunk calls: at most `limits.prefill_rows` rows in all, `fed` of them issued
+    already. A part that ends its sequence's chunks brings a row of the sequence into this
     step's decode (`_decode_items`) when tokens are left past them: without chunk tokens its
     last known one, and a recomputed sequence's generated ones."""
     emits = limits.chunk_emits
-    streams = any(not draft.seqs[i].prefill_left(emits) for i in draft.order)
-    budget = limits.prefill_budget(streams)
-    fed = fed if limits.counts(streams) else 0
+    budget = limits.prefill_rows
     items: list[Item] = []
     while budget > fed:
         candidates = [draft.seqs[i] for i in draft.order if draft.seqs[i].prefill_left(emits)]
