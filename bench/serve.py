@@ -122,6 +122,7 @@ from kerncc.serve.http import Server, create_app
 
 
 REPORT = Report("serve")
+HOLD_STEPS = attrs.fields(Config).hold_steps.default
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -354,18 +355,18 @@ def _sampling(number: int, fraction: float) -> dict[str, Any] | None:
 def start_server(chain: Chain, max_seqs: int, model: str, ahead: bool = True,
                  prefix_cache: bool = True, split: bool = False,
                  step_tokens: int | None = None, fronts: int = 1,
-                 chunk: int | None = None) -> tuple[str, Any]:
+                 chunk: int | None = None, hold_steps: int = HOLD_STEPS) -> tuple[str, Any]:
     """The server on a free port of loopback; its URL and what `stop_server` stops. `split`:
     `fronts` front ends in processes of their own over a kerncc.serve.core Core in this one,
     as `kerncc serve --api-workers N` runs them; else everything here (--api-workers 0).
     `step_tokens`: the engine's step budget (Config.step_tokens; None: its default); `chunk`:
-    its prefill rows a step (Config.chunk; None: its default)."""
+    its prefill rows a step (Config.chunk; None: its default); `hold_steps`: Config.hold_steps."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     engine = Engine(chain, Config(max_running=max_seqs, max_queue=4096, ahead=ahead,
                                   prefix_cache=prefix_cache, step_tokens=step_tokens,
-                                  chunk=chunk))
+                                  chunk=chunk, hold_steps=hold_steps))
     if split:
         return url, _start_apart(engine, model, sock, url, fronts)
     server = Server(engine, model)
@@ -468,7 +469,7 @@ def serve(conn: Connection, args: argparse.Namespace, manifest: Path, ahead: boo
         url, running = start_server(chain, seats, model, ahead=ahead,
                                     prefix_cache=prefix_cache, split=split,
                                     step_tokens=args.step_tokens, fronts=args.api_workers,
-                                    chunk=args.chunk)
+                                    chunk=args.chunk, hold_steps=args.hold_steps)
     except KernccError as err:  # a flag the engine refuses (--chunk past the rows bound)
         conn.send(("error", err.headline))
         return
@@ -622,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-tokens", type=int, default=None, help="the engine's step budget "
                    "(Config.step_tokens: decode and prefill rows a step; default: the "
                    "engine's)")
+    p.add_argument("--hold-steps", type=int, default=HOLD_STEPS, metavar="N", help="steps of "
+                   "prefill a stream primed in a burst waits for the burst's prompts "
+                   f"(Config.hold_steps; 0: none; default {HOLD_STEPS}, the engine's)")
     p.add_argument("--clients", type=int, default=None, metavar="N", help="client processes "
                    f"reading a level's streams (default: one per {STREAMS_A_CLIENT} streams)")
     p.add_argument("--chunk", type=int, default=None, help="the engine's prefill rows a step "
@@ -644,6 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--row-us is the simulated device's (--backend sim), not {args.backend}'s")
     if args.step_tokens is not None and args.step_tokens < 1:
         p.error(f"--step-tokens {args.step_tokens}: at least 1 row a step")
+    if args.hold_steps < 0:
+        p.error(f"--hold-steps {args.hold_steps}: at least 0 steps")
     if args.clients is not None and args.clients < 1:
         p.error(f"--clients {args.clients}: at least 1 client process")
     if args.chunk is not None and args.chunk < 1:

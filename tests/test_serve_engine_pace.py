@@ -293,7 +293,9 @@ def test_under_a_step_budget_chunks_planned_early_are_their_steps_prefill_not_mo
     """Under a step budget a step's prefill rows hold its chunks planned while the step
     before ran (`_chunk_ahead`): between two decode calls the device is handed at most a
     step's prefill rows (`Limits.prefill_rows`), early or not. (The step's own plan once took
-    a full step's more beside them: twice the budget's prefill between two decode steps.)"""
+    a full step's more beside them: twice the budget's prefill between two decode steps.)
+    The streams decode as soon as they are primed (`hold_steps=0`): held, every chunk of
+    these prompts would come before the first decode call."""
     issued: list[tuple[str, int]] = []
     submit = Engine._submit
 
@@ -304,7 +306,7 @@ def test_under_a_step_budget_chunks_planned_early_are_their_steps_prefill_not_mo
     monkeypatch.setattr(Engine, "_submit", recorded)
     params = mixed(len(long_prompts))
     requests, engine = served(whole, long_prompts + long_prompts[:2], params + params[:2],
-                              chunk=chunk, step_tokens=step_tokens)
+                              chunk=chunk, step_tokens=step_tokens, hold_steps=0)
     assert engine.early_steps > 0
     rows, between = engine.limits.prefill_rows, []
     first = next(i for i, (kind, _) in enumerate(issued) if kind == "decode")
@@ -316,6 +318,34 @@ def test_under_a_step_budget_chunks_planned_early_are_their_steps_prefill_not_mo
         else:
             fed += n
     assert 0 < max(between) <= rows, (rows, between)
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_bursts_streams_wait_for_its_prompts_with_the_bits_of_each_decoding_at_once(
+        whole, long_prompts, monkeypatch, prefix_cache):
+    """Prompts arriving together (a burst, chunks of 8 rows): held (`hold_steps` as many as
+    the burst's prefill steps), no decode
+    call is issued between the burst's first chunk and its last, and the tokens and logits,
+    greedy and sampled, are those of each stream decoding as soon as its chunk has primed it
+    (`hold_steps=0`, whose decode calls come between the chunks), bit for bit."""
+    issued: list[str] = []
+    submit = Engine._submit
+
+    def recorded(self, item, *args, **kwargs):
+        issued.append(item.kind)
+        return submit(self, item, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_submit", recorded)
+    params = mixed(len(long_prompts))
+    config = dict(chunk=8, prefix_cache=prefix_cache)
+    at_once, _ = served(whole, long_prompts, params, hold_steps=0, **config)
+    between = issued[:len(issued) - issued[::-1].index("chunk")]
+    assert "decode" in between  # the streams decoded while the burst was fed
+    issued.clear()
+    steps = -(-sum(map(len, long_prompts)) // 8)  # the burst's prefill steps
+    held, _ = served(whole, long_prompts, params, hold_steps=steps, **config)
+    assert "decode" not in issued[:len(issued) - issued[::-1].index("chunk")]
+    same_bits(at_once, held)
 
 
 def test_a_request_cancelled_while_its_early_chunk_runs_leaves_the_others_bits(

@@ -35,7 +35,7 @@ def loads(draw):
         chunk=Bounds(rows=draw(st.integers(1, 8)), seqs=draw(st.integers(2, 4)) if packed else 1,
                      context=draw(st.integers(table * STRIDE, 40))),
         max_running=draw(st.integers(1, 5)), chunk_emits=draw(st.booleans()),
-        step_tokens=draw(st.none() | st.integers(1, 12)))
+        step_tokens=draw(st.none() | st.integers(1, 12)), hold_steps=draw(st.integers(0, 3)))
     width = limits.pages_per_seq * STRIDE
     requests = draw(st.lists(st.tuples(st.integers(1, width - 1), st.integers(1, width - 1)),
                              min_size=1, max_size=8))
@@ -260,6 +260,32 @@ def test_decodes_keep_going_while_a_long_prompt_is_fed_within_the_step_budget(
             break
     else:
         raise AssertionError("the prompt was never fed")
+
+
+@pytest.mark.parametrize("hold, starts", [(0, [1, 2, 3, 4]), (1, [1, 3, 3, 4]),
+                                          (8, [3, 3, 3, 4])])
+def test_a_bursts_streams_decode_once_its_prompts_are_fed(hold, starts):
+    """Four prompts of one chunk each arrive together (chunk tokens): a stream primed while
+    the others are fed waits for its first decode row while at most `hold_steps` steps of
+    prefill are left (after the step's chunks), then decodes in the step of the last chunk;
+    a stream that has decoded never waits. `starts`: the step of each one's first decode."""
+    limits = sch.Limits(stride=4, pages_per_seq=8, decode_groups=4,
+                        chunk=Bounds(rows=8, seqs=1, context=64), max_running=4,
+                        chunk_emits=True, hold_steps=hold)
+    state = sch.State((), (), 32)
+    for seq_id in range(4):
+        state = sch.add(state, seq_id, 8)
+    first: dict[int, int] = {}
+    for step in range(8):
+        plan = sch.schedule(state, limits)
+        decoded = [i for item in plan.items if item.kind == "decode" for i, _, _ in item.parts]
+        assert set(first) <= set(decoded), "a stream that had decoded waited"
+        for seq_id in decoded:
+            first.setdefault(seq_id, step)
+        state = sch.apply(state, plan)
+        for item in plan.items:  # every call lands before the next step
+            state = sch.landed_all(state, {i: i in item.emits for i, _, _ in item.parts})
+    assert [first[i] for i in range(4)] == starts
 
 
 @pytest.mark.parametrize("budget", [None, 10])

@@ -93,7 +93,7 @@ def make_engine(args: argparse.Namespace, chain: Any) -> Any:
 
     engine = Engine(chain, Config(max_running=args.max_seqs, max_queue=args.max_queue,
                                   chunk=args.chunk, prefix_cache=args.prefix_cache,
-                                  step_tokens=args.step_tokens))
+                                  step_tokens=args.step_tokens, hold_steps=args.hold_steps))
     gc.collect()
     gc.freeze()
     return engine
@@ -468,6 +468,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "each of --max-seqs sequences, prefill the rest (the same every step), a "
                    "page's worth at least (default: no budget, a whole chunk of prefill "
                    "beside every decode step)")
+    p.add_argument("--hold-steps", type=non_negative, default=8, metavar="N",
+                   help="a burst's streams start together: a sequence primed while the prompts "
+                   "admitted with it are fed waits for them, if that is at most N steps of "
+                   "prefill (default 8; 0: each decodes as soon as its prompt is fed)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="compute every prompt from its first token (default: full prompt "
                    "pages are kept and shared by later prompts that begin alike)")

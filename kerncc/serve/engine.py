@@ -106,6 +106,9 @@ class Config:
     # most rows a step feeds, decodes and prefill chunks together (scheduler.Limits): None,
     # `chunk` rows of prefill beside every decode
     step_tokens: int | None = None
+    # a burst's streams decode once its prompts are fed, if that is at most this many steps
+    # of prefill away (scheduler.Limits.hold_steps; 0: each decodes as soon as it is primed)
+    hold_steps: int = 8
     depth: int | None = None  # items in flight; default: one per stage
     logits: bool = False  # keep every token's logits row on its request (tests, debugging)
     ahead: bool = True  # decode steps issued a step ahead, tokens fed on the device
@@ -199,6 +202,9 @@ class Engine:
                                                    and config.step_tokens >= 1):
             raise KernccError.single(f"step_tokens {config.step_tokens!r}: expected a whole "
                                      "number >= 1 (rows a step feeds)")
+        if not (is_whole(config.hold_steps) and config.hold_steps >= 0):
+            raise KernccError.single(f"hold_steps {config.hold_steps!r}: expected a whole "
+                                     "number >= 0 (steps of prefill)")
         # Without a context var nothing bounds a call's summed context but the sequences'.
         context = protocol.context.max if protocol.context else self.capacity * seqs
         decode_groups = max(1, protocol.max_groups(1)) if model.step_program else 1
@@ -206,7 +212,8 @@ class Engine:
                           decode_groups=decode_groups,
                           chunk=Bounds(chunk_rows, seqs, context),
                           max_running=max(1, config.max_running or decode_groups),
-                          chunk_emits=model.chunk_emits, step_tokens=config.step_tokens)
+                          chunk_emits=model.chunk_emits, step_tokens=config.step_tokens,
+                          hold_steps=config.hold_steps)
 
     @property
     def fingerprint(self) -> str:

@@ -29,6 +29,10 @@ So a step holds
   in issue order), oldest first, `decode_groups` per call (the protocol's multi-sequence
   forward), and every recomputed sequence replaying a generated token (below). Without chunk
   tokens, a sequence whose prefill ends in this step's chunk decodes in this step.
+  With chunk tokens and `Limits.hold_steps`, a sequence whose only generated token is its
+  chunk's waits for its first decode row in a step that feeds prefill while the prompts
+  beside it have at most that many steps of prefill rows left (`_burst_left`): a burst's
+  streams start together.
 Decode rows stay in the decode program and prefill rows in the chunk program, two calls of
 one step: a decode row's bits must not depend on whether a prefill rides beside it, and the
 chunk program's row is not the decode program's bit for bit (issue 40's determinism
@@ -160,6 +164,10 @@ class Limits:
     # Most rows one step feeds, decode and prefill together (None: `chunk.rows` of prefill
     # beside every decode row): see `prefill_rows`
     step_tokens: int | None = None
+    # A burst's prompts fed before its streams decode: with chunk tokens, a sequence whose
+    # only generated token is its chunk's waits for its first decode row while the running
+    # sequences have at most `hold_steps` steps of prefill rows left (0: it never waits)
+    hold_steps: int = 0
 
     @property
     def prefill_floor(self) -> int:
@@ -276,7 +284,8 @@ def schedule(state: State, limits: Limits, fed: int = 0) -> Plan:
     # Chunks first: without chunk tokens, a sequence whose prefill ends in this step's chunk
     # decodes in this step.
     fed = fed if limits.step_tokens is not None else 0
-    items = _chunk_items(draft, limits, fed) + _decode_items(draft, limits)
+    chunked = _chunk_items(draft, limits, fed)
+    items = chunked + _decode_items(draft, limits, bool(chunked) and _burst_left(draft, limits))
     return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
                 tuple(items), tuple(draft.reused))
 
@@ -324,9 +333,10 @@ def _admit(draft: _Draft, limits: Limits) -> None:
             draft.pinned += pages - seq.fresh
 
 
-def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
+def _decode_items(draft: _Draft, limits: Limits, waits: bool = False) -> list[Item]:
     """One row of every sequence that decodes (its token comes back) or replays a known
-    token (none does), oldest first, `decode_groups` per call."""
+    token (none does), oldest first, `decode_groups` per call; `waits`: but those whose only
+    generated token is their chunk's (`_burst_left`)."""
     ready: list[tuple[int, int, int]] = []
     emits: set[int] = set()
     for seq_id in list(draft.order):
@@ -336,6 +346,8 @@ def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
         decodes = seq.decodable(limits.chunk_emits)
         if not (decodes or seq.replayable(limits.chunk_emits)):
             continue
+        if decodes and waits and seq.cached == seq.chunk_end(True):
+            continue  # primed in a burst still being fed: `_burst_left`
         if not draft.grant(seq_id, seq.cached + 1):
             continue
         draft.busy.add(seq_id)
@@ -346,6 +358,25 @@ def _decode_items(draft: _Draft, limits: Limits) -> list[Item]:
     calls = [tuple(ready[i:i + groups]) for i in range(0, len(ready), groups)]
     return [Item("decode", parts, tuple(p[0] for p in parts if p[0] in emits))
             for parts in calls]
+
+
+def _burst_left(draft: _Draft, limits: Limits) -> bool:
+    """Whether sequences primed by a chunk wait for their first decode row in a step that
+    feeds prefill rows (so that the prompts advance while they wait; a step whose chunks
+    cannot be granted pages decodes them): prompts beside them still have prefill rows left
+    after this step's chunks, at most `limits.hold_steps` steps' worth. A burst of prompts
+    is so fed at the chunk program's pace and its streams start together. A decode step between a burst's chunks reads every weight for a part of the batch and puts
+    a chunk into each gap of the streams that started early: in a wave of 128 prompts of 128
+    tokens, 2048-row chunks put a chunk into 1.4% of the wave's gaps, and the streams' ITL
+    p99 was the chunk's (docs/design-notes.md)."""
+    if not (limits.hold_steps and limits.chunk_emits):
+        return False
+    left, most = 0, limits.hold_steps * limits.prefill_rows
+    for seq in draft.seqs.values():
+        left += seq.prefill_left(True)
+        if left > most:
+            return False
+    return left > 0
 
 
 def _chunk_items(draft: _Draft, limits: Limits, fed: int = 0) -> list[Item]:
