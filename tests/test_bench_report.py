@@ -93,7 +93,7 @@ def test_a_failing_section_is_a_row_and_the_run_goes_on_to_write_everything(tmp_
 
 
 @pytest.mark.parametrize("name", ["decode", "serve", "host_step", "lower", "hf_fidelity",
-                                  "placement"])
+                                  "placement", "streams"])
 def test_every_bench_answers_help_on_the_cpu_with_the_shared_options(name, capsys):
     import importlib
 
@@ -122,7 +122,8 @@ def test_bench_decode_refuses_an_example_it_cannot_build_before_writing_anything
 
 def test_the_results_page_holds_one_table_of_every_bench_and_stays_short():
     page = (Path(__file__).parent.parent / "docs" / "benchmarks.md").read_text()
-    for name in ("lower", "decode", "serve", "host_step", "hf_fidelity", "placement"):
+    for name in ("lower", "decode", "serve", "host_step", "hf_fidelity", "placement",
+                 "streams"):
         begin = f"<!-- {name} rows: begin (written by the bench; edit the bench, not these lines) -->"
         assert page.count(begin) == page.count(f"<!-- {name} rows: end -->") == 1, name
         assert f"`python -m bench.{name}" in page.split(begin, 1)[1].splitlines()[1], name
