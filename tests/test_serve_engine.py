@@ -515,7 +515,8 @@ def test_the_server_runs_as_many_sequences_as_the_decode_step_takes_unless_told(
     gc.unfreeze()
     try:
         engine = make_engine(argparse.Namespace(max_seqs=None, max_queue=8, chunk=None,
-                                                prefix_cache=True, step_tokens=None), whole)
+                                                prefix_cache=True, step_tokens=None,
+                                                hold_steps=8), whole)
         # what the server holds from its start on left the cyclic collector
         assert gc.get_freeze_count() > 0
     finally:
@@ -524,20 +525,26 @@ def test_the_server_runs_as_many_sequences_as_the_decode_step_takes_unless_told(
     assert Engine(whole, Config(max_running=6)).limits.max_running == 6
 
 
-def test_the_command_line_step_budget_reaches_the_scheduler(whole):
+def test_the_command_line_step_budget_and_hold_reach_the_scheduler(whole):
     """`kerncc serve --step-tokens N` bounds the rows a step feeds: with 4 sequences at most
-    running a budget of 20 leaves 16 rows of prefill, a budget below that a page's worth."""
+    running a budget of 20 leaves 16 rows of prefill, a budget below that a page's worth;
+    `--hold-steps N` is the scheduler's hold (0 included), and a negative one is refused."""
     import argparse
 
     from kerncc.cli.serve import make_engine
 
     engine = make_engine(argparse.Namespace(max_seqs=4, max_queue=8, chunk=None,
-                                            prefix_cache=True, step_tokens=20), whole)
+                                            prefix_cache=True, step_tokens=20, hold_steps=3),
+                         whole)
     limits = engine.limits
-    assert limits.step_tokens == 20 and limits.max_running == 4
+    assert limits.step_tokens == 20 and limits.max_running == 4 and limits.hold_steps == 3
     assert limits.prefill_rows == min(limits.chunk.rows, 16)
     tight = make_engine(argparse.Namespace(max_seqs=4, max_queue=8, chunk=None,
-                                           prefix_cache=True, step_tokens=5), whole).limits
+                                           prefix_cache=True, step_tokens=5, hold_steps=0),
+                        whole).limits
+    assert tight.hold_steps == 0
+    with pytest.raises(KernccError, match="hold_steps -1"):
+        Engine(whole, Config(hold_steps=-1))
     assert tight.prefill_rows == tight.prefill_floor == min(tight.chunk.rows, tight.stride)
 
 

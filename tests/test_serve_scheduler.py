@@ -288,6 +288,32 @@ def test_a_bursts_streams_decode_once_its_prompts_are_fed(hold, starts):
     assert [first[i] for i in range(4)] == starts
 
 
+@pytest.mark.parametrize("hold", [1, 2, 3])
+def test_a_stream_waits_for_its_burst_no_more_than_hold_steps_while_prompts_keep_coming(hold):
+    """A prompt of one chunk arrives every step, so a chunk's worth of prefill is always left
+    beside the streams: each waits `hold_steps` steps (`Seq.paused`) and then decodes,
+    rather than for as long as prompts keep coming."""
+    limits = sch.Limits(stride=4, pages_per_seq=8, decode_groups=16,
+                        chunk=Bounds(rows=8, seqs=1, context=64), max_running=16,
+                        chunk_emits=True, hold_steps=hold)
+    state = sch.add(sch.add(sch.State((), (), 256), 0, 8), 1, 8)
+    primed: dict[int, int] = {}
+    first: dict[int, int] = {}
+    for step in range(12):
+        if step:
+            state = sch.add(state, step + 1, 8)
+        plan = sch.schedule(state, limits)
+        for item in plan.items:
+            for seq_id, _, _ in item.parts:
+                (first if item.kind == "decode" else primed).setdefault(seq_id, step)
+        assert all(state.running[i].paused < hold for i in range(len(state.running))
+                   if state.running[i].id in plan.paused)
+        state = sch.apply(state, plan)
+        for item in plan.items:  # every call lands before the next step
+            state = sch.landed_all(state, {i: i in item.emits for i, _, _ in item.parts})
+    assert [first[i] - primed[i] for i in range(6)] == [1 + hold] * 6
+
+
 @pytest.mark.parametrize("budget", [None, 10])
 def test_rows_fed_early_count_against_a_step_budget_only(budget):
     """`schedule(..., fed)`: the step's chunks planned while the step before ran leave the

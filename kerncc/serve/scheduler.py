@@ -31,8 +31,8 @@ So a step holds
   tokens, a sequence whose prefill ends in this step's chunk decodes in this step.
   With chunk tokens and `Limits.hold_steps`, a sequence whose only generated token is its
   chunk's waits for its first decode row in a step that feeds prefill while the prompts
-  beside it have at most that many steps of prefill rows left (`_burst_left`): a burst's
-  streams start together.
+  beside it have at most that many steps of prefill rows left (`_burst_left`), for at most
+  that many steps (`Seq.paused`, counted by `apply`): a burst's streams start together.
 Decode rows stay in the decode program and prefill rows in the chunk program, two calls of
 one step: a decode row's bits must not depend on whether a prefill rides beside it, and the
 chunk program's row is not the decode program's bit for bit (issue 40's determinism
@@ -47,8 +47,9 @@ time in decode items that hand back nothing, the last one's handing back its nex
 chunk program's rows need not have the one-row program's bits, and this way the sequence's
 KV and logits are those it had). A sequence that can get no page waits for one: the oldest
 always gets its pages (every sequence fits the pool alone, which the engine checks on
-admission), so nothing deadlocks. Waiting sequences are admitted oldest first while fewer than `max_running` run and
-the free pages cover the prompt plus one page of headroom per running sequence.
+admission), so nothing deadlocks. Waiting sequences are admitted oldest first while fewer
+than `max_running` run and the free pages cover the prompt plus one page of headroom per
+running sequence.
 
 With the prefix cache (kerncc.serve.prefix) the driver tells each waiting sequence the next
 step may admit what it would take from the cache before it asks for a step (`Seq.reuse`,
@@ -100,6 +101,9 @@ class Seq(NamedTuple):
     reuse: int = 0
     fresh: int = 0
     held: bool = False
+    # steps it has waited for its first decode row while its burst's prompts were fed
+    # (`_burst_left`): it waits no more than `Limits.hold_steps`
+    paused: int = 0
 
     def chunk_end(self, chunk_emits: bool) -> int:
         """How many of its known tokens go through chunks."""
@@ -124,7 +128,8 @@ class Seq(NamedTuple):
 
     def but(self, *, tokens: int | None = None, cached: int | None = None,
             pages: int | None = None, inflight: int | None = None,
-            decoding: bool | None = None, primed: bool | None = None) -> Seq:
+            decoding: bool | None = None, primed: bool | None = None,
+            paused: int | None = None) -> Seq:
         """This sequence with the fields given changed: `_replace` at a tenth of its cost
         (the scheduler makes a few a sequence each step: 128 sequences, 128 of them a pass)."""
         return _new(Seq, (self.id, self.tokens if tokens is None else tokens,
@@ -133,7 +138,7 @@ class Seq(NamedTuple):
                           self.inflight if inflight is None else inflight,
                           self.decoding if decoding is None else decoding,
                           self.primed if primed is None else primed, self.prompt, self.reuse,
-                          self.fresh, self.held))
+                          self.fresh, self.held, self.paused if paused is None else paused))
 
     def matched(self, reuse: int, fresh: int, held: bool) -> Seq:
         """This waiting sequence with its match in the prefix cache (kerncc.serve.prefix)."""
@@ -166,7 +171,8 @@ class Limits:
     step_tokens: int | None = None
     # A burst's prompts fed before its streams decode: with chunk tokens, a sequence whose
     # only generated token is its chunk's waits for its first decode row while the running
-    # sequences have at most `hold_steps` steps of prefill rows left (0: it never waits)
+    # sequences have at most `hold_steps` steps of prefill rows left, for at most
+    # `hold_steps` steps (0: it never waits)
     hold_steps: int = 0
 
     @property
@@ -206,6 +212,7 @@ class Plan:
     items: tuple[Item, ...] = ()
     # (seq id, pages) an admitted sequence takes from the prefix cache: they come first
     reused: tuple[tuple[int, int], ...] = ()
+    paused: tuple[int, ...] = ()  # seq ids that wait for their burst in this step
 
     @property
     def empty(self) -> bool:
@@ -241,6 +248,7 @@ class _Draft:
         self.grants: list[tuple[int, int]] = []
         self.reused: list[tuple[int, int]] = []
         self.busy: set[int] = set()  # in this step's items: not preemptable now
+        self.paused: list[int] = []
 
     def grant(self, seq_id: int, end: int) -> bool:
         """Pages for `seq_id` to hold tokens [0, end), preempting newer sequences if needed."""
@@ -287,7 +295,7 @@ def schedule(state: State, limits: Limits, fed: int = 0) -> Plan:
     chunked = _chunk_items(draft, limits, fed)
     items = chunked + _decode_items(draft, limits, bool(chunked) and _burst_left(draft, limits))
     return Plan(tuple(draft.admitted), tuple(draft.preempted), tuple(draft.grants),
-                tuple(items), tuple(draft.reused))
+                tuple(items), tuple(draft.reused), tuple(draft.paused))
 
 
 def chunks(state: State, limits: Limits) -> Plan:
@@ -346,8 +354,10 @@ def _decode_items(draft: _Draft, limits: Limits, waits: bool = False) -> list[It
         decodes = seq.decodable(limits.chunk_emits)
         if not (decodes or seq.replayable(limits.chunk_emits)):
             continue
-        if decodes and waits and seq.cached == seq.chunk_end(True):
-            continue  # primed in a burst still being fed: `_burst_left`
+        if (decodes and waits and seq.cached == seq.chunk_end(True)
+                and seq.paused < limits.hold_steps):
+            draft.paused.append(seq_id)  # primed in a burst still being fed: `_burst_left`
+            continue
         if not draft.grant(seq_id, seq.cached + 1):
             continue
         draft.busy.add(seq_id)
@@ -361,14 +371,15 @@ def _decode_items(draft: _Draft, limits: Limits, waits: bool = False) -> list[It
 
 
 def _burst_left(draft: _Draft, limits: Limits) -> bool:
-    """Whether sequences primed by a chunk wait for their first decode row in a step that
-    feeds prefill rows (so that the prompts advance while they wait; a step whose chunks
-    cannot be granted pages decodes them): prompts beside them still have prefill rows left
-    after this step's chunks, at most `limits.hold_steps` steps' worth. A burst of prompts
-    is so fed at the chunk program's pace and its streams start together. A decode step between a burst's chunks reads every weight for a part of the batch and puts
-    a chunk into each gap of the streams that started early: in a wave of 128 prompts of 128
-    tokens, 2048-row chunks put a chunk into 1.4% of the wave's gaps, and the streams' ITL
-    p99 was the chunk's (docs/design-notes.md)."""
+    """Whether sequences primed by a chunk wait for their first decode row (each for at
+    most `limits.hold_steps` steps, `Seq.paused`) in a step that feeds prefill rows (so that
+    the prompts advance while they wait; a step whose chunks cannot be granted pages decodes
+    them): prompts beside them still have prefill rows left after this step's chunks, at most
+    `limits.hold_steps` steps' worth. A burst of prompts is so fed at the chunk program's pace
+    and its streams start together. A decode step between a burst's chunks reads every
+    weight for a part of the batch and puts a chunk into each gap of the streams that started
+    early: in a wave of 128 prompts of 128 tokens, 2048-row chunks put a chunk into 1.4% of
+    the wave's gaps, and the streams' ITL p99 was the chunk's (docs/design-notes.md)."""
     if not (limits.hold_steps and limits.chunk_emits):
         return False
     left, most = 0, limits.hold_steps * limits.prefill_rows
@@ -441,6 +452,8 @@ def apply(state: State, plan: Plan) -> State:
         freed += gain - kept
     for seq_id, more in plan.grants:
         seqs[seq_id] = seqs[seq_id].but(pages=seqs[seq_id].pages + more)
+    for seq_id in plan.paused:
+        seqs[seq_id] = seqs[seq_id].but(paused=seqs[seq_id].paused + 1)
     for item in plan.items:
         for seq_id, start, rows in item.parts:
             seq = seqs[seq_id]
