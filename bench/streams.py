@@ -32,6 +32,7 @@ import numpy as np
 
 from bench.report import Report
 from kerncc.example import generate
+from kerncc.example.config import make_config
 from kerncc.lower import lower_to_bundle
 from kerncc.runtime import Chain
 from kerncc.serve import sampling_hook
@@ -92,12 +93,22 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values) * 1e3, q))
 
 
-def make_chain(args: argparse.Namespace) -> tuple[Chain, str]:
+def example(args: argparse.Namespace) -> dict[str, int]:
+    """The example's overrides: the levels' sequences, --layers, and a context that holds a
+    prompt and its answer where the size's own does not (ValueError: one it cannot build)."""
     overrides = {"max_seqs": max(args.levels)}
     if args.layers:
         overrides["layers"] = args.layers
-    name = f"{args.size}-{args.layers or 'all'}-{max(args.levels)}"
-    manifest, _ = generate(Path(args.dir) / name, args.size, **overrides)
+    needed = -(-(args.prompt_len + args.max_tokens) // 16) * 16
+    if needed > make_config(args.size).max_context:
+        overrides["max_context"] = needed
+    make_config(args.size, **overrides)
+    return overrides
+
+
+def make_chain(args: argparse.Namespace, overrides: dict[str, int]) -> tuple[Chain, str]:
+    name = "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    manifest, _ = generate(Path(args.dir) / f"{args.size}-{name}", args.size, **overrides)
     bundle = lower_to_bundle(manifest)
     capacity = max(args.levels) * (args.prompt_len + args.max_tokens + 64)
     if args.backend == "sim":
@@ -186,7 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.step_ms > 0 and args.row_us >= 0):
         p.error("--step-ms must be more than 0 and --row-us at least 0")
     args.vocab = 256 if args.size == "tiny" else 32000
-    chain, device = make_chain(args)
+    try:
+        overrides = example(args)
+    except ValueError as err:  # before anything is written
+        p.error(f"--levels / --layers / --prompt-len / --max-tokens: {err}")
+    chain, device = make_chain(args, overrides)
     for conc in args.levels:
         with REPORT.section(f"{conc} streams", limit=600):
             step = decode_step(args, chain, conc)

@@ -1,6 +1,7 @@
-"""bench/streams.py on the CPU: a tiny run writes a row for every level and hold value with
-the measures named, keeps every round's figures in results.json, and a bad flag ends in one
-line naming it."""
+"""bench/streams.py on the CPU: a tiny run (a prompt and its answer past the size's context,
+so the example is generated with a longer one) writes a row for every hold value
+with the measures named, keeps every round's figures in results.json, and a bad flag or an
+example it cannot build ends in one line naming it, before anything is written."""
 
 from __future__ import annotations
 
@@ -11,15 +12,14 @@ import pytest
 from bench.streams import main
 
 
-def test_a_tiny_run_measures_every_level_and_hold(tmp_path, capfd):
+def test_a_tiny_run_measures_every_hold(tmp_path, capfd):
     out = tmp_path / "out"
     assert main(["--size", "tiny", "--backend", "cpu", "--dir", str(tmp_path / "models"),
-                 "--levels", "2,3", "--prompt-len", "5", "--max-tokens", "4",
+                 "--levels", "3", "--prompt-len", "5", "--max-tokens", "254",
                  "--hold-steps", "4,0", "--out", str(out)]) == 0
     table = capfd.readouterr().out
-    for conc in (2, 3):
-        for hold in (4, 0):
-            assert f"| {conc} streams | hold_steps {hold}: tokens/s" in table
+    for hold in (4, 0):
+        assert f"| 3 streams | hold_steps {hold}: tokens/s" in table
     results = json.loads((out / "results.json").read_text())
     runs = results["3"]["4"]
     assert len(runs) == 2 and all(run["tok_s"] > 0 for run in runs)  # two rounds
@@ -34,10 +34,12 @@ def test_a_tiny_run_measures_every_level_and_hold(tmp_path, capfd):
     (["--max-tokens", "1"], "--max-tokens 1: at least 2"),
     (["--sampled", "1.5"], "--sampled 1.5: a fraction"),
     (["--backend", "cpu", "--step-ms", "2"], "the simulated device's"),
+    (["--size", "tiny", "--levels", "5000"], "max_seqs must not exceed max_tokens"),
 ])
-def test_a_bad_flag_is_one_line_naming_it(argv, says, capsys):
+def test_a_bad_flag_is_one_line_naming_it(argv, says, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
-        main(argv)
+        main([*argv, "--dir", str(tmp_path / "models")])
+    assert not (tmp_path / "models").exists()  # refused before anything is written
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert says in err and "Traceback" not in err
