@@ -31,6 +31,7 @@ import attrs
 import numpy as np
 
 from bench.report import Report
+from bench.serve import _fraction, _microseconds, _milliseconds
 from kerncc.example import generate
 from kerncc.example.config import make_config
 from kerncc.lower import lower_to_bundle
@@ -43,7 +44,8 @@ SAMPLED = sampling_hook.Params(temperature=0.8, top_p=0.95)
 
 
 class Streams:
-    """The clients of one wave: `total` requests, `concurrency` at a time; token times."""
+    """The clients of a level: each request sent as one before it ends (`send` as many times
+    as the concurrency to begin), until every prompt is sent; each token's time."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], max_new: int,
                  sampled: float) -> None:
@@ -73,7 +75,7 @@ def wave(chain: Chain, args: argparse.Namespace, conc: int, hold: int, seed: int
     engine = Engine(chain, Config(max_running=conc, max_queue=4 * conc, chunk=args.chunk,
                                   hold_steps=hold))
     rng = np.random.default_rng(seed)
-    for timed in (False, True):
+    for _ in ("untimed", "timed"):
         prompts = rng.integers(1, args.vocab, (2 * conc, args.prompt_len)).tolist()
         streams = Streams(engine, prompts, args.max_tokens, args.sampled)
         started = time.perf_counter()
@@ -167,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=0, help="the example's layers (default: "
                    "the size's; fewer make a simulated run quicker)")
     p.add_argument("--backend", choices=("cuda", "cpu", "sim"), default="cuda")
-    p.add_argument("--step-ms", type=float, default=None, help="--backend sim: a decode step "
+    p.add_argument("--step-ms", type=_milliseconds, default=None, help="--backend sim: a decode step "
                    "(default 3.9, the small model's 128-sequence step on an H100)")
-    p.add_argument("--row-us", type=float, default=None, help="--backend sim: a prefill "
+    p.add_argument("--row-us", type=_microseconds, default=None, help="--backend sim: a prefill "
                    "chunk's cost a row beyond --step-ms (default 2.9)")
     p.add_argument("--levels", type=levels_flag, default=[32, 128])
     p.add_argument("--prompt-len", type=int, default=128)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-steps", type=holds_flag, default=[8, 0], metavar="N,M",
                    help="Config.hold_steps values to run side by side (default 8,0)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--sampled", type=float, default=0.0, help="the fraction of requests that "
+    p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests that "
                    "sample (temperature 0.8, top-p 0.95, a seed each; default 0)")
     args = p.parse_args(argv)
     for flag, value, least in (("--prompt-len", args.prompt_len, 1),
@@ -187,15 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                                ("--layers", args.layers, 0)):
         if value < least:
             p.error(f"{flag} {value}: at least {least}")
-    if not 0 <= args.sampled <= 1:
-        p.error(f"--sampled {args.sampled}: a fraction from 0 to 1")
     if args.backend != "sim" and (args.step_ms, args.row_us) != (None, None):
         p.error(f"--step-ms and --row-us are the simulated device's (--backend sim), not "
                 f"{args.backend}'s")
     args.step_ms = 3.9 if args.step_ms is None else args.step_ms
     args.row_us = 2.9 if args.row_us is None else args.row_us
-    if not (args.step_ms > 0 and args.row_us >= 0):
-        p.error("--step-ms must be more than 0 and --row-us at least 0")
     args.vocab = 256 if args.size == "tiny" else 32000
     try:
         overrides = example(args)

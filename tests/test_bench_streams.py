@@ -32,7 +32,8 @@ def test_a_tiny_run_measures_every_hold(tmp_path, capfd):
     (["--levels", "a,b"], "expected concurrencies like 32,128"),
     (["--hold-steps", "8,-1"], "steps of at least 0"),
     (["--max-tokens", "1"], "--max-tokens 1: at least 2"),
-    (["--sampled", "1.5"], "--sampled 1.5: a fraction"),
+    (["--sampled", "1.5"], "expected a fraction in [0, 1], got 1.5"),
+    (["--backend", "sim", "--step-ms", "inf"], "expected 0 < milliseconds < 10000, got inf"),
     (["--backend", "cpu", "--step-ms", "2"], "the simulated device's"),
     (["--size", "tiny", "--levels", "5000"], "max_seqs must not exceed max_tokens"),
 ])
