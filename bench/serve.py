@@ -528,11 +528,11 @@ def _number(unit: str, inside: Callable[[float], bool], bounds: str) -> Callable
     return parse
 
 
-_milliseconds = _number("milliseconds", lambda v: 0 < v < 1e4, "0 < milliseconds < 10000")
-_fraction = _number("a fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
+milliseconds_flag = _number("milliseconds", lambda v: 0 < v < 1e4, "0 < milliseconds < 10000")
+fraction_flag = _number("a fraction", lambda v: 0 <= v <= 1, "a fraction in [0, 1]")
 _ramp = _number("milliseconds", lambda v: 0 <= v <= 6e4, "0 <= milliseconds <= 60000")
-_microseconds = _number("microseconds", lambda v: 0 <= v < 1e5,
-                        "0 <= microseconds < 100000")
+microseconds_flag = _number("microseconds", lambda v: 0 <= v < 1e5,
+                            "0 <= microseconds < 100000")
 
 
 def _newcomers_flag(text: str) -> tuple[int, float]:
@@ -573,12 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="cuda", help="cuda, cpu, or sim (launches that compute "
                    "nothing and decode steps of --step-ms on a simulated device: the host's "
                    "cost, measured on the CPU)")
-    p.add_argument("--step-ms", type=_milliseconds, default=2.0, help="--backend sim: a replayed "
-                   "step's device time (default 2.0, the small model's 32-sequence step)")
-    p.add_argument("--row-us", type=_microseconds, default=None, help="--backend sim: a prefill "
-                   "chunk call takes --step-ms plus this a row it feeds, and every call takes "
-                   "time, replayed or not (bench/simulated.py); default: only replays take "
-                   "time, --step-ms each")
+    p.add_argument("--step-ms", type=milliseconds_flag, default=2.0, help="--backend sim: a "
+                   "replayed step's device time (default 2.0, the small model's 32-sequence step)")
+    p.add_argument("--row-us", type=microseconds_flag, default=None, help="--backend sim: a "
+                   "prefill chunk call takes --step-ms plus this a row it feeds, and every "
+                   "call takes time, replayed or not (bench/simulated.py); default: only "
+                   "replays take time, --step-ms each")
     p.add_argument("--ahead", choices=("on", "off", "ab"), default="on", help="greedy decode "
                    "steps issued a step ahead by the engine (default on); ab: off and on, "
                    "alternating over two rounds of servers, with the ratios")
@@ -630,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"reading a level's streams (default: one per {STREAMS_A_CLIENT} streams)")
     p.add_argument("--chunk", type=int, default=None, help="the engine's prefill rows a step "
                    "(Config.chunk; default: the engine's)")
-    p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests "
+    p.add_argument("--sampled", type=fraction_flag, default=0.0, help="the fraction of requests "
                    "that sample (temperature 0.8, top-p 0.95, a seed each; default 0: all "
                    "greedy)")
     args = p.parse_args(argv)

@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 
 from bench.report import Report
-from bench.serve import _fraction, _microseconds, _milliseconds
+from bench.serve import fraction_flag, microseconds_flag, milliseconds_flag
 from kerncc.example import generate
 from kerncc.example.config import make_config
 from kerncc.lower import lower_to_bundle
@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=0, help="the example's layers (default: "
                    "the size's; fewer make a simulated run quicker)")
     p.add_argument("--backend", choices=("cuda", "cpu", "sim"), default="cuda")
-    p.add_argument("--step-ms", type=_milliseconds, default=None, help="--backend sim: a decode step "
-                   "(default 3.9, the small model's 128-sequence step on an H100)")
-    p.add_argument("--row-us", type=_microseconds, default=None, help="--backend sim: a prefill "
-                   "chunk's cost a row beyond --step-ms (default 2.9)")
+    p.add_argument("--step-ms", type=milliseconds_flag, default=None, help="--backend sim: a "
+                   "decode step (default 3.9, the small model's 128-sequence step on an H100)")
+    p.add_argument("--row-us", type=microseconds_flag, default=None, help="--backend sim: a "
+                   "prefill chunk's cost a row beyond --step-ms (default 2.9)")
     p.add_argument("--levels", type=levels_flag, default=[32, 128])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hold-steps", type=holds_flag, default=[8, 0], metavar="N,M",
                    help="Config.hold_steps values to run side by side (default 8,0)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--sampled", type=_fraction, default=0.0, help="the fraction of requests that "
-                   "sample (temperature 0.8, top-p 0.95, a seed each; default 0)")
+    p.add_argument("--sampled", type=fraction_flag, default=0.0, help="the fraction of "
+                   "requests that sample (temperature 0.8, top-p 0.95, a seed each; default 0)")
     args = p.parse_args(argv)
     for flag, value, least in (("--prompt-len", args.prompt_len, 1),
                                ("--max-tokens", args.max_tokens, 2), ("--rounds", args.rounds, 1),
